@@ -1,0 +1,5 @@
+import sys
+
+from opsd_rollout.cli import main
+
+sys.exit(main())

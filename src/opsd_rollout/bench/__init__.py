@@ -1,0 +1,1 @@
+"""Benchmarks: rollouts and OPSD steps over matrices of shapes, statistics, reports, plots, compare."""

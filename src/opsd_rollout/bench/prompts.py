@@ -1,0 +1,26 @@
+"""Synthetic prompts for benchmarks: exact-length, or variable-length left-padded."""
+
+from __future__ import annotations
+
+import torch
+
+from opsd_rollout import RolloutRequest
+
+
+def synthetic_prompts(batch_size: int, prompt_length: int, *, vocab_size: int, seed: int,
+                      low: int = 3, pad_fraction: float = 0.0, pad_token_id: int = 0) -> RolloutRequest:
+    """Random token ids in ``[low, vocab_size)``; with ``pad_fraction > 0`` row lengths vary and
+    on average that fraction of the ``[B, P]`` grid is left padding."""
+    if not 0.0 <= pad_fraction < 1.0:
+        raise ValueError(f"pad_fraction must be in [0, 1); got {pad_fraction!r}")
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(low, vocab_size, (batch_size, prompt_length), generator=generator)
+    mask = torch.ones_like(ids)
+    if pad_fraction > 0:
+        # lengths uniform in [P * (1 - 2f), P], clipped to at least 1: mean padding is f of the grid
+        shortest = max(1, round(prompt_length * (1 - 2 * pad_fraction)))
+        lengths = torch.randint(shortest, prompt_length + 1, (batch_size, ), generator=generator)
+        positions = torch.arange(prompt_length).unsqueeze(0)
+        mask = (positions >= prompt_length - lengths.unsqueeze(1)).long()
+        ids = ids.masked_fill(mask == 0, pad_token_id)
+    return RolloutRequest(ids, mask)

@@ -1,0 +1,90 @@
+"""Times every forward pass of one module and tells prefill forwards from decode forwards.
+
+The hooks go on the module whose ``forward`` really runs at each generation step (for a PEFT or
+DeepSpeed wrapper, the transformers model inside), so wrappers cannot hide the split.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from opsd_rollout.profiling.clock import Clock
+
+
+@dataclass(frozen=True)
+class ForwardTime:
+    """One forward pass: its duration, the query tokens per row it processed, and its phase."""
+
+    ms: float
+    query_tokens: int
+    phase: str  # "prefill" or "decode"
+
+
+def _query_tokens(args: tuple, kwargs: dict) -> int:
+    for value in (kwargs.get("input_ids"), kwargs.get("inputs_embeds"), args[0] if args else None):
+        if isinstance(value, torch.Tensor) and value.dim() >= 2:
+            return int(value.shape[1])
+    return 0
+
+
+class ForwardTimer:
+    """Records ``(start, end, query tokens)`` for each outermost forward of ``module``.
+
+    A forward is prefill until the first forward that feeds a single token per row after another
+    forward has run; every forward from there on is decode. Chunked prefill (several multi-token
+    forwards) therefore counts as prefill.
+    """
+
+    def __init__(self, module: torch.nn.Module, clock: Clock):
+        self.module = module
+        self.clock = clock
+        self._records: list[tuple[Any, Any, int]] = []
+        self._open: list[tuple[Any, int]] = []
+        self._handles: list[Any] = []
+
+    def attach(self) -> "ForwardTimer":
+        if self._handles:
+            raise RuntimeError("ForwardTimer is already attached")
+        self._handles = [
+            self.module.register_forward_pre_hook(self._on_start, with_kwargs=True),
+            self.module.register_forward_hook(self._on_end, always_call=True),
+        ]
+        return self
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        self._open = []
+
+    def __enter__(self) -> "ForwardTimer":
+        return self.attach()
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
+
+    def _on_start(self, _module, args, kwargs) -> None:
+        self._open.append((self.clock.mark(), _query_tokens(args, kwargs)))
+
+    def _on_end(self, _module, _args, _output) -> None:
+        if not self._open:
+            return
+        start, tokens = self._open.pop()
+        if not self._open:  # only outermost forwards count
+            self._records.append((start, self.clock.mark(), tokens))
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    def read(self, clear: bool = True) -> list[ForwardTime]:
+        """Resolve the recorded marks (one device wait on CUDA) and classify each forward."""
+        times, decoding = [], False
+        for index, (start, end, tokens) in enumerate(self._records):
+            decoding = decoding or (index > 0 and tokens == 1)
+            times.append(ForwardTime(self.clock.elapsed_ms(start, end), tokens, "decode" if decoding else "prefill"))
+        if clear:
+            self._records = []
+        return times

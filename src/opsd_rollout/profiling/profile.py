@@ -1,0 +1,135 @@
+"""``RolloutProfile``: what one ``generate`` call spent, where, on what shapes.
+
+A frozen dataclass that also reads as a mapping, with DeepSpeed's profile key names as aliases, so
+code written against ``deepspeed.runtime.rollout.HybridEngineRollout.get_last_profile()`` keeps working.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+# DeepSpeed's key -> ours.
+DEEPSPEED_ALIASES: dict[str, str] = {
+    "prefill_forward_ms": "prefill_ms",
+    "decode_forward_ms": "decode_ms",
+    "num_decode_forwards": "decode_steps",
+    "num_generated_tokens": "generated_tokens",
+    "num_samples_per_prompt": "samples_per_prompt",
+}
+DERIVED_KEYS = ("generation_overhead_ms",)
+ATTRIBUTED_PHASES = ("param_gather_ms", "inference_cache_ms", "lora_fuse_ms", "lora_unfuse_ms", "gc_ms",
+                     "empty_cache_ms")
+
+
+@dataclass(frozen=True, kw_only=True, eq=True)
+class RolloutProfile(Mapping):
+    """Stage timings (ms), throughput, peak memory and metadata of one rollout.
+
+    Nesting: ``prompt_expansion_ms + generation_ms + post_processing_ms <= total_ms``;
+    ``prefill_ms + decode_ms <= generation_ms``; ``attention_mask_ms <= post_processing_ms``.
+    Attributed phases are ``None`` when they did not occur in the call.
+    """
+
+    # stages
+    prompt_expansion_ms: float
+    """Repeating each prompt ``samples_per_prompt`` times."""
+    generation_ms: float
+    """Everything between expansion and post-processing: forwards, sampling, cache work."""
+    prefill_ms: float
+    """Forward passes over the prompts (chunked prefill included), measured on the model that ran."""
+    decode_ms: float
+    """Forward passes that feed one token per row."""
+    decode_steps: int
+    """Number of decode forwards."""
+    prefill_forwards: int
+    """Number of prefill forwards (more than one when prefill is chunked)."""
+    post_processing_ms: float
+    """EOS trimming, padding, masks and batch assembly."""
+    attention_mask_ms: float
+    """Building the attention mask, inside ``post_processing_ms``."""
+    total_ms: float
+    """The whole call, validation excluded."""
+    # attributed phases, inside generation
+    param_gather_ms: float | None = None
+    """ZeRO-3 parameter gathering."""
+    inference_cache_ms: float | None = None
+    """Hybrid engine inference workspace retake/release."""
+    lora_fuse_ms: float | None = None
+    """LoRA fuse (hybrid engine) or PEFT adapter merge."""
+    lora_unfuse_ms: float | None = None
+    """LoRA unfuse or PEFT adapter unmerge."""
+    gc_ms: float | None = None
+    """``gc.collect`` calls during the rollout."""
+    empty_cache_ms: float | None = None
+    """Accelerator ``empty_cache`` calls during the rollout."""
+    # throughput
+    generated_tokens: int
+    """Real response tokens (up to and including the first EOS); padding after EOS excluded."""
+    padded_tokens: int
+    """Response positions holding padding: ``effective_batch_size * response_length - generated_tokens``."""
+    tokens_per_second: float
+    """``generated_tokens / total_ms``."""
+    decode_tokens_per_second: float
+    """Tokens produced by decode forwards (``generated_tokens`` less each row's first token) over ``decode_ms``."""
+    # memory
+    peak_memory_bytes: int
+    """Accelerator peak allocated on CUDA; peak process RSS on CPU."""
+    peak_memory_source: str
+    """Where ``peak_memory_bytes`` came from (see ``profiling.memory.PeakMemory``)."""
+    # metadata
+    batch_size: int
+    samples_per_prompt: int
+    effective_batch_size: int
+    prompt_length: int
+    response_length: int
+    max_new_tokens: int
+    dtype: str
+    device: str
+    decoding: str
+    """``greedy`` or ``sampling``."""
+    strategy: str
+    """The generation strategy that ran."""
+    zero_stage: int
+    world_size: int
+    rank: int
+    timer: str
+    """``cuda_events`` or ``synchronized_clock``."""
+
+    @property
+    def generation_overhead_ms(self) -> float:
+        """Generation time outside forward passes (DeepSpeed's key)."""
+        return max(0.0, self.generation_ms - self.prefill_ms - self.decode_ms)
+
+    # Mapping protocol: fields, DeepSpeed aliases and derived keys.
+    def __getitem__(self, key: str) -> Any:
+        key = DEEPSPEED_ALIASES.get(key, key)
+        if key in _FIELD_NAMES or key in DERIVED_KEYS:
+            return getattr(self, key)
+        raise KeyError(key)
+
+    def __iter__(self) -> Iterator[str]:
+        yield from _FIELD_NAMES
+        yield from DERIVED_KEYS
+        yield from DEEPSPEED_ALIASES
+
+    def __len__(self) -> int:
+        return len(_FIELD_NAMES) + len(DERIVED_KEYS) + len(DEEPSPEED_ALIASES)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Fields only (no aliases), for JSON."""
+        return dataclasses.asdict(self)
+
+    def stage_shares(self) -> dict[str, float]:
+        """Each top-level stage and attributed phase as a fraction of ``total_ms``."""
+        if self.total_ms <= 0:
+            return {}
+        names = ("prompt_expansion_ms", "prefill_ms", "decode_ms", "post_processing_ms", *ATTRIBUTED_PHASES)
+        shares = {name: getattr(self, name) / self.total_ms for name in names if getattr(self, name) is not None}
+        shares["generation_overhead_ms"] = self.generation_overhead_ms / self.total_ms
+        return shares
+
+
+_FIELD_NAMES: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(RolloutProfile))

@@ -1,0 +1,123 @@
+"""What a rollout runs on: a DeepSpeed engine (any ZeRO stage, hybrid engine or not) or a bare
+transformers causal LM, possibly wrapped by PEFT. Resolved once, when the rollout is built."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from opsd_rollout.distributed import rank_info
+
+
+@dataclass(frozen=True)
+class RolloutTarget:
+    """The pieces of an engine or model that generation needs."""
+
+    model: torch.nn.Module
+    """The module generation is called on: ``engine.module`` for DeepSpeed, the model itself otherwise."""
+    forward_module: torch.nn.Module
+    """The transformers model whose ``forward`` runs at every step (inside PEFT / DeepSpeed wrappers)."""
+    generate_fn: Callable[..., torch.Tensor]
+    """``engine.generate`` for the hybrid engine (its fuse/gather/cache logic runs), else ``model.generate``."""
+    zero_stage: int
+    hybrid_engine: bool
+    device: torch.device
+    dtype: torch.dtype
+    vocab_size: int | None
+    max_positions: int | None
+    config_eos_ids: tuple[int, ...]
+    """``generation_config.eos_token_id`` of the model (an int or a Qwen-style list)."""
+
+    @property
+    def world_size(self) -> int:
+        return rank_info().world_size
+
+    @property
+    def rank(self) -> int:
+        return rank_info().rank
+
+
+def _is_deepspeed_engine(obj: Any) -> bool:
+    try:
+        from deepspeed import DeepSpeedEngine
+    except ImportError:  # pragma: no cover - deepspeed is a dependency
+        return False
+    return isinstance(obj, DeepSpeedEngine)
+
+
+def _is_hybrid_engine(obj: Any) -> bool:
+    try:
+        from deepspeed.runtime.hybrid_engine import DeepSpeedHybridEngine
+    except ImportError:  # pragma: no cover
+        return False
+    return isinstance(obj, DeepSpeedHybridEngine)
+
+
+def _innermost_model(module: torch.nn.Module) -> torch.nn.Module:
+    """Unwrap PEFT (``get_base_model``) to the transformers model whose forward runs per step."""
+    seen = set()
+    while id(module) not in seen:
+        seen.add(id(module))
+        get_base = getattr(module, "get_base_model", None)
+        if callable(get_base):
+            inner = get_base()
+            if isinstance(inner, torch.nn.Module) and inner is not module:
+                module = inner
+                continue
+        break
+    return module
+
+
+def _eos_ids(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, int):
+        return (value, )
+    if isinstance(value, torch.Tensor):
+        return tuple(int(v) for v in value.flatten().tolist())
+    return tuple(int(v) for v in value)
+
+
+def _first_param(module: torch.nn.Module) -> torch.nn.Parameter | None:
+    return next(module.parameters(), None)
+
+
+def resolve_target(engine_or_model: Any) -> RolloutTarget:
+    """Inspect ``engine_or_model`` once; raises ``TypeError`` for anything that cannot generate."""
+    if _is_deepspeed_engine(engine_or_model):
+        model = engine_or_model.module
+        zero_stage = int(engine_or_model.zero_optimization_stage())
+        hybrid = _is_hybrid_engine(engine_or_model)
+        device = torch.device(engine_or_model.device)
+        generate_fn = engine_or_model.generate if hybrid else model.generate
+    elif isinstance(engine_or_model, torch.nn.Module):
+        model, zero_stage, hybrid = engine_or_model, 0, False
+        param = _first_param(model)
+        device = param.device if param is not None else torch.device("cpu")
+        generate_fn = getattr(model, "generate", None)
+    else:
+        raise TypeError("engine must be a DeepSpeed engine or a transformers causal LM (torch.nn.Module); "
+                        f"got {type(engine_or_model).__name__}")
+    if not callable(generate_fn):
+        raise TypeError(f"engine's model {type(model).__name__} has no generate(); pass a transformers causal LM")
+
+    forward_module = _innermost_model(model)
+    config = getattr(forward_module, "config", None)
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    param = _first_param(forward_module)
+    generation_config = getattr(forward_module, "generation_config", None)
+    return RolloutTarget(
+        model=model,
+        forward_module=forward_module,
+        generate_fn=generate_fn,
+        zero_stage=zero_stage,
+        hybrid_engine=hybrid,
+        device=device,
+        dtype=param.dtype if param is not None else torch.float32,
+        vocab_size=getattr(text_config, "vocab_size", None),
+        max_positions=(getattr(text_config, "max_position_embeddings", None)
+                       or getattr(text_config, "n_positions", None)),
+        config_eos_ids=_eos_ids(getattr(generation_config, "eos_token_id", None)),
+    )

@@ -1,0 +1,135 @@
+"""Input checks that run before any model work: every failure is a ``ValueError``/``TypeError`` naming
+the argument, the value and what was expected. The result is a ``RolloutPlan``: the call's resolved shape."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from opsd_rollout.rollout.target import RolloutTarget
+
+
+@dataclass(frozen=True)
+class RolloutPlan:
+    """One ``generate`` call, resolved and validated."""
+
+    batch_size: int
+    prompt_length: int
+    samples_per_prompt: int
+    max_new_tokens: int
+    greedy: bool
+    temperature: float
+    top_k: int
+    """``<= 0`` disables top-k."""
+    top_p: float
+    pad_token_id: int
+    eos_token_ids: tuple[int, ...]
+
+    @property
+    def effective_batch_size(self) -> int:
+        return self.batch_size * self.samples_per_prompt
+
+    @property
+    def decoding(self) -> str:
+        return "greedy" if self.greedy else "sampling"
+
+
+def resolve_special_tokens(tokenizer: Any, target: RolloutTarget) -> tuple[int, tuple[int, ...]]:
+    """``(pad_token_id, eos_token_ids)``: pad is the tokenizer's (0 included), else its EOS; EOS ids are the
+    tokenizer's plus the model's ``generation_config.eos_token_id``."""
+    tokenizer_eos = getattr(tokenizer, "eos_token_id", None)
+    pad = getattr(tokenizer, "pad_token_id", None)
+    if pad is None:
+        pad = tokenizer_eos
+    if pad is None:
+        raise ValueError("tokenizer has neither pad_token_id nor eos_token_id; set tokenizer.pad_token_id "
+                         "(the rollout pads finished rows with it)")
+    eos_ids: list[int] = []
+    for token in ([tokenizer_eos] if isinstance(tokenizer_eos, int) else list(tokenizer_eos or [])) + list(
+            target.config_eos_ids):
+        if token is not None and int(token) not in eos_ids:
+            eos_ids.append(int(token))
+    return int(pad), tuple(eos_ids)
+
+
+def _require_int(name: str, value: Any, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}; got {value!r}")
+    return value
+
+
+def _check_sampling(sampling: Any) -> tuple[float, int, float]:
+    for name in ("max_new_tokens", "temperature", "top_p", "top_k", "n_samples_per_prompt"):
+        if not hasattr(sampling, name):
+            raise TypeError(f"sampling must be a SamplingConfig; {type(sampling).__name__} has no {name!r}")
+    if getattr(sampling, "continuous_batch_size", None) is not None:
+        raise ValueError("sampling.continuous_batch_size is not supported by this rollout; leave it None "
+                         f"(got {sampling.continuous_batch_size!r})")
+    temperature = sampling.temperature
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or math.isnan(temperature) \
+            or math.isinf(temperature):
+        raise ValueError(f"sampling.temperature must be a finite number (<= 0 means greedy); got {temperature!r}")
+    top_p = sampling.top_p
+    if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0.0 < top_p <= 1.0:
+        raise ValueError(f"sampling.top_p must be in (0, 1]; got {top_p!r}")
+    top_k = sampling.top_k
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < -1:
+        raise ValueError(f"sampling.top_k must be an int >= -1 (-1 or 0 disables top-k); got {top_k!r}")
+    return float(temperature), top_k, float(top_p)
+
+
+def _check_prompts(request: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    ids = getattr(request, "prompt_ids", None)
+    mask = getattr(request, "prompt_attention_mask", None)
+    if not isinstance(ids, torch.Tensor):
+        raise TypeError(f"request.prompt_ids must be a torch.Tensor [B, P]; got {type(ids).__name__}")
+    if not isinstance(mask, torch.Tensor):
+        raise TypeError(f"request.prompt_attention_mask must be a torch.Tensor [B, P]; got {type(mask).__name__}")
+    if ids.dim() != 2:
+        raise ValueError(f"request.prompt_ids must be 2-D [B, P]; got shape {tuple(ids.shape)}")
+    if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+        raise ValueError(f"request.prompt_ids must hold integer token ids; got dtype {ids.dtype}")
+    if mask.shape != ids.shape:
+        raise ValueError(f"request.prompt_attention_mask must have the shape of prompt_ids {tuple(ids.shape)}; "
+                         f"got {tuple(mask.shape)}")
+    if ids.shape[0] == 0:
+        raise ValueError("request.prompt_ids is an empty batch (B = 0); pass at least one prompt")
+    if ids.shape[1] == 0:
+        raise ValueError("request.prompt_ids has no columns (P = 0); every prompt needs at least one token")
+    return ids, mask
+
+
+def plan_rollout(request: Any, sampling: Any, target: RolloutTarget, tokenizer: Any) -> RolloutPlan:
+    """Validate a ``generate`` call and resolve its plan. Raises before any model work."""
+    pad_token_id, eos_token_ids = resolve_special_tokens(tokenizer, target)
+    temperature, top_k, top_p = _check_sampling(sampling)
+    n = _require_int("sampling.n_samples_per_prompt", sampling.n_samples_per_prompt, 1)
+    max_new_tokens = _require_int("sampling.max_new_tokens", sampling.max_new_tokens, 1)
+    ids, mask = _check_prompts(request)
+    batch_size, prompt_length = ids.shape
+    if target.max_positions is not None and prompt_length + max_new_tokens > target.max_positions:
+        raise ValueError(f"prompt length {prompt_length} + sampling.max_new_tokens {max_new_tokens} = "
+                         f"{prompt_length + max_new_tokens} exceeds the model's {target.max_positions} positions")
+
+    # One host read for every value check.
+    id_min, id_max, mask_ok, rows_ok = torch.stack([
+        ids.min().long(), ids.max().long(), ((mask == 0) | (mask == 1)).all().long(), (mask != 0).any(dim=1).all().long()
+    ]).tolist()
+    vocab = target.vocab_size
+    if id_min < 0 or (vocab is not None and id_max >= vocab):
+        raise ValueError(f"request.prompt_ids holds token ids in [{id_min}, {id_max}], outside the model's "
+                         f"vocabulary [0, {vocab})")
+    if not mask_ok:
+        raise ValueError("request.prompt_attention_mask must hold only 0 and 1")
+    if not rows_ok:
+        raise ValueError("request.prompt_attention_mask has a row with no real token (all 0); "
+                         "every prompt needs at least one")
+    for name, token in [("pad_token_id", pad_token_id)] + [("eos_token_id", e) for e in eos_token_ids]:
+        if token < 0 or (vocab is not None and token >= vocab):
+            raise ValueError(f"tokenizer {name} {token} is outside the model's vocabulary [0, {vocab})")
+    return RolloutPlan(batch_size=batch_size, prompt_length=prompt_length, samples_per_prompt=n,
+                       max_new_tokens=max_new_tokens, greedy=temperature <= 0.0, temperature=temperature,
+                       top_k=top_k, top_p=top_p, pad_token_id=pad_token_id, eos_token_ids=eos_token_ids)

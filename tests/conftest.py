@@ -1,0 +1,141 @@
+"""Shared fixtures: tiny preset models, a "transition" model whose next token is a chosen function of the
+current one (real weights, no mocking), request builders, and the plain per-row reference rollout."""
+
+from __future__ import annotations
+
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+torch.set_num_threads(min(2, torch.get_num_threads()))
+
+from opsd_rollout import RolloutRequest  # noqa: E402
+from opsd_rollout.models import PRESETS, byte_tokenizer  # noqa: E402
+
+TINY_PRESETS = ["llama-tiny", "qwen2-tiny", "gpt2-tiny"]
+
+
+@pytest.fixture(scope="session")
+def tiny_models():
+    """name -> model (eval, fp32, CPU), built once per session."""
+    return {name: PRESETS[name].build() for name in TINY_PRESETS}
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    return byte_tokenizer()
+
+
+def transition_model(table: list[int], *, eos_token_id=None, sharpness: float = 20.0):
+    """A one-layer Llama whose greedy next token is ``table[current token]``.
+
+    Attention and MLP write nothing (their output projections are zero), so the residual stream is the
+    current token's one-hot embedding; the LM head maps it to ``table[token]`` with a large margin
+    (``sharpness``), so sampling follows the table too.
+    """
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    vocab = len(table)
+    config = LlamaConfig(vocab_size=vocab, hidden_size=vocab, intermediate_size=8, num_hidden_layers=1,
+                         num_attention_heads=1, num_key_value_heads=1, head_dim=vocab,
+                         max_position_embeddings=256, tie_word_embeddings=False, rms_norm_eps=1e-6)
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        model.model.embed_tokens.weight.copy_(torch.eye(vocab))
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        head = torch.zeros(vocab, vocab)
+        head[torch.tensor(table), torch.arange(vocab)] = sharpness / vocab**0.5
+        model.lm_head.weight.copy_(head)
+    model.generation_config.eos_token_id = eos_token_id
+    model.generation_config.pad_token_id = None
+    model.generation_config.bos_token_id = None
+    return model
+
+
+def chain_table(vocab: int, chains: dict[int, int]) -> list[int]:
+    """Every token maps to ``(t + 1)`` wrapping inside [3, vocab), except those given in ``chains``."""
+    table = [3 + ((t - 3 + 1) % (vocab - 3)) if t >= 3 else 3 for t in range(vocab)]
+    for src, dst in chains.items():
+        table[src] = dst
+    return table
+
+
+def make_tokenizer(pad_token_id, eos_token_id):
+    return SimpleNamespace(pad_token_id=pad_token_id, eos_token_id=eos_token_id)
+
+
+def left_padded(prompts: list[list[int]], pad_token_id: int, *, width: int | None = None) -> RolloutRequest:
+    """Left-pad token lists to one width; the mask is 1 on real tokens."""
+    width = width or max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        if prompt:
+            ids[row, width - len(prompt):] = torch.tensor(prompt)
+            mask[row, width - len(prompt):] = 1
+    return RolloutRequest(ids, mask)
+
+
+def reference_postprocess(sequences, prompt_ids, prompt_mask, eos_ids, pad_token_id):
+    """Plain per-row version of the batch contract, for equivalence tests."""
+    prompt_len = prompt_ids.shape[1]
+    rows = []
+    for row in range(sequences.shape[0]):
+        response = sequences[row, prompt_len:].tolist()
+        length = len(response)
+        for pos, token in enumerate(response):
+            if token in eos_ids:
+                length = pos + 1
+                break
+        rows.append((response[:length], length))
+    width = max((length for _, length in rows), default=0)
+    ids = torch.full((sequences.shape[0], prompt_len + width), pad_token_id, dtype=prompt_ids.dtype)
+    mask = torch.zeros((sequences.shape[0], prompt_len + width), dtype=prompt_mask.dtype)
+    for row, (response, length) in enumerate(rows):
+        ids[row, :prompt_len] = prompt_ids[row]
+        mask[row, :prompt_len] = prompt_mask[row]
+        ids[row, prompt_len:prompt_len + length] = torch.tensor(response, dtype=prompt_ids.dtype)
+        mask[row, prompt_len:prompt_len + length] = 1
+    return ids, mask
+
+
+def reference_rollout(model, request, *, n, max_new_tokens, pad_token_id, eos_ids):
+    """transformers' generate on the expanded prompts (greedy), then the per-row reference post-processing."""
+    ids = request.prompt_ids.repeat_interleave(n, dim=0)
+    mask = request.prompt_attention_mask.repeat_interleave(n, dim=0)
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
+                             eos_token_id=list(eos_ids), pad_token_id=pad_token_id)
+    return reference_postprocess(out, ids, mask, list(eos_ids), pad_token_id)
+
+
+def assert_batch_contract(batch, request, *, n, max_new_tokens, pad_token_id, eos_ids):
+    """Every clause of DESIGN.md's RolloutBatch contract that can be checked from the output alone."""
+    B, P = request.prompt_ids.shape
+    ids, mask = batch.input_ids, batch.attention_mask
+    assert ids.shape[0] == B * n and mask.shape == ids.shape
+    R = ids.shape[1] - P
+    assert 1 <= R <= max_new_tokens
+    expected_prompt = request.prompt_ids.repeat_interleave(n, dim=0)
+    assert torch.equal(ids[:, :P], expected_prompt)
+    assert torch.equal(mask[:, :P], request.prompt_attention_mask.repeat_interleave(n, dim=0))
+    assert batch.response_start_idx.dtype == torch.int64
+    assert torch.equal(batch.response_start_idx, torch.full((B * n, ), P, dtype=torch.int64))
+    lengths = []
+    for row in range(B * n):
+        response = ids[row, P:].tolist()
+        eos_at = next((i for i, t in enumerate(response) if t in eos_ids), None)
+        length = R if eos_at is None else eos_at + 1
+        if eos_at is None:
+            assert R == max_new_tokens, f"row {row} has no EOS, so it must have run to max_new_tokens"
+        lengths.append(length)
+        assert mask[row, P:P + length].eq(1).all(), f"row {row}: mask must be 1 up to and including EOS"
+        assert mask[row, P + length:].eq(0).all(), f"row {row}: mask must be 0 after EOS"
+        assert ids[row, P + length:].eq(pad_token_id).all(), f"row {row}: positions after EOS must be pad"
+    assert max(lengths) == R, "response width must be the longest response"
+    return lengths

@@ -1,0 +1,67 @@
+"""Built-in presets, the byte tokenizer, local checkpoints, and the refusal to download."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from opsd_rollout import HybridEngineRollout, RolloutRequest, SamplingConfig
+from opsd_rollout.models import DEFAULT_MODEL, PRESETS, VOCAB_SIZE, byte_tokenizer, load_model, parse_dtype
+
+
+def test_presets_cover_every_architecture_and_size():
+    assert set(PRESETS) == {f"{a}-{s}" for a in ("llama", "qwen2", "gpt2") for s in ("tiny", "small")}
+    assert DEFAULT_MODEL == "llama-small"
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt2"])
+def test_small_presets_have_tens_of_millions_of_parameters(arch):
+    assert 10e6 <= PRESETS[f"{arch}-small"].num_parameters() <= 99e6
+    assert PRESETS[f"{arch}-tiny"].num_parameters() < 1e6
+
+
+def test_preset_weights_are_deterministic_and_leave_global_rng_alone():
+    torch.manual_seed(7)
+    before = torch.random.get_rng_state()
+    a = PRESETS["qwen2-tiny"].build()
+    assert torch.equal(torch.random.get_rng_state(), before)
+    b = PRESETS["qwen2-tiny"].build()
+    for pa, pb in zip(a.parameters(), b.parameters()):
+        assert torch.equal(pa, pb)
+    assert not a.training
+
+
+def test_byte_tokenizer_round_trips_and_pads_left():
+    tok = byte_tokenizer()
+    assert (tok.pad_token_id, tok.bos_token_id, tok.eos_token_id, len(tok)) == (0, 1, 2, VOCAB_SIZE)
+    text = "héllo, wörld ✓"
+    ids = tok(text).input_ids
+    assert len(ids) == len(text.encode("utf-8"))
+    assert tok.decode(ids) == text
+    batch = tok(["abc", "a"], padding=True, return_tensors="pt")
+    assert batch.input_ids[1].tolist() == [0, 0, ord("a") + 3]
+    assert batch.attention_mask[1].tolist() == [0, 0, 1]
+
+
+def test_local_checkpoint_directory_loads_model_and_tokenizer(tmp_path):
+    model, tok = load_model("gpt2-tiny")
+    model.save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    loaded, loaded_tok = load_model(str(tmp_path))
+    assert loaded_tok.pad_token_id == 0 and loaded_tok.padding_side == "left"
+    enc = loaded_tok(["abc"], return_tensors="pt")
+    request = RolloutRequest(enc.input_ids, enc.attention_mask)
+    sampling = SamplingConfig(max_new_tokens=4, temperature=0)
+    assert torch.equal(HybridEngineRollout(loaded, loaded_tok).generate(request, sampling).input_ids,
+                       HybridEngineRollout(model, tok).generate(request, sampling).input_ids)
+
+
+def test_hub_ids_are_refused_with_a_local_path_hint():
+    with pytest.raises(ValueError, match="never downloads.*local path"):
+        load_model("meta-llama/Llama-3.2-1B")
+
+
+def test_dtype_names():
+    assert parse_dtype("bf16") is torch.bfloat16
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        parse_dtype("fp8")

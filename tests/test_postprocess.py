@@ -1,0 +1,66 @@
+"""The vectorized post-processing equals a plain per-row reference on random batches."""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from conftest import reference_postprocess
+from opsd_rollout.rollout import postprocess
+
+
+@st.composite
+def raw_batches(draw):
+    rows = draw(st.integers(1, 6))
+    prompt_len = draw(st.integers(1, 6))
+    width = draw(st.integers(1, 8))
+    vocab = draw(st.integers(3, 12))
+    pad = draw(st.sampled_from([0, vocab - 1, draw(st.integers(0, vocab - 1))]))
+    eos_ids = draw(st.lists(st.integers(0, vocab - 1), min_size=1, max_size=3, unique=True))
+    if draw(st.booleans()):
+        eos_ids[0] = pad  # pad == EOS
+    ints = st.integers(0, vocab - 1)
+    prompt = torch.tensor(draw(st.lists(st.lists(ints, min_size=prompt_len, max_size=prompt_len), min_size=rows,
+                                        max_size=rows)))
+    # left padding with holes: any 0/1 pattern with at least one 1 per row
+    mask_rows = draw(st.lists(st.lists(st.integers(0, 1), min_size=prompt_len, max_size=prompt_len), min_size=rows,
+                              max_size=rows))
+    mask = torch.tensor([m if any(m) else m[:-1] + [1] for m in mask_rows])
+    responses = torch.tensor(draw(st.lists(st.lists(ints, min_size=width, max_size=width), min_size=rows,
+                                           max_size=rows)))
+    return prompt, mask, responses, pad, eos_ids
+
+
+@settings(max_examples=300, deadline=None)
+@given(raw_batches())
+def test_vectorized_post_processing_equals_reference(case):
+    prompt, mask, responses, pad, eos_ids = case
+    lengths = postprocess.response_lengths(responses, torch.tensor(eos_ids))
+    width = int(lengths.max())
+    sequences = torch.cat([prompt, responses], dim=1)
+    ref_ids, ref_mask = reference_postprocess(sequences.clone(), prompt, mask, eos_ids, pad)
+    ids = postprocess.finalize_input_ids(sequences, prompt.shape[1], lengths, width, pad)
+    attention = postprocess.build_attention_mask(mask, lengths, width)
+    assert ids.is_contiguous()
+    assert torch.equal(ids, ref_ids)
+    assert torch.equal(attention, ref_mask)
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.integers(1, 4), st.integers(1, 5), st.integers(1, 4))
+def test_expansion_is_repeat_interleave(batch, prompt_len, n):
+    ids = torch.arange(batch * prompt_len).view(batch, prompt_len)
+    mask = (ids % 3 != 0).long()
+    out_ids, out_mask = postprocess.expand_prompts(ids, mask, n)
+    for row in range(batch * n):
+        assert torch.equal(out_ids[row], ids[row // n])
+        assert torch.equal(out_mask[row], mask[row // n])
+
+
+def test_generated_pad_before_eos_is_kept_and_masked_in():
+    responses = torch.tensor([[0, 5, 2, 0, 0], [7, 7, 7, 7, 7]])
+    lengths = postprocess.response_lengths(responses, torch.tensor([2]))
+    assert lengths.tolist() == [3, 5]
+    mask = postprocess.build_attention_mask(torch.ones(2, 1, dtype=torch.long), lengths, 5)
+    assert mask[:, 1:].tolist() == [[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]]

@@ -1,0 +1,114 @@
+"""RolloutProfile: fields consistent, DeepSpeed's keys readable, None before a call and after a failure."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import chain_table, left_padded, make_tokenizer, transition_model
+from opsd_rollout import HybridEngineRollout, HybridEngineRolloutConfig, RolloutProfile, SamplingConfig
+from opsd_rollout.profiling import Clock, ForwardTimer
+
+PROFILED = HybridEngineRolloutConfig(enable_profiling=True)
+
+
+def test_profile_is_none_until_a_profiled_call(tiny_models, tokenizer):
+    request = left_padded([[5, 6, 7]], 0)
+    plain = HybridEngineRollout(tiny_models["llama-tiny"], tokenizer)
+    plain.generate(request, SamplingConfig(max_new_tokens=2))
+    assert plain.get_last_profile() is None
+    profiled = HybridEngineRollout(tiny_models["llama-tiny"], tokenizer, PROFILED)
+    assert profiled.get_last_profile() is None
+    profiled.generate(request, SamplingConfig(max_new_tokens=2))
+    assert isinstance(profiled.get_last_profile(), RolloutProfile)
+
+
+def test_stages_nest_and_tokens_exclude_padding_after_eos():
+    # Row 0 stops after 2 tokens, row 1 runs 6: 8 real tokens, 4 padded positions.
+    model = transition_model(chain_table(16, {6: 2}))
+    rollout = HybridEngineRollout(model, make_tokenizer(0, 2), PROFILED)
+    batch = rollout.generate(left_padded([[5], [8]], 0), SamplingConfig(max_new_tokens=6, temperature=0))
+    p = rollout.get_last_profile()
+    assert batch.attention_mask[:, 1:].sum() == 8
+    assert (p.generated_tokens, p.padded_tokens, p.response_length) == (8, 4, 6)
+    assert p.tokens_per_second == pytest.approx(8 / (p.total_ms / 1e3))
+    assert p.decode_tokens_per_second == pytest.approx((8 - 2) / (p.decode_ms / 1e3))
+    for name, value in p.to_dict().items():
+        if isinstance(value, float):
+            assert value >= 0, name
+    assert p.prompt_expansion_ms + p.generation_ms + p.post_processing_ms <= p.total_ms
+    assert p.prefill_ms + p.decode_ms <= p.generation_ms
+    assert p.attention_mask_ms <= p.post_processing_ms
+    assert (p.prefill_forwards, p.decode_steps) == (1, 5)
+    assert p.peak_memory_bytes > 0 and p.peak_memory_source.startswith("process_rss")
+    assert (p.batch_size, p.samples_per_prompt, p.effective_batch_size, p.prompt_length) == (2, 1, 2, 1)
+    assert (p.decoding, p.zero_stage, p.world_size, p.rank, p.device, p.dtype) == ("greedy", 0, 1, 0, "cpu", "fp32")
+
+
+def test_profile_reads_as_a_mapping_with_deepspeed_keys(tiny_models, tokenizer):
+    rollout = HybridEngineRollout(tiny_models["gpt2-tiny"], tokenizer, PROFILED)
+    rollout.generate(left_padded([[5, 6, 7], [9]], 0), SamplingConfig(max_new_tokens=4, n_samples_per_prompt=2))
+    p = rollout.get_last_profile()
+    as_dict = dict(p)
+    assert as_dict["prefill_forward_ms"] == p.prefill_ms
+    assert as_dict["decode_forward_ms"] == p.decode_ms
+    assert as_dict["num_decode_forwards"] == p.decode_steps
+    assert as_dict["num_generated_tokens"] == p.generated_tokens
+    assert as_dict["num_samples_per_prompt"] == 2
+    assert p["generation_overhead_ms"] == pytest.approx(p.generation_ms - p.prefill_ms - p.decode_ms)
+    assert "param_gather_ms" in p and p.get("param_gather_ms") is None
+    with pytest.raises(KeyError):
+        p["no_such_key"]
+    with pytest.raises(AttributeError):
+        p.total_ms = 0.0  # frozen
+
+
+def test_a_call_that_raises_inside_the_model_leaves_no_profile_and_no_hooks(tiny_models, tokenizer):
+    model = tiny_models["llama-tiny"]
+    rollout = HybridEngineRollout(model, tokenizer, PROFILED)
+    rollout.generate(left_padded([[5, 6]], 0), SamplingConfig(max_new_tokens=2))
+    hooks_before = (len(model._forward_pre_hooks), len(model._forward_hooks))
+
+    def boom(*_):
+        raise RuntimeError("device fell over")
+
+    handle = model.model.register_forward_pre_hook(boom)
+    try:
+        with pytest.raises(RuntimeError, match="device fell over"):
+            rollout.generate(left_padded([[5, 6]], 0), SamplingConfig(max_new_tokens=2))
+    finally:
+        handle.remove()
+    assert rollout.get_last_profile() is None
+    assert (len(model._forward_pre_hooks), len(model._forward_hooks)) == hooks_before
+
+
+def test_unprofiled_rollout_registers_no_hooks(tiny_models, tokenizer):
+    model = tiny_models["qwen2-tiny"]
+    seen = []
+    original = model.register_forward_hook
+    model.register_forward_hook = lambda *a, **k: seen.append(a) or original(*a, **k)
+    try:
+        HybridEngineRollout(model, tokenizer).generate(left_padded([[5, 6]], 0), SamplingConfig(max_new_tokens=3))
+    finally:
+        del model.register_forward_hook
+    assert seen == []
+
+
+def test_forward_timer_counts_chunked_prefill_as_prefill(tiny_models):
+    from transformers import DynamicCache
+
+    model = tiny_models["llama-tiny"]
+    timer = ForwardTimer(model, Clock("cpu")).attach()
+    try:
+        cache = DynamicCache(config=model.config)
+        ids = torch.arange(3, 15).view(1, 12)
+        with torch.no_grad():
+            model(ids[:, :6], past_key_values=cache, use_cache=True)  # prefill chunk 1
+            model(ids[:, 6:], past_key_values=cache, use_cache=True)  # prefill chunk 2
+            for token in (20, 21, 22):
+                model(torch.tensor([[token]]), past_key_values=cache, use_cache=True)
+        phases = [f.phase for f in timer.read()]
+    finally:
+        timer.remove()
+    assert phases == ["prefill", "prefill", "decode", "decode", "decode"]
+    assert not model._forward_pre_hooks and not model._forward_hooks

@@ -1,0 +1,108 @@
+"""Every bad input gets a ValueError/TypeError naming the argument, before any model work."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from conftest import make_tokenizer
+from opsd_rollout import HybridEngineRollout, HybridEngineRolloutConfig, RolloutRequest, SamplingConfig
+
+
+class Bare:
+    """A request-like object that skips DeepSpeed's own __post_init__ checks."""
+
+    def __init__(self, ids, mask):
+        self.prompt_ids, self.prompt_attention_mask = ids, mask
+
+
+@pytest.fixture()
+def rollout(tiny_models, tokenizer):
+    model = tiny_models["llama-tiny"]
+    calls = []
+    handle = model.register_forward_pre_hook(lambda *_: calls.append(1))
+    yield HybridEngineRollout(model, tokenizer, HybridEngineRolloutConfig(enable_profiling=True)), calls
+    handle.remove()
+
+
+def ok_request():
+    ids = torch.tensor([[0, 5, 6], [7, 8, 9]])
+    return RolloutRequest(ids, (ids != 0).long())
+
+
+CASES = [
+    ("prompt_ids must be 2-D", Bare(torch.tensor([1, 2, 3]), torch.tensor([1, 1, 1])), {}),
+    ("prompt_attention_mask must have the shape", Bare(torch.ones(2, 3, dtype=torch.long), torch.ones(2, 4)), {}),
+    ("empty batch", Bare(torch.ones(0, 3, dtype=torch.long), torch.ones(0, 3, dtype=torch.long)), {}),
+    ("no columns", Bare(torch.ones(2, 0, dtype=torch.long), torch.ones(2, 0, dtype=torch.long)), {}),
+    ("integer token ids", Bare(torch.ones(2, 3), torch.ones(2, 3)), {}),
+    ("outside the model's vocabulary", Bare(torch.tensor([[5, 300]]), torch.ones(1, 2, dtype=torch.long)), {}),
+    ("outside the model's vocabulary", Bare(torch.tensor([[-1, 5]]), torch.ones(1, 2, dtype=torch.long)), {}),
+    ("only 0 and 1", Bare(torch.tensor([[5, 6]]), torch.tensor([[1, 2]])), {}),
+    ("no real token", Bare(torch.tensor([[5, 6]]), torch.tensor([[0, 0]])), {}),
+    ("n_samples_per_prompt must be an int >= 1", None, dict(n_samples_per_prompt=0)),
+    ("max_new_tokens must be an int >= 1", None, dict(max_new_tokens=0)),
+    ("max_new_tokens must be an int >= 1", None, dict(max_new_tokens=-3)),
+    ("exceeds the model's 1024 positions", None, dict(max_new_tokens=1022)),
+    ("temperature must be a finite number", None, dict(temperature=math.nan)),
+    ("top_p must be in (0, 1]", None, dict(top_p=0.0)),
+    ("top_p must be in (0, 1]", None, dict(top_p=1.5)),
+    ("top_k must be an int >= -1", None, dict(top_k=-2)),
+    ("continuous_batch_size is not supported", None, dict(continuous_batch_size=4)),
+]
+
+
+@pytest.mark.parametrize("message,request_,sampling_kwargs", CASES, ids=[c[0] + str(i) for i, c in enumerate(CASES)])
+def test_bad_input_raises_before_model_work(rollout, message, request_, sampling_kwargs):
+    engine, calls = rollout
+    sampling = SamplingConfig(**{"max_new_tokens": 4, **sampling_kwargs})
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
+        engine.generate(request_ or ok_request(), sampling)
+    assert calls == [], "no forward may run on bad input"
+    assert engine.get_last_profile() is None
+
+
+def test_tokenizer_without_pad_or_eos_is_refused(tiny_models):
+    engine = HybridEngineRollout(tiny_models["llama-tiny"], make_tokenizer(None, None))
+    with pytest.raises(ValueError, match="neither pad_token_id nor eos_token_id"):
+        engine.generate(ok_request(), SamplingConfig(max_new_tokens=2))
+
+
+def test_pad_falls_back_to_eos(tiny_models):
+    engine = HybridEngineRollout(tiny_models["llama-tiny"], make_tokenizer(None, 2))
+    batch = engine.generate(ok_request(), SamplingConfig(max_new_tokens=2, temperature=0))
+    assert batch.input_ids.shape[0] == 2
+
+
+def test_non_tensor_prompts_and_wrong_sampling_type_are_type_errors(rollout):
+    engine, _ = rollout
+    with pytest.raises(TypeError, match="prompt_ids must be a torch.Tensor"):
+        engine.generate(Bare([[1, 2]], torch.ones(1, 2)), SamplingConfig(max_new_tokens=2))
+    with pytest.raises(TypeError, match="sampling must be a SamplingConfig"):
+        engine.generate(ok_request(), {"max_new_tokens": 2})
+
+
+def test_engine_must_be_a_model():
+    with pytest.raises(TypeError, match="DeepSpeed engine or a transformers causal LM"):
+        HybridEngineRollout(object(), make_tokenizer(0, 2))
+
+
+def test_unknown_strategy_and_deepspeed_only_options_are_refused():
+    with pytest.raises(ValueError, match="strategy must be one of"):
+        HybridEngineRolloutConfig(strategy="vllm")
+    from deepspeed.runtime.rollout.hybrid_engine_rollout import HybridEngineRolloutConfig as DSConfig
+
+    with pytest.raises(ValueError, match="use_graph_capture"):
+        HybridEngineRolloutConfig.from_any(DSConfig(use_graph_capture=True))
+    assert HybridEngineRolloutConfig.from_any(DSConfig(enable_profiling=True)).enable_profiling is True
+
+
+def test_a_failed_call_clears_the_previous_profile(rollout):
+    engine, _ = rollout
+    engine.generate(ok_request(), SamplingConfig(max_new_tokens=2))
+    assert engine.get_last_profile() is not None
+    with pytest.raises(ValueError):
+        engine.generate(ok_request(), SamplingConfig(max_new_tokens=0))
+    assert engine.get_last_profile() is None
