@@ -1,0 +1,38 @@
+"""One rank of a 2-rank ZeRO-3 rollout (launched by torchrun from test_multirank.py).
+
+Rank 0's prompts hit EOS at their first response token; rank 1's never do. Each rank writes its batch and
+the number of forwards its model ran to OUT_DIR/rank{r}.json.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from conftest import chain_table, left_padded, make_tokenizer, transition_model  # noqa: E402
+from opsd_rollout import HybridEngineRollout, SamplingConfig  # noqa: E402
+from opsd_rollout.deepspeed_engine import build_engine  # noqa: E402
+
+
+def main(out_dir: str) -> None:
+    rank = int(os.environ["RANK"])
+    torch.manual_seed(0)
+    model = transition_model(chain_table(16, {7: 2}))
+    forwards = []
+    model.register_forward_pre_hook(lambda *_: forwards.append(1))
+    engine = build_engine(model, 3)
+    prompts = [[5, 7], [6, 7]] if rank == 0 else [[9], [10, 11]]
+    rollout = HybridEngineRollout(engine, make_tokenizer(0, 2))
+    batch = rollout.generate(left_padded(prompts, 0), SamplingConfig(max_new_tokens=6, temperature=0.0))
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as handle:
+        json.dump({"input_ids": batch.input_ids.tolist(), "attention_mask": batch.attention_mask.tolist(),
+                   "forwards": len(forwards)}, handle)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

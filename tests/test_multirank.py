@@ -1,0 +1,37 @@
+"""Two CPU ranks under ZeRO-3 (gloo, torchrun): ranks that finish at different steps do not hang, run the
+same number of forwards, and each returns its own trimmed, padded batch."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).parent
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_zero3_ranks_finishing_at_different_steps(tmp_path):
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr",
+               "127.0.0.1", "--master_port", str(free_port()), str(HERE / "multirank" / "rollout_worker.py"),
+               str(tmp_path)]
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-4000:]
+    rank0 = json.loads((tmp_path / "rank0.json").read_text())
+    rank1 = json.loads((tmp_path / "rank1.json").read_text())
+    # rank 0 stopped at its first token: its batch is trimmed to one response column
+    assert [row[2:] for row in rank0["input_ids"]] == [[2], [2]]
+    assert [row[2:] for row in rank0["attention_mask"]] == [[1], [1]]
+    # rank 1 ran the full budget
+    assert [row[2:] for row in rank1["input_ids"]] == [[10, 11, 12, 13, 14, 15], [12, 13, 14, 15, 3, 4]]
+    # lockstep: both ranks ran as many forwards as the longest rank needed
+    assert rank0["forwards"] == rank1["forwards"] == 6
