@@ -112,3 +112,49 @@ def test_forward_timer_counts_chunked_prefill_as_prefill(tiny_models):
         timer.remove()
     assert phases == ["prefill", "prefill", "decode", "decode", "decode"]
     assert not model._forward_pre_hooks and not model._forward_hooks
+
+
+def test_forward_timing_off_leaves_forward_fields_empty(tiny_models, tokenizer):
+    model = tiny_models["llama-tiny"]
+    rollout = HybridEngineRollout(model, tokenizer, HybridEngineRolloutConfig(enable_profiling=True,
+                                                                              profile_forwards=False))
+    rollout.generate(left_padded([[5, 6]], 0), SamplingConfig(max_new_tokens=3))
+    p = rollout.get_last_profile()
+    assert p.prefill_ms is None and p.decode_steps is None and p.tpot_ms is None
+    assert p["generation_overhead_ms"] == p.generation_ms
+    assert not model._forward_pre_hooks and not model._forward_hooks
+
+
+def test_ignore_eos_runs_every_step_but_returns_the_same_batch():
+    table = chain_table(16, {6: 2})
+    model = transition_model(table)
+    request = left_padded([[5], [5]], 0)
+    sampling = SamplingConfig(max_new_tokens=6, temperature=0)
+    normal = HybridEngineRollout(model, make_tokenizer(0, 2), PROFILED)
+    fixed = HybridEngineRollout(model, make_tokenizer(0, 2), HybridEngineRolloutConfig(enable_profiling=True,
+                                                                                       ignore_eos=True))
+    a, b = normal.generate(request, sampling), fixed.generate(request, sampling)
+    assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.attention_mask, b.attention_mask)
+    assert normal.get_last_profile().decode_steps == 1  # both rows stop after 2 tokens
+    assert fixed.get_last_profile().decode_steps == 5  # ran the full budget
+    assert fixed.get_last_profile().response_length == 2
+
+
+def test_release_policy_times_the_release_and_timeline_nests(tiny_models, tokenizer):
+    rollout = HybridEngineRollout(tiny_models["llama-tiny"], tokenizer,
+                                  HybridEngineRolloutConfig(enable_profiling=True, cache_policy="release"))
+    rollout.generate(left_padded([[5, 6, 7]], 0), SamplingConfig(max_new_tokens=4, n_samples_per_prompt=2))
+    p = rollout.get_last_profile()
+    assert p.inference_cache_ms is not None and 0 <= p.inference_cache_ms <= p.generation_ms
+    assert p.ttft_ms is not None and p.prefill_ms <= p.ttft_ms <= p.total_ms
+    assert p.prefill_tokens == 2 * 3 and p.tpot_ms > 0
+    spans = {s.name: s for s in rollout.get_last_timeline() if not s.name.endswith("forward")}
+    forwards = [s for s in rollout.get_last_timeline() if s.name.endswith("forward")]
+    assert len(forwards) == 4 and all(s.parent == "generation" for s in forwards)
+    assert spans["generation"].parent == "total"
+    assert spans["attention_mask"].parent == "post_processing"
+    for span in rollout.get_last_timeline():
+        parent = spans.get(span.parent) if span.parent else None
+        if parent is not None:
+            assert parent.start_ms <= span.start_ms + 1e-6
+            assert span.start_ms + span.duration_ms <= parent.start_ms + parent.duration_ms + 1e-6

@@ -16,18 +16,23 @@ from opsd_rollout.profiling.clock import Clock
 
 @dataclass(frozen=True)
 class ForwardTime:
-    """One forward pass: its duration, the query tokens per row it processed, and its phase."""
+    """One forward pass: its duration, its input shape, its phase and (when asked) its start offset."""
 
     ms: float
+    rows: int
     query_tokens: int
-    phase: str  # "prefill" or "decode"
+    """Tokens per row fed to this forward (1 for a decode step)."""
+    phase: str
+    """``prefill`` or ``decode``."""
+    offset_ms: float | None = None
+    """Start, relative to the ``origin`` mark given to ``ForwardTimer.read``."""
 
 
-def _query_tokens(args: tuple, kwargs: dict) -> int:
+def _input_shape(args: tuple, kwargs: dict) -> tuple[int, int]:
     for value in (kwargs.get("input_ids"), kwargs.get("inputs_embeds"), args[0] if args else None):
         if isinstance(value, torch.Tensor) and value.dim() >= 2:
-            return int(value.shape[1])
-    return 0
+            return int(value.shape[0]), int(value.shape[1])
+    return 0, 0
 
 
 class ForwardTimer:
@@ -41,8 +46,8 @@ class ForwardTimer:
     def __init__(self, module: torch.nn.Module, clock: Clock):
         self.module = module
         self.clock = clock
-        self._records: list[tuple[Any, Any, int]] = []
-        self._open: list[tuple[Any, int]] = []
+        self._records: list[tuple[Any, Any, tuple[int, int]]] = []
+        self._open: list[tuple[Any, tuple[int, int]]] = []
         self._handles: list[Any] = []
 
     def attach(self) -> "ForwardTimer":
@@ -67,24 +72,27 @@ class ForwardTimer:
         self.remove()
 
     def _on_start(self, _module, args, kwargs) -> None:
-        self._open.append((self.clock.mark(), _query_tokens(args, kwargs)))
+        self._open.append((self.clock.mark(), _input_shape(args, kwargs)))
 
     def _on_end(self, _module, _args, _output) -> None:
         if not self._open:
             return
-        start, tokens = self._open.pop()
+        start, shape = self._open.pop()
         if not self._open:  # only outermost forwards count
-            self._records.append((start, self.clock.mark(), tokens))
+            self._records.append((start, self.clock.mark(), shape))
 
     def __len__(self) -> int:
         return len(self._records)
 
-    def read(self, clear: bool = True) -> list[ForwardTime]:
-        """Resolve the recorded marks (one device wait on CUDA) and classify each forward."""
+    def read(self, clear: bool = True, origin: Any = None) -> list[ForwardTime]:
+        """Resolve the recorded marks (one device wait on CUDA) and classify each forward; with an
+        ``origin`` mark, each forward's start offset from it too."""
         times, decoding = [], False
-        for index, (start, end, tokens) in enumerate(self._records):
+        for index, (start, end, (rows, tokens)) in enumerate(self._records):
             decoding = decoding or (index > 0 and tokens == 1)
-            times.append(ForwardTime(self.clock.elapsed_ms(start, end), tokens, "decode" if decoding else "prefill"))
+            offset = None if origin is None else self.clock.elapsed_ms(origin, start)
+            times.append(ForwardTime(self.clock.elapsed_ms(start, end), rows, tokens,
+                                     "decode" if decoding else "prefill", offset))
         if clear:
             self._records = []
         return times

@@ -38,14 +38,21 @@ class RolloutProfile(Mapping):
     """Repeating each prompt ``samples_per_prompt`` times."""
     generation_ms: float
     """Everything between expansion and post-processing: forwards, sampling, cache work."""
-    prefill_ms: float
-    """Forward passes over the prompts (chunked prefill included), measured on the model that ran."""
-    decode_ms: float
+    prefill_ms: float | None
+    """Forward passes over the prompts (chunked prefill included), measured on the model that ran.
+    This and the other forward-derived fields are ``None`` when forward timing is off."""
+    decode_ms: float | None
     """Forward passes that feed one token per row."""
-    decode_steps: int
+    decode_steps: int | None
     """Number of decode forwards."""
-    prefill_forwards: int
+    prefill_forwards: int | None
     """Number of prefill forwards (more than one when prefill is chunked)."""
+    ttft_ms: float | None
+    """Time to first token: from the start of the call to the end of the last prefill forward."""
+    tpot_ms: float | None
+    """Time per output token: the median decode forward."""
+    prefill_tokens: int | None
+    """Token positions the prefill forwards processed (rows x query tokens, padding included)."""
     post_processing_ms: float
     """EOS trimming, padding, masks and batch assembly."""
     attention_mask_ms: float
@@ -72,8 +79,10 @@ class RolloutProfile(Mapping):
     """Response positions holding padding: ``effective_batch_size * response_length - generated_tokens``."""
     tokens_per_second: float
     """``generated_tokens / total_ms``."""
-    decode_tokens_per_second: float
+    decode_tokens_per_second: float | None
     """Tokens produced by decode forwards (``generated_tokens`` less each row's first token) over ``decode_ms``."""
+    prefill_tokens_per_second: float | None
+    """``prefill_tokens / prefill_ms``."""
     # memory
     peak_memory_bytes: int
     """Accelerator peak allocated on CUDA; peak process RSS on CPU."""
@@ -101,7 +110,8 @@ class RolloutProfile(Mapping):
     @property
     def generation_overhead_ms(self) -> float:
         """Generation time outside forward passes (DeepSpeed's key)."""
-        return max(0.0, self.generation_ms - self.prefill_ms - self.decode_ms)
+        forwards = (self.prefill_ms or 0.0) + (self.decode_ms or 0.0)
+        return max(0.0, self.generation_ms - forwards)
 
     # Mapping protocol: fields, DeepSpeed aliases and derived keys.
     def __getitem__(self, key: str) -> Any:
@@ -127,9 +137,50 @@ class RolloutProfile(Mapping):
         if self.total_ms <= 0:
             return {}
         names = ("prompt_expansion_ms", "prefill_ms", "decode_ms", "post_processing_ms", *ATTRIBUTED_PHASES)
+        # attributed phases run inside generation but outside forwards, so they come out of the overhead
+        attributed = sum(getattr(self, name) or 0.0 for name in ATTRIBUTED_PHASES)
         shares = {name: getattr(self, name) / self.total_ms for name in names if getattr(self, name) is not None}
-        shares["generation_overhead_ms"] = self.generation_overhead_ms / self.total_ms
+        shares["generation_overhead_ms"] = max(0.0, self.generation_overhead_ms - attributed) / self.total_ms
         return shares
 
 
 _FIELD_NAMES: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(RolloutProfile))
+
+
+def _median(values: list[float]) -> float:
+    ordered = sorted(values)
+    middle = len(ordered) // 2
+    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+
+
+def build_profile(*, stages: dict[str, float], forwards: list | None, peak_memory: tuple[int, str],
+                  generated_tokens: int, effective_batch_size: int, response_length: int,
+                  **metadata: Any) -> RolloutProfile:
+    """Assemble a profile from resolved stage times (``StageRecorder.resolve``) and the call's facts.
+
+    ``forwards`` is the list of ``ForwardTime`` (``None`` when forward timing was off).
+    """
+    total_ms = stages["total"]
+    forward_fields: dict[str, Any] = dict.fromkeys(
+        ("prefill_ms", "decode_ms", "decode_steps", "prefill_forwards", "ttft_ms", "tpot_ms", "prefill_tokens",
+         "decode_tokens_per_second", "prefill_tokens_per_second"))
+    if forwards is not None:
+        prefill = [f for f in forwards if f.phase == "prefill"]
+        decode = [f for f in forwards if f.phase == "decode"]
+        prefill_ms, decode_ms = sum(f.ms for f in prefill), sum(f.ms for f in decode)
+        prefill_tokens = sum(f.rows * f.query_tokens for f in prefill)
+        forward_fields.update(
+            prefill_ms=prefill_ms, decode_ms=decode_ms, decode_steps=len(decode), prefill_forwards=len(prefill),
+            ttft_ms=(prefill[-1].offset_ms + prefill[-1].ms) if prefill else None,
+            tpot_ms=_median([f.ms for f in decode]) if decode else None, prefill_tokens=prefill_tokens,
+            decode_tokens_per_second=((generated_tokens - effective_batch_size) / (decode_ms / 1e3)
+                                      if decode_ms > 0 else None),
+            prefill_tokens_per_second=prefill_tokens / (prefill_ms / 1e3) if prefill_ms > 0 else None)
+    return RolloutProfile(
+        prompt_expansion_ms=stages["prompt_expansion"], generation_ms=stages["generation"],
+        post_processing_ms=stages["post_processing"], attention_mask_ms=stages["attention_mask"],
+        total_ms=total_ms, inference_cache_ms=stages.get("release_workspace"), **forward_fields,
+        generated_tokens=generated_tokens, padded_tokens=effective_batch_size * response_length - generated_tokens,
+        tokens_per_second=generated_tokens / (total_ms / 1e3) if total_ms > 0 else 0.0,
+        peak_memory_bytes=peak_memory[0], peak_memory_source=peak_memory[1],
+        effective_batch_size=effective_batch_size, response_length=response_length, **metadata)

@@ -6,6 +6,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 STRATEGIES = ("generate",)
+CACHE_POLICIES = ("retain", "release")
 
 
 @dataclass(kw_only=True)
@@ -20,12 +21,24 @@ class HybridEngineRolloutConfig:
     strategy: str = "generate"
     """Generation strategy: ``generate`` runs transformers' ``generate`` (through the hybrid engine's
     patched ``generate`` when the engine has one)."""
+    profile_forwards: bool = True
+    """With profiling on, also time every forward (the prefill/decode split). Off leaves the model unhooked
+    and the forward-derived profile fields ``None``."""
+    cache_policy: str = "retain"
+    """``retain`` keeps inference workspaces and the accelerator's cached memory between calls; ``release``
+    frees them at the end of every call (``release_workspace()``), timed as ``inference_cache_ms``."""
+    ignore_eos: bool = False
+    """Benchmark mode: generation does not stop at EOS, so every row runs ``max_new_tokens`` steps. The
+    returned batch still follows the contract (trimmed and padded after the first EOS)."""
 
     def __post_init__(self) -> None:
-        if not isinstance(self.enable_profiling, bool):
-            raise TypeError(f"enable_profiling must be a bool; got {self.enable_profiling!r}")
+        for name in ("enable_profiling", "profile_forwards", "ignore_eos"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool; got {getattr(self, name)!r}")
         if self.strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {list(STRATEGIES)}; got {self.strategy!r}")
+        if self.cache_policy not in CACHE_POLICIES:
+            raise ValueError(f"cache_policy must be one of {list(CACHE_POLICIES)}; got {self.cache_policy!r}")
 
     @classmethod
     def from_any(cls, cfg: Any) -> "HybridEngineRolloutConfig":

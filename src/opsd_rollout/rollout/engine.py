@@ -8,12 +8,18 @@ import torch
 from deepspeed.runtime.rollout.base import RolloutBatch, RolloutEngine, RolloutRequest, SamplingConfig
 
 from opsd_rollout.models import dtype_name
-from opsd_rollout.profiling import NULL_RECORDER, Clock, PeakMemory, RolloutProfile, StageRecorder
+from opsd_rollout.profiling import NULL_RECORDER, Clock, PeakMemory, RolloutProfile, Span, StageRecorder
+from opsd_rollout.profiling.profile import build_profile
 from opsd_rollout.rollout import postprocess
 from opsd_rollout.rollout.config import HybridEngineRolloutConfig
 from opsd_rollout.rollout.strategies import make_strategy
 from opsd_rollout.rollout.target import resolve_target
 from opsd_rollout.rollout.validation import RolloutPlan, plan_rollout
+
+
+def empty_accelerator_cache(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 class HybridEngineRollout(RolloutEngine):
@@ -34,6 +40,7 @@ class HybridEngineRollout(RolloutEngine):
         self.target = resolve_target(engine)
         self.strategy = make_strategy(self.cfg.strategy)
         self._last_profile: RolloutProfile | None = None
+        self._last_timeline: list[Span] | None = None
         self._clock = Clock(self.target.device)
         self._closed = False
 
@@ -45,20 +52,30 @@ class HybridEngineRollout(RolloutEngine):
         """The last call's profile; ``None`` before the first profiled call and after a call that raised."""
         return self._last_profile
 
+    def get_last_timeline(self) -> list[Span] | None:
+        """The last profiled call's spans (stages and forwards, start offsets from the call's start), for traces."""
+        return self._last_timeline
+
     def sync_weights(self, step: int) -> None:  # noqa: ARG002 - interface
         """No-op: the rollout generates with the training engine's own weights."""
 
+    def release_workspace(self) -> None:
+        """Free inference workspaces kept between calls and the accelerator's cached blocks."""
+        self.strategy.release_workspace()
+        empty_accelerator_cache(self.target.device)
+
     def shutdown(self) -> None:
+        self.release_workspace()
         self._closed = True
-        self._last_profile = None
+        self._last_profile = self._last_timeline = None
 
     @torch.no_grad()
     def generate(self, request: RolloutRequest, sampling: SamplingConfig) -> RolloutBatch:
         """Roll out ``sampling.n_samples_per_prompt`` responses per prompt; see DESIGN.md's batch contract."""
-        self._last_profile = None
+        self._last_profile = self._last_timeline = None
         if self._closed:
             raise RuntimeError("generate() called after shutdown()")
-        plan = plan_rollout(request, sampling, self.target, self.tokenizer)
+        plan = plan_rollout(request, sampling, self.target, self.tokenizer, ignore_eos=self.cfg.ignore_eos)
         prompt_ids = request.prompt_ids.to(self.target.device)
         prompt_mask = request.prompt_attention_mask.to(self.target.device)
         if not self.cfg.enable_profiling:
@@ -66,18 +83,30 @@ class HybridEngineRollout(RolloutEngine):
 
         memory = PeakMemory(self.target.device)
         memory.start()
-        recorder = StageRecorder(self._clock)
+        recorder = StageRecorder(self._clock, time_forwards=self.cfg.profile_forwards)
         with recorder.stage("total"):
             batch, lengths = self._rollout(prompt_ids, prompt_mask, plan, recorder)
-        self._last_profile = self._profile(recorder, memory, plan, batch, lengths)
+        stages, forwards, self._last_timeline = recorder.resolve()
+        self._last_profile = build_profile(
+            stages=stages, forwards=forwards, peak_memory=memory.stop(), generated_tokens=int(lengths.sum()),
+            effective_batch_size=plan.effective_batch_size, response_length=batch.seq_len - plan.prompt_length,
+            batch_size=plan.batch_size, samples_per_prompt=plan.samples_per_prompt,
+            prompt_length=plan.prompt_length, max_new_tokens=plan.max_new_tokens, dtype=dtype_name(self.target.dtype),
+            device=str(self.target.device), decoding=plan.decoding, strategy=self.strategy.name,
+            zero_stage=self.target.zero_stage, world_size=self.target.world_size, rank=self.target.rank,
+            timer=self._clock.kind)
         return batch
 
     def _rollout(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, plan: RolloutPlan,
                  recorder: Any) -> tuple[RolloutBatch, torch.Tensor]:
         with recorder.stage("prompt_expansion"):
             ids, mask = postprocess.expand_prompts(prompt_ids, prompt_mask, plan.samples_per_prompt)
-        with recorder.stage("generation"), recorder.forwards(self.target.forward_module):
-            sequences = self.strategy.generate(self.target, ids, mask, plan)  # [N, P + R']
+        with recorder.stage("generation"):
+            with recorder.forwards(self.target.forward_module):
+                sequences = self.strategy.generate(self.target, ids, mask, plan)  # [N, P + R']
+            if self.cfg.cache_policy == "release":
+                with recorder.stage("release_workspace"):
+                    self.release_workspace()
         with recorder.stage("post_processing"):
             P = plan.prompt_length
             eos = torch.tensor(plan.eos_token_ids, dtype=sequences.dtype, device=sequences.device)
@@ -89,28 +118,3 @@ class HybridEngineRollout(RolloutEngine):
             start = torch.full((ids.shape[0], ), P, dtype=torch.int64, device=ids.device)
             batch = RolloutBatch(input_ids=input_ids, attention_mask=attention_mask, response_start_idx=start)
         return batch, lengths
-
-    def _profile(self, recorder: StageRecorder, memory: PeakMemory, plan: RolloutPlan, batch: RolloutBatch,
-                 lengths: torch.Tensor) -> RolloutProfile:
-        stages = recorder.stage_ms()
-        forwards = recorder.forward_times()
-        prefill = [f.ms for f in forwards if f.phase == "prefill"]
-        decode = [f.ms for f in forwards if f.phase == "decode"]
-        peak_bytes, peak_source = memory.stop()
-        rows, response_length = plan.effective_batch_size, batch.seq_len - plan.prompt_length
-        generated = int(lengths.sum())
-        total_ms, decode_ms = stages["total"], sum(decode)
-        return RolloutProfile(
-            prompt_expansion_ms=stages["prompt_expansion"], generation_ms=stages["generation"],
-            prefill_ms=sum(prefill), decode_ms=decode_ms, decode_steps=len(decode), prefill_forwards=len(prefill),
-            post_processing_ms=stages["post_processing"], attention_mask_ms=stages["attention_mask"],
-            total_ms=total_ms,
-            generated_tokens=generated, padded_tokens=rows * response_length - generated,
-            tokens_per_second=generated / (total_ms / 1e3) if total_ms > 0 else 0.0,
-            decode_tokens_per_second=(generated - rows) / (decode_ms / 1e3) if decode_ms > 0 else 0.0,
-            peak_memory_bytes=peak_bytes, peak_memory_source=peak_source,
-            batch_size=plan.batch_size, samples_per_prompt=plan.samples_per_prompt, effective_batch_size=rows,
-            prompt_length=plan.prompt_length, response_length=response_length, max_new_tokens=plan.max_new_tokens,
-            dtype=dtype_name(self.target.dtype), device=str(self.target.device), decoding=plan.decoding,
-            strategy=self.strategy.name, zero_stage=self.target.zero_stage, world_size=self.target.world_size,
-            rank=self.target.rank, timer=self._clock.kind)

@@ -23,6 +23,10 @@ class GenerationStrategy(Protocol):
         then the generated tokens (``R' <= max_new_tokens``), in a tensor the caller may write into."""
         ...
 
+    def release_workspace(self) -> None:
+        """Free whatever the strategy keeps between calls."""
+        ...
+
 
 class TransformersGenerate:
     """transformers' ``generate`` with the call's sampling knobs; rows stop at EOS and the batch stops when
@@ -39,11 +43,15 @@ class TransformersGenerate:
                                                 top_p=plan.top_p)
         # Only the knobs the rollout owns are set; other generation options (e.g. repetition_penalty) follow
         # the model's own generation_config, as with a plain model.generate().
+        stop_ids = None if plan.ignore_eos else (list(plan.eos_token_ids) or None)
         config = GenerationConfig(max_new_tokens=plan.max_new_tokens, do_sample=not plan.greedy, num_beams=1,
-                                  eos_token_id=list(plan.eos_token_ids) or None, pad_token_id=plan.pad_token_id,
-                                  use_cache=True, **sampling)
+                                  eos_token_id=stop_ids, pad_token_id=plan.pad_token_id, use_cache=True, **sampling)
         return target.generate_fn(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=config,
                                   synced_gpus=target.zero_stage == 3 and target.world_size > 1)
+
+
+    def release_workspace(self) -> None:
+        """generate keeps no workspace of its own between calls."""
 
 
 def make_strategy(name: str) -> GenerationStrategy:

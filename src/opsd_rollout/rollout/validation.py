@@ -27,6 +27,8 @@ class RolloutPlan:
     top_p: float
     pad_token_id: int
     eos_token_ids: tuple[int, ...]
+    ignore_eos: bool = False
+    """Generation runs every row to ``max_new_tokens``; post-processing still cuts at the first EOS."""
 
     @property
     def effective_batch_size(self) -> int:
@@ -102,7 +104,8 @@ def _check_prompts(request: Any) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, mask
 
 
-def plan_rollout(request: Any, sampling: Any, target: RolloutTarget, tokenizer: Any) -> RolloutPlan:
+def plan_rollout(request: Any, sampling: Any, target: RolloutTarget, tokenizer: Any, *,
+                 ignore_eos: bool = False) -> RolloutPlan:
     """Validate a ``generate`` call and resolve its plan. Raises before any model work."""
     pad_token_id, eos_token_ids = resolve_special_tokens(tokenizer, target)
     temperature, top_k, top_p = _check_sampling(sampling)
@@ -132,4 +135,5 @@ def plan_rollout(request: Any, sampling: Any, target: RolloutTarget, tokenizer: 
             raise ValueError(f"tokenizer {name} {token} is outside the model's vocabulary [0, {vocab})")
     return RolloutPlan(batch_size=batch_size, prompt_length=prompt_length, samples_per_prompt=n,
                        max_new_tokens=max_new_tokens, greedy=temperature <= 0.0, temperature=temperature,
-                       top_k=top_k, top_p=top_p, pad_token_id=pad_token_id, eos_token_ids=eos_token_ids)
+                       top_k=top_k, top_p=top_p, pad_token_id=pad_token_id, eos_token_ids=eos_token_ids,
+                       ignore_eos=ignore_eos)
