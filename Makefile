@@ -31,7 +31,8 @@ test: install-test
 	$(PY) -m pytest -q
 
 bench: install
-	$(PY) -m opsd_rollout bench
+	$(PY) -m opsd_rollout bench --output bench-results/rollout.json --plot bench-results \
+		--trace bench-results/trace.json
 
 clean:
 	rm -rf $(VENV) bench-results .pytest_cache .hypothesis

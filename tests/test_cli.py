@@ -17,12 +17,13 @@ def test_models_lists_every_preset(capsys):
         assert name in out
 
 
-def test_bench_prints_a_stage_table_for_a_tiny_model(capsys):
-    assert main(["bench", "--model", "llama-tiny", "--batch-size", "2", "--samples-per-prompt", "2",
-                 "--prompt-length", "8", "--max-new-tokens", "4", "--warmup", "0"]) == 0
+def test_bench_prints_a_stage_table_for_a_tiny_model(capsys, tmp_path):
+    assert main(["bench", "--model", "llama-tiny", "--batch-sizes", "2", "--samples-per-prompt", "2",
+                 "--prompt-lengths", "8", "--response-lengths", "4", "--warmup", "0", "--iterations", "2",
+                 "--output", str(tmp_path / "r.json")]) == 0
     out = capsys.readouterr().out
-    for stage in ("prefill", "decode (3 steps)", "post-processing", "total"):
-        assert stage in out
+    for column in ("TTFT ms", "TPOT ms", "prefill %", "decode %", "post %", "B2 n2 P8 R4"):
+        assert column in out
 
 
 def test_bad_model_is_one_clear_line(capsys):

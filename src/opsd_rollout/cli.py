@@ -5,9 +5,29 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from dataclasses import fields
+from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
+
+AXIS_FLAGS = {  # flag -> BenchMatrix axis
+    "batch_sizes": "batch sizes (prompts per rollout)",
+    "samples_per_prompt": "samples per prompt (n)",
+    "prompt_lengths": "prompt lengths in tokens",
+    "response_lengths": "response lengths (max_new_tokens)",
+    "dtypes": "fp32, fp16, bf16 (a dtype the device cannot run is reported as skipped)",
+    "decoding": "greedy, sampling (temperature/top-k/top-p below)",
+    "zero_stages": "0-3 (a DeepSpeed engine built from the model) or none (the bare model)",
+    "strategies": "generation strategies (generate)",
+    "cache_policies": "retain (keep inference workspaces between calls) or release (free after each call)",
+    "forward_timing": "on, off: time every forward pass (prefill/decode split)",
+}
+
+
+def _console() -> Console:
+    """Wide enough for the result tables when output goes to a file or a CI log."""
+    return Console() if sys.stdout.isatty() else Console(width=160)
 
 
 def _cmd_models(_args: argparse.Namespace) -> int:
@@ -19,37 +39,131 @@ def _cmd_models(_args: argparse.Namespace) -> int:
     for preset in PRESETS.values():
         default = " (default)" if preset.name == DEFAULT_MODEL else ""
         table.add_row(preset.name + default, preset.arch, f"{preset.num_parameters() / 1e6:.2f}M", preset.description)
-    Console().print(table)
+    _console().print(table)
     return 0
+
+
+def _bench_inputs(args: argparse.Namespace):
+    from opsd_rollout.bench.configfile import read_config_file, split_config
+    from opsd_rollout.bench.matrix import BenchMatrix, BenchSettings
+
+    file_axes, file_settings = split_config(read_config_file(args.config)) if args.config else ({}, {})
+    flag_axes = {axis: getattr(args, axis).split(",") for axis in AXIS_FLAGS if getattr(args, axis) is not None}
+    matrix = BenchMatrix.parse({**file_axes, **flag_axes})
+    flag_settings = {f.name: getattr(args, f.name) for f in fields(BenchSettings)
+                     if getattr(args, f.name, None) is not None}
+    return matrix, BenchSettings(**{**file_settings, **flag_settings})
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    from opsd_rollout.bench.single import SingleRolloutSpec, run_single
+    from opsd_rollout.bench.matrix import BenchMatrix, BenchSettings, run_order
+    from opsd_rollout.bench.report import load_document
+    from opsd_rollout.bench.session import run_bench_session
 
-    spec = SingleRolloutSpec(model=args.model, batch_size=args.batch_size, samples_per_prompt=args.samples_per_prompt,
-                             prompt_length=args.prompt_length, max_new_tokens=args.max_new_tokens,
-                             warmup=args.warmup, seed=args.seed)
-    run_single(spec, Console())
+    console = _console()
+    existing = None
+    if args.resume:
+        existing = load_document(args.resume)
+        matrix = BenchMatrix.parse(existing["matrix"])
+        settings = BenchSettings(**existing["settings"])
+        args.output = args.resume
+    else:
+        matrix, settings = _bench_inputs(args)
+    _check_positions(matrix, settings.model)
+    if args.dry_run:
+        configs = matrix.expand()
+        order = {c.key: i for i, c in enumerate(run_order(configs), start=1)}
+        table = Table(title=f"{len(configs)} configs on {settings.model} (user order; 'run' is the order they "
+                      "will run in)", title_justify="left")
+        for column in ("#", "run", "config"):
+            table.add_column(column)
+        for i, config in enumerate(configs, start=1):
+            table.add_row(str(i), str(order[config.key]), config.key)
+        console.print(table)
+        return 0
+    return run_bench_session(matrix, settings, output=args.output, plot_dir=args.plot, trace=args.trace,
+                             existing=existing, console=console)
+
+
+def _check_positions(matrix, model: str) -> None:
+    from opsd_rollout.models import max_positions
+
+    matrix.check_positions(max_positions(model))
+
+
+def _cmd_compare(args: argparse.Namespace) -> int:
+    from opsd_rollout.bench.compare import comparison_markdown, comparison_table, compare_documents
+    from opsd_rollout.bench.report import load_document, write_text_atomic
+
+    if args.threshold < 0:
+        raise ValueError(f"--threshold must be >= 0 (percent); got {args.threshold}")
+    changes, notes = compare_documents(load_document(args.before), load_document(args.after),
+                                       threshold_pct=args.threshold)
+    console = _console()
+    console.print(comparison_table(changes))
+    for note in notes:
+        console.print(f"note: {note}")
+    if args.markdown:
+        write_text_atomic(args.markdown, comparison_markdown(changes, notes, args.threshold))
+    regressions = [c for c in changes if c.regression]
+    if regressions:
+        console.print(f"[bold red]{len(regressions)} significant regression(s) beyond {args.threshold:g}%[/]")
+        return 1
+    console.print(f"no significant regression beyond {args.threshold:g}%")
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from opsd_rollout.models import DEFAULT_MODEL
+def _add_bench_flags(bench: argparse.ArgumentParser) -> None:
+    from opsd_rollout.bench.matrix import PROMPT_KINDS
 
+    axes = bench.add_argument_group("matrix axes (comma lists; override --config)")
+    for axis, help_text in AXIS_FLAGS.items():
+        axes.add_argument("--" + axis.replace("_", "-"), dest=axis, metavar="LIST", help=help_text)
+    runs = bench.add_argument_group("settings (override --config)")
+    runs.add_argument("--config", metavar="FILE", help="TOML, JSON or YAML file with axes and settings")
+    runs.add_argument("--model", help="preset name (see `opsd-rollout models`; default llama-small) or a local "
+                      "checkpoint directory")
+    runs.add_argument("--warmup", type=int, help="unmeasured iterations per config (default 1)")
+    runs.add_argument("--iterations", type=int, help="measured iterations per config (default 5)")
+    runs.add_argument("--seed", type=int, help="seed for prompts and sampling (default 0)")
+    runs.add_argument("--prompts", choices=PROMPT_KINDS, help="synthetic: exact-length prompts (default); "
+                      "variable: left-padded prompts of varying length")
+    runs.add_argument("--pad-fraction", type=float, help="mean padding fraction with --prompts variable (0.25)")
+    runs.add_argument("--fixed-length", action=argparse.BooleanOptionalAction, default=None,
+                      help="ignore EOS so every row generates the full response length (default on)")
+    runs.add_argument("--temperature", type=float, help="sampling temperature (default 1.0)")
+    runs.add_argument("--top-k", type=int, help="sampling top-k, -1 or 0 disables (default 50)")
+    runs.add_argument("--top-p", type=float, help="sampling top-p (default 1.0)")
+    out = bench.add_argument_group("output")
+    out.add_argument("--output", metavar="FILE", default="bench-results/rollout.json",
+                     help="result JSON, rewritten atomically after every config (default %(default)s)")
+    out.add_argument("--plot", metavar="DIR", help="write stages.png, throughput.png and latency.png here")
+    out.add_argument("--trace", metavar="FILE", help="Chrome/Perfetto trace of one measured iteration per config")
+    out.add_argument("--resume", metavar="FILE", help="finish an interrupted run: runs only the configs FILE "
+                     "lacks (or that failed), with FILE's own matrix and settings, and writes back to FILE")
+    out.add_argument("--dry-run", action="store_true", help="print the expanded matrix and its run order, run "
+                     "nothing")
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="opsd-rollout", description=(
         "Profiled, fast rollouts for on-policy (self-)distillation on DeepSpeed."))
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     models = sub.add_parser("models", help="list the built-in model presets")
     models.set_defaults(func=_cmd_models)
-    bench = sub.add_parser("bench", help="profile a rollout on a model and print where the time goes")
-    bench.add_argument("--model", default=DEFAULT_MODEL, help="preset name or local checkpoint directory")
-    bench.add_argument("--batch-size", type=int, default=4)
-    bench.add_argument("--samples-per-prompt", type=int, default=4)
-    bench.add_argument("--prompt-length", type=int, default=128)
-    bench.add_argument("--max-new-tokens", type=int, default=32)
-    bench.add_argument("--warmup", type=int, default=1)
-    bench.add_argument("--seed", type=int, default=0)
+    bench = sub.add_parser("bench", help="benchmark rollouts over a matrix of shapes",
+                           description="Benchmark rollouts over a matrix of shapes. With no flags: a smoke "
+                           "matrix (batch 1,4 x samples 1,4 x prompt 128 x response 32, greedy, llama-small).")
+    _add_bench_flags(bench)
     bench.set_defaults(func=_cmd_bench)
+    compare = sub.add_parser("compare", help="compare two result files; exit 1 on a significant regression")
+    compare.add_argument("before", metavar="BEFORE.json")
+    compare.add_argument("after", metavar="AFTER.json")
+    compare.add_argument("--threshold", type=float, default=5.0,
+                         help="percent change for the worse that counts as a regression when significant "
+                         "(default %(default)s)")
+    compare.add_argument("--markdown", metavar="FILE", help="also write the comparison as a Markdown table")
+    compare.set_defaults(func=_cmd_compare)
     return parser
 
 
@@ -57,9 +171,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args) or 0)
-    except ValueError as error:  # bad input: one clear line, no traceback
+    except ValueError as error:  # bad input: a clear message, no traceback
         print(f"opsd-rollout: error: {error}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("opsd-rollout: interrupted; finished configs are in the result file (finish with --resume)",
+              file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -151,6 +151,21 @@ def load_model(name_or_path: str, *, dtype: str | torch.dtype = "fp32", device: 
         "(e.g. `huggingface-cli download <id> --local-dir DIR`) and pass the local path.")
 
 
+def max_positions(name_or_path: str) -> int | None:
+    """The model's position limit, from its config alone (no weights); ``None`` when it has none."""
+    if name_or_path in PRESETS:
+        config = PRESETS[name_or_path].make_config()
+    elif os.path.isdir(name_or_path):
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(name_or_path, local_files_only=True)
+    else:
+        load_model(name_or_path)  # raises the "never downloads" error
+        return None
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+
+
 def _load_local(path: str, dtype: torch.dtype, device: str | torch.device):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -1,0 +1,201 @@
+"""Runs a benchmark matrix: builds each engine once, measures every config, survives failures, writes the
+result file atomically after every config, and resumes an interrupted file."""
+
+from __future__ import annotations
+
+import gc
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from opsd_rollout import HybridEngineRollout, HybridEngineRolloutConfig, RolloutRequest, SamplingConfig
+from opsd_rollout.bench.environment import environment_block, measure_ceilings
+from opsd_rollout.bench.facts import ModelFacts
+from opsd_rollout.bench.matrix import BenchConfig, BenchMatrix, BenchSettings, run_order
+from opsd_rollout.bench.prompts import synthetic_prompts
+from opsd_rollout.bench.report import SCHEMA_VERSION, ConfigResult, write_json_atomic
+from opsd_rollout.models import load_model, parse_dtype
+
+
+def dtype_unsupported(device: torch.device, dtype: torch.dtype) -> str | None:
+    """Why ``dtype`` cannot run on ``device`` (a tiny matmul + softmax probe fails), or ``None``."""
+    try:
+        x = torch.randn(8, 8, device=device).to(dtype)
+        torch.softmax(x @ x, dim=-1).sum().item()
+    except (RuntimeError, TypeError) as error:
+        return f"{dtype} is not supported on {device}: {error}"
+    if device.type == "cuda" and dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported():
+        return f"{torch.cuda.get_device_name(device)} does not support bf16"
+    return None
+
+
+@dataclass
+class _Engine:
+    """The model built for one (dtype, ZeRO stage), with its tokenizer and facts."""
+
+    engine: Any
+    tokenizer: Any
+    facts: ModelFacts
+    rollouts: dict[tuple, HybridEngineRollout] = field(default_factory=dict)
+
+
+class EnginePool:
+    """Keeps one engine alive at a time: the one the current config needs."""
+
+    def __init__(self, model: str, device: torch.device):
+        self.model, self.device = model, device
+        self._key: tuple | None = None
+        self._current: _Engine | None = None
+
+    def get(self, config: BenchConfig) -> _Engine:
+        if self._key != config.engine_key:
+            self.close()
+            model, tokenizer = load_model(self.model, dtype=config.dtype, device=self.device)
+            facts = ModelFacts.of(model)
+            engine = model
+            if config.zero_stage != "none":
+                from opsd_rollout.deepspeed_engine import build_engine
+
+                engine = build_engine(model, int(config.zero_stage))
+            self._key, self._current = config.engine_key, _Engine(engine, tokenizer, facts)
+        return self._current
+
+    def rollout(self, config: BenchConfig, fixed_length: bool) -> tuple[HybridEngineRollout, _Engine]:
+        built = self.get(config)
+        key = (config.strategy, config.cache_policy, config.forward_timing)
+        if key not in built.rollouts:
+            cfg = HybridEngineRolloutConfig(enable_profiling=True, strategy=config.strategy,
+                                            cache_policy=config.cache_policy, profile_forwards=config.forward_timing,
+                                            ignore_eos=fixed_length)
+            built.rollouts[key] = HybridEngineRollout(built.engine, built.tokenizer, cfg)
+        return built.rollouts[key], built
+
+    def close(self) -> None:
+        if self._current is not None:
+            for rollout in self._current.rollouts.values():
+                rollout.shutdown()
+        self._key = self._current = None
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def derived_figures(result: ConfigResult, facts: ModelFacts, ceilings: dict[str, Any] | None) -> dict[str, Any]:
+    """TTFT, TPOT, prefill and decode tokens/s (medians) and utilisation against the measured ceilings."""
+    c = result.config
+    med = {name: (s.p50 if (s := result.metric(name)) else None) for name in (
+        "ttft_ms", "tpot_ms", "prefill_ms", "prefill_tokens", "prefill_tokens_per_second",
+        "decode_tokens_per_second", "response_length")}
+    out: dict[str, Any] = {"time_to_first_token_ms": med["ttft_ms"], "time_per_output_token_ms": med["tpot_ms"],
+                           "prefill_tokens_per_second": med["prefill_tokens_per_second"],
+                           "decode_tokens_per_second": med["decode_tokens_per_second"],
+                           "decode_bandwidth_utilisation": None, "prefill_compute_utilisation": None}
+    if ceilings and med["tpot_ms"]:
+        context = c.prompt_length + (med["response_length"] or c.response_length) / 2
+        bytes_per_step = facts.decode_bytes_per_step(c.effective_batch_size, context)
+        out["decode_bandwidth_utilisation"] = bytes_per_step / (med["tpot_ms"] / 1e3) / ceilings[
+            "memory_bandwidth_bytes_per_s"]
+    if ceilings and med["prefill_ms"] and med["prefill_tokens"]:
+        rows = med["prefill_tokens"] / c.prompt_length
+        flops = facts.prefill_flops(round(rows), c.prompt_length)
+        out["prefill_compute_utilisation"] = flops / (med["prefill_ms"] / 1e3) / ceilings["matmul_flops_per_s"]
+    return out
+
+
+Progress = Callable[[str, BenchConfig | None, int], None]
+"""``progress(event, config, iteration)`` with events ``config``, ``iteration``, ``done``."""
+
+
+class BenchRunner:
+    """Measures every pending config of a matrix; the result document is rewritten after each one."""
+
+    def __init__(self, matrix: BenchMatrix, settings: BenchSettings, *, output: str | Path | None,
+                 device: torch.device | None = None, measure_machine: bool = True,
+                 existing: dict[str, Any] | None = None):
+        self.matrix, self.settings, self.output = matrix, settings, output
+        self.device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.configs = matrix.expand()
+        previous = {r["key"]: ConfigResult.from_dict(r) for r in (existing or {}).get("results", [])}
+        self.results = {c.key: previous.get(c.key) or ConfigResult(config=c) for c in self.configs}
+        for result in self.results.values():
+            if result.status == "failed":  # a resume retries failures
+                result.status, result.error, result.iterations = "pending", None, []
+        self.environment = (existing or {}).get("environment")
+        self._measure_machine = measure_machine
+        self.timelines: dict[str, list] = {}
+
+    @property
+    def pending(self) -> list[BenchConfig]:
+        return [c for c in run_order(self.configs) if self.results[c.key].status == "pending"]
+
+    def document(self) -> dict[str, Any]:
+        return {"schema_version": SCHEMA_VERSION, "kind": "rollout", "environment": self.environment,
+                "matrix": self.matrix.to_dict(), "settings": self.settings.to_dict(),
+                "run_order": [c.key for c in run_order(self.configs)],
+                "results": [self.results[c.key].to_dict() for c in self.configs]}
+
+    def _save(self) -> None:
+        if self.output is not None:
+            write_json_atomic(self.output, self.document())
+
+    def run(self, progress: Progress | None = None) -> list[ConfigResult]:
+        progress = progress or (lambda *_: None)
+        if self.environment is None:
+            ceilings = measure_ceilings(self.device) if self._measure_machine else None
+            self.environment = environment_block(self.device, ceilings)
+        self._save()
+        pool = EnginePool(self.settings.model, self.device)
+        try:
+            for config in self.pending:
+                progress("config", config, 0)
+                self._run_config(pool, config, progress)
+                self._save()
+        finally:
+            pool.close()
+        progress("done", None, 0)
+        return [self.results[c.key] for c in self.configs]
+
+    def _run_config(self, pool: EnginePool, config: BenchConfig, progress: Progress) -> None:
+        result = self.results[config.key]
+        reason = dtype_unsupported(self.device, parse_dtype(config.dtype))
+        if reason:
+            result.status, result.error = "skipped", reason
+            return
+        try:
+            rollout, built = pool.rollout(config, self.settings.fixed_length)
+            request, sampling = self._inputs(config, built.tokenizer, built.facts)
+            torch.manual_seed(self.settings.seed)
+            for index in range(self.settings.warmup + self.settings.iterations):
+                rollout.generate(request, sampling)
+                if index >= self.settings.warmup:
+                    result.iterations.append(rollout.get_last_profile().to_dict())
+                progress("iteration", config, index + 1)
+            self.timelines[config.key] = rollout.get_last_timeline()
+            result.status = "ok"
+            result.derived = derived_figures(result, built.facts, self.environment.get("ceilings"))
+            total = result.metric("total_ms")
+            if total is not None and total.noisy:
+                result.warnings.append(f"total_ms spread (IQR/median) is {100 * total.spread:.1f}%, over 10%: "
+                                       "the machine was busy or the run too short; add --iterations")
+        except Exception as error:  # noqa: BLE001 - a failed config is recorded and the run goes on
+            result.status, result.iterations = "failed", []
+            result.error = f"{type(error).__name__}: {error}"
+            result.warnings.append(traceback.format_exc(limit=3).splitlines()[-1])
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+
+    def _inputs(self, config: BenchConfig, tokenizer: Any, facts: ModelFacts) -> tuple[RolloutRequest, SamplingConfig]:
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        request = synthetic_prompts(
+            config.batch_size, config.prompt_length, vocab_size=facts.vocab_size, seed=self.settings.seed,
+            pad_fraction=self.settings.pad_fraction if self.settings.prompts == "variable" else 0.0,
+            pad_token_id=pad)
+        greedy = config.decoding == "greedy"
+        sampling = SamplingConfig(max_new_tokens=config.response_length, n_samples_per_prompt=config.samples_per_prompt,
+                                  temperature=0.0 if greedy else self.settings.temperature,
+                                  top_k=self.settings.top_k, top_p=self.settings.top_p)
+        return RolloutRequest(request.prompt_ids.to(self.device), request.prompt_attention_mask.to(self.device)), sampling

@@ -1,0 +1,65 @@
+"""``opsd-rollout bench`` for people: a progress bar while it runs, then the table, plots and trace."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from opsd_rollout.bench.matrix import BenchConfig, BenchMatrix, BenchSettings
+from opsd_rollout.bench.report import display_labels, results_table, write_json_atomic
+from opsd_rollout.bench.runner import BenchRunner
+
+
+def run_bench_session(matrix: BenchMatrix, settings: BenchSettings, *, output: str | None, plot_dir: str | None,
+                      trace: str | None, existing: dict[str, Any] | None, console: Console) -> int:
+    """Runs the matrix; returns the exit status (1 when a config failed)."""
+    runner = BenchRunner(matrix, settings, output=output, existing=existing)
+    per_config = settings.warmup + settings.iterations
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=console, transient=True) as bar:
+        configs = bar.add_task("configs", total=len(runner.pending))
+        iterations = bar.add_task("iterations", total=per_config)
+
+        def progress(event: str, config: BenchConfig | None, iteration: int) -> None:
+            if event == "config":
+                bar.update(configs, description=f"configs ({config.label})")
+                bar.reset(iterations, total=per_config)
+            elif event == "iteration":
+                bar.update(iterations, completed=iteration)
+                if iteration == per_config:
+                    bar.advance(configs)
+
+        if existing is not None:
+            console.print(f"resuming {output}: {len(runner.pending)} of {len(runner.configs)} configs to run")
+        results = runner.run(progress)
+
+    env = runner.environment
+    console.print(results_table(results, f"{settings.model} on {env['device_name']} ({env['threads']} threads), "
+                                f"{settings.iterations} iterations after {settings.warmup} warmup"
+                                f"{', fixed length' if settings.fixed_length else ', real EOS stopping'}"))
+    labels = display_labels([r.config for r in results])
+    for result in results:
+        for warning in result.warnings:
+            console.print(f"[yellow]warning[/] {labels[result.config.key]}: {warning}")
+    if output:
+        console.print(f"results: {output}")
+    if plot_dir:
+        from opsd_rollout.bench.plots import write_plots
+
+        for path in write_plots(results, plot_dir):
+            console.print(f"plot: {path}")
+    if trace:
+        from opsd_rollout.profiling.trace import chrome_trace
+
+        timelines = [(r.config.key, runner.timelines[r.config.key]) for r in results
+                     if r.config.key in runner.timelines]
+        write_json_atomic(Path(trace), chrome_trace(timelines))
+        console.print(f"trace: {trace} (open in ui.perfetto.dev)")
+    failed = [r for r in results if r.status == "failed"]
+    if failed:
+        console.print(f"[red]{len(failed)} config(s) failed; see 'error' in the results[/]")
+        return 1
+    return 0

@@ -1,0 +1,105 @@
+"""Matrix expansion, run order, validation messages, config files, and the statistics type."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from opsd_rollout.bench.configfile import read_config_file, split_config
+from opsd_rollout.bench.matrix import BenchMatrix, BenchSettings, run_order
+from opsd_rollout.bench.stats import Stats
+
+small_ints = st.lists(st.integers(1, 64), min_size=1, max_size=3, unique=True)
+
+
+@settings(max_examples=60, deadline=None)
+@given(b=small_ints, n=small_ints, p=small_ints, r=small_ints,
+       dtypes=st.lists(st.sampled_from(["fp32", "bf16"]), min_size=1, max_size=2, unique=True),
+       zero=st.lists(st.sampled_from(["none", 0, 3]), min_size=1, max_size=2, unique=True))
+def test_expansion_is_the_product_and_run_order_is_largest_first_per_engine(b, n, p, r, dtypes, zero):
+    matrix = BenchMatrix.parse({"batch_sizes": b, "samples_per_prompt": n, "prompt_lengths": p,
+                                "response_lengths": r, "dtypes": dtypes, "zero_stages": zero})
+    configs = matrix.expand()
+    assert len(configs) == len(b) * len(n) * len(p) * len(r) * len(dtypes) * len(zero)
+    assert len({c.key for c in configs}) == len(configs)
+    assert [c.batch_size for c in configs[::len(configs) // len(b)]] == b  # user order: first axis slowest
+    order = run_order(configs)
+    assert sorted(c.key for c in order) == sorted(c.key for c in configs)
+    engines = list(dict.fromkeys(c.engine_key for c in configs))
+    groups = [c.engine_key for c in order]
+    assert groups == sorted(groups, key=engines.index), "each engine's configs run together, in user order"
+    for engine in engines:
+        sizes = [(c.effective_batch_size, c.prompt_length + c.response_length) for c in order if c.engine_key == engine]
+        assert sizes == sorted(sizes, reverse=True), "largest effective batch, then longest sequence, first"
+
+
+def test_every_bad_value_is_listed_in_one_message():
+    with pytest.raises(ValueError) as error:
+        BenchMatrix.parse({"batch_sizes": ["1", "0", "x"], "dtypes": ["fp32", "fp8"], "zero_stages": ["4"],
+                           "decoding": ["beam"], "colours": ["red"]})
+    message = str(error.value)
+    for fragment in ("batch_sizes: '0' is not an integer >= 1", "batch_sizes: 'x'", "dtypes: 'fp8'",
+                     "zero_stages: '4'", "decoding: 'beam'", "unknown axis 'colours'"):
+        assert fragment in message
+
+
+def test_positions_beyond_the_model_are_refused_up_front():
+    matrix = BenchMatrix.parse({"prompt_lengths": [512, 1000], "response_lengths": [32, 64]})
+    with pytest.raises(ValueError, match="prompt 1000 \\+ response 32 = 1032; prompt 1000 \\+ response 64"):
+        matrix.check_positions(1024)
+    matrix.check_positions(2048)
+
+
+def test_settings_are_validated_together():
+    with pytest.raises(ValueError) as error:
+        BenchSettings(iterations=0, warmup=-1, top_p=2.0, prompts="random")
+    for fragment in ("iterations must be", "warmup must be", "top_p must be", "prompts must be"):
+        assert fragment in str(error.value)
+
+
+@pytest.mark.parametrize("suffix,text", [
+    (".toml", 'batch_sizes = [2, 8]\nsamples-per-prompt = [4]\niterations = 3\nmodel = "gpt2-tiny"\n'),
+    (".json", json.dumps({"batch_sizes": [2, 8], "samples_per_prompt": 4, "iterations": 3, "model": "gpt2-tiny"})),
+    (".yaml", "batch_sizes: [2, 8]\nsamples_per_prompt: '4'\niterations: 3\nmodel: gpt2-tiny\n"),
+])
+def test_config_files_in_three_formats(tmp_path, suffix, text):
+    path = tmp_path / f"bench{suffix}"
+    path.write_text(text)
+    axes, settings_ = split_config(read_config_file(path))
+    matrix = BenchMatrix.parse(axes)
+    assert matrix.batch_sizes == [2, 8] and matrix.samples_per_prompt == [4]
+    assert BenchSettings(**settings_).iterations == 3
+
+
+def test_config_file_unknown_key_is_named(tmp_path):
+    path = tmp_path / "bad.json"
+    path.write_text('{"batch_size": [1]}')
+    with pytest.raises(ValueError, match="unknown keys \\['batch_size'\\]"):
+        split_config(read_config_file(path))
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.floats(0.001, 1e6, allow_nan=False), min_size=1, max_size=40))
+def test_stats_match_numpy(values):
+    s = Stats.from_values(values)
+    array = np.asarray(values)
+    assert s.count == len(values)
+    assert s.mean == pytest.approx(array.mean())
+    assert s.p50 == pytest.approx(np.median(array))
+    assert s.p95 == pytest.approx(np.percentile(array, 95))
+    assert (s.min, s.max) == (array.min(), array.max())
+    assert s.stdev == pytest.approx(array.std(ddof=1) if len(values) > 1 else 0.0)
+    assert s.iqr == pytest.approx(np.percentile(array, 75) - np.percentile(array, 25))
+
+
+def test_stats_merge_skip_missing_and_flag_spread():
+    a, b = Stats.from_values([1.0, 2.0]), Stats.from_values([3.0, None, float("nan")])
+    merged = Stats.merge([a, None, b])
+    assert merged.count == 3 and merged.p50 == 2.0
+    assert Stats.from_values([None]) is None
+    assert Stats.from_values([100, 100, 100, 100]).noisy is False
+    assert Stats.from_values([80, 100, 120, 140]).noisy is True

@@ -1,0 +1,180 @@
+"""``opsd-rollout bench`` end to end on the tiny model: JSON against its schema, failures recorded, plots,
+trace, dry run, an interrupted run resumed, and ``compare``."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import jsonschema
+import pytest
+
+from opsd_rollout import HybridEngineRollout
+from opsd_rollout.bench.matrix import BenchMatrix, BenchSettings
+from opsd_rollout.bench.report import load_schema
+from opsd_rollout.bench.runner import BenchRunner
+from opsd_rollout.cli import main
+
+TINY = ["--model", "llama-tiny", "--prompt-lengths", "8", "--response-lengths", "4", "--warmup", "0",
+        "--iterations", "6", "--zero-stages", "none"]
+
+
+@pytest.fixture(scope="module")
+def bench_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    code = main(["bench", *TINY, "--batch-sizes", "1,2", "--samples-per-prompt", "1,2", "--output",
+                 str(out / "run.json"), "--plot", str(out / "plots"), "--trace", str(out / "trace.json")])
+    return code, out
+
+
+def test_bench_writes_a_schema_valid_document_in_user_order(bench_run, capsys):
+    code, out = bench_run
+    assert code == 0
+    document = json.loads((out / "run.json").read_text())
+    jsonschema.validate(document, load_schema())
+    keys = [r["key"] for r in document["results"]]
+    assert [r["config"]["batch_size"] for r in document["results"]] == [1, 1, 2, 2]
+    assert document["run_order"][0] == keys[-1]  # B2 n2 is the largest: it ran first
+    for result in document["results"]:
+        assert result["status"] == "ok" and len(result["iterations"]) == 6
+        summary = result["summary"]["total_ms"]
+        assert summary["count"] == 6 and summary["min"] <= summary["p50"] <= summary["max"]
+        assert result["derived"]["time_per_output_token_ms"] > 0
+        assert 0 < result["derived"]["decode_bandwidth_utilisation"]
+        assert all(it["response_length"] == 4 for it in result["iterations"])  # fixed length
+    env = document["environment"]
+    assert env["ceilings"]["memory_bandwidth_bytes_per_s"] > 0 and "matmul" in env["ceilings"]["method"]
+    assert env["command"] and env["torch"] and env["deepspeed"]
+
+
+def test_bench_writes_three_png_plots_and_a_nested_trace(bench_run):
+    _, out = bench_run
+    pngs = sorted((out / "plots").glob("*.png"))
+    assert [p.name for p in pngs] == ["latency.png", "stages.png", "throughput.png"]
+    for png in pngs:
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
+    trace = json.loads((out / "trace.json").read_text())
+    spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    names = {e["name"] for e in spans}
+    assert {"rollout", "prompt_expansion", "generation", "prefill forward", "decode step 0",
+            "post_processing", "attention_mask"} <= names
+    processes = {e["pid"] for e in spans}
+    assert len(processes) == 4
+    for pid in processes:
+        root = next(e for e in spans if e["pid"] == pid and e["name"] == "rollout")
+        for event in (e for e in spans if e["pid"] == pid):
+            assert root["ts"] <= event["ts"] and event["ts"] + event["dur"] <= root["ts"] + root["dur"] + 1
+
+
+def test_a_failing_config_is_recorded_and_the_run_goes_on(tmp_path, monkeypatch):
+    original = HybridEngineRollout.generate
+
+    def flaky(self, request, sampling):
+        if request.prompt_ids.shape[0] == 2:
+            raise RuntimeError("CUDA out of memory (planted)")
+        return original(self, request, sampling)
+
+    monkeypatch.setattr(HybridEngineRollout, "generate", flaky)
+    matrix = BenchMatrix.parse({"batch_sizes": [1, 2, 3], "prompt_lengths": [8], "response_lengths": [2],
+                                "samples_per_prompt": [1], "zero_stages": ["none"]})
+    runner = BenchRunner(matrix, BenchSettings(model="llama-tiny", warmup=0, iterations=2),
+                         output=tmp_path / "r.json", measure_machine=False)
+    results = runner.run()
+    assert [r.status for r in results] == ["ok", "failed", "ok"]
+    assert "planted" in results[1].error
+    document = json.loads((tmp_path / "r.json").read_text())
+    jsonschema.validate(document, load_schema())
+    assert document["results"][1]["status"] == "failed"
+
+
+def test_dry_run_prints_the_matrix_and_its_order(capsys):
+    assert main(["bench", *TINY, "--batch-sizes", "1,4", "--samples-per-prompt", "2", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "2 configs" in out and "B1-n2-P8-R4" in out and "B4-n2-P8-R4" in out
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--batch-sizes", "0,x"], "batch_sizes: '0' is not an integer >= 1"),
+    (["--dtypes", "fp8"], "dtypes: 'fp8' is not one of fp32, fp16, bf16"),
+    (["--prompt-lengths", "1020", "--response-lengths", "8"], "beyond the model's 1024 positions"),
+    (["--iterations", "0"], "iterations must be an integer >= 1"),
+    (["--model", "someone/model"], "never downloads"),
+    (["--config", "missing.toml"], "cannot read it"),
+    (["--resume", "missing.json"], "does not exist"),
+])
+def test_bad_bench_input_is_one_clear_message(capsys, argv, message):
+    assert main(["bench", "--model", "llama-tiny", "--dry-run", *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_compare_passes_identical_runs_and_flags_a_planted_regression(bench_run, tmp_path, capsys):
+    _, out = bench_run
+    before = out / "run.json"
+    assert main(["compare", str(before), str(before)]) == 0
+    document = json.loads(before.read_text())
+    for result in document["results"]:
+        for it in result["iterations"]:
+            it["total_ms"] *= 1.5
+            it["tokens_per_second"] /= 1.5
+    slowed = tmp_path / "slowed.json"
+    slowed.write_text(json.dumps(document))
+    code = main(["compare", str(before), str(slowed), "--markdown", str(tmp_path / "cmp.md")])
+    out_text = capsys.readouterr().out
+    assert code == 1 and "REGRESSION" in out_text and "Mann-Whitney" in out_text
+    markdown = (tmp_path / "cmp.md").read_text()
+    assert "| total_ms |" in markdown and "+50.0%" in markdown
+
+
+def test_compare_says_when_too_few_iterations_can_be_significant(bench_run, tmp_path, capsys):
+    _, out = bench_run
+    document = json.loads((out / "run.json").read_text())
+    for result in document["results"]:
+        result["iterations"] = result["iterations"][:3]
+    short = tmp_path / "short.json"
+    short.write_text(json.dumps(document))
+    assert main(["compare", str(short), str(short)]) == 0
+    assert "smallest possible p" in capsys.readouterr().out
+
+
+def test_mann_whitney_against_the_formula():
+    from opsd_rollout.bench.compare import mann_whitney_p
+
+    assert mann_whitney_p([1, 2, 3, 4, 5], [1, 2, 3, 4, 5]) == pytest.approx(1.0, abs=0.2)
+    # completely separated samples of 5: normal approximation with continuity correction
+    assert mann_whitney_p([1, 2, 3, 4, 5], [6, 7, 8, 9, 10]) == pytest.approx(0.01219, abs=1e-4)
+
+
+def test_an_interrupted_run_leaves_valid_json_that_resume_completes(tmp_path):
+    output = tmp_path / "run.json"
+    command = [sys.executable, "-m", "opsd_rollout", "bench", "--model", "llama-tiny", "--zero-stages", "none",
+               "--batch-sizes", "1,2,3", "--samples-per-prompt", "1", "--prompt-lengths", "8",
+               "--response-lengths", "48", "--warmup", "0", "--iterations", "25", "--output", str(output)]
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                               env={**os.environ, "DS_ACCELERATOR": "cpu"})
+    deadline = time.monotonic() + 240
+    try:
+        while time.monotonic() < deadline:
+            if output.exists():
+                statuses = [r["status"] for r in json.loads(output.read_text())["results"]]
+                if "ok" in statuses:
+                    break
+            time.sleep(0.05)
+        process.send_signal(signal.SIGKILL)
+    finally:
+        process.wait(timeout=60)
+    document = json.loads(output.read_text())
+    jsonschema.validate(document, load_schema())
+    statuses = [r["status"] for r in document["results"]]
+    assert "ok" in statuses and "pending" in statuses, statuses
+    assert main(["bench", "--resume", str(output)]) == 0
+    resumed = json.loads(output.read_text())
+    assert [r["status"] for r in resumed["results"]] == ["ok", "ok", "ok"]
+    finished_first = [r for r, s in zip(document["results"], statuses) if s == "ok"]
+    for before in finished_first:  # what was done is kept, not rerun
+        after = next(r for r in resumed["results"] if r["key"] == before["key"])
+        assert after["iterations"] == before["iterations"]
