@@ -35,3 +35,10 @@ def test_zero3_ranks_finishing_at_different_steps(tmp_path):
     assert [row[2:] for row in rank1["input_ids"]] == [[10, 11, 12, 13, 14, 15], [12, 13, 14, 15, 3, 4]]
     # lockstep: both ranks ran as many forwards as the longest rank needed
     assert rank0["forwards"] == rank1["forwards"] == 6
+    # each rank's profile attributes its ZeRO-3 gathers, counted as DeepSpeed launched them
+    for rank in (rank0, rank1):
+        profile = rank["profile"]
+        assert profile["world_size"] == 2 and profile["zero_stage"] == 3
+        assert profile["param_gather_ms"] > 0 and profile["param_gather_count"] == rank["gathers"] > 0
+        assert profile["param_gather_bytes"] > 0
+    assert {rank0["profile"]["rank"], rank1["profile"]["rank"]} == {0, 1}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import warnings
 from collections.abc import Sequence
 from dataclasses import fields
 from pathlib import Path
@@ -168,6 +169,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    # torch deprecations raised from inside DeepSpeed are not the user's to act on
+    warnings.filterwarnings("ignore", category=FutureWarning, module="torch")
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args) or 0)

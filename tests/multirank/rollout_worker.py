@@ -15,8 +15,25 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from conftest import chain_table, left_padded, make_tokenizer, transition_model  # noqa: E402
-from opsd_rollout import HybridEngineRollout, SamplingConfig  # noqa: E402
+from opsd_rollout import HybridEngineRollout, HybridEngineRolloutConfig, SamplingConfig  # noqa: E402
 from opsd_rollout.deepspeed_engine import build_engine  # noqa: E402
+from opsd_rollout.rollout.phases import zero3_coordinator  # noqa: E402
+
+MANGLED = "_PartitionedParameterCoordinator__all_gather_params_"
+
+
+def count_gathers(engine) -> list[int]:
+    """Counts DeepSpeed's own all-gather launches, independently of the rollout's probes."""
+    coordinator = zero3_coordinator(engine)
+    original, gathers = getattr(coordinator, MANGLED), []
+
+    def counting(params, forward, quantize=False):
+        if any(p.ds_status.name == "NOT_AVAILABLE" for p in params):
+            gathers.append(1)
+        return original(params, forward, quantize)
+
+    setattr(coordinator, MANGLED, counting)
+    return gathers
 
 
 def main(out_dir: str) -> None:
@@ -27,11 +44,13 @@ def main(out_dir: str) -> None:
     model.register_forward_pre_hook(lambda *_: forwards.append(1))
     engine = build_engine(model, 3)
     prompts = [[5, 7], [6, 7]] if rank == 0 else [[9], [10, 11]]
-    rollout = HybridEngineRollout(engine, make_tokenizer(0, 2))
+    gathers = count_gathers(engine)
+    rollout = HybridEngineRollout(engine, make_tokenizer(0, 2), HybridEngineRolloutConfig(enable_profiling=True))
     batch = rollout.generate(left_padded(prompts, 0), SamplingConfig(max_new_tokens=6, temperature=0.0))
+    profile = rollout.get_last_profile()
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as handle:
         json.dump({"input_ids": batch.input_ids.tolist(), "attention_mask": batch.attention_mask.tolist(),
-                   "forwards": len(forwards)}, handle)
+                   "forwards": len(forwards), "gathers": len(gathers), "profile": profile.to_dict()}, handle)
 
 
 if __name__ == "__main__":

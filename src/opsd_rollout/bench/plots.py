@@ -31,9 +31,6 @@ def _median_stage_ms(result: ConfigResult) -> dict[str, float]:
     for stage in STAGES:
         values = sorted(getattr(p, stage) or 0.0 for p in profiles)
         out[stage] = values[len(values) // 2]
-    # attributed phases run outside forwards, inside generation: take them out of "other"
-    attributed = sum(out[s] for s in STAGES[3:9])
-    out["generation_overhead_ms"] = max(0.0, out["generation_overhead_ms"] - attributed)
     return out
 
 

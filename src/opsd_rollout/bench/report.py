@@ -61,7 +61,7 @@ class ConfigResult:
                    warnings=list(data.get("warnings", [])))
 
 
-def write_json_atomic(path: str | os.PathLike, document: dict[str, Any]) -> None:
+def write_text_atomic(path: str | os.PathLike, text: str) -> None:
     """Write to a temporary file in the same folder, fsync, then rename over ``path``: a reader (or a crash)
     sees the old file or the new one, never half of one."""
     path = Path(path)
@@ -69,10 +69,12 @@ def write_json_atomic(path: str | os.PathLike, document: dict[str, Any]) -> None
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "w") as handle:
-            json.dump(_finite(document), handle, indent=1, allow_nan=False)
-            handle.write("\n")
+            handle.write(text)
             handle.flush()
             os.fsync(handle.fileno())
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; give the file the permissions open() would
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
@@ -80,13 +82,9 @@ def write_json_atomic(path: str | os.PathLike, document: dict[str, Any]) -> None
         raise
 
 
-def write_text_atomic(path: str | os.PathLike, text: str) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    with os.fdopen(fd, "w") as handle:
-        handle.write(text)
-    os.replace(tmp, path)
+def write_json_atomic(path: str | os.PathLike, document: dict[str, Any]) -> None:
+    """``document`` as JSON (NaN and infinities as null), written atomically."""
+    write_text_atomic(path, json.dumps(_finite(document), indent=1, allow_nan=False) + "\n")
 
 
 def display_labels(configs: list[BenchConfig]) -> dict[str, str]:
@@ -132,8 +130,9 @@ def results_table(results: list[ConfigResult], title: str) -> Table:
     """The final table: one row per config; stage columns are shares of the median iteration's total."""
     shares = {r.config.key: median_shares(r) for r in results if r.status == "ok"}
     stage_columns = [k for k in SHARE_LABELS if any(s.get(k, 0) >= 0.005 for s in shares.values())]
-    table = Table(title=title, title_justify="left", caption="* spread (IQR/median) over 10%: noisy",
-                  caption_justify="left")
+    noisy = any(r.metric("total_ms").noisy for r in results if r.status == "ok")
+    table = Table(title=title, title_justify="left", caption_justify="left",
+                  caption="* spread (IQR/median) over 10%: noisy" if noisy else None)
     for column in ("config", "TTFT ms", "TPOT ms", "tok/s p50", "total ms p50", "p95", "peak MiB"):
         table.add_column(column, justify="left" if column == "config" else "right")
     for key in stage_columns:

@@ -26,6 +26,13 @@ class ForwardTime:
     """``prefill`` or ``decode``."""
     offset_ms: float | None = None
     """Start, relative to the ``origin`` mark given to ``ForwardTimer.read``."""
+    attributed_ms: float = 0.0
+    """Time of attributed phases (e.g. ZeRO-3 gathers) that ran inside this forward."""
+
+    @property
+    def exclusive_ms(self) -> float:
+        """The forward's own time: ``ms`` less the attributed phases inside it."""
+        return max(0.0, self.ms - self.attributed_ms)
 
 
 def _input_shape(args: tuple, kwargs: dict) -> tuple[int, int]:
@@ -43,8 +50,11 @@ class ForwardTimer:
     forwards) therefore counts as prefill.
     """
 
-    def __init__(self, module: torch.nn.Module, clock: Clock):
+    def __init__(self, module: torch.nn.Module, clock: Clock, *, also: tuple[torch.nn.Module, ...] = ()):
+        """``also``: modules that ``module`` wraps; a forward nested in another hooked forward counts once,
+        so hooking a wrapper and what it wraps times whichever forward the caller actually enters."""
         self.module = module
+        self.modules = tuple(dict.fromkeys((module, *also)))
         self.clock = clock
         self._records: list[tuple[Any, Any, tuple[int, int]]] = []
         self._open: list[tuple[Any, tuple[int, int]]] = []
@@ -53,10 +63,9 @@ class ForwardTimer:
     def attach(self) -> "ForwardTimer":
         if self._handles:
             raise RuntimeError("ForwardTimer is already attached")
-        self._handles = [
-            self.module.register_forward_pre_hook(self._on_start, with_kwargs=True),
-            self.module.register_forward_hook(self._on_end, always_call=True),
-        ]
+        for module in self.modules:
+            self._handles += [module.register_forward_pre_hook(self._on_start, with_kwargs=True),
+                              module.register_forward_hook(self._on_end, always_call=True)]
         return self
 
     def remove(self) -> None:
@@ -83,6 +92,10 @@ class ForwardTimer:
 
     def __len__(self) -> int:
         return len(self._records)
+
+    def open_index(self) -> int | None:
+        """Index (in ``read()``'s list) of the forward running now, or ``None`` between forwards."""
+        return len(self._records) if self._open else None
 
     def read(self, clear: bool = True, origin: Any = None) -> list[ForwardTime]:
         """Resolve the recorded marks (one device wait on CUDA) and classify each forward; with an

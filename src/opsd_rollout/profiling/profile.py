@@ -39,10 +39,11 @@ class RolloutProfile(Mapping):
     generation_ms: float
     """Everything between expansion and post-processing: forwards, sampling, cache work."""
     prefill_ms: float | None
-    """Forward passes over the prompts (chunked prefill included), measured on the model that ran.
+    """Forward passes over the prompts (chunked prefill included), measured on the model that ran, less
+    the attributed phases that ran inside them (e.g. ZeRO-3 gathers), so stages never double count.
     This and the other forward-derived fields are ``None`` when forward timing is off."""
     decode_ms: float | None
-    """Forward passes that feed one token per row."""
+    """Forward passes that feed one token per row, less the attributed phases inside them."""
     decode_steps: int | None
     """Number of decode forwards."""
     prefill_forwards: int | None
@@ -50,7 +51,7 @@ class RolloutProfile(Mapping):
     ttft_ms: float | None
     """Time to first token: from the start of the call to the end of the last prefill forward."""
     tpot_ms: float | None
-    """Time per output token: the median decode forward."""
+    """Time per output token: the median decode forward, wall time (attributed phases inside included)."""
     prefill_tokens: int | None
     """Token positions the prefill forwards processed (rows x query tokens, padding included)."""
     post_processing_ms: float
@@ -61,7 +62,11 @@ class RolloutProfile(Mapping):
     """The whole call, validation excluded."""
     # attributed phases, inside generation
     param_gather_ms: float | None = None
-    """ZeRO-3 parameter gathering."""
+    """ZeRO-3 parameter gathering (DeepSpeed's fetches, waits included)."""
+    param_gather_count: int | None = None
+    """ZeRO-3 all-gathers launched (one per coalesced group of parameters)."""
+    param_gather_bytes: int | None = None
+    """Bytes of full parameters those all-gathers assembled."""
     inference_cache_ms: float | None = None
     """Hybrid engine inference workspace retake/release."""
     lora_fuse_ms: float | None = None
@@ -108,10 +113,15 @@ class RolloutProfile(Mapping):
     """``cuda_events`` or ``synchronized_clock``."""
 
     @property
+    def attributed_ms(self) -> float:
+        """All attributed phases together."""
+        return sum(getattr(self, name) or 0.0 for name in ATTRIBUTED_PHASES)
+
+    @property
     def generation_overhead_ms(self) -> float:
-        """Generation time outside forward passes (DeepSpeed's key)."""
-        forwards = (self.prefill_ms or 0.0) + (self.decode_ms or 0.0)
-        return max(0.0, self.generation_ms - forwards)
+        """Generation time outside forward passes and attributed phases (sampling, cache updates, ...)."""
+        accounted = (self.prefill_ms or 0.0) + (self.decode_ms or 0.0) + self.attributed_ms
+        return max(0.0, self.generation_ms - accounted)
 
     # Mapping protocol: fields, DeepSpeed aliases and derived keys.
     def __getitem__(self, key: str) -> Any:
@@ -137,10 +147,8 @@ class RolloutProfile(Mapping):
         if self.total_ms <= 0:
             return {}
         names = ("prompt_expansion_ms", "prefill_ms", "decode_ms", "post_processing_ms", *ATTRIBUTED_PHASES)
-        # attributed phases run inside generation but outside forwards, so they come out of the overhead
-        attributed = sum(getattr(self, name) or 0.0 for name in ATTRIBUTED_PHASES)
         shares = {name: getattr(self, name) / self.total_ms for name in names if getattr(self, name) is not None}
-        shares["generation_overhead_ms"] = max(0.0, self.generation_overhead_ms - attributed) / self.total_ms
+        shares["generation_overhead_ms"] = self.generation_overhead_ms / self.total_ms
         return shares
 
 
@@ -153,7 +161,11 @@ def _median(values: list[float]) -> float:
     return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
 
 
-def build_profile(*, stages: dict[str, float], forwards: list | None, peak_memory: tuple[int, str],
+PHASE_FIELDS = {"param_gather": "param_gather_ms", "inference_cache": "inference_cache_ms", "lora_fuse": "lora_fuse_ms",
+                "lora_unfuse": "lora_unfuse_ms", "gc": "gc_ms", "empty_cache": "empty_cache_ms"}
+
+
+def build_profile(*, stages: dict[str, float], forwards: list | None, phases: dict, peak_memory: tuple[int, str],
                   generated_tokens: int, effective_batch_size: int, response_length: int,
                   **metadata: Any) -> RolloutProfile:
     """Assemble a profile from resolved stage times (``StageRecorder.resolve``) and the call's facts.
@@ -167,7 +179,7 @@ def build_profile(*, stages: dict[str, float], forwards: list | None, peak_memor
     if forwards is not None:
         prefill = [f for f in forwards if f.phase == "prefill"]
         decode = [f for f in forwards if f.phase == "decode"]
-        prefill_ms, decode_ms = sum(f.ms for f in prefill), sum(f.ms for f in decode)
+        prefill_ms, decode_ms = sum(f.exclusive_ms for f in prefill), sum(f.exclusive_ms for f in decode)
         prefill_tokens = sum(f.rows * f.query_tokens for f in prefill)
         forward_fields.update(
             prefill_ms=prefill_ms, decode_ms=decode_ms, decode_steps=len(decode), prefill_forwards=len(prefill),
@@ -176,10 +188,15 @@ def build_profile(*, stages: dict[str, float], forwards: list | None, peak_memor
             decode_tokens_per_second=((generated_tokens - effective_batch_size) / (decode_ms / 1e3)
                                       if decode_ms > 0 else None),
             prefill_tokens_per_second=prefill_tokens / (prefill_ms / 1e3) if prefill_ms > 0 else None)
+    attributed: dict[str, Any] = {field: phases[phase].ms for phase, field in PHASE_FIELDS.items()
+                                  if phase in phases and (phases[phase].calls or phases[phase].events)}
+    if "param_gather" in phases:
+        attributed.update(param_gather_count=phases["param_gather"].events,
+                          param_gather_bytes=phases["param_gather"].bytes)
     return RolloutProfile(
         prompt_expansion_ms=stages["prompt_expansion"], generation_ms=stages["generation"],
         post_processing_ms=stages["post_processing"], attention_mask_ms=stages["attention_mask"],
-        total_ms=total_ms, inference_cache_ms=stages.get("release_workspace"), **forward_fields,
+        total_ms=total_ms, **attributed, **forward_fields,
         generated_tokens=generated_tokens, padded_tokens=effective_batch_size * response_length - generated_tokens,
         tokens_per_second=generated_tokens / (total_ms / 1e3) if total_ms > 0 else 0.0,
         peak_memory_bytes=peak_memory[0], peak_memory_source=peak_memory[1],

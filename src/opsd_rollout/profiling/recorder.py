@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -14,6 +15,7 @@ import torch
 
 from opsd_rollout.profiling.clock import Clock
 from opsd_rollout.profiling.forward import ForwardTime, ForwardTimer
+from opsd_rollout.profiling.probes import PhaseProbes, PhaseTotal
 
 ROOT = "total"
 
@@ -41,6 +43,7 @@ class StageRecorder:
         self._stack: list[str] = []
         self._forward_timer: ForwardTimer | None = None
         self._forward_parent: str | None = None
+        self._probes: PhaseProbes | None = None
 
     @contextlib.contextmanager
     def stage(self, name: str) -> Iterator[None]:
@@ -63,21 +66,49 @@ class StageRecorder:
         with self._forward_timer:
             yield
 
-    def resolve(self) -> tuple[dict[str, float], list[ForwardTime] | None, list[Span]]:
-        """``(stage ms by name, forward times or None when not timed, timeline spans)``."""
+    @contextlib.contextmanager
+    def probes(self, probes: PhaseProbes) -> Iterator[None]:
+        """Install ``probes`` for the block; their calls are attributed to the forward they ran in, if any."""
+        timer = self._forward_timer
+        probes.current_forward = (lambda: timer.open_index()) if timer is not None else (lambda: None)
+        self._probes = probes
+        with probes:
+            yield
+
+    def resolve(self) -> "Resolved":
+        """Read every mark once (one device wait on CUDA) into stage times, forwards, phases and spans."""
         origin = self._marks[ROOT][0]
         stages, spans = {}, []
         for name, (start, end, parent) in self._marks.items():
             stages[name] = max(0.0, self.clock.elapsed_ms(start, end))
             spans.append(Span(name, max(0.0, self.clock.elapsed_ms(origin, start)), stages[name], parent))
+        phases: dict[str, PhaseTotal] = self._probes.totals() if self._probes is not None else {}
+        inside: dict[int, float] = {}
+        for record in self._probes.records if self._probes is not None else []:
+            ms = max(0.0, self.clock.elapsed_ms(record.start, record.end))
+            spans.append(Span(record.phase, max(0.0, self.clock.elapsed_ms(origin, record.start)), ms, "generation"))
+            if record.forward_index is not None:
+                inside[record.forward_index] = inside.get(record.forward_index, 0.0) + ms
         forwards = None
         if self._forward_timer is not None:
-            forwards = self._forward_timer.read(origin=origin)
+            forwards = [dataclasses.replace(f, attributed_ms=inside.get(i, 0.0))
+                        for i, f in enumerate(self._forward_timer.read(origin=origin))]
             spans += [Span(f"{f.phase} forward", max(0.0, f.offset_ms), f.ms, self._forward_parent) for f in forwards]
         elif self.time_forwards:
             forwards = []
         spans.sort(key=lambda span: span.start_ms)
-        return stages, forwards, spans
+        return Resolved(stages, forwards, phases, spans)
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """A recorder's marks, read."""
+
+    stages: dict[str, float]
+    forwards: list[ForwardTime] | None
+    """``None`` when forward timing was off."""
+    phases: dict[str, PhaseTotal]
+    spans: list[Span]
 
 
 class _NullRecorder:
@@ -87,6 +118,9 @@ class _NullRecorder:
         return contextlib.nullcontext()
 
     def forwards(self, _module: torch.nn.Module) -> contextlib.nullcontext:
+        return contextlib.nullcontext()
+
+    def probes(self, _probes: PhaseProbes) -> contextlib.nullcontext:
         return contextlib.nullcontext()
 
 

@@ -31,8 +31,13 @@ class HybridEngineRolloutConfig:
     """Benchmark mode: generation does not stop at EOS, so every row runs ``max_new_tokens`` steps. The
     returned batch still follows the contract (trimmed and padded after the first EOS)."""
 
+    merge_adapters: bool = False
+    """For a PEFT model: merge the LoRA adapters into the base weights for generation and unmerge them
+    after (timed as ``lora_fuse_ms``/``lora_unfuse_ms``). Greedy tokens match unmerged generation within
+    the dtype's rounding; an unmerged adapter costs extra matmuls at every step."""
+
     def __post_init__(self) -> None:
-        for name in ("enable_profiling", "profile_forwards", "ignore_eos"):
+        for name in ("enable_profiling", "profile_forwards", "ignore_eos", "merge_adapters"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool; got {getattr(self, name)!r}")
         if self.strategy not in STRATEGIES:

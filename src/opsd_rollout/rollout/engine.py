@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -9,9 +11,11 @@ from deepspeed.runtime.rollout.base import RolloutBatch, RolloutEngine, RolloutR
 
 from opsd_rollout.models import dtype_name
 from opsd_rollout.profiling import NULL_RECORDER, Clock, PeakMemory, RolloutProfile, Span, StageRecorder
+from opsd_rollout.profiling.probes import PhaseProbes
 from opsd_rollout.profiling.profile import build_profile
 from opsd_rollout.rollout import postprocess
 from opsd_rollout.rollout.config import HybridEngineRolloutConfig
+from opsd_rollout.rollout.phases import add_rollout_probes
 from opsd_rollout.rollout.strategies import make_strategy
 from opsd_rollout.rollout.target import resolve_target
 from opsd_rollout.rollout.validation import RolloutPlan, plan_rollout
@@ -38,6 +42,9 @@ class HybridEngineRollout(RolloutEngine):
         self.tokenizer = tokenizer
         self.cfg = HybridEngineRolloutConfig.from_any(cfg)
         self.target = resolve_target(engine)
+        if self.cfg.merge_adapters and not self.target.is_peft:
+            raise ValueError(f"merge_adapters=True needs a PEFT model (with merge_adapter/unmerge_adapter); "
+                             f"got {type(self.target.model).__name__}")
         self.strategy = make_strategy(self.cfg.strategy)
         self._last_profile: RolloutProfile | None = None
         self._last_timeline: list[Span] | None = None
@@ -86,9 +93,11 @@ class HybridEngineRollout(RolloutEngine):
         recorder = StageRecorder(self._clock, time_forwards=self.cfg.profile_forwards)
         with recorder.stage("total"):
             batch, lengths = self._rollout(prompt_ids, prompt_mask, plan, recorder)
-        stages, forwards, self._last_timeline = recorder.resolve()
+        resolved = recorder.resolve()
+        self._last_timeline = resolved.spans
         self._last_profile = build_profile(
-            stages=stages, forwards=forwards, peak_memory=memory.stop(), generated_tokens=int(lengths.sum()),
+            stages=resolved.stages, forwards=resolved.forwards, phases=resolved.phases,
+            peak_memory=memory.stop(), generated_tokens=int(lengths.sum()),
             effective_batch_size=plan.effective_batch_size, response_length=batch.seq_len - plan.prompt_length,
             batch_size=plan.batch_size, samples_per_prompt=plan.samples_per_prompt,
             prompt_length=plan.prompt_length, max_new_tokens=plan.max_new_tokens, dtype=dtype_name(self.target.dtype),
@@ -97,16 +106,32 @@ class HybridEngineRollout(RolloutEngine):
             timer=self._clock.kind)
         return batch
 
+    def _probes(self) -> PhaseProbes:
+        probes = PhaseProbes(self._clock)
+        add_rollout_probes(probes, self.target, self, merge_adapters=self.cfg.merge_adapters)
+        return probes
+
+    @contextlib.contextmanager
+    def _adapters_merged(self) -> Iterator[None]:
+        if not self.cfg.merge_adapters:
+            yield
+            return
+        self.target.model.merge_adapter()
+        try:
+            yield
+        finally:
+            self.target.model.unmerge_adapter()
+
     def _rollout(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, plan: RolloutPlan,
                  recorder: Any) -> tuple[RolloutBatch, torch.Tensor]:
         with recorder.stage("prompt_expansion"):
             ids, mask = postprocess.expand_prompts(prompt_ids, prompt_mask, plan.samples_per_prompt)
-        with recorder.stage("generation"):
-            with recorder.forwards(self.target.forward_module):
+        with recorder.stage("generation"), recorder.forwards(self.target.forward_module), \
+                recorder.probes(self._probes()):
+            with self._adapters_merged():
                 sequences = self.strategy.generate(self.target, ids, mask, plan)  # [N, P + R']
             if self.cfg.cache_policy == "release":
-                with recorder.stage("release_workspace"):
-                    self.release_workspace()
+                self.release_workspace()
         with recorder.stage("post_processing"):
             P = plan.prompt_length
             eos = torch.tensor(plan.eos_token_ids, dtype=sequences.dtype, device=sequences.device)

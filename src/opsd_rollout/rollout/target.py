@@ -15,6 +15,8 @@ from opsd_rollout.distributed import rank_info
 class RolloutTarget:
     """The pieces of an engine or model that generation needs."""
 
+    engine: Any
+    """What the user passed: a DeepSpeed engine or the model itself."""
     model: torch.nn.Module
     """The module generation is called on: ``engine.module`` for DeepSpeed, the model itself otherwise."""
     forward_module: torch.nn.Module
@@ -29,6 +31,11 @@ class RolloutTarget:
     max_positions: int | None
     config_eos_ids: tuple[int, ...]
     """``generation_config.eos_token_id`` of the model (an int or a Qwen-style list)."""
+
+    @property
+    def is_peft(self) -> bool:
+        return callable(getattr(self.model, "merge_adapter", None)) and callable(
+            getattr(self.model, "unmerge_adapter", None))
 
     @property
     def world_size(self) -> int:
@@ -109,6 +116,7 @@ def resolve_target(engine_or_model: Any) -> RolloutTarget:
     param = _first_param(forward_module)
     generation_config = getattr(forward_module, "generation_config", None)
     return RolloutTarget(
+        engine=engine_or_model,
         model=model,
         forward_module=forward_module,
         generate_fn=generate_fn,

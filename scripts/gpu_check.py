@@ -1,0 +1,149 @@
+"""Checks that need a CUDA GPU, in one call (for a lent GPU machine): prints one table, exits non-zero on a
+failure. On a machine without CUDA it says so and exits 0 without checking anything.
+
+    python scripts/gpu_check.py [--model llama-small] [--dtype fp16]
+
+Sections:
+- forward timer on CUDA events: counts and split match the forwards that ran, no synchronization per forward;
+- hybrid engine rollout (DeepSpeed hybrid engine, release_inference_cache on): greedy tokens equal the bare
+  model's; inference_cache_ms, gc_ms, empty_cache_ms attributed; lora_fuse/unfuse when DeepSpeed sees LoRA;
+- PEFT LoRA with merge_adapters: fuse/unfuse timed, greedy tokens equal unmerged;
+- ZeRO-3 rollout: param_gather_ms, count and bytes attributed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import sys
+import time
+import traceback
+
+import torch
+
+
+def _request(tokenizer, device):
+    from opsd_rollout import RolloutRequest
+
+    enc = tokenizer(["On-policy distillation on a GPU", "Hi"], padding=True, return_tensors="pt")
+    return RolloutRequest(enc.input_ids.to(device), enc.attention_mask.to(device))
+
+
+def check_forward_timer(model, tokenizer, device, _dtype):
+    from opsd_rollout import HybridEngineRollout, SamplingConfig
+    from opsd_rollout.profiling import profile_model_time
+
+    calls = []
+    handle = model.register_forward_pre_hook(lambda *_: calls.append(1))
+    try:
+        with profile_model_time(model, use_cuda_events=True) as timer:
+            HybridEngineRollout(model, tokenizer).generate(_request(tokenizer, device),
+                                                           SamplingConfig(max_new_tokens=16, temperature=0))
+            split = timer.model_times(split=True)
+    finally:
+        handle.remove()
+    n = len(split["prefill"]) + len(split["decode"])
+    assert n == len(calls), f"timer saw {n} forwards, the model ran {len(calls)}"
+    assert all(t > 0 for t in split["prefill"] + split["decode"])
+    return f"{n} forwards, median decode {sorted(split['decode'])[len(split['decode']) // 2]:.2f} ms"
+
+
+def check_hybrid_engine(model, tokenizer, device, dtype):
+    import deepspeed
+
+    from opsd_rollout import HybridEngineRollout, HybridEngineRolloutConfig, SamplingConfig
+    from opsd_rollout.deepspeed_engine import deepspeed_config, init_distributed
+
+    init_distributed()
+    config = deepspeed_config(0, dtype=dtype)
+    config["hybrid_engine"] = {"enabled": True, "max_out_tokens": 512, "inference_tp_size": 1,
+                               "release_inference_cache": True, "pin_parameters": True,
+                               "tp_gather_partition_size": 8}
+    engine, *_ = deepspeed.initialize(model=copy.deepcopy(model), config=config,
+                                      model_parameters=list(model.parameters()))
+    sampling = SamplingConfig(max_new_tokens=16, temperature=0)
+    request = _request(tokenizer, device)
+    expected = HybridEngineRollout(model, tokenizer).generate(request, sampling)
+    rollout = HybridEngineRollout(engine, tokenizer, HybridEngineRolloutConfig(enable_profiling=True))
+    engine.eval()
+    batch = rollout.generate(request, sampling)
+    engine.train()
+    p = rollout.get_last_profile()
+    assert rollout.target.hybrid_engine, "the engine is not a DeepSpeedHybridEngine"
+    assert (p.inference_cache_ms or 0) > 0, f"inference_cache_ms={p.inference_cache_ms}"
+    assert (p.gc_ms or 0) > 0 and (p.empty_cache_ms or 0) > 0, f"gc_ms={p.gc_ms} empty_cache_ms={p.empty_cache_ms}"
+    same = torch.equal(batch.input_ids, expected.input_ids)
+    lora = len(getattr(engine, "all_lora_params", []))
+    if lora:
+        assert (p.lora_fuse_ms or 0) > 0 and (p.lora_unfuse_ms or 0) > 0
+    return (f"cache {p.inference_cache_ms:.2f} ms, gc {p.gc_ms:.2f} ms, empty_cache {p.empty_cache_ms:.2f} ms, "
+            f"greedy tokens equal bare model: {same}, DeepSpeed LoRA params: {lora}")
+
+
+def check_peft_merge(model, tokenizer, device, _dtype):
+    import peft
+
+    from opsd_rollout import HybridEngineRollout, HybridEngineRolloutConfig, SamplingConfig
+
+    lora = peft.get_peft_model(copy.deepcopy(model), peft.LoraConfig(r=8, target_modules=["q_proj", "v_proj"],
+                                                                      init_lora_weights=False)).eval()
+    sampling = SamplingConfig(max_new_tokens=16, temperature=0)
+    request = _request(tokenizer, device)
+    unmerged = HybridEngineRollout(lora, tokenizer).generate(request, sampling)
+    rollout = HybridEngineRollout(lora, tokenizer, HybridEngineRolloutConfig(enable_profiling=True,
+                                                                             merge_adapters=True))
+    merged = rollout.generate(request, sampling)
+    p = rollout.get_last_profile()
+    assert p.lora_fuse_ms > 0 and p.lora_unfuse_ms > 0
+    agree = (merged.input_ids == unmerged.input_ids).float().mean().item()
+    return f"fuse {p.lora_fuse_ms:.2f} ms, unfuse {p.lora_unfuse_ms:.2f} ms, token agreement {agree:.3f}"
+
+
+def check_zero3(model, tokenizer, device, _dtype):
+    from opsd_rollout import HybridEngineRollout, HybridEngineRolloutConfig, SamplingConfig
+    from opsd_rollout.deepspeed_engine import build_engine
+
+    engine = build_engine(copy.deepcopy(model), 3)
+    rollout = HybridEngineRollout(engine, tokenizer, HybridEngineRolloutConfig(enable_profiling=True))
+    rollout.generate(_request(tokenizer, device), SamplingConfig(max_new_tokens=16, temperature=0))
+    p = rollout.get_last_profile()
+    assert p.param_gather_ms > 0 and p.param_gather_count > 0 and p.param_gather_bytes > 0
+    return (f"gather {p.param_gather_ms:.1f} ms of {p.generation_ms:.1f} ms generation, {p.param_gather_count} "
+            f"all-gathers, {p.param_gather_bytes / 2**20:.1f} MiB")
+
+
+CHECKS = [("forward timer (CUDA events)", check_forward_timer), ("hybrid engine rollout", check_hybrid_engine),
+          ("PEFT merge_adapters", check_peft_merge), ("ZeRO-3 gather attribution", check_zero3)]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="llama-small")
+    parser.add_argument("--dtype", default="fp16", choices=["fp16", "bf16", "fp32"])
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("gpu_check: no CUDA device here; nothing checked")
+        return 0
+    from opsd_rollout.models import load_model, parse_dtype
+
+    device = torch.device("cuda")
+    model, tokenizer = load_model(args.model, dtype=args.dtype, device=device)
+    rows, failed = [], 0
+    for name, check in CHECKS:
+        start = time.perf_counter()
+        try:
+            detail, status = check(model, tokenizer, device, parse_dtype(args.dtype)), "PASS"
+        except Exception as error:  # noqa: BLE001 - every check reports, the script goes on
+            detail, status = f"{type(error).__name__}: {error}", "FAIL"
+            traceback.print_exc()
+            failed += 1
+        rows.append((name, status, f"{time.perf_counter() - start:.1f}s", detail))
+    print(f"\n{torch.cuda.get_device_name(device)}, {args.model} {args.dtype}")
+    print("| check | status | time | detail |\n|---|---|---:|---|")
+    for row in rows:
+        print("| " + " | ".join(row) + " |")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

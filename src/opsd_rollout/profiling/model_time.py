@@ -1,0 +1,99 @@
+"""``profile_model_time(module)`` / ``model_times()``: DeepSpeed inference engine's forward timer, for any module.
+
+Works on a transformers model, a PEFT model, a DeepSpeed training or inference engine: the wrapper and the
+modules it wraps are all hooked, so the forward that actually runs is timed (once) whether the caller
+enters the wrapper or, as ``generate`` does, the model inside. On CUDA the times come from events
+recorded in the hooks (no synchronization per forward; resolved when read); elsewhere from a
+synchronized clock.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+
+from opsd_rollout.profiling.clock import Clock
+from opsd_rollout.profiling.forward import ForwardTimer
+
+_ACTIVE: "weakref.WeakKeyDictionary[torch.nn.Module, ModelTimeProfiler]" = weakref.WeakKeyDictionary()
+
+
+def _wrapped_modules(module: torch.nn.Module) -> list[torch.nn.Module]:
+    """``module`` and what it wraps: ``.module`` of DeepSpeed engines, ``get_base_model()`` of PEFT."""
+    chain = [module]
+    while True:
+        current = chain[-1]
+        inner = getattr(current, "module", None)
+        if not isinstance(inner, torch.nn.Module) and callable(getattr(current, "get_base_model", None)):
+            inner = current.get_base_model()
+        if not isinstance(inner, torch.nn.Module) or inner in chain:
+            return chain
+        chain.append(inner)
+
+
+def _device_of(module: torch.nn.Module) -> torch.device:
+    device = getattr(module, "device", None)
+    if isinstance(device, (torch.device, str)):
+        return torch.device(device)
+    param = next(module.parameters(), None)
+    return param.device if param is not None else torch.device("cpu")
+
+
+class ModelTimeProfiler:
+    """The handle ``profile_model_time`` returns; also a context manager that removes itself on exit."""
+
+    def __init__(self, module: torch.nn.Module, use_cuda_events: bool = True):
+        if not isinstance(module, torch.nn.Module):
+            raise TypeError(f"profile_model_time needs a torch.nn.Module; got {type(module).__name__}")
+        chain = _wrapped_modules(module)
+        for member in chain:
+            if member in _ACTIVE:
+                raise RuntimeError(f"forward timing is already enabled on {type(member).__name__}; call remove() "
+                                   "on the existing handle first")
+        self.module = module
+        self.clock = Clock(_device_of(module), use_device_events=use_cuda_events)
+        self._timer = ForwardTimer(module, self.clock, also=tuple(chain[1:])).attach()
+        self._chain = chain
+        for member in chain:
+            _ACTIVE[member] = self
+
+    @property
+    def active(self) -> bool:
+        return bool(self._chain)
+
+    def model_times(self, split: bool = False) -> list[float] | dict[str, list[float]]:
+        """Forward durations in ms since the last read, then cleared. ``split=True`` returns
+        ``{"prefill": [...], "decode": [...]}`` (chunked prefill counts as prefill)."""
+        if not self.active:
+            raise RuntimeError("this forward timer was removed; enable a new one with profile_model_time()")
+        times = self._timer.read(clear=True)
+        if not times:
+            raise RuntimeError(
+                f"no forward pass of {type(self.module).__name__} (or the modules it wraps) ran since timing began "
+                "or since the last read. Under CUDA-graph replay the model's forward hooks do not run: time the "
+                "module whose call replays the graph (e.g. the DeepSpeed inference engine) instead.")
+        if split:
+            return {"prefill": [t.ms for t in times if t.phase == "prefill"],
+                    "decode": [t.ms for t in times if t.phase == "decode"]}
+        return [t.ms for t in times]
+
+    def remove(self) -> None:
+        """Remove every hook; the module is left exactly as it was."""
+        self._timer.remove()
+        for member in self._chain:
+            if _ACTIVE.get(member) is self:
+                del _ACTIVE[member]
+        self._chain = []
+
+    def __enter__(self) -> "ModelTimeProfiler":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.remove()
+
+
+def profile_model_time(module: torch.nn.Module, use_cuda_events: bool = True) -> ModelTimeProfiler:
+    """Start timing every forward pass of ``module``; read with ``handle.model_times()``."""
+    return ModelTimeProfiler(module, use_cuda_events)

@@ -1,0 +1,72 @@
+"""Timing the ``engine.eval()`` / ``engine.train()`` switches around a rollout (the hybrid engine does real
+work there: swapping in inference containers, gathering, ``gc.collect`` and ``empty_cache``)."""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from opsd_rollout.profiling.clock import Clock, synchronize
+from opsd_rollout.profiling.probes import PhaseProbes
+
+
+@dataclass
+class ModeSwitchTimes:
+    """Filled in by ``timed_eval``: how long the switches took (ms) and what ran inside them."""
+
+    eval_ms: float | None = None
+    train_ms: float | None = None
+    gc_ms: float = 0.0
+    """``gc.collect`` inside either switch."""
+    empty_cache_ms: float = 0.0
+    """Accelerator ``empty_cache`` inside either switch."""
+    details: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _timed_switch(engine: Any, method: str, clock: Clock, times: ModeSwitchTimes) -> float:
+    probes = PhaseProbes(clock)
+    probes.add(gc, "collect", "gc")
+    if torch.cuda.is_available():
+        probes.add(torch.cuda, "empty_cache", "empty_cache")
+    try:
+        from deepspeed.accelerator import get_accelerator
+
+        probes.add(get_accelerator(), "empty_cache", "empty_cache")
+    except ImportError:  # pragma: no cover
+        pass
+    synchronize(clock.device)
+    start = clock.mark()
+    with probes:
+        getattr(engine, method)()
+    synchronize(clock.device)
+    elapsed = clock.elapsed_ms(start, clock.mark())
+    totals = probes.totals()
+    times.gc_ms += totals["gc"].ms if "gc" in totals else 0.0
+    times.empty_cache_ms += totals["empty_cache"].ms if "empty_cache" in totals else 0.0
+    return elapsed
+
+
+@contextlib.contextmanager
+def timed_eval(engine: Any, device: torch.device | str | None = None) -> Iterator[ModeSwitchTimes]:
+    """``with timed_eval(engine) as times: rollout.generate(...)``: ``engine.eval()`` on entry and, if the
+    engine was training, ``engine.train()`` on exit, both timed (device synchronized around each)."""
+    if device is None:
+        device = getattr(engine, "device", None) or next(engine.parameters()).device
+    clock = Clock(torch.device(device))
+    times = ModeSwitchTimes()
+    # a DeepSpeed engine switches its module's mode, not its own flag
+    was_training = bool(getattr(getattr(engine, "module", engine), "training", True))
+    times.eval_ms = _timed_switch(engine, "eval", clock, times)
+    try:
+        yield times
+    finally:
+        if was_training:
+            times.train_ms = _timed_switch(engine, "train", clock, times)

@@ -1,0 +1,52 @@
+"""Which live callables a profiled rollout probes, per kind of engine (see ``profiling.probes``)."""
+
+from __future__ import annotations
+
+import gc
+from typing import Any
+
+import torch
+
+from opsd_rollout.profiling.probes import PhaseProbes
+from opsd_rollout.rollout.target import RolloutTarget
+
+
+def zero3_coordinator(engine: Any) -> Any:
+    """DeepSpeed's ZeRO-3 parameter coordinator of ``engine``, or ``None``."""
+    for owner in (getattr(engine, "optimizer", None), engine):
+        offload = getattr(owner, "parameter_offload", None)
+        if offload is not None and hasattr(offload, "get_param_coordinator"):
+            return offload.get_param_coordinator()
+    return None
+
+
+def _gathered_bytes(params: Any, *_args: Any, **_kwargs: Any) -> int:
+    return sum(int(p.ds_numel) * p.element_size() for p in params)
+
+
+def add_rollout_probes(probes: PhaseProbes, target: RolloutTarget, rollout: Any, *, merge_adapters: bool) -> None:
+    """Register every phase that can occur during a rollout on ``target``."""
+    if target.zero_stage == 3:
+        # the fetch (launch, wait, prefetch) is timed; each all-gather it launches is counted with its bytes
+        probes.add(zero3_coordinator(target.engine), "fetch_sub_module", "param_gather")
+        for param in target.model.parameters():
+            probes.add(param, "all_gather_coalesced", "param_gather", timed=False, measure=_gathered_bytes)
+    if target.hybrid_engine:
+        probes.add(target.engine, "retake_inference_cache", "inference_cache")
+        probes.add(getattr(target.engine, "workspace", None), "release_workspace", "inference_cache")
+        probes.add(target.engine, "fuse_lora_weight", "lora_fuse")
+        probes.add(target.engine, "unfuse_lora_weight", "lora_unfuse")
+        probes.add(target.engine, "unfuse_lora_weight_non_pinned", "lora_unfuse")
+    if merge_adapters:
+        probes.add(target.model, "merge_adapter", "lora_fuse")
+        probes.add(target.model, "unmerge_adapter", "lora_unfuse")
+    probes.add(rollout, "release_workspace", "inference_cache")
+    probes.add(gc, "collect", "gc")
+    try:
+        from deepspeed.accelerator import get_accelerator
+
+        probes.add(get_accelerator(), "empty_cache", "empty_cache")
+    except ImportError:  # pragma: no cover - deepspeed is a dependency
+        pass
+    if torch.cuda.is_available():
+        probes.add(torch.cuda, "empty_cache", "empty_cache")
