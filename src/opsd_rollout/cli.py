@@ -162,7 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("after", metavar="AFTER.json")
     compare.add_argument("--threshold", type=float, default=5.0,
                          help="percent change for the worse that counts as a regression when significant "
-                         "(default %(default)s)")
+                         "and at least 1 ms (times) or 1 MiB (memory) (default %(default)s)")
     compare.add_argument("--markdown", metavar="FILE", help="also write the comparison as a Markdown table")
     compare.set_defaults(func=_cmd_compare)
     return parser

@@ -70,6 +70,15 @@ class MetricChange:
         return ("better" if better else "worse") + (" - REGRESSION" if self.regression else "")
 
 
+# smallest absolute change that can count as a regression, per unit: sub-millisecond stages and a few
+# hundred kB of RSS move on a shared machine without any code change
+MIN_ABSOLUTE = {"ms": 1.0, "bytes": 2**20}
+
+
+def _unit(metric: str) -> str | None:
+    return "ms" if metric.endswith("_ms") else ("bytes" if metric.endswith("_bytes") else None)
+
+
 def compare_documents(before: dict[str, Any], after: dict[str, Any], *, threshold_pct: float = 5.0,
                       alpha: float = 0.05) -> tuple[list[MetricChange], list[str]]:
     """Changes for every config present in both files and ``ok`` in both; plus notes on unmatched ones."""
@@ -105,7 +114,9 @@ def _change(key: str, label: str, metric: str, a: Stats, b: Stats, lower_is_bett
     significant = p < alpha and a.p50 != b.p50
     worse = (b.p50 > a.p50) if lower_is_better else (b.p50 < a.p50)
     pct = abs(100.0 * (b.p50 - a.p50) / a.p50) if a.p50 else 0.0
-    return MetricChange(key, label, metric, a.p50, b.p50, p, significant, significant and worse and pct > threshold_pct)
+    large = abs(b.p50 - a.p50) >= MIN_ABSOLUTE.get(_unit(metric), 0.0)
+    return MetricChange(key, label, metric, a.p50, b.p50, p, significant,
+                        significant and worse and pct > threshold_pct and large)
 
 
 def comparison_table(changes: list[MetricChange]) -> Table:
@@ -121,7 +132,7 @@ def comparison_table(changes: list[MetricChange]) -> Table:
 
 def comparison_markdown(changes: list[MetricChange], notes: list[str], threshold_pct: float) -> str:
     lines = [f"Significance: {TEST_NAME}, alpha 0.05; a regression is a significant change for the worse of "
-             f"more than {threshold_pct:g}%.", "",
+             f"more than {threshold_pct:g}% (and at least 1 ms for times, 1 MiB for memory).", "",
              "| config | metric | before (p50) | after (p50) | change | p | verdict |",
              "|---|---|---:|---:|---:|---:|---|"]
     lines += [f"| {c.label} | {c.metric} | {c.before:,.2f} | {c.after:,.2f} | {c.change_pct:+.1f}% | "
