@@ -81,6 +81,14 @@ def left_padded(prompts: list[list[int]], pad_token_id: int, *, width: int | Non
     return RolloutRequest(ids, mask)
 
 
+def prompts_with_padding_and_holes(tokenizer) -> RolloutRequest:
+    """Three byte-tokenized prompts of different lengths, left-padded, with a hole in the last one."""
+    enc = tokenizer(["The student writes", "hi", "distillation on policy"], padding=True, return_tensors="pt")
+    mask = enc.attention_mask.clone()
+    mask[2, -4] = 0
+    return RolloutRequest(enc.input_ids, mask)
+
+
 def reference_postprocess(sequences, prompt_ids, prompt_mask, eos_ids, pad_token_id):
     """Plain per-row version of the batch contract, for equivalence tests."""
     prompt_len = prompt_ids.shape[1]

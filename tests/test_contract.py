@@ -14,10 +14,20 @@ from opsd_rollout import HybridEngineRollout, HybridEngineRolloutConfig, Rollout
 V, PAD, EOS = 16, 0, 2
 
 
-def rollout_of(table, *, pad=PAD, eos=EOS, config_eos=None, profile=False):
+STRATEGIES = ["generate", "static"]
+
+
+@pytest.fixture(params=STRATEGIES)
+def strategy(request):
+    return request.param
+
+
+def rollout_of(table, *, pad=PAD, eos=EOS, config_eos=None, profile=False, strategy="generate"):
     model = transition_model(table, eos_token_id=config_eos)
-    cfg = HybridEngineRolloutConfig(enable_profiling=profile)
-    return HybridEngineRollout(model, make_tokenizer(pad, eos), cfg), model
+    cfg = HybridEngineRolloutConfig(enable_profiling=profile, strategy=strategy)
+    rollout = HybridEngineRollout(model, make_tokenizer(pad, eos), cfg)
+    assert rollout.strategy.name == strategy
+    return rollout, model
 
 
 def run(rollout, prompts, *, n=1, max_new_tokens=6, pad=PAD, request=None):
@@ -32,16 +42,16 @@ def responses(batch, request):
     return batch.input_ids[:, P:].tolist(), batch.attention_mask[:, P:].tolist()
 
 
-def test_single_sample_follows_the_table_to_max_new_tokens():
-    rollout, _ = rollout_of(chain_table(V, {}))
+def test_single_sample_follows_the_table_to_max_new_tokens(strategy):
+    rollout, _ = rollout_of(chain_table(V, {}), strategy=strategy)
     request, batch = run(rollout, [[5, 6, 7]], max_new_tokens=4)
     assert responses(batch, request) == ([[8, 9, 10, 11]], [[1, 1, 1, 1]])
     assert_batch_contract(batch, request, n=1, max_new_tokens=4, pad_token_id=PAD, eos_ids=[EOS])
 
 
 @pytest.mark.parametrize("B", [1, 3])
-def test_several_samples_per_prompt_are_repeat_interleaved(B):
-    rollout, _ = rollout_of(chain_table(V, {9: EOS}))
+def test_several_samples_per_prompt_are_repeat_interleaved(B, strategy):
+    rollout, _ = rollout_of(chain_table(V, {9: EOS}), strategy=strategy)
     prompts = [[4], [6, 7], [8, 3, 5]][:B]
     request, batch = run(rollout, prompts, n=3, max_new_tokens=6)
     ids, mask = responses(batch, request)
@@ -52,52 +62,52 @@ def test_several_samples_per_prompt_are_repeat_interleaved(B):
     assert_batch_contract(batch, request, n=3, max_new_tokens=6, pad_token_id=PAD, eos_ids=[EOS])
 
 
-def test_eos_at_first_response_position_and_all_rows_stop_early_trims_batch():
-    rollout, _ = rollout_of(chain_table(V, {7: EOS, 11: EOS}))
+def test_eos_at_first_response_position_and_all_rows_stop_early_trims_batch(strategy):
+    rollout, _ = rollout_of(chain_table(V, {7: EOS, 11: EOS}), strategy=strategy)
     request, batch = run(rollout, [[5, 6, 7], [11]], n=2, max_new_tokens=8)
     assert batch.input_ids.shape[1] == 3 + 1  # trimmed to the longest response: one token
     assert responses(batch, request) == ([[2]] * 4, [[1]] * 4)
 
 
-def test_generated_pad_token_before_eos_stays_in_the_mask():
-    rollout, _ = rollout_of(chain_table(V, {7: PAD, PAD: 9, 9: EOS}))
+def test_generated_pad_token_before_eos_stays_in_the_mask(strategy):
+    rollout, _ = rollout_of(chain_table(V, {7: PAD, PAD: 9, 9: EOS}), strategy=strategy)
     request, batch = run(rollout, [[5, 7]], max_new_tokens=6)
     assert responses(batch, request) == ([[0, 9, 2]], [[1, 1, 1]])
 
 
-def test_pad_equal_to_eos_keeps_the_eos_and_masks_what_follows():
-    rollout, _ = rollout_of(chain_table(V, {7: 4, 4: EOS}), pad=EOS, eos=EOS)
+def test_pad_equal_to_eos_keeps_the_eos_and_masks_what_follows(strategy):
+    rollout, _ = rollout_of(chain_table(V, {7: 4, 4: EOS}), pad=EOS, eos=EOS, strategy=strategy)
     request, batch = run(rollout, [[7], [10]], max_new_tokens=5, pad=EOS)
     ids, mask = responses(batch, request)
     assert ids[0] == [4, 2, 2, 2, 2] and mask[0] == [1, 1, 0, 0, 0]
     assert ids[1] == [11, 12, 13, 14, 15] and mask[1] == [1] * 5
 
 
-def test_nonzero_pad_id_pads_after_eos():
-    rollout, _ = rollout_of(chain_table(V, {6: EOS}), pad=15)
+def test_nonzero_pad_id_pads_after_eos(strategy):
+    rollout, _ = rollout_of(chain_table(V, {6: EOS}), pad=15, strategy=strategy)
     request, batch = run(rollout, [[5], [9]], max_new_tokens=4, pad=15)
     ids, mask = responses(batch, request)
     assert ids[0] == [6, 2, 15, 15] and mask[0] == [1, 1, 0, 0]
     assert ids[1] == [10, 11, 12, 13] and mask[1] == [1, 1, 1, 1]
 
 
-def test_every_model_generation_config_eos_id_stops_a_row():
-    rollout, _ = rollout_of(chain_table(V, {}), config_eos=[EOS, 12])
+def test_every_model_generation_config_eos_id_stops_a_row(strategy):
+    rollout, _ = rollout_of(chain_table(V, {}), config_eos=[EOS, 12], strategy=strategy)
     request, batch = run(rollout, [[10], [4]], max_new_tokens=6)
     ids, mask = responses(batch, request)
     assert ids[0] == [11, 12, 0, 0, 0, 0] and mask[0] == [1, 1, 0, 0, 0, 0]
     assert ids[1] == [5, 6, 7, 8, 9, 10]
 
 
-def test_no_eos_within_max_new_tokens_runs_full_width():
-    rollout, _ = rollout_of(chain_table(V, {}))
+def test_no_eos_within_max_new_tokens_runs_full_width(strategy):
+    rollout, _ = rollout_of(chain_table(V, {}), strategy=strategy)
     request, batch = run(rollout, [[3], [8, 9]], n=2, max_new_tokens=5)
     assert batch.input_ids.shape == (4, 2 + 5)
     assert batch.attention_mask[:, 2:].eq(1).all()
 
 
-def test_prompt_mask_is_returned_exactly_with_left_padding_and_holes():
-    rollout, _ = rollout_of(chain_table(V, {}))
+def test_prompt_mask_is_returned_exactly_with_left_padding_and_holes(strategy):
+    rollout, _ = rollout_of(chain_table(V, {}), strategy=strategy)
     ids = torch.tensor([[0, 0, 5, 6, 7], [9, 4, 0, 12, 13], [3, 3, 3, 3, 3]])
     mask = torch.tensor([[0, 0, 1, 1, 1], [1, 0, 1, 0, 1], [0, 1, 0, 1, 1]])
     request, batch = run(rollout, None, n=2, max_new_tokens=3, request=RolloutRequest(ids, mask))
@@ -106,8 +116,8 @@ def test_prompt_mask_is_returned_exactly_with_left_padding_and_holes():
     assert_batch_contract(batch, request, n=2, max_new_tokens=3, pad_token_id=PAD, eos_ids=[EOS])
 
 
-def test_bool_prompt_mask_keeps_its_dtype():
-    rollout, _ = rollout_of(chain_table(V, {}))
+def test_bool_prompt_mask_keeps_its_dtype(strategy):
+    rollout, _ = rollout_of(chain_table(V, {}), strategy=strategy)
     request = left_padded([[5, 6], [7]], PAD)
     request = RolloutRequest(request.prompt_ids, request.prompt_attention_mask.bool())
     _, batch = run(rollout, None, max_new_tokens=2, request=request)
@@ -115,9 +125,10 @@ def test_bool_prompt_mask_keeps_its_dtype():
     assert torch.equal(batch.attention_mask[:, :2], request.prompt_attention_mask)
 
 
+@pytest.mark.parametrize("strategy_name", STRATEGIES)
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
-def test_contract_and_generate_equivalence_on_random_tables(data):
+def test_contract_and_generate_equivalence_on_random_tables(strategy_name, data):
     """Random transitions, prompts, pad and EOS ids (pad may equal EOS, may be generated before EOS)."""
     table = data.draw(st.lists(st.integers(0, V - 1), min_size=V, max_size=V), label="table")
     pad = data.draw(st.integers(0, V - 1), label="pad")
@@ -126,7 +137,7 @@ def test_contract_and_generate_equivalence_on_random_tables(data):
     prompts = data.draw(st.lists(st.lists(st.integers(0, V - 1), min_size=1, max_size=5), min_size=1, max_size=4))
     n = data.draw(st.integers(1, 3), label="n")
     max_new = data.draw(st.integers(1, 7), label="max_new_tokens")
-    rollout, model = rollout_of(table, pad=pad, eos=eos, config_eos=extra_eos or None)
+    rollout, model = rollout_of(table, pad=pad, eos=eos, config_eos=extra_eos or None, strategy=strategy_name)
     request, batch = run(rollout, prompts, n=n, max_new_tokens=max_new, pad=pad)
     eos_ids = [eos] + [e for e in extra_eos if e != eos]
     assert_batch_contract(batch, request, n=n, max_new_tokens=max_new, pad_token_id=pad, eos_ids=eos_ids)
@@ -136,8 +147,8 @@ def test_contract_and_generate_equivalence_on_random_tables(data):
     assert torch.equal(batch.attention_mask, ref_mask)
 
 
-def test_sampling_honours_the_table_when_it_is_sharp():
-    rollout, _ = rollout_of(chain_table(V, {}))
+def test_sampling_honours_the_table_when_it_is_sharp(strategy):
+    rollout, _ = rollout_of(chain_table(V, {}), strategy=strategy)
     request = left_padded([[5]], PAD)
     batch = rollout.generate(request, SamplingConfig(max_new_tokens=3, temperature=1.0, top_k=3, top_p=0.9,
                                                      n_samples_per_prompt=4))

@@ -22,20 +22,31 @@ def request_for(tokenizer):
     return RolloutRequest(enc.input_ids, enc.attention_mask)
 
 
-@pytest.mark.parametrize("zero_stage", [0, 3])
+@pytest.fixture(scope="module")
+def engines(tiny_models):
+    """One engine per (model, ZeRO stage), shared by the strategy/gather variants."""
+    return {(name, stage): build_engine(copy.deepcopy(tiny_models[name]), stage)
+            for name in ("llama-tiny", "gpt2-tiny") for stage in (0, 3)}
+
+
+@pytest.mark.parametrize("zero_stage,gather", [(0, "once"), (3, "once"), (3, "per_layer")])
+@pytest.mark.parametrize("strategy", ["generate", "static"])
 @pytest.mark.parametrize("name", ["llama-tiny", "gpt2-tiny"])
-def test_deepspeed_engine_matches_bare_model(tiny_models, tokenizer, zero_stage, name):
+def test_deepspeed_engine_matches_bare_model(tiny_models, tokenizer, engines, zero_stage, gather, strategy, name):
     model = tiny_models[name]
     request = request_for(tokenizer)
     sampling = SamplingConfig(max_new_tokens=5, n_samples_per_prompt=2, temperature=0.0)
-    expected = HybridEngineRollout(model, tokenizer).generate(request, sampling)
-    engine = build_engine(copy.deepcopy(model), zero_stage)
-    rollout = HybridEngineRollout(engine, tokenizer, PROFILED)
+    expected = HybridEngineRollout(model, tokenizer, HybridEngineRolloutConfig(strategy="generate")).generate(
+        request, sampling)
+    config = HybridEngineRolloutConfig(enable_profiling=True, strategy=strategy, zero3_gather=gather)
+    rollout = HybridEngineRollout(engines[name, zero_stage], tokenizer, config)
     batch = rollout.generate(request, sampling)
     assert torch.equal(batch.input_ids, expected.input_ids)
     assert torch.equal(batch.attention_mask, expected.attention_mask)
     profile = rollout.get_last_profile()
-    assert profile.zero_stage == zero_stage
+    assert (profile.zero_stage, profile.strategy) == (zero_stage, strategy)
+    if zero_stage == 3:
+        assert profile.param_gather_ms > 0 and profile.param_gather_count > 0
     assert profile.prefill_forwards == 1 and profile.decode_steps == batch.seq_len - request.prompt_ids.shape[1] - 1
     assert profile.prefill_ms > 0 and profile.decode_ms > 0
 
@@ -59,6 +70,14 @@ def test_peft_lora_model_keeps_the_prefill_decode_split(tiny_models, tokenizer):
         ref = peft_model.generate(input_ids=request.prompt_ids, attention_mask=request.prompt_attention_mask,
                                   max_new_tokens=6, do_sample=False, eos_token_id=[2], pad_token_id=0)
     assert torch.equal(batch.input_ids[:, :ref.shape[1]], ref[:, :batch.seq_len])
+
+
+def test_gather_once_falls_back_to_per_layer_over_budget(engines, tokenizer, caplog):
+    config = HybridEngineRolloutConfig(zero3_gather="once", gather_memory_budget_bytes=1024)
+    rollout = HybridEngineRollout(engines["llama-tiny", 3], tokenizer, config)
+    with caplog.at_level("INFO"):
+        rollout.generate(left_padded([[5, 6]], 0), SamplingConfig(max_new_tokens=2))
+    assert "gathers per layer" in caplog.text and "exceed the gather budget" in caplog.text
 
 
 def test_deepspeed_engine_around_a_peft_model(tiny_models, tokenizer):

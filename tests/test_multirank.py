@@ -26,19 +26,22 @@ def test_zero3_ranks_finishing_at_different_steps(tmp_path):
                str(tmp_path)]
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-4000:]
-    rank0 = json.loads((tmp_path / "rank0.json").read_text())
-    rank1 = json.loads((tmp_path / "rank1.json").read_text())
-    # rank 0 stopped at its first token: its batch is trimmed to one response column
-    assert [row[2:] for row in rank0["input_ids"]] == [[2], [2]]
-    assert [row[2:] for row in rank0["attention_mask"]] == [[1], [1]]
-    # rank 1 ran the full budget
-    assert [row[2:] for row in rank1["input_ids"]] == [[10, 11, 12, 13, 14, 15], [12, 13, 14, 15, 3, 4]]
-    # lockstep: both ranks ran as many forwards as the longest rank needed
-    assert rank0["forwards"] == rank1["forwards"] == 6
-    # each rank's profile attributes its ZeRO-3 gathers, counted as DeepSpeed launched them
-    for rank in (rank0, rank1):
-        profile = rank["profile"]
-        assert profile["world_size"] == 2 and profile["zero_stage"] == 3
-        assert profile["param_gather_ms"] > 0 and profile["param_gather_count"] == rank["gathers"] > 0
-        assert profile["param_gather_bytes"] > 0
-    assert {rank0["profile"]["rank"], rank1["profile"]["rank"]} == {0, 1}
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    for variant in ("generate-per_layer", "static-per_layer", "static-once"):
+        rank0, rank1 = ranks[0][variant], ranks[1][variant]
+        # rank 0 stopped at its first token: its batch is trimmed to one response column
+        assert [row[2:] for row in rank0["input_ids"]] == [[2], [2]], variant
+        assert [row[2:] for row in rank0["attention_mask"]] == [[1], [1]], variant
+        # rank 1 ran the full budget
+        assert [row[2:] for row in rank1["input_ids"]] == [[10, 11, 12, 13, 14, 15], [12, 13, 14, 15, 3, 4]], variant
+        # lockstep: both ranks ran as many forwards as the longest rank needed
+        assert rank0["forwards"] == rank1["forwards"] == 6, variant
+        # each rank's profile attributes its ZeRO-3 gathers, counted as DeepSpeed launched them
+        for rank in (rank0, rank1):
+            profile = rank["profile"]
+            assert profile["world_size"] == 2 and profile["zero_stage"] == 3
+            assert profile["param_gather_ms"] > 0 and profile["param_gather_count"] == rank["gathers"] > 0, variant
+            assert profile["param_gather_bytes"] > 0
+        assert {rank0["profile"]["rank"], rank1["profile"]["rank"]} == {0, 1}
+    # gathering once per rollout launches far fewer all-gathers than gathering at every forward
+    assert ranks[1]["static-once"]["gathers"] < ranks[1]["static-per_layer"]["gathers"]

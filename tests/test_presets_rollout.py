@@ -6,16 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import TINY_PRESETS, assert_batch_contract, reference_rollout
-from opsd_rollout import HybridEngineRollout, HybridEngineRolloutConfig, RolloutRequest, SamplingConfig
+from conftest import TINY_PRESETS, assert_batch_contract, prompts_with_padding_and_holes, reference_rollout
+from opsd_rollout import HybridEngineRollout, HybridEngineRolloutConfig, SamplingConfig
 from opsd_rollout.models import EOS_ID, PAD_ID
-
-
-def prompts_with_padding_and_holes(tokenizer):
-    enc = tokenizer(["The student writes", "hi", "distillation on policy"], padding=True, return_tensors="pt")
-    mask = enc.attention_mask.clone()
-    mask[2, -4] = 0  # a hole inside the last prompt
-    return RolloutRequest(enc.input_ids, mask)
 
 
 @pytest.mark.parametrize("name", TINY_PRESETS)
@@ -33,7 +26,7 @@ def test_greedy_equals_generate_on_expanded_prompts(tiny_models, tokenizer, name
         assert torch.equal(batch.input_ids, ref_ids)
         assert torch.equal(batch.attention_mask, ref_mask)
         assert_batch_contract(batch, request, n=n, max_new_tokens=6, pad_token_id=PAD_ID, eos_ids=[EOS_ID])
-    assert profiled_rollout.get_last_profile().strategy == "generate"
+    assert profiled_rollout.get_last_profile().strategy == "static"  # the default
 
 
 def test_samples_of_one_prompt_are_identical_under_greedy(tiny_models, tokenizer):

@@ -94,9 +94,17 @@ def test_unknown_strategy_and_deepspeed_only_options_are_refused():
         HybridEngineRolloutConfig(strategy="vllm")
     from deepspeed.runtime.rollout.hybrid_engine_rollout import HybridEngineRolloutConfig as DSConfig
 
-    with pytest.raises(ValueError, match="use_graph_capture"):
-        HybridEngineRolloutConfig.from_any(DSConfig(use_graph_capture=True))
+    with pytest.raises(ValueError, match="align_decode_fronts"):
+        HybridEngineRolloutConfig.from_any(DSConfig(align_decode_fronts=True))
     assert HybridEngineRolloutConfig.from_any(DSConfig(enable_profiling=True)).enable_profiling is True
+    graphs = HybridEngineRolloutConfig.from_any(DSConfig(use_graph_capture=True))
+    assert graphs.compile_decode and graphs.strategy == "static"
+
+
+def test_compiled_decode_is_refused_on_cpu_with_a_reason(tiny_models, tokenizer):
+    with pytest.raises(ValueError, match="compile_decode=True needs a CUDA device"):
+        HybridEngineRollout(tiny_models["llama-tiny"], tokenizer,
+                            HybridEngineRolloutConfig(strategy="static", compile_decode=True))
 
 
 def test_a_failed_call_clears_the_previous_profile(rollout):

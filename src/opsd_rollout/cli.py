@@ -20,7 +20,7 @@ AXIS_FLAGS = {  # flag -> BenchMatrix axis
     "dtypes": "fp32, fp16, bf16 (a dtype the device cannot run is reported as skipped)",
     "decoding": "greedy, sampling (temperature/top-k/top-p below)",
     "zero_stages": "0-3 (a DeepSpeed engine built from the model) or none (the bare model)",
-    "strategies": "generation strategies (generate)",
+    "strategies": "static (default: our decode loop, shared prefill) or generate (transformers' generate)",
     "cache_policies": "retain (keep inference workspaces between calls) or release (free after each call)",
     "forward_timing": "on, off: time every forward pass (prefill/decode split)",
 }

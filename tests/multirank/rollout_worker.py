@@ -45,12 +45,18 @@ def main(out_dir: str) -> None:
     engine = build_engine(model, 3)
     prompts = [[5, 7], [6, 7]] if rank == 0 else [[9], [10, 11]]
     gathers = count_gathers(engine)
-    rollout = HybridEngineRollout(engine, make_tokenizer(0, 2), HybridEngineRolloutConfig(enable_profiling=True))
-    batch = rollout.generate(left_padded(prompts, 0), SamplingConfig(max_new_tokens=6, temperature=0.0))
-    profile = rollout.get_last_profile()
+    results = {}
+    for strategy, gather in (("generate", "per_layer"), ("static", "per_layer"), ("static", "once")):
+        forwards.clear()
+        gathers.clear()
+        config = HybridEngineRolloutConfig(enable_profiling=True, strategy=strategy, zero3_gather=gather)
+        rollout = HybridEngineRollout(engine, make_tokenizer(0, 2), config)
+        batch = rollout.generate(left_padded(prompts, 0), SamplingConfig(max_new_tokens=6, temperature=0.0))
+        results[f"{strategy}-{gather}"] = {
+            "input_ids": batch.input_ids.tolist(), "attention_mask": batch.attention_mask.tolist(),
+            "forwards": len(forwards), "gathers": len(gathers), "profile": rollout.get_last_profile().to_dict()}
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as handle:
-        json.dump({"input_ids": batch.input_ids.tolist(), "attention_mask": batch.attention_mask.tolist(),
-                   "forwards": len(forwards), "gathers": len(gathers), "profile": profile.to_dict()}, handle)
+        json.dump(results, handle)
 
 
 if __name__ == "__main__":

@@ -115,7 +115,7 @@ class BenchMatrix:
     dtypes: list[str] = field(default_factory=lambda: ["fp32"])
     decoding: list[str] = field(default_factory=lambda: ["greedy"])
     zero_stages: list[int | str] = field(default_factory=lambda: [0])
-    strategies: list[str] = field(default_factory=lambda: ["generate"])
+    strategies: list[str] = field(default_factory=lambda: ["static"])
     cache_policies: list[str] = field(default_factory=lambda: ["retain"])
     forward_timing: list[bool] = field(default_factory=lambda: [True])
 

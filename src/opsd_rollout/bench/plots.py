@@ -8,8 +8,8 @@ from pathlib import Path
 from opsd_rollout.bench.report import SHARE_LABELS, ConfigResult, display_labels
 
 STAGES = ("prompt_expansion_ms", "prefill_ms", "decode_ms", "param_gather_ms", "inference_cache_ms",
-          "lora_fuse_ms", "lora_unfuse_ms", "gc_ms", "empty_cache_ms", "generation_overhead_ms",
-          "post_processing_ms")
+          "lora_fuse_ms", "lora_unfuse_ms", "gc_ms", "empty_cache_ms", "workspace_alloc_ms",
+          "generation_overhead_ms", "post_processing_ms")
 
 
 def _pyplot():

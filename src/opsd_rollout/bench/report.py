@@ -169,7 +169,8 @@ def _p50(summary: dict[str, Stats], name: str) -> float | None:
 SHARE_LABELS = {"prompt_expansion_ms": "expand", "prefill_ms": "prefill", "decode_ms": "decode",
                 "generation_overhead_ms": "gen-other", "post_processing_ms": "post",
                 "param_gather_ms": "gather", "inference_cache_ms": "cache", "lora_fuse_ms": "fuse",
-                "lora_unfuse_ms": "unfuse", "gc_ms": "gc", "empty_cache_ms": "empty_cache"}
+                "lora_unfuse_ms": "unfuse", "gc_ms": "gc", "empty_cache_ms": "empty_cache",
+                "workspace_alloc_ms": "alloc"}
 
 
 def median_shares(result: ConfigResult) -> dict[str, float]:

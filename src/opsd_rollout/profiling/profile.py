@@ -21,7 +21,7 @@ DEEPSPEED_ALIASES: dict[str, str] = {
 }
 DERIVED_KEYS = ("generation_overhead_ms",)
 ATTRIBUTED_PHASES = ("param_gather_ms", "inference_cache_ms", "lora_fuse_ms", "lora_unfuse_ms", "gc_ms",
-                     "empty_cache_ms")
+                     "empty_cache_ms", "workspace_alloc_ms")
 
 
 @dataclass(frozen=True, kw_only=True, eq=True)
@@ -77,6 +77,10 @@ class RolloutProfile(Mapping):
     """``gc.collect`` calls during the rollout."""
     empty_cache_ms: float | None = None
     """Accelerator ``empty_cache`` calls during the rollout."""
+    workspace_alloc_ms: float | None = None
+    """Allocating the static strategy's KV workspace (``None`` when it was reused or not used)."""
+    workspace: str | None = None
+    """Static strategy: ``reused`` or ``allocated`` KV workspace for this call (``None`` for ``generate``)."""
     # throughput
     generated_tokens: int
     """Real response tokens (up to and including the first EOS); padding after EOS excluded."""
@@ -162,7 +166,8 @@ def _median(values: list[float]) -> float:
 
 
 PHASE_FIELDS = {"param_gather": "param_gather_ms", "inference_cache": "inference_cache_ms", "lora_fuse": "lora_fuse_ms",
-                "lora_unfuse": "lora_unfuse_ms", "gc": "gc_ms", "empty_cache": "empty_cache_ms"}
+                "lora_unfuse": "lora_unfuse_ms", "gc": "gc_ms", "empty_cache": "empty_cache_ms",
+                "workspace_alloc": "workspace_alloc_ms"}
 
 
 def build_profile(*, stages: dict[str, float], forwards: list | None, phases: dict, peak_memory: tuple[int, str],

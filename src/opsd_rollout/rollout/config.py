@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
-STRATEGIES = ("generate",)
+STRATEGIES = ("static", "generate")
+ZERO3_GATHER = ("once", "per_layer")
 CACHE_POLICIES = ("retain", "release")
 
 
@@ -18,9 +19,30 @@ class HybridEngineRolloutConfig:
 
     enable_profiling: bool = False
     """Record a ``RolloutProfile`` per call (``get_last_profile()``). Off: no synchronization, no hooks."""
-    strategy: str = "generate"
-    """Generation strategy: ``generate`` runs transformers' ``generate`` (through the hybrid engine's
-    patched ``generate`` when the engine has one)."""
+    strategy: str = "static"
+    """``static`` (default): our decode loop over a preallocated, reusable KV cache (shared prefill, sync-free sampling,
+    early exit checked every ``stop_check_interval`` steps); models it cannot run fall back to ``generate``
+    with a logged reason. ``generate``: transformers' ``generate`` (through the hybrid engine's patched
+    ``generate`` when the engine has one)."""
+    shared_prefill: bool = True
+    """``static``: with ``n_samples_per_prompt > 1``, prefill each prompt once and copy its KV cache into its
+    n sample rows, instead of prefilling B*n identical rows."""
+    stop_check_interval: int | None = None
+    """``static``: check for "every row finished" every k decode steps (one host read; an all-reduce under
+    ZeRO-3 with several ranks). ``None``: every step on CPU, every 8 on CUDA."""
+    seed: int | None = None
+    """``static`` sampling: seed of the rollout's generator (same seed, same tokens). ``None`` draws each
+    call's seed from torch's global RNG, so ``torch.manual_seed`` makes runs repeatable."""
+    compile_decode: bool = False
+    """``static`` on CUDA: compile the one-token decode step with ``torch.compile(mode="reduce-overhead")``
+    (CUDA graphs), greedy and sampling alike. Refused on CPU. DeepSpeed's ``use_graph_capture`` maps here."""
+    zero3_gather: str = "once"
+    """ZeRO-3 without the hybrid engine: ``once`` gathers every parameter once for the whole rollout (when
+    it fits ``gather_memory_budget_bytes``), ``per_layer`` leaves DeepSpeed gathering layer by layer at
+    every forward."""
+    gather_memory_budget_bytes: int | None = None
+    """Most bytes the one-time ZeRO-3 gather may materialize; ``None``: 80% of the device's free memory
+    (CUDA) or of available RAM (CPU). Above it, per-layer gathering is used with a logged reason."""
     profile_forwards: bool = True
     """With profiling on, also time every forward (the prefill/decode split). Off leaves the model unhooked
     and the forward-derived profile fields ``None``."""
@@ -37,11 +59,17 @@ class HybridEngineRolloutConfig:
     the dtype's rounding; an unmerged adapter costs extra matmuls at every step."""
 
     def __post_init__(self) -> None:
-        for name in ("enable_profiling", "profile_forwards", "ignore_eos", "merge_adapters"):
+        for name in ("enable_profiling", "profile_forwards", "ignore_eos", "merge_adapters", "shared_prefill",
+                     "compile_decode"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool; got {getattr(self, name)!r}")
         if self.strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {list(STRATEGIES)}; got {self.strategy!r}")
+        if self.zero3_gather not in ZERO3_GATHER:
+            raise ValueError(f"zero3_gather must be one of {list(ZERO3_GATHER)}; got {self.zero3_gather!r}")
+        if self.stop_check_interval is not None and (isinstance(self.stop_check_interval, bool) or not isinstance(
+                self.stop_check_interval, int) or self.stop_check_interval < 1):
+            raise ValueError(f"stop_check_interval must be an int >= 1 or None; got {self.stop_check_interval!r}")
         if self.cache_policy not in CACHE_POLICIES:
             raise ValueError(f"cache_policy must be one of {list(CACHE_POLICIES)}; got {self.cache_policy!r}")
 
@@ -56,12 +84,17 @@ class HybridEngineRolloutConfig:
         if isinstance(cfg, cls):
             return cfg
         unsupported = {
-            name: getattr(cfg, name) for name in ("use_graph_capture", "use_shared_prefill", "align_decode_fronts",
-                                                  "enable_cache_trimming", "continuous_cache_capacity")
+            name: getattr(cfg, name) for name in ("align_decode_fronts", "enable_cache_trimming",
+                                                  "continuous_cache_capacity")
             if getattr(cfg, name, None) not in (None, False)
         }
         if unsupported:
             raise ValueError(f"cfg sets DeepSpeed options this rollout does not implement: {unsupported}; "
                              "leave them at their defaults")
         known = {f.name for f in fields(cls)}
-        return cls(**{name: getattr(cfg, name) for name in known if hasattr(cfg, name)})
+        values = {name: getattr(cfg, name) for name in known if hasattr(cfg, name)}
+        if getattr(cfg, "use_graph_capture", False):  # DeepSpeed's CUDA-graph decode is our compiled decode
+            values.update(strategy="static", compile_decode=True)
+        if getattr(cfg, "use_shared_prefill", False):
+            values.update(strategy="static", shared_prefill=True)
+        return cls(**values)

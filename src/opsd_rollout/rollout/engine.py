@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterator
 from typing import Any
 
@@ -15,10 +16,14 @@ from opsd_rollout.profiling.probes import PhaseProbes
 from opsd_rollout.profiling.profile import build_profile
 from opsd_rollout.rollout import postprocess
 from opsd_rollout.rollout.config import HybridEngineRolloutConfig
+from opsd_rollout.rollout.gather import GatherOnce
 from opsd_rollout.rollout.phases import add_rollout_probes
-from opsd_rollout.rollout.strategies import make_strategy
+from opsd_rollout.rollout.strategies import TransformersGenerate, make_strategy
 from opsd_rollout.rollout.target import resolve_target
 from opsd_rollout.rollout.validation import RolloutPlan, plan_rollout
+
+
+logger = logging.getLogger(__name__)
 
 
 def empty_accelerator_cache(device: torch.device) -> None:
@@ -45,7 +50,18 @@ class HybridEngineRollout(RolloutEngine):
         if self.cfg.merge_adapters and not self.target.is_peft:
             raise ValueError(f"merge_adapters=True needs a PEFT model (with merge_adapter/unmerge_adapter); "
                              f"got {type(self.target.model).__name__}")
-        self.strategy = make_strategy(self.cfg.strategy)
+        self.strategy = make_strategy(self.cfg)
+        if self.cfg.compile_decode and self.target.device.type != "cuda":
+            raise ValueError(f"compile_decode=True needs a CUDA device (CUDA graphs capture GPU kernels); the model "
+                             f"is on {self.target.device}. Leave it off on CPU: the eager decode loop is used.")
+        reason = getattr(self.strategy, "unsupported_reason", lambda _t: None)(self.target)
+        if reason:
+            logger.warning("strategy %r cannot run %s (%s); using 'generate'", self.cfg.strategy,
+                           type(self.target.forward_module).__name__, reason)
+            self.strategy = TransformersGenerate()
+        self._gather_once = (GatherOnce(self.target.model, self.cfg.gather_memory_budget_bytes, self.target.device)
+                             if self.target.zero_stage == 3 and not self.target.hybrid_engine
+                             and self.cfg.zero3_gather == "once" else None)
         self._last_profile: RolloutProfile | None = None
         self._last_timeline: list[Span] | None = None
         self._clock = Clock(self.target.device)
@@ -103,13 +119,22 @@ class HybridEngineRollout(RolloutEngine):
             prompt_length=plan.prompt_length, max_new_tokens=plan.max_new_tokens, dtype=dtype_name(self.target.dtype),
             device=str(self.target.device), decoding=plan.decoding, strategy=self.strategy.name,
             zero_stage=self.target.zero_stage, world_size=self.target.world_size, rank=self.target.rank,
-            timer=self._clock.kind)
+            timer=self._clock.kind, workspace=getattr(getattr(self.strategy, "workspace", None), "last_event", None))
         return batch
 
     def _probes(self) -> PhaseProbes:
         probes = PhaseProbes(self._clock)
         add_rollout_probes(probes, self.target, self, merge_adapters=self.cfg.merge_adapters)
+        workspace = getattr(self.strategy, "workspace", None)
+        if workspace is not None:
+            probes.add(workspace, "allocate", "workspace_alloc")
+        if self._gather_once is not None:
+            probes.add(self._gather_once, "gather", "param_gather")
+            probes.add(self._gather_once, "release", "param_gather")
         return probes
+
+    def _params_gathered(self) -> contextlib.AbstractContextManager:
+        return self._gather_once() if self._gather_once is not None else contextlib.nullcontext()
 
     @contextlib.contextmanager
     def _adapters_merged(self) -> Iterator[None]:
@@ -128,7 +153,7 @@ class HybridEngineRollout(RolloutEngine):
             ids, mask = postprocess.expand_prompts(prompt_ids, prompt_mask, plan.samples_per_prompt)
         with recorder.stage("generation"), recorder.forwards(self.target.forward_module), \
                 recorder.probes(self._probes()):
-            with self._adapters_merged():
+            with self._params_gathered(), self._adapters_merged():
                 sequences = self.strategy.generate(self.target, ids, mask, plan)  # [N, P + R']
             if self.cfg.cache_policy == "release":
                 self.release_workspace()

@@ -6,12 +6,15 @@ the same output contract for free.
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from opsd_rollout.rollout.target import RolloutTarget
 from opsd_rollout.rollout.validation import RolloutPlan
+
+if TYPE_CHECKING:
+    from opsd_rollout.rollout.config import HybridEngineRolloutConfig
 
 
 class GenerationStrategy(Protocol):
@@ -54,8 +57,13 @@ class TransformersGenerate:
         """generate keeps no workspace of its own between calls."""
 
 
-def make_strategy(name: str) -> GenerationStrategy:
-    strategies = {TransformersGenerate.name: TransformersGenerate}
-    if name not in strategies:
-        raise ValueError(f"strategy must be one of {sorted(strategies)}; got {name!r}")
-    return strategies[name]()
+def make_strategy(cfg: "HybridEngineRolloutConfig") -> GenerationStrategy:
+    """The strategy ``cfg.strategy`` names, configured from ``cfg``."""
+    from opsd_rollout.rollout.static import StaticDecode
+
+    if cfg.strategy == StaticDecode.name:
+        return StaticDecode(shared_prefill=cfg.shared_prefill, stop_check_interval=cfg.stop_check_interval,
+                            seed=cfg.seed, compile_decode=cfg.compile_decode)
+    if cfg.strategy == TransformersGenerate.name:
+        return TransformersGenerate()
+    raise ValueError(f"unknown strategy {cfg.strategy!r}")

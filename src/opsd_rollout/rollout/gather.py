@@ -1,0 +1,69 @@
+"""ZeRO-3 "gather once": every parameter materialized for the whole rollout, instead of DeepSpeed's
+per-layer all-gather at every forward (which, in a decode loop, gathers the whole model once per token)."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+def default_budget_bytes(device: torch.device) -> int:
+    """80% of the free accelerator memory, or of the available RAM on CPU."""
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return int(0.8 * free)
+    import psutil
+
+    return int(0.8 * psutil.virtual_memory().available)
+
+
+class GatherOnce:
+    """``with gather_once(): ...`` runs the block with every ZeRO-3 parameter gathered (DeepSpeed's own
+    ``GatheredParameters``), when their full size fits the budget; otherwise it changes nothing and says why."""
+
+    def __init__(self, model: torch.nn.Module, budget_bytes: int | None, device: torch.device):
+        self.params = [p for p in model.parameters() if hasattr(p, "ds_numel")]
+        self.full_bytes = sum(int(p.ds_numel) * p.element_size() for p in self.params)
+        self.budget_bytes = budget_bytes
+        self.device = device
+        self.last_reason: str | None = None
+        """Why the last rollout gathered per layer, or ``None`` when it gathered once."""
+
+    def fits(self) -> bool:
+        budget = self.budget_bytes if self.budget_bytes is not None else default_budget_bytes(self.device)
+        if self.full_bytes > budget:
+            reason = (f"the full parameters ({self.full_bytes / 2**20:.0f} MiB) exceed the gather budget "
+                      f"({budget / 2**20:.0f} MiB)")
+            if reason != self.last_reason:
+                logger.info("ZeRO-3 rollout gathers per layer: %s", reason)
+            self.last_reason = reason
+            return False
+        self.last_reason = None
+        return True
+
+    def gather(self, context: Any) -> None:
+        context.__enter__()
+
+    def release(self, context: Any) -> None:
+        context.__exit__(None, None, None)
+
+    @contextlib.contextmanager
+    def __call__(self) -> Iterator[bool]:
+        """Yields whether the parameters were gathered once."""
+        if not self.params or not self.fits():
+            yield False
+            return
+        from deepspeed.runtime.zero.partition_parameters import GatheredParameters
+
+        context = GatheredParameters(self.params, modifier_rank=None)
+        self.gather(context)
+        try:
+            yield True
+        finally:
+            self.release(context)

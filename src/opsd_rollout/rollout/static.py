@@ -1,0 +1,143 @@
+"""Strategy ``static``: our own decode loop over a preallocated, reusable KV cache.
+
+prefill -> (share the prompt's cache across its n samples) -> decode_one_token + sample, until every row
+has finished or ``max_new_tokens`` is reached. The loop stops only at checks every ``k`` steps (one host
+read each; under ZeRO-3 with several ranks, an all-reduce so every rank stops at the same step).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from opsd_rollout.rollout.sampling import sample
+from opsd_rollout.rollout.target import RolloutTarget
+from opsd_rollout.rollout.validation import RolloutPlan
+from opsd_rollout.rollout.workspace import KVWorkspace
+
+
+def prefill(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, full_mask: torch.Tensor,
+            cache: Any) -> torch.Tensor:
+    """ids, mask: [B, P] left-padded prompts; full_mask: [B, L]. Fills ``cache``; returns last logits [B, V]."""
+    positions = (mask.long().cumsum(-1) - 1).masked_fill_(mask == 0, 1)  # as transformers' generate does
+    out = model(input_ids=ids, attention_mask=full_mask, position_ids=positions, cache=cache, use_cache=True,
+                logits_to_keep=1)
+    return out.logits[:, -1]
+
+
+def decode_one_token(model: torch.nn.Module, token: torch.Tensor, position: torch.Tensor, full_mask: torch.Tensor,
+                     cache: Any) -> torch.Tensor:
+    """token, position: [N, 1]; full_mask: [N, L]. Returns logits [N, V] for the next token."""
+    out = model(input_ids=token, attention_mask=full_mask, position_ids=position, cache=cache, use_cache=True)
+    return out.logits[:, -1]
+
+
+def replicate_cache(source: Any, target: Any, repeats: int, prompt_length: int) -> None:
+    """Copy each prompt's prefilled keys/values into its ``repeats`` sample rows ([B..] -> [B*n..])."""
+    for src, dst in zip(source.layers, target.layers):
+        dst.keys[:, :, :prompt_length].copy_(src.keys[:, :, :prompt_length].repeat_interleave(repeats, dim=0))
+        dst.values[:, :, :prompt_length].copy_(src.values[:, :, :prompt_length].repeat_interleave(repeats, dim=0))
+        dst.cumulative_length.fill_(prompt_length)
+
+
+class StaticDecode:
+    """Prefill once (B prompts, not B*n, with ``shared_prefill``), then a static-shape decode loop."""
+
+    name = "static"
+
+    def __init__(self, *, shared_prefill: bool = True, stop_check_interval: int | None = None,
+                 seed: int | None = None, compile_decode: bool = False):
+        self.shared_prefill = shared_prefill
+        # only the one-token step is compiled (static shapes: CUDA-graph friendly); prefill stays eager
+        self._decode_step = (torch.compile(decode_one_token, mode="reduce-overhead", dynamic=False)
+                             if compile_decode else decode_one_token)
+        self.stop_check_interval = stop_check_interval
+        self.seed = seed
+        self.workspace = KVWorkspace()
+        self._generator: torch.Generator | None = None
+
+    def release_workspace(self) -> None:
+        self.workspace.release()
+
+    def unsupported_reason(self, target: RolloutTarget) -> str | None:
+        """Why this strategy cannot run ``target`` (the rollout then uses ``generate``), or ``None``."""
+        if target.hybrid_engine:
+            return "the hybrid engine generates through its own patched generate()"
+        model = target.forward_module
+        if not getattr(model, "_can_compile_fullgraph", True) and not getattr(model, "_supports_static_cache", True):
+            return f"{type(model).__name__} does not support a static cache"
+        try:
+            from transformers import StaticCache
+
+            layers = StaticCache(config=model.config, max_cache_len=2).layers
+        except Exception as error:  # noqa: BLE001 - any failure means: not for us
+            return f"cannot build a static cache for {type(model).__name__}: {error}"
+        if any(type(layer).__name__ != "StaticLayer" for layer in layers):
+            return "sliding-window or linear-attention layers need transformers' own cache handling"
+        return None
+
+    def _generator_for(self, device: torch.device) -> torch.Generator:
+        if self._generator is None or self._generator.device != device:
+            self._generator = torch.Generator(device=device)
+            if self.seed is not None:
+                self._generator.manual_seed(self.seed)
+        if self.seed is None:  # follow torch's global RNG, so torch.manual_seed makes runs repeatable
+            self._generator.manual_seed(int(torch.randint(0, 2**62, ())))
+        return self._generator
+
+    def generate(self, target: RolloutTarget, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
+                 plan: RolloutPlan) -> torch.Tensor:
+        """prompt_ids, prompt_mask: [N, P] expanded prompts. Returns [N, P + R'] (a fresh tensor)."""
+        model, device = target.model, prompt_ids.device
+        n, (rows, P) = plan.samples_per_prompt, prompt_ids.shape
+        length = P + plan.max_new_tokens
+        dtype = target.dtype if target.dtype.is_floating_point else torch.float32
+        cache = self.workspace.cache(target.forward_module.config, rows, length, dtype, device)
+        full_mask = self.workspace.attention_mask(prompt_mask, length)  # [N, L]
+        if self.shared_prefill and n > 1:
+            from transformers import StaticCache
+
+            # prefill the B distinct prompts, then copy their keys/values into the n rows of each
+            shared = StaticCache(config=target.forward_module.config, max_cache_len=P)
+            logits = prefill(model, prompt_ids[::n], prompt_mask[::n], full_mask[::n, :P], shared)
+            replicate_cache(shared, cache, n, P)
+            logits = logits.repeat_interleave(n, dim=0)
+        else:
+            logits = prefill(model, prompt_ids, prompt_mask, full_mask, cache)
+        lockstep = target.zero_stage == 3 and target.world_size > 1
+        tokens = self._decode(model, logits, prompt_mask, full_mask, cache, plan, lockstep)
+        return torch.cat([prompt_ids, tokens], dim=1)
+
+    def _decode(self, model: torch.nn.Module, logits: torch.Tensor, prompt_mask: torch.Tensor,
+                full_mask: torch.Tensor, cache: Any, plan: RolloutPlan, lockstep: bool) -> torch.Tensor:
+        """The decode loop; returns the generated tokens [N, steps run]."""
+        device = logits.device
+        generator = None if plan.greedy else self._generator_for(device)
+        eos = torch.tensor(plan.eos_token_ids, dtype=torch.int64, device=device)
+        check_every = self.stop_check_interval or (8 if device.type == "cuda" else 1)
+        tokens = self.workspace.tokens(logits.shape[0], plan.max_new_tokens, plan.pad_token_id, device)
+        position = prompt_mask.long().sum(dim=1, keepdim=True)  # [N, 1]: next token's position
+        token = sample(logits, plan, generator)
+        tokens[:, 0] = token
+        running = ~torch.isin(token, eos)
+        steps = 1
+        while steps < plan.max_new_tokens:
+            if steps % check_every == 0 and not plan.ignore_eos and self._all_done(running, lockstep):
+                break
+            logits = self._decode_step(model, token.unsqueeze(1), position, full_mask, cache)
+            token = sample(logits, plan, generator)
+            tokens[:, steps] = token
+            running &= ~torch.isin(token, eos)
+            position += 1
+            steps += 1
+        return tokens[:, :steps].clone()
+
+    @staticmethod
+    def _all_done(running: torch.Tensor, lockstep: bool) -> bool:
+        """One host read; with several ranks, all agree (a rank that is done keeps stepping with the rest)."""
+        done = (~running.any()).to(torch.int32)
+        if lockstep:
+            dist.all_reduce(done, op=dist.ReduceOp.MIN)
+        return bool(done.item())

@@ -1,0 +1,156 @@
+"""Strategy ``static``: equivalence with transformers' generate, shared prefill, workspace reuse, seeded and
+correctly distributed sampling, early exit."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import (TINY_PRESETS, assert_batch_contract, chain_table, left_padded, make_tokenizer,
+                      prompts_with_padding_and_holes, reference_rollout, transition_model)
+from opsd_rollout import HybridEngineRollout, HybridEngineRolloutConfig, RolloutRequest, SamplingConfig
+from opsd_rollout.models import EOS_ID, PAD_ID
+
+
+def reference_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> np.ndarray:
+    """Plain float64 temperature / top-k / top-p, with transformers' warper semantics."""
+    scaled = logits.double().numpy() / temperature
+    keep = np.ones_like(scaled, dtype=bool)
+    if 0 < top_k < scaled.size:
+        keep &= scaled >= np.sort(scaled)[-top_k]
+    probs = np.where(keep, np.exp(scaled - scaled.max()), 0.0)
+    probs /= probs.sum()
+    if top_p < 1.0:
+        ascending = np.argsort(probs, kind="stable")
+        cumulative = np.cumsum(probs[ascending])
+        drop = cumulative <= 1 - top_p
+        drop[-1] = False
+        probs[ascending[drop]] = 0.0
+        probs /= probs.sum()
+    return probs
+
+
+def static(**kwargs):
+    return HybridEngineRolloutConfig(strategy="static", enable_profiling=True, **kwargs)
+
+
+@pytest.mark.parametrize("name", TINY_PRESETS)
+@pytest.mark.parametrize("n,shared", [(1, True), (3, True), (3, False)])
+def test_greedy_equals_generate(tiny_models, tokenizer, name, n, shared):
+    model = tiny_models[name]
+    request = prompts_with_padding_and_holes(tokenizer)
+    rollout = HybridEngineRollout(model, tokenizer, static(shared_prefill=shared))
+    assert rollout.strategy.name == "static"
+    batch = rollout.generate(request, SamplingConfig(max_new_tokens=10, n_samples_per_prompt=n, temperature=0))
+    ref_ids, ref_mask = reference_rollout(model, request, n=n, max_new_tokens=10, pad_token_id=PAD_ID,
+                                          eos_ids=[EOS_ID])
+    assert torch.equal(batch.input_ids, ref_ids) and torch.equal(batch.attention_mask, ref_mask)
+    profile = rollout.get_last_profile()
+    assert profile.strategy == "static"
+    rows_prefilled = 3 if shared else 3 * n
+    assert profile.prefill_tokens == rows_prefilled * request.prompt_ids.shape[1]
+
+
+def test_workspace_is_reused_across_calls_of_different_sizes(tiny_models, tokenizer):
+    model = tiny_models["qwen2-tiny"]
+    rollout = HybridEngineRollout(model, tokenizer, static())
+    shapes = [(3, 2, 12, 8), (1, 1, 4, 3), (2, 3, 7, 5), (4, 2, 16, 10)]  # B, n, P, max_new
+    events = []
+    for B, n, P, max_new in shapes:
+        ids = torch.randint(3, 259, (B, P), generator=torch.Generator().manual_seed(B * P))
+        mask = torch.ones_like(ids)
+        mask[0, : P // 2] = 0
+        request = RolloutRequest(ids, mask)
+        batch = rollout.generate(request, SamplingConfig(max_new_tokens=max_new, n_samples_per_prompt=n,
+                                                         temperature=0))
+        ref_ids, _ = reference_rollout(model, request, n=n, max_new_tokens=max_new, pad_token_id=PAD_ID,
+                                       eos_ids=[EOS_ID])
+        assert torch.equal(batch.input_ids, ref_ids)
+        profile = rollout.get_last_profile()
+        events.append(profile.workspace)
+        assert (profile.workspace_alloc_ms is not None) == (profile.workspace == "allocated")
+    assert events == ["allocated", "reused", "reused", "allocated"]
+    rollout.release_workspace()
+    rollout.generate(left_padded([[5, 6]], 0), SamplingConfig(max_new_tokens=2))
+    assert rollout.get_last_profile().workspace == "allocated"
+
+
+def test_release_policy_frees_the_workspace_after_each_call(tiny_models, tokenizer):
+    rollout = HybridEngineRollout(tiny_models["llama-tiny"], tokenizer, static(cache_policy="release"))
+    for _ in range(2):
+        rollout.generate(left_padded([[5, 6, 7]], 0), SamplingConfig(max_new_tokens=3))
+        assert rollout.get_last_profile().workspace == "allocated"
+        assert rollout.strategy.workspace.nbytes == 0
+
+
+def test_same_seed_same_samples_and_global_seed_controls_unseeded(tiny_models, tokenizer):
+    model = tiny_models["llama-tiny"]
+    request = prompts_with_padding_and_holes(tokenizer)
+    sampling = SamplingConfig(max_new_tokens=8, n_samples_per_prompt=4, temperature=1.3, top_k=40, top_p=0.95)
+    a = HybridEngineRollout(model, tokenizer, static(seed=7)).generate(request, sampling)
+    b = HybridEngineRollout(model, tokenizer, static(seed=7)).generate(request, sampling)
+    c = HybridEngineRollout(model, tokenizer, static(seed=8)).generate(request, sampling)
+    assert torch.equal(a.input_ids, b.input_ids) and not torch.equal(a.input_ids, c.input_ids)
+    assert len({tuple(r) for r in a.input_ids[:4].tolist()}) > 1, "samples of one prompt differ"
+    unseeded = HybridEngineRollout(model, tokenizer, static())
+    torch.manual_seed(3)
+    d = unseeded.generate(request, sampling)
+    torch.manual_seed(3)
+    e = unseeded.generate(request, sampling)
+    assert torch.equal(d.input_ids, e.input_ids)
+
+
+@pytest.mark.parametrize("top_k,top_p,temperature", [(-1, 1.0, 1.0), (20, 1.0, 0.7), (-1, 0.8, 1.5), (30, 0.9, 1.0)])
+def test_first_sampled_token_follows_the_filtered_softmax(tiny_models, tokenizer, top_k, top_p, temperature):
+    """Chi-square goodness of fit of 6,000 first tokens against softmax(filter(logits)), fixed seed."""
+    from scipy.stats import chisquare
+
+    model = copy.deepcopy(tiny_models["llama-tiny"])
+    with torch.no_grad():
+        model.lm_head.weight.mul_(10.0)  # peaked enough that the filters cut (top-p keeps 24-121 tokens)
+    request = left_padded([[72, 101, 108, 108, 111]], 0)
+    with torch.no_grad():
+        logits = model(request.prompt_ids).logits[:, -1]
+    probs = torch.from_numpy(reference_probs(logits[0], temperature, top_k, top_p))
+    draws = 6000
+    batch = HybridEngineRollout(model, tokenizer, static(seed=1234)).generate(
+        request, SamplingConfig(max_new_tokens=1, n_samples_per_prompt=draws, temperature=temperature,
+                                top_k=top_k, top_p=top_p))
+    counts = torch.bincount(batch.input_ids[:, -1], minlength=probs.numel()).double()
+    assert counts[probs == 0].sum() == 0, "a filtered-out token was sampled"
+    expected = probs * draws
+    big = expected >= 5  # pool the rare tokens into one cell, as the test requires
+    observed = np.append(counts[big].numpy(), counts[~big].sum().item())
+    wanted = np.append(expected[big].numpy(), expected[~big].sum().item())
+    keep = wanted > 0
+    result = chisquare(observed[keep], wanted[keep] * observed[keep].sum() / wanted[keep].sum())
+    assert result.pvalue > 0.001, (result, int(big.sum()))
+
+
+def test_early_exit_when_every_row_has_finished():
+    model = transition_model(chain_table(16, {6: 2, 9: 2}))
+    rollout = HybridEngineRollout(model, make_tokenizer(0, 2), static())
+    batch = rollout.generate(left_padded([[5], [8]], 0), SamplingConfig(max_new_tokens=12, temperature=0))
+    assert batch.input_ids[:, 1:].tolist() == [[6, 2], [9, 2]]
+    assert rollout.get_last_profile().decode_steps == 1  # stopped right after both rows' EOS
+    checked_every_4 = HybridEngineRollout(model, make_tokenizer(0, 2), static(stop_check_interval=4))
+    again = checked_every_4.generate(left_padded([[5], [8]], 0), SamplingConfig(max_new_tokens=12, temperature=0))
+    assert torch.equal(again.input_ids, batch.input_ids)
+    assert checked_every_4.get_last_profile().decode_steps == 3  # runs on to the next check (step 4)
+
+
+def test_models_without_a_static_cache_fall_back_to_generate(tokenizer, caplog):
+    from transformers import MistralConfig, MistralForCausalLM
+
+    config = MistralConfig(vocab_size=259, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                           num_attention_heads=2, num_key_value_heads=1, sliding_window=4,
+                           max_position_embeddings=64)
+    model = MistralForCausalLM(config).eval()
+    with caplog.at_level("WARNING"):
+        rollout = HybridEngineRollout(model, tokenizer, static())
+    assert rollout.strategy.name == "generate" and "using 'generate'" in caplog.text
+    batch = rollout.generate(left_padded([[5, 6]], 0), SamplingConfig(max_new_tokens=3, temperature=0))
+    assert_batch_contract(batch, left_padded([[5, 6]], 0), n=1, max_new_tokens=3, pad_token_id=0, eos_ids=[2])
