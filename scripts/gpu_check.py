@@ -4,6 +4,8 @@ failure. On a machine without CUDA it says so and exits 0 without checking anyth
     python scripts/gpu_check.py [--model llama-small] [--dtype fp16]
 
 Sections:
+- strategies: greedy tokens of static (eager and compiled, CUDA graphs) equal generate's; the speed of each,
+  greedy and sampling;
 - forward timer on CUDA events: counts and split match the forwards that ran, no synchronization per forward;
 - hybrid engine rollout (DeepSpeed hybrid engine, release_inference_cache on): greedy tokens equal the bare
   model's; inference_cache_ms, gc_ms, empty_cache_ms attributed; lora_fuse/unfuse when DeepSpeed sees LoRA;
@@ -112,7 +114,36 @@ def check_zero3(model, tokenizer, device, _dtype):
             f"all-gathers, {p.param_gather_bytes / 2**20:.1f} MiB")
 
 
-CHECKS = [("forward timer (CUDA events)", check_forward_timer), ("hybrid engine rollout", check_hybrid_engine),
+def check_strategies(model, tokenizer, device, _dtype):
+    """Greedy equivalence and speed of every strategy (compiled CUDA-graph decode included) on one shape."""
+    from opsd_rollout import HybridEngineRollout, HybridEngineRolloutConfig, SamplingConfig
+    from opsd_rollout.bench.prompts import synthetic_prompts
+
+    request = synthetic_prompts(4, 128, vocab_size=model.config.vocab_size, seed=0)
+    request = type(request)(request.prompt_ids.to(device), request.prompt_attention_mask.to(device))
+    variants = {"generate": dict(strategy="generate"), "static": dict(strategy="static"),
+                "static+compile": dict(strategy="static", compile_decode=True)}
+    results = {}
+    for decoding, temperature in (("greedy", 0.0), ("sampling", 1.0)):
+        sampling = SamplingConfig(max_new_tokens=64, n_samples_per_prompt=4, temperature=temperature, top_k=50)
+        for name, kwargs in variants.items():
+            rollout = HybridEngineRollout(model, tokenizer, HybridEngineRolloutConfig(ignore_eos=True, seed=0, **kwargs))
+            for _ in range(2):  # warm up (compilation, graph capture)
+                batch = rollout.generate(request, sampling)
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            for _ in range(5):
+                batch = rollout.generate(request, sampling)
+            torch.cuda.synchronize()
+            results[name, decoding] = ((time.perf_counter() - start) / 5 * 1e3, batch.input_ids)
+    reference = results["generate", "greedy"][1]
+    for name in variants:
+        agree = (results[name, "greedy"][1] == reference).float().mean().item()
+        assert agree > 0.99, f"{name} greedy tokens agree with generate on only {agree:.3f} of positions"
+    return "; ".join(f"{name}/{decoding} {ms:.1f} ms" for (name, decoding), (ms, _) in results.items())
+
+
+CHECKS = [("strategies: equivalence and speed", check_strategies), ("forward timer (CUDA events)", check_forward_timer), ("hybrid engine rollout", check_hybrid_engine),
           ("PEFT merge_adapters", check_peft_merge), ("ZeRO-3 gather attribution", check_zero3)]
 
 

@@ -55,9 +55,11 @@ def _timed_switch(engine: Any, method: str, clock: Clock, times: ModeSwitchTimes
 
 
 @contextlib.contextmanager
-def timed_eval(engine: Any, device: torch.device | str | None = None) -> Iterator[ModeSwitchTimes]:
-    """``with timed_eval(engine) as times: rollout.generate(...)``: ``engine.eval()`` on entry and, if the
-    engine was training, ``engine.train()`` on exit, both timed (device synchronized around each)."""
+def timed_eval(engine: Any, device: torch.device | str | None = None, *,
+               train_after: bool | None = None) -> Iterator[ModeSwitchTimes]:
+    """``with timed_eval(engine) as times: rollout.generate(...)``: ``engine.eval()`` on entry and
+    ``engine.train()`` on exit, both timed (device synchronized around each). ``train_after=None`` switches
+    back only if the engine was training; ``True`` always does (a training step follows)."""
     if device is None:
         device = getattr(engine, "device", None) or next(engine.parameters()).device
     clock = Clock(torch.device(device))
@@ -68,5 +70,5 @@ def timed_eval(engine: Any, device: torch.device | str | None = None) -> Iterato
     try:
         yield times
     finally:
-        if was_training:
+        if train_after or (train_after is None and was_training):
             times.train_ms = _timed_switch(engine, "train", clock, times)

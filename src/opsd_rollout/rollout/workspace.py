@@ -70,6 +70,9 @@ class KVWorkspace:
             layer.k_head_dim = layer.v_head_dim = shape.head_dim
             layer.cumulative_length = torch.zeros((), dtype=torch.int64, device=device)
             layer.is_initialized = True
+            if device.type == "cuda":  # fixed addresses, so a compiled decode step can replay as a CUDA graph
+                for tensor in (layer.keys, layer.values, layer.cumulative_length):
+                    torch._dynamo.mark_static_address(tensor)
         return cache
 
     def allocate(self, shape: KVShape, elements: int, dtype: torch.dtype, device: torch.device) -> None:

@@ -1,0 +1,107 @@
+"""One on-policy distillation step, profiled: rollout -> teacher cache -> student forward -> divergence ->
+backward -> optimizer step, with the eval/train switches around the rollout timed."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from opsd_rollout.opsd.divergence import DivergenceConfig, chunked_divergence
+from opsd_rollout.opsd.targets import response_targets
+from opsd_rollout.opsd.teacher import TeacherCacheConfig, build_teacher_cache
+from opsd_rollout.profiling import Clock, PeakMemory, RolloutProfile, timed_eval
+
+PHASES = ("rollout", "teacher", "student_forward", "loss", "backward", "optimizer")
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepProfile:
+    """Where one OPSD step's time went (ms), with the rollout's own profile nested."""
+
+    rollout: RolloutProfile | None
+    """The rollout's full profile (``None`` if the rollout was not profiled)."""
+    eval_ms: float
+    """``engine.eval()`` before the rollout."""
+    train_ms: float
+    """``engine.train()`` after it."""
+    rollout_ms: float
+    """The rollout call (its profile's ``total_ms`` plus validation)."""
+    teacher_forward_ms: float
+    cache_write_ms: float
+    """Copying teacher logits (or their top-k) to the host cache."""
+    student_forward_ms: float
+    loss_ms: float
+    backward_ms: float
+    optimizer_ms: float
+    total_ms: float
+    rollout_share: float
+    """(eval + rollout + train) / total: what the step spends producing its samples."""
+    peak_memory_bytes: dict[str, int] = field(default_factory=dict)
+    """Per phase: accelerator peak allocated on CUDA, process peak RSS on CPU."""
+    response_tokens: int = 0
+    teacher_cache_bytes: int = 0
+    loss: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        data = dataclasses.asdict(self)
+        data["rollout"] = self.rollout.to_dict() if self.rollout is not None else None
+        return data
+
+
+@dataclass
+class _Phases:
+    clock: Clock
+    device: torch.device
+    ms: dict[str, float] = field(default_factory=dict)
+    peaks: dict[str, int] = field(default_factory=dict)
+
+    def run(self, name: str, fn, *args, **kwargs):
+        memory = PeakMemory(self.device)
+        memory.start()
+        start = self.clock.mark()
+        result = fn(*args, **kwargs)
+        self.ms[name] = self.clock.elapsed_ms(start, self.clock.mark())
+        self.peaks[name] = memory.stop()[0]
+        return result
+
+
+def _student_logits(engine: Any, targets) -> torch.Tensor:
+    positions = (targets.attention_mask.long().cumsum(-1) - 1).clamp_(min=0)
+    out = engine(input_ids=targets.input_ids, attention_mask=targets.attention_mask, position_ids=positions)
+    return out.logits[:, targets.window]  # [N, R, V]
+
+
+def opsd_step(student_engine: Any, teacher: Any, rollout: Any, request: Any, sampling: Any, *,
+              divergence: DivergenceConfig | None = None,
+              teacher_cache: TeacherCacheConfig | None = None) -> StepProfile:
+    """Run one step on ``student_engine`` (a DeepSpeed engine, ZeRO 0-3) and return its profile."""
+    divergence = divergence or DivergenceConfig()
+    teacher_cache = teacher_cache or TeacherCacheConfig()
+    device = torch.device(student_engine.device)
+    clock = Clock(device)
+    phases = _Phases(clock, device)
+    step_start = clock.mark()
+    with timed_eval(student_engine, device, train_after=True) as switch:
+        batch = phases.run("rollout", rollout.generate, request, sampling)
+    targets = response_targets(batch)
+    cache, teacher_times = phases.run("teacher", build_teacher_cache, teacher, targets, teacher_cache, clock)
+    logits = phases.run("student_forward", _student_logits, student_engine, targets)
+    total, count = phases.run("loss", chunked_divergence, logits,
+                              lambda s, e: cache.chunk(s, e, logits.device), targets.mask.to(logits.device),
+                              divergence)
+    loss = total / count.clamp(min=1)
+    phases.run("backward", student_engine.backward, loss)
+    phases.run("optimizer", student_engine.step)
+    total_ms = clock.elapsed_ms(step_start, clock.mark())
+    producing = switch.eval_ms + phases.ms["rollout"] + (switch.train_ms or 0.0)
+    return StepProfile(
+        rollout=rollout.get_last_profile(), eval_ms=switch.eval_ms, train_ms=switch.train_ms or 0.0,
+        rollout_ms=phases.ms["rollout"], teacher_forward_ms=teacher_times.forward_ms,
+        cache_write_ms=teacher_times.cache_write_ms, student_forward_ms=phases.ms["student_forward"],
+        loss_ms=phases.ms["loss"], backward_ms=phases.ms["backward"], optimizer_ms=phases.ms["optimizer"],
+        total_ms=total_ms, rollout_share=producing / total_ms if total_ms > 0 else 0.0,
+        peak_memory_bytes=dict(phases.peaks), response_tokens=targets.tokens, teacher_cache_bytes=cache.nbytes,
+        loss=float(loss.detach()))
