@@ -178,3 +178,34 @@ def test_an_interrupted_run_leaves_valid_json_that_resume_completes(tmp_path):
     for before in finished_first:  # what was done is kept, not rerun
         after = next(r for r in resumed["results"] if r["key"] == before["key"])
         assert after["iterations"] == before["iterations"]
+
+
+def test_step_benchmark_end_to_end(tmp_path, capsys):
+    out = tmp_path / "step.json"
+    assert main(["step", "--student", "llama-tiny", "--teacher", "qwen2-tiny", "--loss", "jsd,forward_kl",
+                 "--beta", "0.5", "--teacher-caches", "full,top8", "--zero-stages", "0", "--batch-sizes", "1",
+                 "--samples-per-prompt", "2", "--prompt-lengths", "8", "--response-lengths", "6", "--warmup", "0",
+                 "--iterations", "2", "--output", str(out), "--plot", str(tmp_path / "plots"),
+                 "--trace", str(tmp_path / "trace.json")]) == 0
+    document = json.loads(out.read_text())
+    jsonschema.validate(document, load_schema())
+    assert document["kind"] == "step" and document["settings"]["teacher"] == "qwen2-tiny"
+    assert [r["config"]["loss"] for r in document["results"]] == ["jsd", "jsd", "forward_kl", "forward_kl"]
+    assert [r["config"]["beta"] for r in document["results"]] == [0.5, 0.5, None, None]
+    for result in document["results"]:
+        assert result["status"] == "ok", result["error"]
+        it = result["iterations"][0]
+        assert it["rollout"]["strategy"] == "static" and 0 < it["rollout_share"] < 1
+        assert result["summary"]["backward_ms"]["count"] == 2
+        assert 0 < result["derived"]["rollout_share"] < 1
+    full, top8 = document["results"][0]["iterations"][0], document["results"][1]["iterations"][0]
+    assert top8["teacher_cache_bytes"] < full["teacher_cache_bytes"]
+    assert len(list((tmp_path / "plots").glob("*.png"))) == 3
+    names = {e["name"] for e in json.loads((tmp_path / "trace.json").read_text())["traceEvents"]}
+    assert {"step", "teacher", "backward", "optimizer", "prefill forward"} <= names
+    assert "rollout %" in capsys.readouterr().out
+
+
+def test_step_refuses_a_bare_model_up_front(capsys):
+    assert main(["step", "--zero-stages", "none", "--dry-run"]) == 2
+    assert "trains a DeepSpeed engine" in capsys.readouterr().err

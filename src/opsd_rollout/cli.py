@@ -44,19 +44,45 @@ def _cmd_models(_args: argparse.Namespace) -> int:
     return 0
 
 
-def _bench_inputs(args: argparse.Namespace):
+STEP_AXIS_FLAGS = {
+    "losses": "forward_kl, reverse_kl, jsd",
+    "betas": "generalized JSD beta in [0, 1] (0 = forward KL, 1 = reverse KL; jsd only)",
+    "teacher_caches": "full (every logit) or top<k> (e.g. top64): the host teacher-logit cache",
+}
+
+
+SINGULAR = {"losses": "loss", "betas": "beta", "teacher_caches": "teacher-cache"}
+
+
+def _bench_inputs(args: argparse.Namespace, kind: str):
     from opsd_rollout.bench.configfile import read_config_file, split_config
     from opsd_rollout.bench.matrix import BenchMatrix, BenchSettings
 
     file_axes, file_settings = split_config(read_config_file(args.config)) if args.config else ({}, {})
-    flag_axes = {axis: getattr(args, axis).split(",") for axis in AXIS_FLAGS if getattr(args, axis) is not None}
-    matrix = BenchMatrix.parse({**file_axes, **flag_axes})
+    flags = {**AXIS_FLAGS, **(STEP_AXIS_FLAGS if kind == "step" else {})}
+    flag_axes = {axis: getattr(args, axis).split(",") for axis in flags if getattr(args, axis) is not None}
+    base = BenchMatrix.for_steps() if kind == "step" else None
+    matrix = BenchMatrix.parse({**file_axes, **flag_axes}, base=base)
+    defaults = {"model": "llama-tiny", "teacher": "llama-small", "lr": 1e-3} if kind == "step" else {}
     flag_settings = {f.name: getattr(args, f.name) for f in fields(BenchSettings)
                      if getattr(args, f.name, None) is not None}
-    return matrix, BenchSettings(**{**file_settings, **flag_settings})
+    settings = BenchSettings(**{**defaults, **file_settings, **flag_settings})
+    if kind == "step" and not matrix.is_step:
+        raise ValueError("an OPSD step benchmark needs at least one loss (--losses)")
+    if kind == "step" and "none" in matrix.zero_stages:
+        raise ValueError("an OPSD step trains a DeepSpeed engine: --zero-stages takes 0-3 here, not none")
+    return matrix, settings
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
+    return _run_matrix(args, "rollout")
+
+
+def _cmd_step(args: argparse.Namespace) -> int:
+    return _run_matrix(args, "step")
+
+
+def _run_matrix(args: argparse.Namespace, kind: str) -> int:
     from opsd_rollout.bench.matrix import BenchMatrix, BenchSettings, run_order
     from opsd_rollout.bench.report import load_document
     from opsd_rollout.bench.session import run_bench_session
@@ -65,12 +91,17 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     existing = None
     if args.resume:
         existing = load_document(args.resume)
+        if existing.get("kind", "rollout") != kind:
+            raise ValueError(f"--resume {args.resume!r} holds a {existing.get('kind')} benchmark; resume it with "
+                             f"`opsd-rollout {'step' if existing.get('kind') == 'step' else 'bench'}`")
         matrix = BenchMatrix.parse(existing["matrix"])
         settings = BenchSettings(**existing["settings"])
         args.output = args.resume
     else:
-        matrix, settings = _bench_inputs(args)
+        matrix, settings = _bench_inputs(args, kind)
     _check_positions(matrix, settings.model)
+    if kind == "step":
+        _check_positions(matrix, settings.teacher)
     if args.dry_run:
         configs = matrix.expand()
         order = {c.key: i for i, c in enumerate(run_order(configs), start=1)}
@@ -114,16 +145,24 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_bench_flags(bench: argparse.ArgumentParser) -> None:
+def _add_bench_flags(bench: argparse.ArgumentParser, kind: str = "rollout") -> None:
     from opsd_rollout.bench.matrix import PROMPT_KINDS
 
     axes = bench.add_argument_group("matrix axes (comma lists; override --config)")
-    for axis, help_text in AXIS_FLAGS.items():
+    for axis, help_text in {**AXIS_FLAGS, **(STEP_AXIS_FLAGS if kind == "step" else {})}.items():
         axes.add_argument("--" + axis.replace("_", "-"), dest=axis, metavar="LIST", help=help_text)
+        if axis in SINGULAR:  # the short spellings: --loss jsd --beta 0.5
+            axes.add_argument("--" + SINGULAR[axis], dest=axis, metavar="LIST", help=argparse.SUPPRESS)
     runs = bench.add_argument_group("settings (override --config)")
     runs.add_argument("--config", metavar="FILE", help="TOML, JSON or YAML file with axes and settings")
-    runs.add_argument("--model", help="preset name (see `opsd-rollout models`; default llama-small) or a local "
-                      "checkpoint directory")
+    if kind == "step":
+        runs.add_argument("--student", dest="model", help="student: preset name or local checkpoint (default "
+                          "llama-tiny)")
+        runs.add_argument("--teacher", help="teacher of the same vocabulary (default llama-small)")
+        runs.add_argument("--lr", type=float, help="student AdamW learning rate (default 1e-3)")
+    else:
+        runs.add_argument("--model", help="preset name (see `opsd-rollout models`; default llama-small) or a local "
+                          "checkpoint directory")
     runs.add_argument("--warmup", type=int, help="unmeasured iterations per config (default 1)")
     runs.add_argument("--iterations", type=int, help="measured iterations per config (default 5)")
     runs.add_argument("--seed", type=int, help="seed for prompts and sampling (default 0)")
@@ -136,7 +175,7 @@ def _add_bench_flags(bench: argparse.ArgumentParser) -> None:
     runs.add_argument("--top-k", type=int, help="sampling top-k, -1 or 0 disables (default 50)")
     runs.add_argument("--top-p", type=float, help="sampling top-p (default 1.0)")
     out = bench.add_argument_group("output")
-    out.add_argument("--output", metavar="FILE", default="bench-results/rollout.json",
+    out.add_argument("--output", metavar="FILE", default=f"bench-results/{kind}.json",
                      help="result JSON, rewritten atomically after every config (default %(default)s)")
     out.add_argument("--plot", metavar="DIR", help="write stages.png, throughput.png and latency.png here")
     out.add_argument("--trace", metavar="FILE", help="Chrome/Perfetto trace of one measured iteration per config")
@@ -157,6 +196,13 @@ def build_parser() -> argparse.ArgumentParser:
                            "matrix (batch 1,4 x samples 1,4 x prompt 128 x response 32, greedy, llama-small).")
     _add_bench_flags(bench)
     bench.set_defaults(func=_cmd_bench)
+    step = sub.add_parser("step", help="benchmark whole OPSD steps (rollout, teacher, student update)",
+                          description="Benchmark whole on-policy distillation steps on DeepSpeed: rollout, teacher "
+                          "forward into a host logit cache, student forward, divergence, backward, optimizer step. "
+                          "Default: student llama-tiny, teacher llama-small, B 2 x n 2 x prompt 32 x response 32, "
+                          "jsd(0.5), ZeRO 0 and 3.")
+    _add_bench_flags(step, "step")
+    step.set_defaults(func=_cmd_step)
     compare = sub.add_parser("compare", help="compare two result files; exit 1 on a significant regression")
     compare.add_argument("before", metavar="BEFORE.json")
     compare.add_argument("after", metavar="AFTER.json")

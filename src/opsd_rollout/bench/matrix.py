@@ -41,6 +41,21 @@ def _choice(options: Sequence[Any]) -> Callable[[Any], Any]:
     return parse
 
 
+def _unit_float(value: Any) -> float:
+    number = float(str(value).strip())
+    if not 0.0 <= number <= 1.0:
+        raise ValueError
+    return number
+
+
+def _teacher_cache(value: Any) -> str:
+    """``full`` or ``top<k>`` (k >= 1), e.g. ``top64``."""
+    text = str(value).strip().lower()
+    if text == "full" or (text.startswith("top") and text[3:].isdigit() and int(text[3:]) >= 1):
+        return text
+    raise ValueError
+
+
 def _on_off(value: Any) -> bool:
     text = str(value).strip().lower()
     if text in ("on", "true", "1", "yes"):
@@ -62,7 +77,12 @@ AXES: dict[str, tuple[Callable[[Any], Any], str]] = {
     "strategies": (_choice(STRATEGIES), f"one of {', '.join(STRATEGIES)}"),
     "cache_policies": (_choice(CACHE_POLICIES), f"one of {', '.join(CACHE_POLICIES)}"),
     "forward_timing": (_on_off, "on or off"),
+    # OPSD step axes (``opsd-rollout step``); None in a rollout benchmark
+    "losses": (_choice(("forward_kl", "reverse_kl", "jsd")), "one of forward_kl, reverse_kl, jsd"),
+    "betas": (_unit_float, "a number in [0, 1]"),
+    "teacher_caches": (_teacher_cache, "full or top<k> (e.g. top64)"),
 }
+STEP_AXES = ("losses", "betas", "teacher_caches")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -79,6 +99,12 @@ class BenchConfig:
     strategy: str
     cache_policy: str
     forward_timing: bool
+    loss: str | None = None
+    """OPSD step only: the divergence."""
+    beta: float | None = None
+    """OPSD step only, ``loss=jsd``: the generalized JSD's beta."""
+    teacher_cache: str | None = None
+    """OPSD step only: ``full`` or ``top<k>``."""
 
     @property
     def effective_batch_size(self) -> int:
@@ -91,14 +117,20 @@ class BenchConfig:
     @property
     def key(self) -> str:
         """Stable identity, used to match results across runs (``--resume``, ``compare``)."""
-        return (f"B{self.batch_size}-n{self.samples_per_prompt}-P{self.prompt_length}-R{self.response_length}-"
-                f"{self.dtype}-{self.decoding}-zero{self.zero_stage}-{self.strategy}-{self.cache_policy}-"
-                f"fwd{'on' if self.forward_timing else 'off'}")
+        key = (f"B{self.batch_size}-n{self.samples_per_prompt}-P{self.prompt_length}-R{self.response_length}-"
+               f"{self.dtype}-{self.decoding}-zero{self.zero_stage}-{self.strategy}-{self.cache_policy}-"
+               f"fwd{'on' if self.forward_timing else 'off'}")
+        if self.loss is not None:
+            key += f"-{self.loss}" + (f"{self.beta:g}" if self.beta is not None else "") + f"-{self.teacher_cache}"
+        return key
 
     @property
     def label(self) -> str:
         """Short, for tables and plots: the axes that usually vary."""
-        return f"B{self.batch_size} n{self.samples_per_prompt} P{self.prompt_length} R{self.response_length}"
+        label = f"B{self.batch_size} n{self.samples_per_prompt} P{self.prompt_length} R{self.response_length}"
+        if self.loss is not None:
+            label += f" {self.loss}" + (f"({self.beta:g})" if self.beta is not None else "") + f" {self.teacher_cache}"
+        return label
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -118,6 +150,19 @@ class BenchMatrix:
     strategies: list[str] = field(default_factory=lambda: ["static"])
     cache_policies: list[str] = field(default_factory=lambda: ["retain"])
     forward_timing: list[bool] = field(default_factory=lambda: [True])
+    losses: list[str | None] = field(default_factory=lambda: [None])
+    betas: list[float | None] = field(default_factory=lambda: [None])
+    teacher_caches: list[str | None] = field(default_factory=lambda: [None])
+
+    @classmethod
+    def for_steps(cls) -> "BenchMatrix":
+        """The step benchmark's defaults: a small matrix that runs in a couple of minutes on CPU."""
+        return cls(batch_sizes=[2], samples_per_prompt=[2], prompt_lengths=[32], response_lengths=[32],
+                   zero_stages=[0, 3], losses=["jsd"], betas=[0.5], teacher_caches=["full"])
+
+    @property
+    def is_step(self) -> bool:
+        return self.losses != [None]
 
     @classmethod
     def parse(cls, raw: dict[str, Iterable[Any]], base: "BenchMatrix | None" = None) -> "BenchMatrix":
@@ -137,6 +182,9 @@ class BenchMatrix:
                 errors.append(f"{name}: needs at least one value")
             parsed = []
             for item in items:
+                if item is None and name in STEP_AXES:  # "not a step benchmark", as saved in a result file
+                    parsed.append(None)
+                    continue
                 try:
                     parsed.append(parser(item))
                 except (ValueError, TypeError):
@@ -157,13 +205,16 @@ class BenchMatrix:
                              + "; ".join(bad))
 
     def expand(self) -> list[BenchConfig]:
-        """Every config, in the user's order (the product of the axes, first axis slowest)."""
-        return [BenchConfig(batch_size=b, samples_per_prompt=n, prompt_length=p, response_length=r, dtype=d,
-                            decoding=dec, zero_stage=z, strategy=s, cache_policy=c, forward_timing=f)
-                for b, n, p, r, d, dec, z, s, c, f in itertools.product(
-                    self.batch_sizes, self.samples_per_prompt, self.prompt_lengths, self.response_lengths,
-                    self.dtypes, self.decoding, self.zero_stages, self.strategies, self.cache_policies,
-                    self.forward_timing)]
+        """Every config, in the user's order (the product of the axes, first axis slowest). ``beta`` only
+        varies ``jsd``; the KLs appear once."""
+        configs = [BenchConfig(batch_size=b, samples_per_prompt=n, prompt_length=p, response_length=r, dtype=d,
+                               decoding=dec, zero_stage=z, strategy=s, cache_policy=c, forward_timing=f, loss=loss,
+                               beta=beta if loss == "jsd" else None, teacher_cache=cache)
+                   for b, n, p, r, d, dec, z, s, c, f, loss, beta, cache in itertools.product(
+                       self.batch_sizes, self.samples_per_prompt, self.prompt_lengths, self.response_lengths,
+                       self.dtypes, self.decoding, self.zero_stages, self.strategies, self.cache_policies,
+                       self.forward_timing, self.losses, self.betas, self.teacher_caches)]
+        return list({c.key: c for c in configs}.values())
 
     def to_dict(self) -> dict[str, list[Any]]:
         return asdict(self)
@@ -202,6 +253,10 @@ class BenchSettings:
     """Sampling top-k (decoding=sampling; -1 or 0 disables)."""
     top_p: float = 1.0
     """Sampling top-p (decoding=sampling)."""
+    teacher: str | None = None
+    """OPSD step only: the teacher (preset or local checkpoint; same vocabulary as the student ``model``)."""
+    lr: float = 1e-4
+    """OPSD step only: the student's AdamW learning rate."""
 
     def __post_init__(self) -> None:
         errors = []

@@ -5,11 +5,14 @@ from __future__ import annotations
 from collections import defaultdict
 from pathlib import Path
 
-from opsd_rollout.bench.report import SHARE_LABELS, ConfigResult, display_labels
+from opsd_rollout.bench.report import SHARE_LABELS, STEP_PHASES, ConfigResult, display_labels
 
 STAGES = ("prompt_expansion_ms", "prefill_ms", "decode_ms", "param_gather_ms", "inference_cache_ms",
           "lora_fuse_ms", "lora_unfuse_ms", "gc_ms", "empty_cache_ms", "workspace_alloc_ms",
           "generation_overhead_ms", "post_processing_ms")
+
+
+STEP_STAGES = tuple(STEP_PHASES)
 
 
 def _pyplot():
@@ -23,19 +26,27 @@ def _pyplot():
     return plt
 
 
-def _median_stage_ms(result: ConfigResult) -> dict[str, float]:
+def _median_stage_ms(result: ConfigResult, stages: tuple[str, ...]) -> dict[str, float]:
     from opsd_rollout.profiling import RolloutProfile
 
-    profiles = [RolloutProfile(**it) for it in result.iterations]
+    if stages is STEP_STAGES:
+        rows = result.iterations
+        read = dict.get
+    else:  # rollout profiles: generation_overhead_ms is derived, not stored
+        rows = [RolloutProfile(**it) for it in result.iterations]
+        read = getattr
     out = {}
-    for stage in STAGES:
-        values = sorted(getattr(p, stage) or 0.0 for p in profiles)
+    for stage in stages:
+        values = sorted(read(row, stage) or 0.0 for row in rows)
         out[stage] = values[len(values) // 2]
     return out
 
 
-def write_plots(results: list[ConfigResult], directory: str | Path) -> list[Path]:
-    """Writes stages.png, throughput.png and latency.png for the configs that ran; returns their paths."""
+def write_plots(results: list[ConfigResult], directory: str | Path, kind: str = "rollout") -> list[Path]:
+    """Writes stages.png, throughput.png and latency.png for the configs that ran; returns their paths.
+    ``kind="step"`` stacks an OPSD step's phases instead of a rollout's stages."""
+    stages = STEP_STAGES if kind == "step" else STAGES
+    names_of = STEP_PHASES if kind == "step" else SHARE_LABELS
     plt = _pyplot()
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
@@ -46,15 +57,15 @@ def write_plots(results: list[ConfigResult], directory: str | Path) -> list[Path
 
     fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(ok) + 2), 4.5))
     bottoms = [0.0] * len(ok)
-    medians = [_median_stage_ms(r) for r in ok]
-    for stage in STAGES:
+    medians = [_median_stage_ms(r, stages) for r in ok]
+    for stage in stages:
         heights = [m[stage] for m in medians]
         if any(heights):
-            ax.bar(labels, heights, bottom=bottoms, label=SHARE_LABELS.get(stage, stage))
+            ax.bar(labels, heights, bottom=bottoms, label=names_of.get(stage, stage))
             bottoms = [b + h for b, h in zip(bottoms, heights)]
     ax.set_ylabel("ms (median iteration per stage)")
     ax.set_ylim(bottom=0)
-    ax.set_title("Where rollout time goes")
+    ax.set_title("Where OPSD step time goes" if kind == "step" else "Where rollout time goes")
     ax.legend(fontsize=8)
     ax.tick_params(axis="x", rotation=30, labelsize=8)
     paths.append(_save(fig, directory / "stages.png", plt))
@@ -71,7 +82,7 @@ def write_plots(results: list[ConfigResult], directory: str | Path) -> list[Path
         ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=name)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("effective batch size (batch x samples per prompt)")
-    ax.set_ylabel("generated tokens/s (p50)")
+    ax.set_ylabel("trained response tokens/s (p50)" if kind == "step" else "generated tokens/s (p50)")
     ax.set_title("Throughput against effective batch")
     ax.legend(fontsize=8)
     paths.append(_save(fig, directory / "throughput.png", plt))
@@ -83,7 +94,7 @@ def write_plots(results: list[ConfigResult], directory: str | Path) -> list[Path
     ax.bar([i - 0.2 for i in positions], p50, width=0.4, label="p50")
     ax.bar([i + 0.2 for i in positions], p95, width=0.4, label="p95")
     ax.set_xticks(list(positions), labels, rotation=30, fontsize=8)
-    ax.set_ylabel("rollout latency (ms)")
+    ax.set_ylabel("step latency (ms)" if kind == "step" else "rollout latency (ms)")
     ax.set_title("Latency per config")
     ax.legend(fontsize=8)
     paths.append(_save(fig, directory / "latency.png", plt))

@@ -87,10 +87,24 @@ def write_json_atomic(path: str | os.PathLike, document: dict[str, Any]) -> None
     write_text_atomic(path, json.dumps(_finite(document), indent=1, allow_nan=False) + "\n")
 
 
+VARIANT_AXES = {"dtype": "", "decoding": "", "zero_stage": "zero", "strategy": "", "cache_policy": "",
+                "forward_timing": "fwd "}
+
+
 def display_labels(configs: list[BenchConfig]) -> dict[str, str]:
-    """Short labels per config key, with the variant axes added where short labels would collide."""
-    short = [c.label for c in configs]
-    return {c.key: c.label + (_variant(c) if short.count(c.label) > 1 else "") for c in configs}
+    """Short labels per config key, plus the values of whichever other axes vary across ``configs``."""
+    varying = [axis for axis in VARIANT_AXES if len({getattr(c, axis) for c in configs}) > 1]
+
+    def variant(config: BenchConfig) -> str:
+        parts = []
+        for axis in varying:
+            value = getattr(config, axis)
+            if axis == "forward_timing":
+                value = "on" if value else "off"
+            parts.append(f"{VARIANT_AXES[axis]}{value}")
+        return (" " + "/".join(parts)) if parts else ""
+
+    return {c.key: c.label + variant(c) for c in configs}
 
 
 def _finite(value: Any) -> Any:
@@ -153,13 +167,32 @@ def results_table(results: list[ConfigResult], title: str) -> Table:
     return table
 
 
-def _variant(config: BenchConfig) -> str:
-    parts = [config.dtype, config.decoding, f"z{config.zero_stage}", config.strategy]
-    if config.cache_policy != "retain":
-        parts.append(config.cache_policy)
-    if not config.forward_timing:
-        parts.append("fwd off")
-    return " " + "/".join(parts)
+STEP_PHASES = {"eval_ms": "eval", "rollout_ms": "rollout", "train_ms": "train", "teacher_forward_ms": "teacher",
+               "cache_write_ms": "cache write", "student_forward_ms": "student", "loss_ms": "loss",
+               "backward_ms": "backward", "optimizer_ms": "optim"}
+STEP_COLUMNS = ("rollout_ms", "teacher_forward_ms", "cache_write_ms", "student_forward_ms", "loss_ms", "backward_ms",
+                "optimizer_ms")
+
+
+def step_table(results: list[ConfigResult], title: str) -> Table:
+    """One row per step config: medians of each phase, the rollout's share and the loss."""
+    table = Table(title=title, title_justify="left", caption="phases: median ms (eval/train switches in the JSON); "
+                  "rollout share = (eval + rollout + train) / step", caption_justify="left")
+    for column in ("config", "step ms", "p95", "rollout %", *[STEP_PHASES[k] for k in STEP_COLUMNS], "loss",
+                   "peak MiB", "cache MiB"):
+        table.add_column(column, justify="left" if column == "config" else "right")
+    labels = display_labels([r.config for r in results])
+    for result in results:
+        if result.status != "ok":
+            table.add_row(labels[result.config.key], f"{result.status}: {(result.error or '')[:70]}", style="red")
+            continue
+        s = result.summary()
+        total = s["total_ms"]
+        table.add_row(labels[result.config.key], _fmt(total.p50) + ("*" if total.noisy else ""), _fmt(total.p95),
+                      f"{100 * s['rollout_share'].p50:.0f}", *[_fmt(_p50(s, k)) for k in STEP_COLUMNS],
+                      _fmt(_p50(s, "loss"), 4), _fmt(_p50(s, "peak_memory_bytes") / 2**20, 0),
+                      _fmt(_p50(s, "teacher_cache_bytes") / 2**20, 2))
+    return table
 
 
 def _p50(summary: dict[str, Stats], name: str) -> float | None:

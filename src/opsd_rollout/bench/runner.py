@@ -44,12 +44,20 @@ class _Engine:
 
 
 class EnginePool:
-    """Keeps one engine alive at a time: the one the current config needs."""
+    """Keeps one engine alive at a time: the one the current config needs (and, for OPSD steps, the teacher)."""
 
-    def __init__(self, model: str, device: torch.device):
-        self.model, self.device = model, device
+    def __init__(self, model: str, device: torch.device, *, lr: float = 1e-4, teacher: str | None = None):
+        self.model, self.device, self.lr, self.teacher_name = model, device, lr, teacher
         self._key: tuple | None = None
         self._current: _Engine | None = None
+        self._teacher: tuple[str, Any] | None = None
+
+    def teacher(self, dtype: str) -> Any:
+        """The frozen teacher in ``dtype``, loaded once per dtype."""
+        if self._teacher is None or self._teacher[0] != dtype:
+            model, _ = load_model(self.teacher_name, dtype=dtype, device=self.device)
+            self._teacher = (dtype, model.requires_grad_(False))
+        return self._teacher[1]
 
     def get(self, config: BenchConfig) -> _Engine:
         if self._key != config.engine_key:
@@ -60,7 +68,7 @@ class EnginePool:
             if config.zero_stage != "none":
                 from opsd_rollout.deepspeed_engine import build_engine
 
-                engine = build_engine(model, int(config.zero_stage))
+                engine = build_engine(model, int(config.zero_stage), lr=self.lr)
             self._key, self._current = config.engine_key, _Engine(engine, tokenizer, facts)
         return self._current
 
@@ -78,7 +86,7 @@ class EnginePool:
         if self._current is not None:
             for rollout in self._current.rollouts.values():
                 rollout.shutdown()
-        self._key = self._current = None
+        self._key = self._current = self._teacher = None
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -106,6 +114,16 @@ def derived_figures(result: ConfigResult, facts: ModelFacts, ceilings: dict[str,
     return out
 
 
+def step_figures(result: ConfigResult) -> dict[str, Any]:
+    """Medians a step benchmark reader wants first."""
+    med = {name: (s.p50 if (s := result.metric(name)) else None) for name in (
+        "rollout_share", "loss", "total_ms", "rollout_ms", "teacher_cache_bytes", "tokens_per_second")}
+    return {"rollout_share": med["rollout_share"], "loss": med["loss"], "step_ms": med["total_ms"],
+            "rollout_ms": med["rollout_ms"], "teacher_cache_bytes": med["teacher_cache_bytes"],
+            "trained_tokens_per_second": med["tokens_per_second"],
+            "step_ms_without_rollout": (med["total_ms"] - med["rollout_ms"]) if med["total_ms"] else None}
+
+
 Progress = Callable[[str, BenchConfig | None, int], None]
 """``progress(event, config, iteration)`` with events ``config``, ``iteration``, ``done``."""
 
@@ -119,6 +137,7 @@ class BenchRunner:
         self.matrix, self.settings, self.output = matrix, settings, output
         self.device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.configs = matrix.expand()
+        self.kind = "step" if matrix.is_step else "rollout"
         previous = {r["key"]: ConfigResult.from_dict(r) for r in (existing or {}).get("results", [])}
         self.results = {c.key: previous.get(c.key) or ConfigResult(config=c) for c in self.configs}
         for result in self.results.values():
@@ -133,7 +152,7 @@ class BenchRunner:
         return [c for c in run_order(self.configs) if self.results[c.key].status == "pending"]
 
     def document(self) -> dict[str, Any]:
-        return {"schema_version": SCHEMA_VERSION, "kind": "rollout", "environment": self.environment,
+        return {"schema_version": SCHEMA_VERSION, "kind": self.kind, "environment": self.environment,
                 "matrix": self.matrix.to_dict(), "settings": self.settings.to_dict(),
                 "run_order": [c.key for c in run_order(self.configs)],
                 "results": [self.results[c.key].to_dict() for c in self.configs]}
@@ -148,7 +167,7 @@ class BenchRunner:
             ceilings = measure_ceilings(self.device) if self._measure_machine else None
             self.environment = environment_block(self.device, ceilings)
         self._save()
-        pool = EnginePool(self.settings.model, self.device)
+        pool = EnginePool(self.settings.model, self.device, lr=self.settings.lr, teacher=self.settings.teacher)
         try:
             for config in self.pending:
                 progress("config", config, 0)
@@ -168,15 +187,17 @@ class BenchRunner:
         try:
             rollout, built = pool.rollout(config, self.settings.fixed_length)
             request, sampling = self._inputs(config, built.tokenizer, built.facts)
+            measure = self._step(pool, config, built, rollout) if self.kind == "step" else self._rollout(rollout)
             torch.manual_seed(self.settings.seed)
             for index in range(self.settings.warmup + self.settings.iterations):
-                rollout.generate(request, sampling)
+                profile = measure(request, sampling)
                 if index >= self.settings.warmup:
-                    result.iterations.append(rollout.get_last_profile().to_dict())
+                    result.iterations.append(profile.to_dict())
                 progress("iteration", config, index + 1)
-            self.timelines[config.key] = rollout.get_last_timeline()
+            self.timelines[config.key] = self._timeline(profile, rollout)
             result.status = "ok"
-            result.derived = derived_figures(result, built.facts, self.environment.get("ceilings"))
+            result.derived = (derived_figures(result, built.facts, self.environment.get("ceilings"))
+                              if self.kind == "rollout" else step_figures(result))
             total = result.metric("total_ms")
             if total is not None and total.noisy:
                 result.warnings.append(f"total_ms spread (IQR/median) is {100 * total.spread:.1f}%, over 10%: "
@@ -187,6 +208,46 @@ class BenchRunner:
             result.warnings.append(traceback.format_exc(limit=3).splitlines()[-1])
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
+
+    @staticmethod
+    def _rollout(rollout: HybridEngineRollout):
+        def measure(request: RolloutRequest, sampling: SamplingConfig):
+            rollout.generate(request, sampling)
+            return rollout.get_last_profile()
+
+        return measure
+
+    def _step(self, pool: EnginePool, config: BenchConfig, built: _Engine, rollout: HybridEngineRollout):
+        from opsd_rollout.opsd import DivergenceConfig, TeacherCacheConfig, opsd_step
+
+        if config.zero_stage == "none":
+            raise ValueError("an OPSD step trains a DeepSpeed engine: use --zero-stages 0-3, not none")
+        teacher = pool.teacher(config.dtype)
+        divergence = DivergenceConfig(loss=config.loss, beta=config.beta if config.beta is not None else 0.5)
+        cache = (TeacherCacheConfig(mode="full") if config.teacher_cache == "full"
+                 else TeacherCacheConfig(mode="topk", top_k=int(config.teacher_cache[3:])))
+
+        def measure(request: RolloutRequest, sampling: SamplingConfig):
+            return opsd_step(built.engine, teacher, rollout, request, sampling, divergence=divergence,
+                             teacher_cache=cache)
+
+        return measure
+
+    @staticmethod
+    def _timeline(profile: Any, rollout: HybridEngineRollout) -> list:
+        """Spans of the last measured iteration: the rollout's own, or a step's phases with the rollout inside."""
+        from opsd_rollout.profiling import Span
+
+        spans = rollout.get_last_timeline() or []
+        if not hasattr(profile, "phase_start_ms"):
+            return spans
+        offset = profile.phase_start_ms.get("rollout", 0.0)
+        durations = {"rollout": profile.rollout_ms, "teacher": profile.teacher_forward_ms + profile.cache_write_ms,
+                     "student_forward": profile.student_forward_ms, "loss": profile.loss_ms,
+                     "backward": profile.backward_ms, "optimizer": profile.optimizer_ms}
+        step = [Span("step", 0.0, profile.total_ms, None)]
+        step += [Span(name, start, durations[name], "step") for name, start in profile.phase_start_ms.items()]
+        return step + [Span(s.name, offset + s.start_ms, s.duration_ms, s.parent or "rollout") for s in spans]
 
     def _inputs(self, config: BenchConfig, tokenizer: Any, facts: ModelFacts) -> tuple[RolloutRequest, SamplingConfig]:
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id

@@ -9,7 +9,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from opsd_rollout.bench.matrix import BenchConfig, BenchMatrix, BenchSettings
-from opsd_rollout.bench.report import display_labels, results_table, write_json_atomic
+from opsd_rollout.bench.report import display_labels, results_table, step_table, write_json_atomic
 from opsd_rollout.bench.runner import BenchRunner
 
 
@@ -37,9 +37,13 @@ def run_bench_session(matrix: BenchMatrix, settings: BenchSettings, *, output: s
         results = runner.run(progress)
 
     env = runner.environment
-    console.print(results_table(results, f"{settings.model} on {env['device_name']} ({env['threads']} threads), "
-                                f"{settings.iterations} iterations after {settings.warmup} warmup"
-                                f"{', fixed length' if settings.fixed_length else ', real EOS stopping'}"))
+    title = (f"{settings.model} on {env['device_name']} ({env['threads']} threads), {settings.iterations} "
+             f"iterations after {settings.warmup} warmup"
+             f"{', fixed length' if settings.fixed_length else ', real EOS stopping'}")
+    if runner.kind == "step":
+        console.print(step_table(results, f"OPSD steps: student {title}; teacher {settings.teacher}"))
+    else:
+        console.print(results_table(results, title))
     labels = display_labels([r.config for r in results])
     for result in results:
         for warning in result.warnings:
@@ -49,7 +53,7 @@ def run_bench_session(matrix: BenchMatrix, settings: BenchSettings, *, output: s
     if plot_dir:
         from opsd_rollout.bench.plots import write_plots
 
-        for path in write_plots(results, plot_dir):
+        for path in write_plots(results, plot_dir, runner.kind):
             console.print(f"plot: {path}")
     if trace:
         from opsd_rollout.profiling.trace import chrome_trace

@@ -41,13 +41,25 @@ class StepProfile:
     """(eval + rollout + train) / total: what the step spends producing its samples."""
     peak_memory_bytes: dict[str, int] = field(default_factory=dict)
     """Per phase: accelerator peak allocated on CUDA, process peak RSS on CPU."""
+    phase_start_ms: dict[str, float] = field(default_factory=dict)
+    """Per phase: its start, from the start of the step (for traces)."""
     response_tokens: int = 0
     teacher_cache_bytes: int = 0
     loss: float = 0.0
 
+    @property
+    def tokens_per_second(self) -> float:
+        """Response tokens trained on per second of step."""
+        return self.response_tokens / (self.total_ms / 1e3) if self.total_ms > 0 else 0.0
+
     def to_dict(self) -> dict[str, Any]:
+        """Flat numbers first (what benchmark summaries read), the nested rollout profile under ``rollout``."""
         data = dataclasses.asdict(self)
         data["rollout"] = self.rollout.to_dict() if self.rollout is not None else None
+        for phase, peak in data.pop("peak_memory_bytes").items():
+            data[f"peak_{phase}_bytes"] = peak
+        data["peak_memory_bytes"] = max(self.peak_memory_bytes.values(), default=0)
+        data["tokens_per_second"] = self.tokens_per_second
         return data
 
 
@@ -55,13 +67,16 @@ class StepProfile:
 class _Phases:
     clock: Clock
     device: torch.device
+    origin: Any
     ms: dict[str, float] = field(default_factory=dict)
     peaks: dict[str, int] = field(default_factory=dict)
+    starts: dict[str, float] = field(default_factory=dict)
 
     def run(self, name: str, fn, *args, **kwargs):
         memory = PeakMemory(self.device)
         memory.start()
         start = self.clock.mark()
+        self.starts[name] = self.clock.elapsed_ms(self.origin, start)
         result = fn(*args, **kwargs)
         self.ms[name] = self.clock.elapsed_ms(start, self.clock.mark())
         self.peaks[name] = memory.stop()[0]
@@ -82,8 +97,8 @@ def opsd_step(student_engine: Any, teacher: Any, rollout: Any, request: Any, sam
     teacher_cache = teacher_cache or TeacherCacheConfig()
     device = torch.device(student_engine.device)
     clock = Clock(device)
-    phases = _Phases(clock, device)
     step_start = clock.mark()
+    phases = _Phases(clock, device, step_start)
     with timed_eval(student_engine, device, train_after=True) as switch:
         batch = phases.run("rollout", rollout.generate, request, sampling)
     targets = response_targets(batch)
@@ -103,5 +118,6 @@ def opsd_step(student_engine: Any, teacher: Any, rollout: Any, request: Any, sam
         cache_write_ms=teacher_times.cache_write_ms, student_forward_ms=phases.ms["student_forward"],
         loss_ms=phases.ms["loss"], backward_ms=phases.ms["backward"], optimizer_ms=phases.ms["optimizer"],
         total_ms=total_ms, rollout_share=producing / total_ms if total_ms > 0 else 0.0,
-        peak_memory_bytes=dict(phases.peaks), response_tokens=targets.tokens, teacher_cache_bytes=cache.nbytes,
+        peak_memory_bytes=dict(phases.peaks), phase_start_ms=dict(phases.starts), response_tokens=targets.tokens,
+        teacher_cache_bytes=cache.nbytes,
         loss=float(loss.detach()))

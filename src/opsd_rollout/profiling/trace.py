@@ -18,7 +18,7 @@ def chrome_trace(rollouts: Sequence[tuple[str, Sequence[Span]]]) -> dict[str, An
         events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": 0, "args": {"name": "rollout"}})
         decode_step = 0
         for span in sorted(spans, key=lambda s: (s.start_ms, -s.duration_ms)):
-            name = "rollout" if span.name == "total" else span.name
+            name = "rollout" if span.name == "total" else span.name  # a step's root is "step"
             if span.name == "decode forward":
                 name = f"decode step {decode_step}"
                 decode_step += 1
