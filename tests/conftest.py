@@ -29,6 +29,13 @@ def tokenizer():
     return byte_tokenizer()
 
 
+def clean_env() -> dict[str, str]:
+    """This process's environment without the distributed variables an in-process DeepSpeed group set, for
+    subprocesses that start their own ranks."""
+    return {k: v for k, v in os.environ.items()
+            if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+
+
 def transition_model(table: list[int], *, eos_token_id=None, sharpness: float = 20.0):
     """A one-layer Llama whose greedy next token is ``table[current token]``.
 

@@ -13,6 +13,7 @@ import time
 import jsonschema
 import pytest
 
+from conftest import clean_env
 from opsd_rollout import HybridEngineRollout
 from opsd_rollout.bench.matrix import BenchMatrix, BenchSettings
 from opsd_rollout.bench.report import load_schema
@@ -155,7 +156,7 @@ def test_an_interrupted_run_leaves_valid_json_that_resume_completes(tmp_path):
                "--batch-sizes", "1,2,3", "--samples-per-prompt", "1", "--prompt-lengths", "8",
                "--response-lengths", "48", "--warmup", "0", "--iterations", "25", "--output", str(output)]
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                               env={**os.environ, "DS_ACCELERATOR": "cpu"})
+                               env={**clean_env(), "DS_ACCELERATOR": "cpu"})
     deadline = time.monotonic() + 240
     try:
         while time.monotonic() < deadline:

@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from conftest import clean_env
+
 HERE = Path(__file__).parent
 
 
@@ -20,7 +22,7 @@ def free_port() -> int:
 
 
 def test_zero3_ranks_finishing_at_different_steps(tmp_path):
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+    env = {**clean_env(), "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr",
                "127.0.0.1", "--master_port", str(free_port()), str(HERE / "multirank" / "rollout_worker.py"),
                str(tmp_path)]

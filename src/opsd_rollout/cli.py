@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import warnings
 from collections.abc import Sequence
@@ -11,6 +12,8 @@ from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
+
+from opsd_rollout.bench.runner import RankFailure
 
 AXIS_FLAGS = {  # flag -> BenchMatrix axis
     "batch_sizes": "batch sizes (prompts per rollout)",
@@ -82,11 +85,44 @@ def _cmd_step(args: argparse.Namespace) -> int:
     return _run_matrix(args, "step")
 
 
+def _relaunch(argv: Sequence[str], nproc: int) -> int:
+    """Run this same command on ``nproc`` local ranks under torchrun (free port, gloo on CPU)."""
+    import socket
+    import subprocess
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr",
+               "127.0.0.1", "--master_port", str(port), "-m", "opsd_rollout", *argv]
+    # a one-process group of this process (if any) must not leak into the ranks' environment
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    return subprocess.run(command, env=env).returncode
+
+
+def _without_nproc(argv: Sequence[str]) -> list[str]:
+    out, skip = [], False
+    for item in argv:
+        if skip:
+            skip = False
+        elif item == "--nproc":
+            skip = True
+        elif not item.startswith("--nproc="):
+            out.append(item)
+    return out
+
+
 def _run_matrix(args: argparse.Namespace, kind: str) -> int:
     from opsd_rollout.bench.matrix import BenchMatrix, BenchSettings, run_order
     from opsd_rollout.bench.report import load_document
     from opsd_rollout.bench.session import run_bench_session
 
+    if args.nproc is not None:
+        if args.nproc < 1:
+            raise ValueError(f"--nproc must be >= 1; got {args.nproc}")
+        if args.nproc > 1 and int(os.environ.get("WORLD_SIZE", "1")) == 1:  # not already under a launcher
+            return _relaunch(_without_nproc(args.argv), args.nproc)
     console = _console()
     existing = None
     if args.resume:
@@ -114,7 +150,7 @@ def _run_matrix(args: argparse.Namespace, kind: str) -> int:
         console.print(table)
         return 0
     return run_bench_session(matrix, settings, output=args.output, plot_dir=args.plot, trace=args.trace,
-                             existing=existing, console=console)
+                             existing=existing, console=console, collective_timeout_s=args.collective_timeout)
 
 
 def _check_positions(matrix, model: str) -> None:
@@ -129,8 +165,9 @@ def _cmd_compare(args: argparse.Namespace) -> int:
 
     if args.threshold < 0:
         raise ValueError(f"--threshold must be >= 0 (percent); got {args.threshold}")
+    ignore = tuple(a.strip() for a in args.ignore_axes.split(",") if a.strip()) if args.ignore_axes else ()
     changes, notes = compare_documents(load_document(args.before), load_document(args.after),
-                                       threshold_pct=args.threshold)
+                                       threshold_pct=args.threshold, ignore=ignore)
     console = _console()
     console.print(comparison_table(changes))
     for note in notes:
@@ -183,6 +220,12 @@ def _add_bench_flags(bench: argparse.ArgumentParser, kind: str = "rollout") -> N
                      "lacks (or that failed), with FILE's own matrix and settings, and writes back to FILE")
     out.add_argument("--dry-run", action="store_true", help="print the expanded matrix and its run order, run "
                      "nothing")
+    ranks = bench.add_argument_group("several ranks (or launch under torchrun / deepspeed yourself)")
+    ranks.add_argument("--nproc", type=int, metavar="N", help="run on N local ranks: relaunches this command "
+                       "under torchrun; each rank rolls out its own prompts, rank 0 gathers and writes")
+    ranks.add_argument("--collective-timeout", type=float, default=600.0, metavar="S",
+                       help="seconds any collective may wait for the other ranks before failing (default "
+                       "%(default)s)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -210,6 +253,8 @@ def build_parser() -> argparse.ArgumentParser:
                          help="percent change for the worse that counts as a regression when significant "
                          "and at least 1 ms (times) or 1 MiB (memory) (default %(default)s)")
     compare.add_argument("--markdown", metavar="FILE", help="also write the comparison as a Markdown table")
+    compare.add_argument("--ignore-axes", metavar="LIST", help="config axes to leave out when matching BEFORE and "
+                         "AFTER, e.g. strategy (to compare generate against static)")
     compare.set_defaults(func=_cmd_compare)
     return parser
 
@@ -217,12 +262,17 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     # torch deprecations raised from inside DeepSpeed are not the user's to act on
     warnings.filterwarnings("ignore", category=FutureWarning, module="torch")
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
+    args.argv = argv
     try:
         return int(args.func(args) or 0)
     except ValueError as error:  # bad input: a clear message, no traceback
         print(f"opsd-rollout: error: {error}", file=sys.stderr)
         return 2
+    except RankFailure as error:  # one rank failed: say which and why; the launcher stops the others
+        print(f"opsd-rollout: error: {error}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("opsd-rollout: interrupted; finished configs are in the result file (finish with --resume)",
               file=sys.stderr)

@@ -19,11 +19,18 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def init_distributed() -> None:
+DEFAULT_COLLECTIVE_TIMEOUT_S = 600.0
+
+
+def init_distributed(timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S) -> None:
     """Initialize torch.distributed through DeepSpeed once: gloo on CPU, DeepSpeed's default on GPUs.
 
-    Outside a launcher (no ``RANK`` in the environment) this makes a one-process group on loopback.
+    Outside a launcher (no ``RANK`` in the environment) this makes a one-process group on loopback. Every
+    collective of the group gives up after ``timeout_s`` seconds with an error, instead of waiting forever
+    for a rank that died.
     """
+    from datetime import timedelta
+
     import deepspeed
     import torch.distributed as dist
 
@@ -32,8 +39,10 @@ def init_distributed() -> None:
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(_free_port()))
-    backend = None if torch.cuda.is_available() else "gloo"
-    deepspeed.init_distributed(dist_backend=backend) if backend else deepspeed.init_distributed()
+    kwargs: dict[str, Any] = {"timeout": timedelta(seconds=timeout_s), "verbose": False}
+    if not torch.cuda.is_available():
+        kwargs["dist_backend"] = "gloo"
+    deepspeed.init_distributed(**kwargs)
 
 
 def deepspeed_config(zero_stage: int, *, dtype: torch.dtype = torch.float32, lr: float = 1e-4,

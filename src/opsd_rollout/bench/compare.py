@@ -79,13 +79,27 @@ def _unit(metric: str) -> str | None:
     return "ms" if metric.endswith("_ms") else ("bytes" if metric.endswith("_bytes") else None)
 
 
+def _match_key(result: dict[str, Any], ignore: tuple[str, ...]) -> str:
+    if not ignore:
+        return result["key"]
+    config = {k: v for k, v in result["config"].items() if k not in ignore}
+    return "|".join(f"{k}={v}" for k, v in sorted(config.items()))
+
+
 def compare_documents(before: dict[str, Any], after: dict[str, Any], *, threshold_pct: float = 5.0,
-                      alpha: float = 0.05) -> tuple[list[MetricChange], list[str]]:
-    """Changes for every config present in both files and ``ok`` in both; plus notes on unmatched ones."""
-    old = {r["key"]: ConfigResult.from_dict(r) for r in before.get("results", [])}
-    new = {r["key"]: ConfigResult.from_dict(r) for r in after.get("results", [])}
+                      alpha: float = 0.05, ignore: tuple[str, ...] = ()) -> tuple[list[MetricChange], list[str]]:
+    """Changes for every config present in both files and ``ok`` in both; plus notes on unmatched ones.
+    ``ignore`` names config axes left out of the matching (e.g. ``strategy``, to compare two strategies)."""
+    from opsd_rollout.bench.matrix import BenchConfig
+
+    unknown = [axis for axis in ignore if axis not in BenchConfig.__dataclass_fields__]
+    if unknown:
+        raise ValueError(f"--ignore-axes: unknown axes {unknown}; axes are {list(BenchConfig.__dataclass_fields__)}")
+    old = {_match_key(r, ignore): ConfigResult.from_dict(r) for r in before.get("results", [])}
+    new = {_match_key(r, ignore): ConfigResult.from_dict(r) for r in after.get("results", [])}
     changes, notes = [], []
-    labels = display_labels([r.config for r in new.values()])
+    names = display_labels([r.config for r in new.values()])
+    labels = {key: names[result.config.key] for key, result in new.items()}
     for key, result in new.items():
         if key not in old:
             notes.append(f"{key}: only in AFTER")

@@ -31,6 +31,10 @@ class ConfigResult:
     iterations: list[dict[str, Any]] = field(default_factory=list)
     derived: dict[str, float | None] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
+    per_rank: list[dict[str, Any]] | None = None
+    """Multi-rank runs: each rank's status and raw iterations (``iterations`` is then the merged view)."""
+    skew: dict[str, Any] | None = None
+    """Multi-rank runs: per stage, the slowest rank and max/median of the ranks' median times."""
 
     def metric(self, name: str) -> Stats | None:
         return Stats.from_values(it.get(name) for it in self.iterations)
@@ -52,13 +56,13 @@ class ConfigResult:
         return {"key": self.config.key, "config": self.config.to_dict(), "status": self.status, "error": self.error,
                 "iterations": self.iterations,
                 "summary": {name: stats.to_dict() for name, stats in self.summary().items()},
-                "derived": self.derived, "warnings": self.warnings}
+                "derived": self.derived, "warnings": self.warnings, "per_rank": self.per_rank, "skew": self.skew}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "ConfigResult":
         return cls(config=BenchConfig(**data["config"]), status=data["status"], error=data.get("error"),
                    iterations=list(data.get("iterations", [])), derived=dict(data.get("derived", {})),
-                   warnings=list(data.get("warnings", [])))
+                   warnings=list(data.get("warnings", [])), per_rank=data.get("per_rank"), skew=data.get("skew"))
 
 
 def write_text_atomic(path: str | os.PathLike, text: str) -> None:

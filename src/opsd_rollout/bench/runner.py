@@ -4,6 +4,7 @@ result file atomically after every config, and resumes an interrupted file."""
 from __future__ import annotations
 
 import gc
+import os
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -18,7 +19,16 @@ from opsd_rollout.bench.facts import ModelFacts
 from opsd_rollout.bench.matrix import BenchConfig, BenchMatrix, BenchSettings, run_order
 from opsd_rollout.bench.prompts import synthetic_prompts
 from opsd_rollout.bench.report import SCHEMA_VERSION, ConfigResult, write_json_atomic
+from opsd_rollout.distributed import rank_info
 from opsd_rollout.models import load_model, parse_dtype
+
+
+class RankFailure(RuntimeError):
+    """A config failed on one rank of a multi-rank run: the run stops, on every rank."""
+
+    def __init__(self, rank: int, key: str, error: BaseException):
+        super().__init__(f"rank {rank} failed on config {key}: {type(error).__name__}: {error}")
+        self.rank = rank
 
 
 def dtype_unsupported(device: torch.device, dtype: torch.dtype) -> str | None:
@@ -133,7 +143,7 @@ class BenchRunner:
 
     def __init__(self, matrix: BenchMatrix, settings: BenchSettings, *, output: str | Path | None,
                  device: torch.device | None = None, measure_machine: bool = True,
-                 existing: dict[str, Any] | None = None):
+                 existing: dict[str, Any] | None = None, collective_timeout_s: float | None = None):
         self.matrix, self.settings, self.output = matrix, settings, output
         self.device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.configs = matrix.expand()
@@ -146,6 +156,14 @@ class BenchRunner:
         self.environment = (existing or {}).get("environment")
         self._measure_machine = measure_machine
         self.timelines: dict[str, list] = {}
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # under torchrun / the deepspeed launcher
+            from opsd_rollout.deepspeed_engine import DEFAULT_COLLECTIVE_TIMEOUT_S, init_distributed
+
+            init_distributed(collective_timeout_s or DEFAULT_COLLECTIVE_TIMEOUT_S)
+            if self.device.type == "cuda":
+                self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+                torch.cuda.set_device(self.device)
+        self.ranks = rank_info()
 
     @property
     def pending(self) -> list[BenchConfig]:
@@ -158,7 +176,7 @@ class BenchRunner:
                 "results": [self.results[c.key].to_dict() for c in self.configs]}
 
     def _save(self) -> None:
-        if self.output is not None:
+        if self.output is not None and self.ranks.is_main:  # only rank 0 writes
             write_json_atomic(self.output, self.document())
 
     def run(self, progress: Progress | None = None) -> list[ConfigResult]:
@@ -172,6 +190,8 @@ class BenchRunner:
             for config in self.pending:
                 progress("config", config, 0)
                 self._run_config(pool, config, progress)
+                if self.ranks.world_size > 1:
+                    self._merge_ranks(self.results[config.key])
                 self._save()
         finally:
             pool.close()
@@ -196,18 +216,43 @@ class BenchRunner:
                 progress("iteration", config, index + 1)
             self.timelines[config.key] = self._timeline(profile, rollout)
             result.status = "ok"
-            result.derived = (derived_figures(result, built.facts, self.environment.get("ceilings"))
-                              if self.kind == "rollout" else step_figures(result))
+            self._facts = built.facts
+            result.derived = self._derive(result)
             total = result.metric("total_ms")
             if total is not None and total.noisy:
                 result.warnings.append(f"total_ms spread (IQR/median) is {100 * total.spread:.1f}%, over 10%: "
                                        "the machine was busy or the run too short; add --iterations")
         except Exception as error:  # noqa: BLE001 - a failed config is recorded and the run goes on
+            if self.ranks.world_size > 1:  # the other ranks may be waiting in a collective: stop them all
+                raise RankFailure(self.ranks.rank, config.key, error) from error
             result.status, result.iterations = "failed", []
             result.error = f"{type(error).__name__}: {error}"
             result.warnings.append(traceback.format_exc(limit=3).splitlines()[-1])
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
+
+    def _derive(self, result: ConfigResult) -> dict[str, Any]:
+        if self.kind == "step":
+            return step_figures(result)
+        return derived_figures(result, self._facts, self.environment.get("ceilings"))
+
+    def _merge_ranks(self, result: ConfigResult) -> None:
+        """Gather every rank's outcome of this config; the result becomes the merged view plus ``per_rank``."""
+        from opsd_rollout.bench.ranks import gather_from_ranks, merge_iterations, stage_skew
+
+        gathered = gather_from_ranks({"rank": self.ranks.rank, "status": result.status, "error": result.error,
+                                      "iterations": result.iterations})
+        result.per_rank = gathered
+        if any(r["status"] != "ok" for r in gathered):
+            bad = next(r for r in gathered if r["status"] != "ok")
+            result.status, result.error = bad["status"], f"rank {bad['rank']}: {bad['error']}"
+            return
+        per_rank = [r["iterations"] for r in gathered]
+        result.iterations = merge_iterations(per_rank)
+        result.derived = self._derive(result)
+        result.skew = stage_skew(per_rank)
+        result.warnings += [f"{stage}: rank {s['slowest_rank']} is {s['max_over_median']:.2f}x the median rank"
+                            for stage, s in result.skew.items() if s["flagged"]]
 
     @staticmethod
     def _rollout(rollout: HybridEngineRollout):
@@ -251,8 +296,9 @@ class BenchRunner:
 
     def _inputs(self, config: BenchConfig, tokenizer: Any, facts: ModelFacts) -> tuple[RolloutRequest, SamplingConfig]:
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        request = synthetic_prompts(
-            config.batch_size, config.prompt_length, vocab_size=facts.vocab_size, seed=self.settings.seed,
+        request = synthetic_prompts(  # each rank rolls out its own shard of prompts
+            config.batch_size, config.prompt_length, vocab_size=facts.vocab_size,
+            seed=self.settings.seed + 1000 * self.ranks.rank,
             pad_fraction=self.settings.pad_fraction if self.settings.prompts == "variable" else 0.0,
             pad_token_id=pad)
         greedy = config.decoding == "greedy"

@@ -14,12 +14,17 @@ from opsd_rollout.bench.runner import BenchRunner
 
 
 def run_bench_session(matrix: BenchMatrix, settings: BenchSettings, *, output: str | None, plot_dir: str | None,
-                      trace: str | None, existing: dict[str, Any] | None, console: Console) -> int:
-    """Runs the matrix; returns the exit status (1 when a config failed)."""
-    runner = BenchRunner(matrix, settings, output=output, existing=existing)
+                      trace: str | None, existing: dict[str, Any] | None, console: Console,
+                      collective_timeout_s: float | None = None) -> int:
+    """Runs the matrix; returns the exit status (1 when a config failed). Under a launcher every rank runs
+    it and only rank 0 prints and writes files."""
+    runner = BenchRunner(matrix, settings, output=output, existing=existing,
+                         collective_timeout_s=collective_timeout_s)
+    if not runner.ranks.is_main:
+        console.quiet = True
     per_config = settings.warmup + settings.iterations
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=console, transient=True) as bar:
+                  console=console, transient=True, disable=not runner.ranks.is_main) as bar:
         configs = bar.add_task("configs", total=len(runner.pending))
         iterations = bar.add_task("iterations", total=per_config)
 
@@ -40,6 +45,9 @@ def run_bench_session(matrix: BenchMatrix, settings: BenchSettings, *, output: s
     title = (f"{settings.model} on {env['device_name']} ({env['threads']} threads), {settings.iterations} "
              f"iterations after {settings.warmup} warmup"
              f"{', fixed length' if settings.fixed_length else ', real EOS stopping'}")
+    if runner.ranks.world_size > 1:
+        title += (f"; {runner.ranks.world_size} ranks: batch sizes are per rank, times are the slowest rank's, "
+                  "tokens/s the sum over ranks")
     if runner.kind == "step":
         console.print(step_table(results, f"OPSD steps: student {title}; teacher {settings.teacher}"))
     else:
@@ -48,6 +56,13 @@ def run_bench_session(matrix: BenchMatrix, settings: BenchSettings, *, output: s
     for result in results:
         for warning in result.warnings:
             console.print(f"[yellow]warning[/] {labels[result.config.key]}: {warning}")
+    for result in results:
+        for stage, skew in (result.skew or {}).items():
+            if skew["flagged"] and stage == "total_ms":
+                console.print(f"[yellow]straggler[/] {labels[result.config.key]}: rank {skew['slowest_rank']} took "
+                              f"{skew['max_over_median']:.2f}x the median rank")
+    if not runner.ranks.is_main:
+        return 0
     if output:
         console.print(f"results: {output}")
     if plot_dir:

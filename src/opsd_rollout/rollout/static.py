@@ -107,13 +107,20 @@ class StaticDecode:
         else:
             logits = prefill(model, prompt_ids, prompt_mask, full_mask, cache)
         lockstep = target.zero_stage == 3 and target.world_size > 1
+        # With SDPA, each step's mask is kept as a ready 4-D boolean mask and one column is switched on per
+        # step, instead of transformers rebuilding it from the 2-D mask at every forward.
+        if getattr(target.forward_module.config, "_attn_implementation", None) == "sdpa":
+            full_mask = self.workspace.decode_mask(prompt_mask, length)  # [N, 1, 1, L] bool
         tokens = self._decode(model, logits, prompt_mask, full_mask, cache, plan, lockstep)
         return torch.cat([prompt_ids, tokens], dim=1)
 
     def _decode(self, model: torch.nn.Module, logits: torch.Tensor, prompt_mask: torch.Tensor,
                 full_mask: torch.Tensor, cache: Any, plan: RolloutPlan, lockstep: bool) -> torch.Tensor:
-        """The decode loop; returns the generated tokens [N, steps run]."""
+        """The decode loop; returns the generated tokens [N, steps run]. ``full_mask`` is [N, L] or a
+        ready [N, 1, 1, L] boolean mask whose column for each fed token is switched on as it is fed."""
         device = logits.device
+        prompt_length = prompt_mask.shape[1]
+        ready_mask = full_mask.dim() == 4
         generator = None if plan.greedy else self._generator_for(device)
         eos = torch.tensor(plan.eos_token_ids, dtype=torch.int64, device=device)
         check_every = self.stop_check_interval or (8 if device.type == "cuda" else 1)
@@ -126,6 +133,8 @@ class StaticDecode:
         while steps < plan.max_new_tokens:
             if steps % check_every == 0 and not plan.ignore_eos and self._all_done(running, lockstep):
                 break
+            if ready_mask:
+                full_mask[..., prompt_length + steps - 1] = True  # the token fed now attends to itself
             logits = self._decode_step(model, token.unsqueeze(1), position, full_mask, cache)
             token = sample(logits, plan, generator)
             tokens[:, steps] = token

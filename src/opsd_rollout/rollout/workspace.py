@@ -34,6 +34,7 @@ class KVWorkspace:
         self._values: list[torch.Tensor] = []
         self._tokens: torch.Tensor | None = None
         self._mask: torch.Tensor | None = None
+        self._decode_mask: torch.Tensor | None = None
         self.last_event: str | None = None
         """``reused`` or ``allocated``: what the last ``cache()`` call did."""
 
@@ -42,7 +43,7 @@ class KVWorkspace:
         return sum(t.numel() * t.element_size() for t in self._keys + self._values)
 
     def release(self) -> None:
-        self._keys, self._values, self._tokens, self._mask = [], [], None, None
+        self._keys, self._values, self._tokens, self._mask, self._decode_mask = [], [], None, None, None
 
     def _fits(self, shape: KVShape, elements: int, dtype: torch.dtype, device: torch.device) -> bool:
         return (len(self._keys) == shape.layers and self._keys[0].numel() >= elements
@@ -95,4 +96,15 @@ class KVWorkspace:
         mask = self._mask[:rows * length].view(rows, length)
         mask[:, :prompt_length] = prompt_mask
         mask[:, prompt_length:] = 1
+        return mask
+
+    def decode_mask(self, prompt_mask: torch.Tensor, length: int) -> torch.Tensor:
+        """[N, 1, 1, length] bool for SDPA: the prompt's mask, every generated column off until fed."""
+        rows, prompt_length = prompt_mask.shape
+        if (self._decode_mask is None or self._decode_mask.numel() < rows * length
+                or self._decode_mask.device != prompt_mask.device):
+            self._decode_mask = torch.empty(rows * length, dtype=torch.bool, device=prompt_mask.device)
+        mask = self._decode_mask[:rows * length].view(rows, 1, 1, length)
+        mask[:, 0, 0, :prompt_length] = prompt_mask.bool()
+        mask[:, 0, 0, prompt_length:] = False
         return mask

@@ -1,0 +1,58 @@
+"""Multi-rank benchmarks: every rank's iterations gathered to all ranks with DeepSpeed's communication,
+merged by the usual rules (latency: the slowest rank; throughput and token counts: summed over ranks;
+memory: the largest rank), and the skew between ranks per stage."""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+SUMMED = {"tokens_per_second", "decode_tokens_per_second", "prefill_tokens_per_second", "generated_tokens",
+          "padded_tokens", "prefill_tokens", "response_tokens", "param_gather_count", "param_gather_bytes",
+          "effective_batch_size", "batch_size"}
+"""Fields that add up across ranks (each rank rolls out its own prompts); every other number takes the
+maximum over ranks (the slowest rank's time, the largest rank's memory)."""
+SKEW_THRESHOLD = 1.2
+"""A stage whose slowest rank takes more than this times the median rank's time is flagged."""
+
+
+def gather_from_ranks(payload: Any) -> list[Any]:
+    """Every rank's ``payload``, in rank order, on every rank (DeepSpeed's ``all_gather_object``)."""
+    import deepspeed.comm as dist
+
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, payload)
+    return gathered
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def merge_iterations(per_rank: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Iteration ``i`` of the run = iteration ``i`` of every rank, merged field by field (``rank`` becomes
+    ``None``: the merged view is no single rank's)."""
+    merged = []
+    for rows in zip(*per_rank):
+        out = dict(rows[0])
+        for key, value in rows[0].items():
+            values = [row.get(key) for row in rows]
+            if key != "rank" and _is_number(value) and all(_is_number(v) for v in values):
+                out[key] = sum(values) if key in SUMMED else max(values)
+        out["rank"] = None
+        merged.append(out)
+    return merged
+
+
+def stage_skew(per_rank: list[list[dict[str, Any]]], threshold: float = SKEW_THRESHOLD) -> dict[str, Any]:
+    """For every time field (``*_ms``): max / median of the ranks' median times, and the slowest rank."""
+    skew = {}
+    for key, value in per_rank[0][0].items() if per_rank and per_rank[0] else []:
+        if not key.endswith("_ms") or not _is_number(value):
+            continue
+        medians = [statistics.median(row[key] for row in rows if _is_number(row.get(key))) for rows in per_rank]
+        middle = statistics.median(medians)
+        ratio = max(medians) / middle if middle > 0 else 1.0
+        skew[key] = {"max_over_median": ratio, "slowest_rank": medians.index(max(medians)),
+                     "rank_medians_ms": medians, "flagged": ratio > threshold}
+    return skew

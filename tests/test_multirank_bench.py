@@ -1,0 +1,76 @@
+"""``opsd-rollout bench`` on 2 CPU ranks (torchrun, gloo, a free port each time): per-rank profiles gathered
+and merged, only rank 0 writing, and a failing rank stopping the whole run with its error."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import jsonschema
+
+from conftest import clean_env
+from opsd_rollout.bench.report import load_schema
+
+ARGS = ["--model", "llama-tiny", "--zero-stages", "3", "--batch-sizes", "1,2", "--samples-per-prompt", "1",
+        "--prompt-lengths", "8", "--response-lengths", "6", "--warmup", "0", "--iterations", "2",
+        "--collective-timeout", "60", "--nproc", "2"]
+
+
+def run_cli(args, tmp_path, extra_env=None, timeout=300):
+    env = {**clean_env(), "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", **(extra_env or {})}
+    return subprocess.run([sys.executable, "-m", "opsd_rollout", *args], env=env, capture_output=True, text=True,
+                          timeout=timeout, cwd=tmp_path)
+
+
+def test_two_rank_zero3_bench_gathers_and_merges_both_ranks(tmp_path):
+    output = tmp_path / "run.json"
+    result = run_cli(["bench", *ARGS, "--output", str(output)], tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.count("llama-tiny on cpu") == 1, "only rank 0 prints"
+    assert "batch sizes are per rank" in result.stdout
+    document = json.loads(output.read_text())
+    jsonschema.validate(document, load_schema())
+    assert document["environment"]["world_size"] == 2
+    assert [r["config"]["batch_size"] for r in document["results"]] == [1, 2]
+    for config in document["results"]:
+        assert config["status"] == "ok"
+        ranks = config["per_rank"]
+        assert [r["rank"] for r in ranks] == [0, 1]
+        for i, merged in enumerate(config["iterations"]):
+            per = [r["iterations"][i] for r in ranks]
+            assert merged["total_ms"] == max(p["total_ms"] for p in per)  # latency: the slowest rank
+            assert merged["tokens_per_second"] == sum(p["tokens_per_second"] for p in per)  # throughput: summed
+            assert merged["generated_tokens"] == sum(p["generated_tokens"] for p in per)
+            assert merged["peak_memory_bytes"] == max(p["peak_memory_bytes"] for p in per)
+            assert all(p["world_size"] == 2 and p["zero_stage"] == 3 for p in per)
+            assert {p["rank"] for p in per} == {0, 1}
+        skew = config["skew"]["total_ms"]
+        assert skew["slowest_rank"] in (0, 1) and skew["max_over_median"] >= 1.0
+        assert len(skew["rank_medians_ms"]) == 2
+    assert not list(tmp_path.glob("bench-results*")), "no rank wrote anything but the requested output"
+
+
+def test_a_rank_that_fails_stops_the_run_with_its_error(tmp_path):
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(textwrap.dedent('''
+        import os
+        if os.environ.get("RANK") == "1":  # rank 1 fails on its second rollout
+            import opsd_rollout.rollout.engine as engine
+            original, calls = engine.HybridEngineRollout.generate, []
+            def failing(self, request, sampling):
+                calls.append(1)
+                if len(calls) == 2:
+                    raise RuntimeError("planted failure on rank 1")
+                return original(self, request, sampling)
+            engine.HybridEngineRollout.generate = failing
+    '''))
+    output = tmp_path / "run.json"
+    result = run_cli(["bench", *ARGS, "--output", str(output)], tmp_path,
+                     extra_env={"PYTHONPATH": f"{hook}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"})
+    text = result.stdout + result.stderr
+    assert result.returncode != 0
+    assert "rank 1 failed on config" in text and "planted failure on rank 1" in text
