@@ -210,3 +210,19 @@ def test_step_benchmark_end_to_end(tmp_path, capsys):
 def test_step_refuses_a_bare_model_up_front(capsys):
     assert main(["step", "--zero-stages", "none", "--dry-run"]) == 2
     assert "trains a DeepSpeed engine" in capsys.readouterr().err
+
+
+def test_compare_can_match_across_strategies(bench_run, tmp_path, capsys):
+    _, out = bench_run
+    document = json.loads((out / "run.json").read_text())
+    for result in document["results"]:  # the same runs, relabelled as another strategy's
+        result["config"]["strategy"] = "generate"
+        result["key"] = result["key"].replace("-static-", "-generate-")
+    other = tmp_path / "generate.json"
+    other.write_text(json.dumps(document))
+    assert main(["compare", str(out / "run.json"), str(other)]) == 0
+    assert "only in AFTER" in capsys.readouterr().out
+    assert main(["compare", str(out / "run.json"), str(other), "--ignore-axes", "strategy"]) == 0
+    printed = capsys.readouterr().out
+    assert "only in" not in printed and "total_ms" in printed
+    assert main(["compare", str(out / "run.json"), str(other), "--ignore-axes", "colour"]) == 2

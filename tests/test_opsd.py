@@ -12,6 +12,7 @@ from conftest import chain_table, left_padded, make_tokenizer, transition_model
 from opsd_rollout import HybridEngineRollout, HybridEngineRolloutConfig, RolloutRequest, SamplingConfig
 from opsd_rollout.deepspeed_engine import build_engine
 from opsd_rollout.models import PRESETS
+from opsd_rollout.rollout.static import position_ids
 from opsd_rollout.opsd import (DivergenceConfig, TeacherCacheConfig, build_teacher_cache, chunked_divergence,
                                opsd_step, response_targets, token_divergence)
 
@@ -114,7 +115,7 @@ def test_teacher_cache_round_trip_and_device_chunk_bound(tiny_models, mode):
         handle.remove()
     assert max(shapes) <= 2 * 4 * 259, "the device never holds more than micro-batch x chunk x V logits"
     with torch.no_grad():
-        positions = (batch.attention_mask.cumsum(-1) - 1).clamp(min=0)
+        positions = position_ids(batch.attention_mask)  # the convention every forward here uses
         full = teacher(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
                        position_ids=positions).logits[:, targets.window]
     if mode == "full":

@@ -36,33 +36,50 @@ def zero3(tiny_models):
     return build_engine(copy.deepcopy(tiny_models["llama-tiny"]), 3)
 
 
-def test_zero3_rollout_reports_its_parameter_gathers(zero3, tokenizer):
+@pytest.mark.parametrize("gather", ["per_layer", "once"])
+def test_zero3_rollout_reports_its_parameter_gathers(zero3, tokenizer, gather):
+    """Counted independently at DeepSpeed's own launch points: the coordinator's all-gather (per-layer
+    fetches) and ``all_gather`` (what GatheredParameters uses for the one gather of ``once``)."""
     coordinator = zero3_coordinator(zero3)
+    first = next(zero3.module.parameters())
     gathers, gathered = [], []
-    original = getattr(coordinator, MANGLED)
+    original, original_all_gather = getattr(coordinator, MANGLED), first.all_gather
 
-    def independent_count(params, forward, quantize=False):  # DeepSpeed's own launch point, counted here
+    def count(params):
         pending = [p for p in params if p.ds_status.name == "NOT_AVAILABLE"]
         if pending:
             gathers.append(1)
             gathered.append(sum(p.ds_numel * p.element_size() for p in pending))
+
+    def coordinator_launch(params, forward, quantize=False):
+        count(params)
         return original(params, forward, quantize)
 
+    def all_gather(param_list=None, **kwargs):
+        count(param_list or [first])
+        return original_all_gather(param_list=param_list, **kwargs)
+
     gather_fns = [param.all_gather_coalesced for param in zero3.module.parameters()]
-    setattr(coordinator, MANGLED, independent_count)
+    setattr(coordinator, MANGLED, coordinator_launch)
+    first.all_gather = all_gather
     try:
-        rollout = HybridEngineRollout(zero3, tokenizer, PROFILED)
+        rollout = HybridEngineRollout(zero3, tokenizer, HybridEngineRolloutConfig(enable_profiling=True,
+                                                                                  zero3_gather=gather))
         rollout.generate(left_padded([[5, 6, 7], [9]], 0), SamplingConfig(max_new_tokens=5, temperature=0))
     finally:
         delattr(coordinator, MANGLED)
+        first.all_gather = original_all_gather
     p = rollout.get_last_profile()
     assert p.param_gather_ms > 0
     assert p.param_gather_count == len(gathers) > 0
     assert p.param_gather_bytes == sum(gathered)
+    if gather == "once":  # the one gather of the whole model is in the count (the 2-rank test compares modes)
+        assert p.param_gather_bytes >= sum(q.ds_numel * q.element_size() for q in zero3.module.parameters())
     assert_shares_add_up(p)
     # probes are gone: nothing of ours is left on the coordinator or the parameters
     assert "fetch_sub_module" not in vars(coordinator)
     assert all(p.all_gather_coalesced is fn for p, fn in zip(zero3.module.parameters(), gather_fns))
+    assert all(q.ds_status.name == "NOT_AVAILABLE" for q in zero3.module.parameters()), "partitioned again after"
 
 
 def test_probes_are_removed_even_when_the_rollout_raises(zero3, tokenizer):

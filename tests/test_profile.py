@@ -83,8 +83,12 @@ def test_a_call_that_raises_inside_the_model_leaves_no_profile_and_no_hooks(tiny
     assert (len(model._forward_pre_hooks), len(model._forward_hooks)) == hooks_before
 
 
-def test_unprofiled_rollout_registers_no_hooks(tiny_models, tokenizer):
+def test_unprofiled_rollout_registers_no_hooks_and_no_probes(tiny_models, tokenizer):
+    import gc
+
     model = tiny_models["qwen2-tiny"]
+    collect, during = gc.collect, []
+    handle = model.model.register_forward_pre_hook(lambda *_: during.append(gc.collect is collect))
     seen = []
     original = model.register_forward_hook
     model.register_forward_hook = lambda *a, **k: seen.append(a) or original(*a, **k)
@@ -92,7 +96,9 @@ def test_unprofiled_rollout_registers_no_hooks(tiny_models, tokenizer):
         HybridEngineRollout(model, tokenizer).generate(left_padded([[5, 6]], 0), SamplingConfig(max_new_tokens=3))
     finally:
         del model.register_forward_hook
+        handle.remove()
     assert seen == []
+    assert during and all(during), "no probe wraps gc.collect while an unprofiled rollout runs"
 
 
 def test_forward_timer_counts_chunked_prefill_as_prefill(tiny_models):

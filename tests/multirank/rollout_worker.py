@@ -23,16 +23,24 @@ MANGLED = "_PartitionedParameterCoordinator__all_gather_params_"
 
 
 def count_gathers(engine) -> list[int]:
-    """Counts DeepSpeed's own all-gather launches, independently of the rollout's probes."""
+    """Counts DeepSpeed's own all-gather launches (per-layer fetches, and GatheredParameters' all_gather),
+    independently of the rollout's probes."""
     coordinator = zero3_coordinator(engine)
-    original, gathers = getattr(coordinator, MANGLED), []
+    first = next(engine.module.parameters())
+    original, original_all_gather, gathers = getattr(coordinator, MANGLED), first.all_gather, []
 
     def counting(params, forward, quantize=False):
         if any(p.ds_status.name == "NOT_AVAILABLE" for p in params):
             gathers.append(1)
         return original(params, forward, quantize)
 
+    def all_gather(param_list=None, **kwargs):
+        if any(p.ds_status.name == "NOT_AVAILABLE" for p in (param_list or [first])):
+            gathers.append(1)
+        return original_all_gather(param_list=param_list, **kwargs)
+
     setattr(coordinator, MANGLED, counting)
+    first.all_gather = all_gather
     return gathers
 
 

@@ -79,11 +79,11 @@ def _unit(metric: str) -> str | None:
     return "ms" if metric.endswith("_ms") else ("bytes" if metric.endswith("_bytes") else None)
 
 
-def _match_key(result: dict[str, Any], ignore: tuple[str, ...]) -> str:
+def _match_key(result: ConfigResult, ignore: tuple[str, ...]) -> str:
     if not ignore:
-        return result["key"]
-    config = {k: v for k, v in result["config"].items() if k not in ignore}
-    return "|".join(f"{k}={v}" for k, v in sorted(config.items()))
+        return result.config.key
+    config = {k: v for k, v in result.config.to_dict().items() if k not in ignore}
+    return "|".join(f"{k}={v}" for k, v in sorted(config.items()) if v is not None)
 
 
 def compare_documents(before: dict[str, Any], after: dict[str, Any], *, threshold_pct: float = 5.0,
@@ -95,8 +95,8 @@ def compare_documents(before: dict[str, Any], after: dict[str, Any], *, threshol
     unknown = [axis for axis in ignore if axis not in BenchConfig.__dataclass_fields__]
     if unknown:
         raise ValueError(f"--ignore-axes: unknown axes {unknown}; axes are {list(BenchConfig.__dataclass_fields__)}")
-    old = {_match_key(r, ignore): ConfigResult.from_dict(r) for r in before.get("results", [])}
-    new = {_match_key(r, ignore): ConfigResult.from_dict(r) for r in after.get("results", [])}
+    old = {_match_key(r, ignore): r for r in map(ConfigResult.from_dict, before.get("results", []))}
+    new = {_match_key(r, ignore): r for r in map(ConfigResult.from_dict, after.get("results", []))}
     changes, notes = [], []
     names = display_labels([r.config for r in new.values()])
     labels = {key: names[result.config.key] for key, result in new.items()}

@@ -21,12 +21,12 @@ class ModelFacts:
 
     @classmethod
     def of(cls, model: torch.nn.Module) -> "ModelFacts":
+        from opsd_rollout.rollout.workspace import KVShape
+
         config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         hidden = getattr(config, "hidden_size", None) or getattr(config, "n_embd")
-        heads = getattr(config, "num_attention_heads", None) or getattr(config, "n_head")
-        layers = getattr(config, "num_hidden_layers", None) or getattr(config, "n_layer")
-        kv_heads = getattr(config, "num_key_value_heads", None) or heads
-        head_dim = getattr(config, "head_dim", None) or hidden // heads
+        shape = KVShape.of(config)
+        layers, kv_heads, head_dim = shape.layers, shape.kv_heads, shape.head_dim
         parameters = sum(p.numel() for p in model.parameters())
         embedding = model.get_input_embeddings()
         tied = embedding.weight is getattr(model.get_output_embeddings(), "weight", None)

@@ -13,6 +13,7 @@ from opsd_rollout.opsd.divergence import DivergenceConfig, chunked_divergence
 from opsd_rollout.opsd.targets import response_targets
 from opsd_rollout.opsd.teacher import TeacherCacheConfig, build_teacher_cache
 from opsd_rollout.profiling import Clock, PeakMemory, RolloutProfile, timed_eval
+from opsd_rollout.rollout.static import position_ids
 
 PHASES = ("rollout", "teacher", "student_forward", "loss", "backward", "optimizer")
 
@@ -84,8 +85,8 @@ class _Phases:
 
 
 def _student_logits(engine: Any, targets) -> torch.Tensor:
-    positions = (targets.attention_mask.long().cumsum(-1) - 1).clamp_(min=0)
-    out = engine(input_ids=targets.input_ids, attention_mask=targets.attention_mask, position_ids=positions)
+    out = engine(input_ids=targets.input_ids, attention_mask=targets.attention_mask,
+                 position_ids=position_ids(targets.attention_mask))
     return out.logits[:, targets.window]  # [N, R, V]
 
 

@@ -13,6 +13,8 @@ from typing import Any
 import torch
 
 from opsd_rollout.opsd.targets import ResponseTargets
+from opsd_rollout.rollout.static import position_ids
+from opsd_rollout.rollout.target import innermost_model
 
 CACHE_MODES = ("full", "topk")
 
@@ -58,12 +60,6 @@ class TeacherCache:
         return values, self.indices[:, start:stop].to(device, non_blocking=non_blocking)
 
 
-def _unwrap(teacher: Any) -> torch.nn.Module:
-    model = getattr(teacher, "module", teacher)  # a DeepSpeed engine's model
-    get_base = getattr(model, "get_base_model", None)
-    return get_base() if callable(get_base) else model
-
-
 @dataclass
 class TeacherTimes:
     forward_ms: float = 0.0
@@ -76,7 +72,7 @@ def build_teacher_cache(teacher: Any, targets: ResponseTargets, config: TeacherC
     """Run the teacher over ``targets``' sequences and cache its logits for the response window."""
     from opsd_rollout.profiling import Clock
 
-    model = _unwrap(teacher)
+    model = innermost_model(getattr(teacher, "module", teacher))  # inside DeepSpeed and PEFT wrappers
     body, head = model.base_model, model.get_output_embeddings()
     device = next(head.parameters()).device if any(True for _ in head.parameters()) else targets.input_ids.device
     clock = clock or Clock(device)
@@ -92,7 +88,7 @@ def build_teacher_cache(teacher: Any, targets: ResponseTargets, config: TeacherC
     for row in range(0, rows, config.micro_batch_size):
         ids = targets.input_ids[row:row + config.micro_batch_size].to(device)
         mask = targets.attention_mask[row:row + config.micro_batch_size].to(device)
-        positions = (mask.long().cumsum(-1) - 1).clamp_(min=0)
+        positions = position_ids(mask)
         start = clock.mark()
         hidden = body(input_ids=ids, attention_mask=mask, position_ids=positions).last_hidden_state[:, targets.window]
         times.forward_ms += clock.elapsed_ms(start, clock.mark())

@@ -120,7 +120,7 @@ class _NullRecorder:
     def forwards(self, _module: torch.nn.Module) -> contextlib.nullcontext:
         return contextlib.nullcontext()
 
-    def probes(self, _probes: PhaseProbes) -> contextlib.nullcontext:
+    def probes(self, _probes: PhaseProbes | None) -> contextlib.nullcontext:
         return contextlib.nullcontext()
 
 

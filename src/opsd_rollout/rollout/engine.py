@@ -151,8 +151,8 @@ class HybridEngineRollout(RolloutEngine):
                  recorder: Any) -> tuple[RolloutBatch, torch.Tensor]:
         with recorder.stage("prompt_expansion"):
             ids, mask = postprocess.expand_prompts(prompt_ids, prompt_mask, plan.samples_per_prompt)
-        with recorder.stage("generation"), recorder.forwards(self.target.forward_module), \
-                recorder.probes(self._probes()):
+        probes = self._probes() if recorder.enabled else None  # the unprofiled path builds nothing
+        with recorder.stage("generation"), recorder.forwards(self.target.forward_module), recorder.probes(probes):
             with self._params_gathered(), self._adapters_merged():
                 sequences = self.strategy.generate(self.target, ids, mask, plan)  # [N, P + R']
             if self.cfg.cache_policy == "release":

@@ -49,8 +49,15 @@ class GatherOnce:
 
     def gather(self, context: Any) -> None:
         context.__enter__()
+        # DeepSpeed's forward hooks release every non-persistent parameter after each submodule's forward,
+        # even inside GatheredParameters: mark them persistent for the rollout so they stay gathered.
+        self._persist = [p.ds_persist for p in self.params]
+        for param in self.params:
+            param.ds_persist = True
 
     def release(self, context: Any) -> None:
+        for param, persist in zip(self.params, self._persist):
+            param.ds_persist = persist
         context.__exit__(None, None, None)
 
     @contextlib.contextmanager

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import gc
 from typing import Any
 
@@ -24,6 +25,12 @@ def _gathered_bytes(params: Any, *_args: Any, **_kwargs: Any) -> int:
     return sum(int(p.ds_numel) * p.element_size() for p in params)
 
 
+def _listed_bytes(param: Any, param_list: Any = None, *_args: Any, **_kwargs: Any) -> int:
+    """``param.all_gather(param_list=...)``: the bytes of the listed (default: this) parameters not yet present."""
+    listed = param_list if param_list is not None else [param]
+    return sum(int(p.ds_numel) * p.element_size() for p in listed if p.ds_status.name == "NOT_AVAILABLE")
+
+
 def add_rollout_probes(probes: PhaseProbes, target: RolloutTarget, rollout: Any, *, merge_adapters: bool) -> None:
     """Register every phase that can occur during a rollout on ``target``."""
     if target.zero_stage == 3:
@@ -31,6 +38,8 @@ def add_rollout_probes(probes: PhaseProbes, target: RolloutTarget, rollout: Any,
         probes.add(zero3_coordinator(target.engine), "fetch_sub_module", "param_gather")
         for param in target.model.parameters():
             probes.add(param, "all_gather_coalesced", "param_gather", timed=False, measure=_gathered_bytes)
+            # GatheredParameters (the one gather of zero3_gather="once") goes through all_gather instead
+            probes.add(param, "all_gather", "param_gather", timed=False, measure=functools.partial(_listed_bytes, param))
     if target.hybrid_engine:
         probes.add(target.engine, "retake_inference_cache", "inference_cache")
         probes.add(getattr(target.engine, "workspace", None), "release_workspace", "inference_cache")

@@ -18,10 +18,16 @@ from opsd_rollout.rollout.validation import RolloutPlan
 from opsd_rollout.rollout.workspace import KVWorkspace
 
 
+def position_ids(mask: torch.Tensor) -> torch.Tensor:
+    """[N, T] positions of left-padded (or holed) sequences: real tokens count from 0, as transformers'
+    ``generate`` numbers them (masked positions get 1; they are never attended to)."""
+    return (mask.long().cumsum(-1) - 1).masked_fill_(mask == 0, 1)
+
+
 def prefill(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, full_mask: torch.Tensor,
             cache: Any) -> torch.Tensor:
     """ids, mask: [B, P] left-padded prompts; full_mask: [B, L]. Fills ``cache``; returns last logits [B, V]."""
-    positions = (mask.long().cumsum(-1) - 1).masked_fill_(mask == 0, 1)  # as transformers' generate does
+    positions = position_ids(mask)
     out = model(input_ids=ids, attention_mask=full_mask, position_ids=positions, cache=cache, use_cache=True,
                 logits_to_keep=1)
     return out.logits[:, -1]

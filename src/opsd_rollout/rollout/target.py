@@ -62,7 +62,7 @@ def _is_hybrid_engine(obj: Any) -> bool:
     return isinstance(obj, DeepSpeedHybridEngine)
 
 
-def _innermost_model(module: torch.nn.Module) -> torch.nn.Module:
+def innermost_model(module: torch.nn.Module) -> torch.nn.Module:
     """Unwrap PEFT (``get_base_model``) to the transformers model whose forward runs per step."""
     seen = set()
     while id(module) not in seen:
@@ -110,7 +110,7 @@ def resolve_target(engine_or_model: Any) -> RolloutTarget:
     if not callable(generate_fn):
         raise TypeError(f"engine's model {type(model).__name__} has no generate(); pass a transformers causal LM")
 
-    forward_module = _innermost_model(model)
+    forward_module = innermost_model(model)
     config = getattr(forward_module, "config", None)
     text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
     param = _first_param(forward_module)
