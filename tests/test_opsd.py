@@ -151,3 +151,16 @@ def test_opsd_steps_run_and_the_loss_falls(tiny_models, tokenizer, zero_stage):
         assert p.response_tokens > 0 and p.teacher_cache_bytes > 0
         assert set(p.peak_memory_bytes) >= {"rollout", "teacher", "backward"}
     assert engine.module.training  # train() restored after the rollout
+
+
+def test_teacher_cache_from_a_zero3_teacher_engine_matches_the_bare_teacher(tiny_models):
+    teacher = tiny_models["qwen2-tiny"]
+    engine = build_engine(copy.deepcopy(teacher), 3)
+    batch = rollout_batch(chain_table(16, {}), [[5, 6], [7]], max_new=4)
+    batch.input_ids.clamp_(max=15)  # token ids of the 16-token table are valid for the 259-token teacher
+    targets = response_targets(batch)
+    config = TeacherCacheConfig(mode="topk", top_k=5, micro_batch_size=3, chunk_size=2)
+    from_engine, _ = build_teacher_cache(engine, targets, config)
+    from_model, _ = build_teacher_cache(teacher, targets, config)
+    torch.testing.assert_close(from_engine.values, from_model.values, rtol=1e-5, atol=1e-5)
+    assert torch.equal(from_engine.indices, from_model.indices)
