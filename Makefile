@@ -17,11 +17,11 @@ $(VENV)/.torch: | $(PY)
 	touch $@
 
 $(VENV)/.installed: pyproject.toml $(VENV)/.torch
-	$(PY) -m pip install --quiet -e .
+	$(PY) -m pip install --quiet -e ".[plot]"
 	touch $@
 
 $(VENV)/.installed-test: pyproject.toml $(VENV)/.torch
-	$(PY) -m pip install --quiet -e ".[test]"
+	$(PY) -m pip install --quiet -e ".[test,plot]"
 	touch $@ $(VENV)/.installed
 
 install: $(VENV)/.installed
