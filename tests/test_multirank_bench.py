@@ -74,3 +74,20 @@ def test_a_rank_that_fails_stops_the_run_with_its_error(tmp_path):
     text = result.stdout + result.stderr
     assert result.returncode != 0
     assert "rank 1 failed on config" in text and "planted failure on rank 1" in text
+
+
+def test_two_rank_opsd_step(tmp_path):
+    output = tmp_path / "step.json"
+    result = run_cli(["step", "--teacher", "qwen2-tiny", "--zero-stages", "3", "--batch-sizes", "1",
+                      "--prompt-lengths", "8", "--response-lengths", "6", "--warmup", "0", "--iterations", "2",
+                      "--collective-timeout", "60", "--nproc", "2", "--output", str(output)], tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    document = json.loads(output.read_text())
+    jsonschema.validate(document, load_schema())
+    (config,) = document["results"]
+    assert document["kind"] == "step" and config["status"] == "ok"
+    assert [r["rank"] for r in config["per_rank"]] == [0, 1]
+    merged, per = config["iterations"][0], [r["iterations"][0] for r in config["per_rank"]]
+    assert merged["total_ms"] == max(p["total_ms"] for p in per)
+    assert merged["response_tokens"] == sum(p["response_tokens"] for p in per)
+    assert "backward_ms" in config["skew"]
