@@ -10,8 +10,10 @@ from typing import Any
 SUMMED = {"tokens_per_second", "decode_tokens_per_second", "prefill_tokens_per_second", "generated_tokens",
           "padded_tokens", "prefill_tokens", "response_tokens", "param_gather_count", "param_gather_bytes",
           "effective_batch_size", "batch_size"}
-"""Fields that add up across ranks (each rank rolls out its own prompts); every other number takes the
-maximum over ranks (the slowest rank's time, the largest rank's memory)."""
+"""Fields that add up across ranks (each rank rolls out its own prompts); every other number but the
+``AVERAGED`` ones takes the maximum over ranks (the slowest rank's time, the largest rank's memory)."""
+AVERAGED = {"loss", "rollout_share"}
+"""Per-rank ratios and losses: the mean over ranks."""
 SKEW_THRESHOLD = 1.2
 """A stage whose slowest rank takes more than this times the median rank's time is flagged."""
 
@@ -38,7 +40,8 @@ def merge_iterations(per_rank: list[list[dict[str, Any]]]) -> list[dict[str, Any
         for key, value in rows[0].items():
             values = [row.get(key) for row in rows]
             if key != "rank" and _is_number(value) and all(_is_number(v) for v in values):
-                out[key] = sum(values) if key in SUMMED else max(values)
+                out[key] = (sum(values) if key in SUMMED else
+                            sum(values) / len(values) if key in AVERAGED else max(values))
         out["rank"] = None
         merged.append(out)
     return merged
