@@ -17,7 +17,7 @@ from opsd_rollout.profiling.profile import build_profile
 from opsd_rollout.rollout import postprocess
 from opsd_rollout.rollout.config import HybridEngineRolloutConfig
 from opsd_rollout.rollout.gather import GatherOnce
-from opsd_rollout.rollout.phases import add_rollout_probes
+from opsd_rollout.rollout.phases import add_rollout_probes, zero3_offload
 from opsd_rollout.rollout.strategies import TransformersGenerate, make_strategy
 from opsd_rollout.rollout.target import resolve_target
 from opsd_rollout.rollout.validation import RolloutPlan, plan_rollout
@@ -59,7 +59,8 @@ class HybridEngineRollout(RolloutEngine):
             logger.warning("strategy %r cannot run %s (%s); using 'generate'", self.cfg.strategy,
                            type(self.target.forward_module).__name__, reason)
             self.strategy = TransformersGenerate()
-        self._gather_once = (GatherOnce(self.target.model, self.cfg.gather_memory_budget_bytes, self.target.device)
+        self._gather_once = (GatherOnce(self.target.model, self.cfg.gather_memory_budget_bytes, self.target.device,
+                                        zero3_offload(self.target.engine))
                              if self.target.zero_stage == 3 and not self.target.hybrid_engine
                              and self.cfg.zero3_gather == "once" else None)
         self._last_profile: RolloutProfile | None = None

@@ -27,7 +27,10 @@ class GatherOnce:
     """``with gather_once(): ...`` runs the block with every ZeRO-3 parameter gathered (DeepSpeed's own
     ``GatheredParameters``), when their full size fits the budget; otherwise it changes nothing and says why."""
 
-    def __init__(self, model: torch.nn.Module, budget_bytes: int | None, device: torch.device):
+    def __init__(self, model: torch.nn.Module, budget_bytes: int | None, device: torch.device,
+                 offload: Any = None):
+        self.offload = offload
+        """DeepSpeed's ZeRO-3 parameter offload object (owner of the per-module hooks), when known."""
         self.params = [p for p in model.parameters() if hasattr(p, "ds_numel")]
         self.full_bytes = sum(int(p.ds_numel) * p.element_size() for p in self.params)
         self.budget_bytes = budget_bytes
@@ -49,16 +52,23 @@ class GatherOnce:
 
     def gather(self, context: Any) -> None:
         context.__enter__()
-        # DeepSpeed's forward hooks release every non-persistent parameter after each submodule's forward,
-        # even inside GatheredParameters: mark them persistent for the rollout so they stay gathered.
-        self._persist = [p.ds_persist for p in self.params]
-        for param in self.params:
-            param.ds_persist = True
+        # With every parameter present, DeepSpeed's per-module hooks have nothing to do but would still
+        # release parameters after each submodule and re-fetch them (how much depends on the coordinator's
+        # recorded trace): take them off for the rollout.
+        if self.offload is not None:
+            self.offload._remove_module_hooks()
 
     def release(self, context: Any) -> None:
-        for param, persist in zip(self.params, self._persist):
-            param.ds_persist = persist
-        context.__exit__(None, None, None)
+        try:
+            context.__exit__(None, None, None)
+        finally:
+            if self.offload is not None:
+                from deepspeed.runtime.zero import parameter_offload
+
+                stack = parameter_offload.FWD_MODULE_STACK
+                depth = len(stack)
+                self.offload.setup_zero_stage3_hooks()
+                del stack[depth:]  # re-registering pushes the root module again; keep the stack as it was
 
     @contextlib.contextmanager
     def __call__(self) -> Iterator[bool]:

@@ -12,13 +12,19 @@ from opsd_rollout.profiling.probes import PhaseProbes
 from opsd_rollout.rollout.target import RolloutTarget
 
 
-def zero3_coordinator(engine: Any) -> Any:
-    """DeepSpeed's ZeRO-3 parameter coordinator of ``engine``, or ``None``."""
+def zero3_offload(engine: Any) -> Any:
+    """DeepSpeed's ZeRO-3 parameter offload object of ``engine`` (hooks and coordinator), or ``None``."""
     for owner in (getattr(engine, "optimizer", None), engine):
         offload = getattr(owner, "parameter_offload", None)
         if offload is not None and hasattr(offload, "get_param_coordinator"):
-            return offload.get_param_coordinator()
+            return offload
     return None
+
+
+def zero3_coordinator(engine: Any) -> Any:
+    """DeepSpeed's ZeRO-3 parameter coordinator of ``engine``, or ``None``."""
+    offload = zero3_offload(engine)
+    return offload.get_param_coordinator() if offload is not None else None
 
 
 def _gathered_bytes(params: Any, *_args: Any, **_kwargs: Any) -> int:
