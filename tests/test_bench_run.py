@@ -226,3 +226,5 @@ def test_compare_can_match_across_strategies(bench_run, tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "only in" not in printed and "total_ms" in printed
     assert main(["compare", str(out / "run.json"), str(other), "--ignore-axes", "colour"]) == 2
+    assert main(["compare", str(out / "run.json"), str(other), "--ignore-axes", "strategy,batch_size"]) == 0
+    assert "match the same config once" in capsys.readouterr().out

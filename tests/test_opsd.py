@@ -164,3 +164,23 @@ def test_teacher_cache_from_a_zero3_teacher_engine_matches_the_bare_teacher(tiny
     from_model, _ = build_teacher_cache(teacher, targets, config)
     torch.testing.assert_close(from_engine.values, from_model.values, rtol=1e-5, atol=1e-5)
     assert torch.equal(from_engine.indices, from_model.indices)
+
+
+def test_teacher_cache_applies_final_logit_softcapping_like_the_model():
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    config = Gemma2Config(vocab_size=259, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                          num_attention_heads=2, num_key_value_heads=1, head_dim=16, final_logit_softcapping=2.0,
+                          max_position_embeddings=64, sliding_window=64)
+    torch.manual_seed(0)
+    teacher = Gemma2ForCausalLM(config).eval()
+    with torch.no_grad():
+        teacher.lm_head.weight.mul_(50)  # logits well past the cap, so capping changes them
+    batch = rollout_batch(chain_table(16, {}), [[5, 6], [7]], max_new=4)
+    targets = response_targets(batch)
+    cache, _ = build_teacher_cache(teacher, targets, TeacherCacheConfig(mode="full", chunk_size=2))
+    with torch.no_grad():
+        full = teacher(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                       position_ids=position_ids(batch.attention_mask)).logits[:, targets.window]
+    assert full.abs().max() <= 2.0 + 1e-5
+    torch.testing.assert_close(cache.values, full, rtol=1e-4, atol=1e-4)

@@ -132,14 +132,16 @@ def test_forward_timing_off_leaves_forward_fields_empty(tiny_models, tokenizer):
     assert not model._forward_pre_hooks and not model._forward_hooks
 
 
-def test_ignore_eos_runs_every_step_but_returns_the_same_batch():
+@pytest.mark.parametrize("strategy", ["static", "generate"])
+def test_ignore_eos_runs_every_step_but_returns_the_same_batch(strategy):
     table = chain_table(16, {6: 2})
-    model = transition_model(table)
+    model = transition_model(table, eos_token_id=2)  # generate() must not stop on the model's own EOS either
     request = left_padded([[5], [5]], 0)
     sampling = SamplingConfig(max_new_tokens=6, temperature=0)
-    normal = HybridEngineRollout(model, make_tokenizer(0, 2), PROFILED)
-    fixed = HybridEngineRollout(model, make_tokenizer(0, 2), HybridEngineRolloutConfig(enable_profiling=True,
-                                                                                       ignore_eos=True))
+    normal = HybridEngineRollout(model, make_tokenizer(0, 2), HybridEngineRolloutConfig(enable_profiling=True,
+                                                                                        strategy=strategy))
+    fixed = HybridEngineRollout(model, make_tokenizer(0, 2), HybridEngineRolloutConfig(
+        enable_profiling=True, ignore_eos=True, strategy=strategy))
     a, b = normal.generate(request, sampling), fixed.generate(request, sampling)
     assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.attention_mask, b.attention_mask)
     assert normal.get_last_profile().decode_steps == 1  # both rows stop after 2 tokens

@@ -154,3 +154,27 @@ def test_models_without_a_static_cache_fall_back_to_generate(tokenizer, caplog):
     assert rollout.strategy.name == "generate" and "using 'generate'" in caplog.text
     batch = rollout.generate(left_padded([[5, 6]], 0), SamplingConfig(max_new_tokens=3, temperature=0))
     assert_batch_contract(batch, left_padded([[5, 6]], 0), n=1, max_new_tokens=3, pad_token_id=0, eos_ids=[2])
+
+
+def test_flash_attention_and_generation_config_processors_fall_back_to_generate(tiny_models, tokenizer, caplog):
+    from opsd_rollout.rollout.static import StaticDecode
+    from opsd_rollout.rollout.target import resolve_target
+
+    model = copy.deepcopy(tiny_models["llama-tiny"])
+    model.config._attn_implementation = "flash_attention_2"
+    assert "flash_attention_2" in StaticDecode().unsupported_reason(resolve_target(model))
+    model = copy.deepcopy(tiny_models["llama-tiny"])
+    model.generation_config.repetition_penalty = 1.3
+    with caplog.at_level("WARNING"):
+        rollout = HybridEngineRollout(model, tokenizer, static())
+    assert rollout.strategy.name == "generate" and "repetition_penalty" in caplog.text
+    request = prompts_with_padding_and_holes(tokenizer)
+    batch = rollout.generate(request, SamplingConfig(max_new_tokens=8, temperature=0))
+    ref_ids, _ = reference_rollout(model, request, n=1, max_new_tokens=8, pad_token_id=PAD_ID, eos_ids=[EOS_ID])
+    assert torch.equal(batch.input_ids, ref_ids)  # the penalty applied, as model.generate applies it
+
+
+def test_a_list_valued_tokenizer_eos_is_the_pad_fallback(tiny_models):
+    rollout = HybridEngineRollout(tiny_models["llama-tiny"], make_tokenizer(None, [2, 5]))
+    batch = rollout.generate(left_padded([[7, 8]], 2), SamplingConfig(max_new_tokens=3, temperature=0))
+    assert batch.input_ids.shape[0] == 1

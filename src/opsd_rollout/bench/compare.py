@@ -95,9 +95,16 @@ def compare_documents(before: dict[str, Any], after: dict[str, Any], *, threshol
     unknown = [axis for axis in ignore if axis not in BenchConfig.__dataclass_fields__]
     if unknown:
         raise ValueError(f"--ignore-axes: unknown axes {unknown}; axes are {list(BenchConfig.__dataclass_fields__)}")
-    old = {_match_key(r, ignore): r for r in map(ConfigResult.from_dict, before.get("results", []))}
-    new = {_match_key(r, ignore): r for r in map(ConfigResult.from_dict, after.get("results", []))}
     changes, notes = [], []
+    old, new = {}, {}
+    for side, document, table in (("BEFORE", before, old), ("AFTER", after, new)):
+        for result in map(ConfigResult.from_dict, document.get("results", [])):
+            key = _match_key(result, ignore)
+            if key in table:
+                notes.append(f"{side}: {result.config.key} and {table[key].config.key} match the same config once "
+                             f"{', '.join(ignore)} is ignored; only the first is compared")
+                continue
+            table[key] = result
     names = display_labels([r.config for r in new.values()])
     labels = {key: names[result.config.key] for key, result in new.items()}
     for key, result in new.items():

@@ -102,7 +102,8 @@ class EnginePool:
             torch.cuda.empty_cache()
 
 
-def derived_figures(result: ConfigResult, facts: ModelFacts, ceilings: dict[str, Any] | None) -> dict[str, Any]:
+def derived_figures(result: ConfigResult, facts: ModelFacts, ceilings: dict[str, Any] | None,
+                    world_size: int = 1) -> dict[str, Any]:
     """TTFT, TPOT, prefill and decode tokens/s (medians) and utilisation against the measured ceilings."""
     c = result.config
     med = {name: (s.p50 if (s := result.metric(name)) else None) for name in (
@@ -118,7 +119,8 @@ def derived_figures(result: ConfigResult, facts: ModelFacts, ceilings: dict[str,
         out["decode_bandwidth_utilisation"] = bytes_per_step / (med["tpot_ms"] / 1e3) / ceilings[
             "memory_bandwidth_bytes_per_s"]
     if ceilings and med["prefill_ms"] and med["prefill_tokens"]:
-        rows = med["prefill_tokens"] / c.prompt_length
+        # merged multi-rank iterations sum prefill tokens over ranks; the ceiling is one device's
+        rows = med["prefill_tokens"] / c.prompt_length / world_size
         flops = facts.prefill_flops(round(rows), c.prompt_length)
         out["prefill_compute_utilisation"] = flops / (med["prefill_ms"] / 1e3) / ceilings["matmul_flops_per_s"]
     return out
@@ -152,7 +154,7 @@ class BenchRunner:
         self.results = {c.key: previous.get(c.key) or ConfigResult(config=c) for c in self.configs}
         for result in self.results.values():
             if result.status == "failed":  # a resume retries failures
-                result.status, result.error, result.iterations = "pending", None, []
+                result.status, result.error, result.iterations, result.warnings = "pending", None, [], []
         self.environment = (existing or {}).get("environment")
         self._measure_machine = measure_machine
         self.timelines: dict[str, list] = {}
@@ -234,7 +236,8 @@ class BenchRunner:
     def _derive(self, result: ConfigResult) -> dict[str, Any]:
         if self.kind == "step":
             return step_figures(result)
-        return derived_figures(result, self._facts, self.environment.get("ceilings"))
+        world_size = self.ranks.world_size if result.per_rank else 1
+        return derived_figures(result, self._facts, self.environment.get("ceilings"), world_size)
 
     def _merge_ranks(self, result: ConfigResult) -> None:
         """Gather every rank's outcome of this config; the result becomes the merged view plus ``per_rank``."""

@@ -90,6 +90,22 @@ def _student_logits(engine: Any, targets) -> torch.Tensor:
     return out.logits[:, targets.window]  # [N, R, V]
 
 
+def _token_mean(total: torch.Tensor, count: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """The loss to backpropagate and the value to report: the mean over every rank's valid tokens.
+
+    DeepSpeed averages gradients over ranks, so each rank scales its sum by ``world_size / global count``;
+    dividing by its own count would weight ranks with fewer valid tokens too much.
+    """
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return total / count.clamp(min=1), float(total.detach() / count.clamp(min=1))
+    both = torch.stack([total.detach().float(), count.float()]).to(total.device)
+    dist.all_reduce(both)
+    global_count = both[1].clamp(min=1)
+    return total * dist.get_world_size() / global_count, float(both[0] / global_count)
+
+
 def opsd_step(student_engine: Any, teacher: Any, rollout: Any, request: Any, sampling: Any, *,
               divergence: DivergenceConfig | None = None,
               teacher_cache: TeacherCacheConfig | None = None) -> StepProfile:
@@ -108,7 +124,7 @@ def opsd_step(student_engine: Any, teacher: Any, rollout: Any, request: Any, sam
     total, count = phases.run("loss", chunked_divergence, logits,
                               lambda s, e: cache.chunk(s, e, logits.device), targets.mask.to(logits.device),
                               divergence)
-    loss = total / count.clamp(min=1)
+    loss, reported = _token_mean(total, count)
     phases.run("backward", student_engine.backward, loss)
     phases.run("optimizer", student_engine.step)
     total_ms = clock.elapsed_ms(step_start, clock.mark())
@@ -121,4 +137,4 @@ def opsd_step(student_engine: Any, teacher: Any, rollout: Any, request: Any, sam
         total_ms=total_ms, rollout_share=producing / total_ms if total_ms > 0 else 0.0,
         peak_memory_bytes=dict(phases.peaks), phase_start_ms=dict(phases.starts), response_tokens=targets.tokens,
         teacher_cache_bytes=cache.nbytes,
-        loss=float(loss.detach()))
+        loss=reported)

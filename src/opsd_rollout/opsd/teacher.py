@@ -60,6 +60,19 @@ class TeacherCache:
         return values, self.indices[:, start:stop].to(device, non_blocking=non_blocking)
 
 
+def finalize_logits(config: Any, logits: torch.Tensor) -> torch.Tensor:
+    """What some models' ``forward`` does after the LM head, applied here because the cache calls the LM head
+    itself: Cohere's ``logit_scale``, Granite's ``logits_scaling``, Gemma 2/3's ``final_logit_softcapping``."""
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if getattr(config, "logit_scale", None):
+        logits = logits * config.logit_scale
+    if getattr(config, "logits_scaling", None):
+        logits = logits / config.logits_scaling
+    if getattr(config, "final_logit_softcapping", None):
+        logits = torch.tanh(logits / config.final_logit_softcapping) * config.final_logit_softcapping
+    return logits
+
+
 @dataclass
 class TeacherTimes:
     forward_ms: float = 0.0
@@ -94,7 +107,7 @@ def build_teacher_cache(teacher: Any, targets: ResponseTargets, config: TeacherC
         times.forward_ms += clock.elapsed_ms(start, clock.mark())
         for pos in range(0, window, config.chunk_size):
             start = clock.mark()
-            logits = head(hidden[:, pos:pos + config.chunk_size])  # [b, c, V]: the most the device ever holds
+            logits = finalize_logits(model.config, head(hidden[:, pos:pos + config.chunk_size]))  # [b, c, V] at most
             if config.mode == "topk":
                 top = torch.topk(logits, width, dim=-1)
                 logits, chosen = top.values, top.indices

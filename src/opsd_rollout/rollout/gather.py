@@ -39,10 +39,17 @@ class GatherOnce:
         """Why the last rollout gathered per layer, or ``None`` when it gathered once."""
 
     def fits(self) -> bool:
+        """Whether the full parameters fit the budget on every rank (ranks must agree: a gather is collective)."""
         budget = self.budget_bytes if self.budget_bytes is not None else default_budget_bytes(self.device)
-        if self.full_bytes > budget:
+        fits = self.full_bytes <= budget
+        if torch.distributed.is_available() and torch.distributed.is_initialized() and \
+                torch.distributed.get_world_size() > 1:
+            flag = torch.tensor(int(fits), device=self.device)
+            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN)
+            fits = bool(flag.item())
+        if not fits:
             reason = (f"the full parameters ({self.full_bytes / 2**20:.0f} MiB) exceed the gather budget "
-                      f"({budget / 2**20:.0f} MiB)")
+                      f"({budget / 2**20:.0f} MiB here) on at least one rank")
             if reason != self.last_reason:
                 logger.info("ZeRO-3 rollout gathers per layer: %s", reason)
             self.last_reason = reason

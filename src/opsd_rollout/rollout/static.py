@@ -48,6 +48,22 @@ def replicate_cache(source: Any, target: Any, repeats: int, prompt_length: int) 
         dst.cumulative_length.fill_(prompt_length)
 
 
+NEUTRAL_GENERATION = {"repetition_penalty": (None, 1.0), "no_repeat_ngram_size": (None, 0),
+                      "encoder_no_repeat_ngram_size": (None, 0), "min_new_tokens": (None, 0), "min_length": (None, 0),
+                      "suppress_tokens": (None, []), "begin_suppress_tokens": (None, []), "bad_words_ids": (None, []),
+                      "forced_bos_token_id": (None,), "forced_eos_token_id": (None,), "sequence_bias": (None, {}),
+                      "epsilon_cutoff": (None, 0.0), "eta_cutoff": (None, 0.0), "typical_p": (None, 1.0),
+                      "min_p": (None, 0.0), "exponential_decay_length_penalty": (None,),
+                      "renormalize_logits": (None, False), "diversity_penalty": (None, 0.0)}
+
+
+def _generation_config_processors(model: torch.nn.Module) -> list[str]:
+    """The logits processors the model's generation_config would switch on in ``generate()``."""
+    config = getattr(model, "generation_config", None)
+    return [name for name, neutral in NEUTRAL_GENERATION.items()
+            if getattr(config, name, None) not in neutral]
+
+
 class StaticDecode:
     """Prefill once (B prompts, not B*n, with ``shared_prefill``), then a static-shape decode loop."""
 
@@ -72,8 +88,17 @@ class StaticDecode:
         if target.hybrid_engine:
             return "the hybrid engine generates through its own patched generate()"
         model = target.forward_module
-        if not getattr(model, "_can_compile_fullgraph", True) and not getattr(model, "_supports_static_cache", True):
-            return f"{type(model).__name__} does not support a static cache"
+        attention = getattr(model.config, "_attn_implementation", None)
+        if attention not in (None, "sdpa", "eager", "flex_attention"):
+            # flash attention trims keys by the 2-D mask's length, which here spans the whole static cache
+            return f"attention implementation {attention!r} needs transformers' own cache handling"
+        config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        if getattr(config, "v_head_dim", None) not in (None, getattr(config, "head_dim", None)) or getattr(
+                config, "qk_rope_head_dim", None):
+            return "keys and values of different widths (multi-head latent attention)"
+        processors = _generation_config_processors(model)
+        if processors:
+            return f"the model's generation_config sets {processors}, which only generate() applies"
         try:
             from transformers import StaticCache
 

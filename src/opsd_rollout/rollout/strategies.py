@@ -46,7 +46,10 @@ class TransformersGenerate:
                                                 top_p=plan.top_p)
         # Only the knobs the rollout owns are set; other generation options (e.g. repetition_penalty) follow
         # the model's own generation_config, as with a plain model.generate().
-        stop_ids = None if plan.ignore_eos else (list(plan.eos_token_ids) or None)
+        # generate() fills a None eos_token_id from the model's generation_config, so "never stop" is an id
+        # that cannot be generated: one past the vocabulary
+        never = [target.vocab_size if target.vocab_size is not None else 2**31 - 1]
+        stop_ids = never if plan.ignore_eos else (list(plan.eos_token_ids) or never)
         config = GenerationConfig(max_new_tokens=plan.max_new_tokens, do_sample=not plan.greedy, num_beams=1,
                                   eos_token_id=stop_ids, pad_token_id=plan.pad_token_id, use_cache=True, **sampling)
         return target.generate_fn(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=config,

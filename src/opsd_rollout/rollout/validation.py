@@ -43,15 +43,17 @@ def resolve_special_tokens(tokenizer: Any, target: RolloutTarget) -> tuple[int, 
     """``(pad_token_id, eos_token_ids)``: pad is the tokenizer's (0 included), else its EOS; EOS ids are the
     tokenizer's plus the model's ``generation_config.eos_token_id``."""
     tokenizer_eos = getattr(tokenizer, "eos_token_id", None)
+    tokenizer_eos_ids = [] if tokenizer_eos is None else (
+        [int(tokenizer_eos)] if isinstance(tokenizer_eos, (int,)) or getattr(tokenizer_eos, "ndim", 1) == 0
+        else [int(e) for e in tokenizer_eos])
     pad = getattr(tokenizer, "pad_token_id", None)
-    if pad is None:
-        pad = tokenizer_eos
+    if pad is None and tokenizer_eos_ids:
+        pad = tokenizer_eos_ids[0]
     if pad is None:
         raise ValueError("tokenizer has neither pad_token_id nor eos_token_id; set tokenizer.pad_token_id "
                          "(the rollout pads finished rows with it)")
     eos_ids: list[int] = []
-    for token in ([tokenizer_eos] if isinstance(tokenizer_eos, int) else list(tokenizer_eos or [])) + list(
-            target.config_eos_ids):
+    for token in tokenizer_eos_ids + list(target.config_eos_ids):
         if token is not None and int(token) not in eos_ids:
             eos_ids.append(int(token))
     return int(pad), tuple(eos_ids)
