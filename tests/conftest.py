@@ -32,8 +32,9 @@ def tokenizer():
 def clean_env() -> dict[str, str]:
     """This process's environment without the distributed variables an in-process DeepSpeed group set, for
     subprocesses that start their own ranks."""
-    return {k: v for k, v in os.environ.items()
-            if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    from opsd_rollout.distributed import environment_without_ranks
+
+    return environment_without_ranks()
 
 
 def transition_model(table: list[int], *, eos_token_id=None, sharpness: float = 20.0):

@@ -87,18 +87,14 @@ def _cmd_step(args: argparse.Namespace) -> int:
 
 def _relaunch(argv: Sequence[str], nproc: int) -> int:
     """Run this same command on ``nproc`` local ranks under torchrun (free port, gloo on CPU)."""
-    import socket
     import subprocess
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    from opsd_rollout.distributed import environment_without_ranks, free_port
+
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr",
-               "127.0.0.1", "--master_port", str(port), "-m", "opsd_rollout", *argv]
+               "127.0.0.1", "--master_port", str(free_port()), "-m", "opsd_rollout", *argv]
     # a one-process group of this process (if any) must not leak into the ranks' environment
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    return subprocess.run(command, env=env).returncode
+    return subprocess.run(command, env=environment_without_ranks()).returncode
 
 
 def _without_nproc(argv: Sequence[str]) -> list[str]:

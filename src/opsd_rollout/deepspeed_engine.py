@@ -7,16 +7,11 @@ ZeRO stages without a config file.
 from __future__ import annotations
 
 import os
-import socket
 from typing import Any
 
 import torch
 
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+from opsd_rollout.distributed import free_port
 
 
 DEFAULT_COLLECTIVE_TIMEOUT_S = 600.0
@@ -38,7 +33,7 @@ def init_distributed(timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S) -> None:
         return
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(_free_port()))
+                          MASTER_PORT=str(free_port()))
     kwargs: dict[str, Any] = {"timeout": timedelta(seconds=timeout_s), "verbose": False}
     if not torch.cuda.is_available():
         kwargs["dist_backend"] = "gloo"

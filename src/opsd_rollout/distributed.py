@@ -21,3 +21,23 @@ def rank_info() -> RankInfo:
     if dist.is_available() and dist.is_initialized():
         return RankInfo(dist.get_rank(), dist.get_world_size())
     return RankInfo(0, 1)
+
+
+LAUNCHER_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+"""What a launcher (or a one-process group made in this process) puts in the environment."""
+
+
+def environment_without_ranks() -> dict[str, str]:
+    """This process's environment minus ``LAUNCHER_ENV``, for child processes that start ranks of their own."""
+    import os
+
+    return {k: v for k, v in os.environ.items() if k not in LAUNCHER_ENV}
+
+
+def free_port() -> int:
+    """A free TCP port on loopback, for a new process group's rendezvous."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
