@@ -4,7 +4,6 @@ trace, dry run, an interrupted run resumed, and ``compare``."""
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys

@@ -4,7 +4,6 @@ same number of forwards, and each returns its own trimmed, padded batch."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path

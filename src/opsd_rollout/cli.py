@@ -8,7 +8,6 @@ import sys
 import warnings
 from collections.abc import Sequence
 from dataclasses import fields
-from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table

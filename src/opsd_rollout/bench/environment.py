@@ -74,7 +74,6 @@ def measure_ceilings(device: torch.device, *, copy_mib: int = 256, matmul_n: int
     a = torch.randn(matmul_n, matmul_n, device=device)
     b = torch.randn(matmul_n, matmul_n, device=device)
     matmul_s = _best_seconds(lambda: a @ b, device, repeats)
-    del source, target, a, b
     return {
         "memory_bandwidth_bytes_per_s": 2 * elements * 4 / copy_s,
         "matmul_flops_per_s": 2 * matmul_n**3 / matmul_s,

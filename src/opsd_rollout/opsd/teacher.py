@@ -85,7 +85,7 @@ def build_teacher_cache(teacher: Any, targets: ResponseTargets, config: TeacherC
     """Run the teacher over ``targets``' sequences and cache its logits for the response window."""
     from opsd_rollout.profiling import Clock
 
-    model = innermost_model(getattr(teacher, "module", teacher))  # inside DeepSpeed and PEFT wrappers
+    model = innermost_model(teacher)  # inside DeepSpeed and PEFT wrappers
     body, head = model.base_model, model.get_output_embeddings()
     device = next(head.parameters()).device if any(True for _ in head.parameters()) else targets.input_ids.device
     clock = clock or Clock(device)

@@ -20,7 +20,7 @@ from opsd_rollout.profiling.forward import ForwardTimer
 _ACTIVE: "weakref.WeakKeyDictionary[torch.nn.Module, ModelTimeProfiler]" = weakref.WeakKeyDictionary()
 
 
-def _wrapped_modules(module: torch.nn.Module) -> list[torch.nn.Module]:
+def wrapped_modules(module: torch.nn.Module) -> list[torch.nn.Module]:
     """``module`` and what it wraps: ``.module`` of DeepSpeed engines, ``get_base_model()`` of PEFT."""
     chain = [module]
     while True:
@@ -33,7 +33,9 @@ def _wrapped_modules(module: torch.nn.Module) -> list[torch.nn.Module]:
         chain.append(inner)
 
 
-def _device_of(module: torch.nn.Module) -> torch.device:
+def device_of(module: torch.nn.Module) -> torch.device:
+    """Where ``module`` runs: its ``device`` attribute (DeepSpeed engines, transformers models), else its first
+    parameter's device, else the CPU."""
     device = getattr(module, "device", None)
     if isinstance(device, (torch.device, str)):
         return torch.device(device)
@@ -47,13 +49,13 @@ class ModelTimeProfiler:
     def __init__(self, module: torch.nn.Module, use_cuda_events: bool = True):
         if not isinstance(module, torch.nn.Module):
             raise TypeError(f"profile_model_time needs a torch.nn.Module; got {type(module).__name__}")
-        chain = _wrapped_modules(module)
+        chain = wrapped_modules(module)
         for member in chain:
             if member in _ACTIVE:
                 raise RuntimeError(f"forward timing is already enabled on {type(member).__name__}; call remove() "
                                    "on the existing handle first")
         self.module = module
-        self.clock = Clock(_device_of(module), use_device_events=use_cuda_events)
+        self.clock = Clock(device_of(module), use_device_events=use_cuda_events)
         self._timer = ForwardTimer(module, self.clock, also=tuple(chain[1:])).attach()
         self._chain = chain
         for member in chain:

@@ -136,3 +136,21 @@ class PhaseProbes:
         for record in self.records:
             out[record.phase].ms += max(0.0, self.clock.elapsed_ms(record.start, record.end))
         return out
+
+
+def add_housekeeping_probes(probes: PhaseProbes) -> None:
+    """``gc.collect`` as ``gc`` and the accelerator's ``empty_cache`` (DeepSpeed's accelerator object and
+    ``torch.cuda``) as ``empty_cache``: what the hybrid engine and trainers call on the hot path."""
+    import gc
+
+    import torch
+
+    probes.add(gc, "collect", "gc")
+    try:
+        from deepspeed.accelerator import get_accelerator
+
+        probes.add(get_accelerator(), "empty_cache", "empty_cache")
+    except ImportError:  # pragma: no cover - deepspeed is a dependency
+        pass
+    if torch.cuda.is_available():
+        probes.add(torch.cuda, "empty_cache", "empty_cache")

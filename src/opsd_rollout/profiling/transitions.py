@@ -4,7 +4,6 @@ work there: swapping in inference containers, gathering, ``gc.collect`` and ``em
 from __future__ import annotations
 
 import contextlib
-import gc
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -12,7 +11,8 @@ from typing import Any
 import torch
 
 from opsd_rollout.profiling.clock import Clock, synchronize
-from opsd_rollout.profiling.probes import PhaseProbes
+from opsd_rollout.profiling.model_time import device_of
+from opsd_rollout.profiling.probes import PhaseProbes, add_housekeeping_probes
 
 
 @dataclass
@@ -33,15 +33,7 @@ class ModeSwitchTimes:
 
 def _timed_switch(engine: Any, method: str, clock: Clock, times: ModeSwitchTimes) -> float:
     probes = PhaseProbes(clock)
-    probes.add(gc, "collect", "gc")
-    if torch.cuda.is_available():
-        probes.add(torch.cuda, "empty_cache", "empty_cache")
-    try:
-        from deepspeed.accelerator import get_accelerator
-
-        probes.add(get_accelerator(), "empty_cache", "empty_cache")
-    except ImportError:  # pragma: no cover
-        pass
+    add_housekeeping_probes(probes)
     synchronize(clock.device)
     start = clock.mark()
     with probes:
@@ -60,9 +52,7 @@ def timed_eval(engine: Any, device: torch.device | str | None = None, *,
     """``with timed_eval(engine) as times: rollout.generate(...)``: ``engine.eval()`` on entry and
     ``engine.train()`` on exit, both timed (device synchronized around each). ``train_after=None`` switches
     back only if the engine was training; ``True`` always does (a training step follows)."""
-    if device is None:
-        device = getattr(engine, "device", None) or next(engine.parameters()).device
-    clock = Clock(torch.device(device))
+    clock = Clock(torch.device(device) if device is not None else device_of(engine))
     times = ModeSwitchTimes()
     # a DeepSpeed engine switches its module's mode, not its own flag
     was_training = bool(getattr(getattr(engine, "module", engine), "training", True))

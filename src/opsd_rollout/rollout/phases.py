@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import functools
-import gc
 from typing import Any
 
-import torch
 
-from opsd_rollout.profiling.probes import PhaseProbes
+from opsd_rollout.profiling.probes import PhaseProbes, add_housekeeping_probes
 from opsd_rollout.rollout.target import RolloutTarget
 
 
@@ -56,12 +54,4 @@ def add_rollout_probes(probes: PhaseProbes, target: RolloutTarget, rollout: Any,
         probes.add(target.model, "merge_adapter", "lora_fuse")
         probes.add(target.model, "unmerge_adapter", "lora_unfuse")
     probes.add(rollout, "release_workspace", "inference_cache")
-    probes.add(gc, "collect", "gc")
-    try:
-        from deepspeed.accelerator import get_accelerator
-
-        probes.add(get_accelerator(), "empty_cache", "empty_cache")
-    except ImportError:  # pragma: no cover - deepspeed is a dependency
-        pass
-    if torch.cuda.is_available():
-        probes.add(torch.cuda, "empty_cache", "empty_cache")
+    add_housekeeping_probes(probes)

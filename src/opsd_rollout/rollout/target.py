@@ -9,6 +9,7 @@ from typing import Any, Callable
 import torch
 
 from opsd_rollout.distributed import rank_info
+from opsd_rollout.profiling.model_time import wrapped_modules
 
 
 @dataclass(frozen=True)
@@ -63,18 +64,9 @@ def _is_hybrid_engine(obj: Any) -> bool:
 
 
 def innermost_model(module: torch.nn.Module) -> torch.nn.Module:
-    """Unwrap PEFT (``get_base_model``) to the transformers model whose forward runs per step."""
-    seen = set()
-    while id(module) not in seen:
-        seen.add(id(module))
-        get_base = getattr(module, "get_base_model", None)
-        if callable(get_base):
-            inner = get_base()
-            if isinstance(inner, torch.nn.Module) and inner is not module:
-                module = inner
-                continue
-        break
-    return module
+    """The transformers model whose forward runs at every step, inside DeepSpeed (``.module``) and PEFT
+    (``get_base_model()``) wrappers; the same unwrapping ``profile_model_time`` hooks."""
+    return wrapped_modules(module)[-1]
 
 
 def _eos_ids(value: Any) -> tuple[int, ...]:
