@@ -7,6 +7,8 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
+from opsd_rollout.bench.stats import is_number
+
 SUMMED = {"tokens_per_second", "decode_tokens_per_second", "prefill_tokens_per_second", "generated_tokens",
           "padded_tokens", "prefill_tokens", "response_tokens", "param_gather_count", "param_gather_bytes",
           "effective_batch_size", "batch_size"}
@@ -27,10 +29,6 @@ def gather_from_ranks(payload: Any) -> list[Any]:
     return gathered
 
 
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
 def merge_iterations(per_rank: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
     """Iteration ``i`` of the run = iteration ``i`` of every rank, merged field by field (``rank`` becomes
     ``None``: the merged view is no single rank's)."""
@@ -39,7 +37,7 @@ def merge_iterations(per_rank: list[list[dict[str, Any]]]) -> list[dict[str, Any
         out = dict(rows[0])
         for key, value in rows[0].items():
             values = [row.get(key) for row in rows]
-            if key != "rank" and _is_number(value) and all(_is_number(v) for v in values):
+            if key != "rank" and is_number(value) and all(is_number(v) for v in values):
                 out[key] = (sum(values) if key in SUMMED else
                             sum(values) / len(values) if key in AVERAGED else max(values))
         out["rank"] = None
@@ -51,9 +49,9 @@ def stage_skew(per_rank: list[list[dict[str, Any]]], threshold: float = SKEW_THR
     """For every time field (``*_ms``): max / median of the ranks' median times, and the slowest rank."""
     skew = {}
     for key, value in per_rank[0][0].items() if per_rank and per_rank[0] else []:
-        if not key.endswith("_ms") or not _is_number(value):
+        if not key.endswith("_ms") or not is_number(value):
             continue
-        medians = [statistics.median(row[key] for row in rows if _is_number(row.get(key))) for rows in per_rank]
+        medians = [statistics.median(row[key] for row in rows if is_number(row.get(key))) for rows in per_rank]
         middle = statistics.median(medians)
         ratio = max(medians) / middle if middle > 0 else 1.0
         skew[key] = {"max_over_median": ratio, "slowest_rank": medians.index(max(medians)),

@@ -15,7 +15,7 @@ from typing import Any
 from rich.table import Table
 
 from opsd_rollout.bench.matrix import BenchConfig
-from opsd_rollout.bench.stats import Stats
+from opsd_rollout.bench.stats import Stats, is_number
 
 SCHEMA_VERSION = 1
 STATUSES = ("ok", "failed", "skipped", "pending")
@@ -41,10 +41,7 @@ class ConfigResult:
 
     def summary(self) -> dict[str, Stats]:
         """A ``Stats`` for every numeric profile field that was recorded."""
-        names = [k for k, v in (self.iterations[0].items() if self.iterations else [])
-                 if isinstance(v, (int, float)) and not isinstance(v, bool)]
-        names += [k for it in self.iterations[1:] for k, v in it.items()
-                  if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in names]
+        names = dict.fromkeys(k for it in self.iterations for k, v in it.items() if is_number(v))
         out = {}
         for name in names:
             stats = self.metric(name)

@@ -9,6 +9,11 @@ from typing import Any
 
 import numpy as np
 
+def is_number(value: Any) -> bool:
+    """An int or float measurement (not a bool, not None)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 SPREAD_WARNING = 0.10
 """IQR / median above this makes a summary say its numbers are noisy."""
 

@@ -7,6 +7,7 @@ code written against ``deepspeed.runtime.rollout.HybridEngineRollout.get_last_pr
 from __future__ import annotations
 
 import dataclasses
+import statistics
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -159,12 +160,6 @@ class RolloutProfile(Mapping):
 _FIELD_NAMES: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(RolloutProfile))
 
 
-def _median(values: list[float]) -> float:
-    ordered = sorted(values)
-    middle = len(ordered) // 2
-    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
-
-
 PHASE_FIELDS = {"param_gather": "param_gather_ms", "inference_cache": "inference_cache_ms", "lora_fuse": "lora_fuse_ms",
                 "lora_unfuse": "lora_unfuse_ms", "gc": "gc_ms", "empty_cache": "empty_cache_ms",
                 "workspace_alloc": "workspace_alloc_ms"}
@@ -189,7 +184,7 @@ def build_profile(*, stages: dict[str, float], forwards: list | None, phases: di
         forward_fields.update(
             prefill_ms=prefill_ms, decode_ms=decode_ms, decode_steps=len(decode), prefill_forwards=len(prefill),
             ttft_ms=(prefill[-1].offset_ms + prefill[-1].ms) if prefill else None,
-            tpot_ms=_median([f.ms for f in decode]) if decode else None, prefill_tokens=prefill_tokens,
+            tpot_ms=statistics.median(f.ms for f in decode) if decode else None, prefill_tokens=prefill_tokens,
             decode_tokens_per_second=((generated_tokens - effective_batch_size) / (decode_ms / 1e3)
                                       if decode_ms > 0 else None),
             prefill_tokens_per_second=prefill_tokens / (prefill_ms / 1e3) if prefill_ms > 0 else None)
