@@ -13,6 +13,7 @@ from conftest import (TINY_PRESETS, assert_batch_contract, chain_table, left_pad
                       prompts_with_padding_and_holes, reference_rollout, transition_model)
 from opsd_rollout import HybridEngineRollout, HybridEngineRolloutConfig, RolloutRequest, SamplingConfig
 from opsd_rollout.models import EOS_ID, PAD_ID
+from opsd_rollout.rollout.static import StaticDecode
 
 
 def reference_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> np.ndarray:
@@ -37,21 +38,81 @@ def static(**kwargs):
     return HybridEngineRolloutConfig(strategy="static", enable_profiling=True, **kwargs)
 
 
-@pytest.mark.parametrize("name", TINY_PRESETS)
-@pytest.mark.parametrize("n,shared", [(1, True), (3, True), (3, False)])
-def test_greedy_equals_generate(tiny_models, tokenizer, name, n, shared):
-    model = tiny_models[name]
-    request = prompts_with_padding_and_holes(tokenizer)
-    rollout = HybridEngineRollout(model, tokenizer, static(shared_prefill=shared))
-    assert rollout.strategy.name == "static"
+def unpadded_prompts(tokenizer) -> RolloutRequest:
+    """Prompts without padding: the static strategy then passes no attention mask at all."""
+    enc = tokenizer(["The student", "writes a bc", "on policy!!"], return_tensors="pt")
+    return RolloutRequest(enc.input_ids, enc.attention_mask)
+
+
+PROMPTS = {"padded": prompts_with_padding_and_holes, "unpadded": unpadded_prompts}
+
+
+def assert_greedy_equals_generate(model, tokenizer, rollout, prompts, n):
+    request = PROMPTS[prompts](tokenizer)
     batch = rollout.generate(request, SamplingConfig(max_new_tokens=10, n_samples_per_prompt=n, temperature=0))
     ref_ids, ref_mask = reference_rollout(model, request, n=n, max_new_tokens=10, pad_token_id=PAD_ID,
                                           eos_ids=[EOS_ID])
     assert torch.equal(batch.input_ids, ref_ids) and torch.equal(batch.attention_mask, ref_mask)
+    return request
+
+
+@pytest.mark.parametrize("name", TINY_PRESETS)
+@pytest.mark.parametrize("prompts", PROMPTS)
+@pytest.mark.parametrize("n,shared", [(1, True), (3, True), (3, False)])
+def test_greedy_equals_generate(tiny_models, tokenizer, name, prompts, n, shared):
+    model = tiny_models[name]
+    rollout = HybridEngineRollout(model, tokenizer, static(shared_prefill=shared))
+    assert rollout.strategy.name == "static"
+    request = assert_greedy_equals_generate(model, tokenizer, rollout, prompts, n)
     profile = rollout.get_last_profile()
     assert profile.strategy == "static"
     rows_prefilled = 3 if shared else 3 * n
     assert profile.prefill_tokens == rows_prefilled * request.prompt_ids.shape[1]
+
+
+@pytest.mark.parametrize("name", TINY_PRESETS)
+@pytest.mark.parametrize("prompts", PROMPTS)
+@pytest.mark.parametrize("n", [1, 3])
+def test_static_shapes_decode_equals_generate(tiny_models, tokenizer, name, prompts, n):
+    """The layout a compiled step uses (whole cache every step, masked) decodes the same tokens, eagerly."""
+    model = tiny_models[name]
+    rollout = HybridEngineRollout(model, tokenizer, static())
+    rollout.strategy = StaticDecode(static_shapes=True)
+    assert_greedy_equals_generate(model, tokenizer, rollout, prompts, n)
+
+
+@pytest.mark.parametrize("name", ["llama-tiny", "gpt2-tiny"])
+def test_compiled_decode_step_is_one_graph_and_equals_generate(tiny_models, tokenizer, name):
+    """``compile_decode`` traces the one-token step whole (``fullgraph``: no graph break, so a GPU replays
+    it as one CUDA graph). Here with a CPU backend; the engine refuses ``compile_decode`` on CPU."""
+    torch._dynamo.reset()
+    model = tiny_models[name]
+    rollout = HybridEngineRollout(model, tokenizer, HybridEngineRolloutConfig(strategy="static"))
+    rollout.strategy = StaticDecode(compile_decode=True, compile_options={"backend": "aot_eager", "fullgraph": True,
+                                                                          "dynamic": False})
+    for prompts in PROMPTS:
+        assert_greedy_equals_generate(model, tokenizer, rollout, prompts, 2)
+
+
+def test_profiling_a_compiled_decode_step_times_its_forwards_without_recompiling(tiny_models, tokenizer):
+    """The forward timer's hooks stay out of the compiled graph (one break around them, no recompiles for
+    the host times they hold), and profiled and unprofiled calls share the compiled step."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    model = tiny_models["llama-tiny"]
+    step = StaticDecode(compile_decode=True, compile_options={"backend": "aot_eager", "dynamic": False})
+    for profiled in (True, False, True):
+        rollout = HybridEngineRollout(model, tokenizer, HybridEngineRolloutConfig(strategy="static",
+                                                                                  enable_profiling=profiled))
+        rollout.strategy = step
+        assert_greedy_equals_generate(model, tokenizer, rollout, "padded", 1)
+        if profiled:
+            profile = rollout.get_last_profile()
+            assert profile.prefill_forwards == 1 and profile.decode_steps == 9 and profile.decode_ms > 0
+    assert counters["stats"]["unique_graphs"] == 1
+    assert sum(counters["graph_break"].values()) <= 1
 
 
 def test_workspace_is_reused_across_calls_of_different_sizes(tiny_models, tokenizer):

@@ -80,9 +80,13 @@ class ForwardTimer:
     def __exit__(self, *exc: object) -> None:
         self.remove()
 
+    # The hooks run eagerly even inside a compiled step (``compile_decode``): dynamo leaves them out of the
+    # graph instead of tracing host clocks, and never recompiles for the values they hold.
+    @torch.compiler.disable
     def _on_start(self, _module, args, kwargs) -> None:
         self._open.append((self.clock.mark(), _input_shape(args, kwargs)))
 
+    @torch.compiler.disable
     def _on_end(self, _module, _args, _output) -> None:
         if not self._open:
             return

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from opsd_rollout.rollout.sampling import sample
 from opsd_rollout.rollout.target import RolloutTarget
 from opsd_rollout.rollout.validation import RolloutPlan
-from opsd_rollout.rollout.workspace import KVWorkspace
+from opsd_rollout.rollout.workspace import KVWorkspace, RolloutMasks, set_filled
 
 
 def position_ids(mask: torch.Tensor) -> torch.Tensor:
@@ -24,19 +24,20 @@ def position_ids(mask: torch.Tensor) -> torch.Tensor:
     return (mask.long().cumsum(-1) - 1).masked_fill_(mask == 0, 1)
 
 
-def prefill(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, full_mask: torch.Tensor,
+def prefill(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, cache_mask: torch.Tensor | None,
             cache: Any) -> torch.Tensor:
-    """ids, mask: [B, P] left-padded prompts; full_mask: [B, L]. Fills ``cache``; returns last logits [B, V]."""
+    """ids, mask: [B, P] left-padded prompts; cache_mask: [B, cache width] or None (no padding).
+    Fills ``cache``; returns last logits [B, V]."""
     positions = position_ids(mask)
-    out = model(input_ids=ids, attention_mask=full_mask, position_ids=positions, cache=cache, use_cache=True,
+    out = model(input_ids=ids, attention_mask=cache_mask, position_ids=positions, cache=cache, use_cache=True,
                 logits_to_keep=1)
     return out.logits[:, -1]
 
 
-def decode_one_token(model: torch.nn.Module, token: torch.Tensor, position: torch.Tensor, full_mask: torch.Tensor,
-                     cache: Any) -> torch.Tensor:
-    """token, position: [N, 1]; full_mask: [N, L]. Returns logits [N, V] for the next token."""
-    out = model(input_ids=token, attention_mask=full_mask, position_ids=position, cache=cache, use_cache=True)
+def decode_one_token(model: torch.nn.Module, token: torch.Tensor, position: torch.Tensor,
+                     mask: torch.Tensor | None, cache: Any) -> torch.Tensor:
+    """token, position: [N, 1]; mask: [N, kv], [N, 1, 1, kv] or None. Returns logits [N, V] for the next token."""
+    out = model(input_ids=token, attention_mask=mask, position_ids=position, cache=cache, use_cache=True)
     return out.logits[:, -1]
 
 
@@ -45,7 +46,7 @@ def replicate_cache(source: Any, target: Any, repeats: int, prompt_length: int) 
     for src, dst in zip(source.layers, target.layers):
         dst.keys[:, :, :prompt_length].copy_(src.keys[:, :, :prompt_length].repeat_interleave(repeats, dim=0))
         dst.values[:, :, :prompt_length].copy_(src.values[:, :, :prompt_length].repeat_interleave(repeats, dim=0))
-        dst.cumulative_length.fill_(prompt_length)
+        set_filled(dst, prompt_length)
 
 
 NEUTRAL_GENERATION = {"repetition_penalty": (None, 1.0), "no_repeat_ngram_size": (None, 0),
@@ -70,11 +71,15 @@ class StaticDecode:
     name = "static"
 
     def __init__(self, *, shared_prefill: bool = True, stop_check_interval: int | None = None,
-                 seed: int | None = None, compile_decode: bool = False):
+                 seed: int | None = None, compile_decode: bool = False, static_shapes: bool = False,
+                 compile_options: dict[str, Any] | None = None):
         self.shared_prefill = shared_prefill
-        # only the one-token step is compiled (static shapes: CUDA-graph friendly); prefill stays eager
-        self._decode_step = (torch.compile(decode_one_token, mode="reduce-overhead", dynamic=False)
-                             if compile_decode else decode_one_token)
+        # A compiled step needs the same shapes every step: the whole cache, masked (``static_shapes``).
+        # Eager decoding attends to the filled positions only, which is cheaper.
+        self.static_shapes = static_shapes or compile_decode
+        # only the one-token step is compiled (CUDA-graph friendly); prefill stays eager
+        options = compile_options or {"mode": "reduce-overhead", "dynamic": False}
+        self._decode_step = torch.compile(decode_one_token, **options) if compile_decode else decode_one_token
         self.stop_check_interval = stop_check_interval
         self.seed = seed
         self.workspace = KVWorkspace()
@@ -121,37 +126,34 @@ class StaticDecode:
     def generate(self, target: RolloutTarget, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
                  plan: RolloutPlan) -> torch.Tensor:
         """prompt_ids, prompt_mask: [N, P] expanded prompts. Returns [N, P + R'] (a fresh tensor)."""
-        model, device = target.model, prompt_ids.device
+        model, config, device = target.model, target.forward_module.config, prompt_ids.device
         n, (rows, P) = plan.samples_per_prompt, prompt_ids.shape
         length = P + plan.max_new_tokens
         dtype = target.dtype if target.dtype.is_floating_point else torch.float32
-        cache = self.workspace.cache(target.forward_module.config, rows, length, dtype, device)
-        full_mask = self.workspace.attention_mask(prompt_mask, length)  # [N, L]
+        static_shapes = self.static_shapes
+        cache = self.workspace.cache(config, rows, length, dtype, device, static_shapes=static_shapes)
+        masks = self.workspace.masks(prompt_mask, length, static_shapes=static_shapes,
+                                     sdpa=getattr(config, "_attn_implementation", None) == "sdpa")
         if self.shared_prefill and n > 1:
             from transformers import StaticCache
 
             # prefill the B distinct prompts, then copy their keys/values into the n rows of each
-            shared = StaticCache(config=target.forward_module.config, max_cache_len=P)
-            logits = prefill(model, prompt_ids[::n], prompt_mask[::n], full_mask[::n, :P], shared)
+            shared = StaticCache(config=config, max_cache_len=P)
+            logits = prefill(model, prompt_ids[::n], prompt_mask[::n], masks.prefill(P, rows=slice(None, None, n)),
+                             shared)
             replicate_cache(shared, cache, n, P)
             logits = logits.repeat_interleave(n, dim=0)
         else:
-            logits = prefill(model, prompt_ids, prompt_mask, full_mask, cache)
+            logits = prefill(model, prompt_ids, prompt_mask, masks.prefill(length if static_shapes else P), cache)
         lockstep = target.zero_stage == 3 and target.world_size > 1
-        # With SDPA, each step's mask is kept as a ready 4-D boolean mask and one column is switched on per
-        # step, instead of transformers rebuilding it from the 2-D mask at every forward.
-        if getattr(target.forward_module.config, "_attn_implementation", None) == "sdpa":
-            full_mask = self.workspace.decode_mask(prompt_mask, length)  # [N, 1, 1, L] bool
-        tokens = self._decode(model, logits, prompt_mask, full_mask, cache, plan, lockstep)
+        tokens = self._decode(model, logits, prompt_mask, masks, cache, plan, lockstep)
         return torch.cat([prompt_ids, tokens], dim=1)
 
     def _decode(self, model: torch.nn.Module, logits: torch.Tensor, prompt_mask: torch.Tensor,
-                full_mask: torch.Tensor, cache: Any, plan: RolloutPlan, lockstep: bool) -> torch.Tensor:
-        """The decode loop; returns the generated tokens [N, steps run]. ``full_mask`` is [N, L] or a
-        ready [N, 1, 1, L] boolean mask whose column for each fed token is switched on as it is fed."""
+                masks: RolloutMasks, cache: Any, plan: RolloutPlan, lockstep: bool) -> torch.Tensor:
+        """The decode loop; returns the generated tokens [N, steps run]."""
         device = logits.device
         prompt_length = prompt_mask.shape[1]
-        ready_mask = full_mask.dim() == 4
         generator = None if plan.greedy else self._generator_for(device)
         eos = torch.tensor(plan.eos_token_ids, dtype=torch.int64, device=device)
         check_every = self.stop_check_interval or (8 if device.type == "cuda" else 1)
@@ -164,9 +166,8 @@ class StaticDecode:
         while steps < plan.max_new_tokens:
             if steps % check_every == 0 and not plan.ignore_eos and self._all_done(running, lockstep):
                 break
-            if ready_mask:
-                full_mask[..., prompt_length + steps - 1] = True  # the token fed now attends to itself
-            logits = self._decode_step(model, token.unsqueeze(1), position, full_mask, cache)
+            mask = masks.step(prompt_length + steps)  # the token fed now sits at prompt_length + steps - 1
+            logits = self._decode_step(model, token.unsqueeze(1), position, mask, cache)
             token = sample(logits, plan, generator)
             tokens[:, steps] = token
             running &= ~torch.isin(token, eos)
