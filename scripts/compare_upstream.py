@@ -69,6 +69,8 @@ def main() -> None:
         "opsd static": HybridEngineRollout(engine, tokenizer, HybridEngineRolloutConfig(strategy="static", **fixed)),
         "opsd static, no shared prefill": HybridEngineRollout(engine, tokenizer, HybridEngineRolloutConfig(
             strategy="static", shared_prefill=False, **fixed)),
+        "opsd static, whole cache every step": HybridEngineRollout(engine, tokenizer, HybridEngineRolloutConfig(
+            strategy="static", static_shapes=True, **fixed)),
         "opsd static, release workspace": HybridEngineRollout(engine, tokenizer, HybridEngineRolloutConfig(
             strategy="static", cache_policy="release", **fixed)),
         "opsd generate": HybridEngineRollout(engine, tokenizer, HybridEngineRolloutConfig(strategy="generate",

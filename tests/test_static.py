@@ -76,8 +76,8 @@ def test_greedy_equals_generate(tiny_models, tokenizer, name, prompts, n, shared
 def test_static_shapes_decode_equals_generate(tiny_models, tokenizer, name, prompts, n):
     """The layout a compiled step uses (whole cache every step, masked) decodes the same tokens, eagerly."""
     model = tiny_models[name]
-    rollout = HybridEngineRollout(model, tokenizer, static())
-    rollout.strategy = StaticDecode(static_shapes=True)
+    rollout = HybridEngineRollout(model, tokenizer, static(static_shapes=True))
+    assert rollout.strategy.static_shapes
     assert_greedy_equals_generate(model, tokenizer, rollout, prompts, n)
 
 

@@ -36,6 +36,10 @@ class HybridEngineRolloutConfig:
     compile_decode: bool = False
     """``static`` on CUDA: compile the one-token decode step with ``torch.compile(mode="reduce-overhead")``
     (CUDA graphs), greedy and sampling alike. Refused on CPU. DeepSpeed's ``use_graph_capture`` maps here."""
+    static_shapes: bool = False
+    """``static``: every decode step sees the whole preallocated cache, masked (the same shapes at every step,
+    what a CUDA graph needs; implied by ``compile_decode``). Off, each step attends only to the positions
+    written so far, with no mask at all when no prompt is padded."""
     zero3_gather: str = "once"
     """ZeRO-3 without the hybrid engine: ``once`` gathers every parameter once for the whole rollout (when
     it fits ``gather_memory_budget_bytes``), ``per_layer`` leaves DeepSpeed gathering layer by layer at
@@ -60,7 +64,7 @@ class HybridEngineRolloutConfig:
 
     def __post_init__(self) -> None:
         for name in ("enable_profiling", "profile_forwards", "ignore_eos", "merge_adapters", "shared_prefill",
-                     "compile_decode"):
+                     "compile_decode", "static_shapes"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool; got {getattr(self, name)!r}")
         if self.strategy not in STRATEGIES:

@@ -66,7 +66,8 @@ def make_strategy(cfg: "HybridEngineRolloutConfig") -> GenerationStrategy:
 
     if cfg.strategy == StaticDecode.name:
         return StaticDecode(shared_prefill=cfg.shared_prefill, stop_check_interval=cfg.stop_check_interval,
-                            seed=cfg.seed, compile_decode=cfg.compile_decode)
+                            seed=cfg.seed, compile_decode=cfg.compile_decode,
+                            static_shapes=cfg.static_shapes)
     if cfg.strategy == TransformersGenerate.name:
         return TransformersGenerate()
     raise ValueError(f"unknown strategy {cfg.strategy!r}")
