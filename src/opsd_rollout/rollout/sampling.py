@@ -1,6 +1,13 @@
 """Token selection without host synchronization: argmax for greedy; for sampling, temperature, top-k and
-top-p filtering then an exponential-race draw from a seeded generator (``argmax(p / E)`` with
-``E ~ Exp(1)`` picks token ``i`` with probability ``p_i``), which needs no ``multinomial`` and no sync."""
+top-p filtering as transformers' warpers do, then an inverse-CDF draw from a seeded generator (one uniform
+number per row, not one per vocabulary entry, and no ``multinomial``).
+
+On CPU with top-k, filtering and the draw run over the k candidates only: sorting a 150k vocabulary for
+top-p costs more than a small model's forward there. That path reads one flag on the host (free on CPU)
+to keep transformers' semantics exactly: when a row has logits tied with its k-th, all of them are kept,
+so that call takes the whole-vocabulary path. On CUDA the whole-vocabulary path always runs (sorting is
+cheap there, and a host read is not).
+"""
 
 from __future__ import annotations
 
@@ -9,31 +16,72 @@ import torch
 from opsd_rollout.rollout.validation import RolloutPlan
 
 
-def filter_logits(logits: torch.Tensor, *, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
-    """logits: [N, V] -> temperature-scaled logits with filtered tokens at ``-inf`` (float32).
+def sort_descending(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, K] -> (values, positions), descending, ties in ascending position: where top-p cuts through tied
+    tokens, which of them stay is then fixed (transformers leaves it to an unstable sort)."""
+    return torch.sort(logits, dim=-1, descending=True, stable=True)
 
-    top-k keeps the k largest (``top_k <= 0`` keeps all); top-p keeps the smallest set of most likely
-    tokens whose probability reaches ``top_p`` (always at least one), as transformers' warpers do.
+
+def top_p_removed(sorted_logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """sorted_logits: [N, K] descending -> bool [N, K], True for the tokens top-p removes: those whose more
+    likely tokens already reach ``top_p`` (the most likely token always stays)."""
+    probs = sorted_logits.softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs  # probability of the strictly more likely tokens
+    removed = mass_before >= top_p
+    removed[:, 0] = False
+    return removed
+
+
+def filter_logits(logits: torch.Tensor, *, top_k: int, top_p: float) -> torch.Tensor:
+    """logits: [N, V] temperature-scaled, float32 -> the same with filtered tokens at ``-inf``.
+
+    top-k keeps the k largest and every logit tied with the k-th (``top_k <= 0`` keeps all); top-p keeps the
+    smallest set of most likely tokens whose probability reaches ``top_p`` (always at least one).
     """
-    logits = logits.float() / temperature
     vocab = logits.shape[-1]
     if 0 < top_k < vocab:
         kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        probs = sorted_logits.softmax(dim=-1)
-        mass_before = probs.cumsum(dim=-1) - probs  # probability of the strictly more likely tokens
-        remove = mass_before >= top_p
-        remove[:, 0] = False
-        logits = logits.masked_fill(remove.scatter(1, order, remove), float("-inf"))
+        sorted_logits, order = sort_descending(logits)
+        removed = top_p_removed(sorted_logits, top_p)
+        logits = logits.masked_fill(removed.scatter(1, order, removed), float("-inf"))
     return logits
 
 
+def draw(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """probs: [N, V], rows not necessarily normalized -> [N] indices, index i with probability
+    ``probs[i] / probs.sum()``; an index of zero probability is never drawn."""
+    cdf = probs.double().cumsum(dim=-1)
+    total = cdf[:, -1:]
+    u = torch.rand(total.shape, generator=generator, dtype=cdf.dtype, device=cdf.device) * total
+    u = torch.minimum(u, total.nextafter(torch.zeros_like(total)))  # strictly below the total after rounding
+    return torch.searchsorted(cdf, u, right=True).squeeze(-1)
+
+
+def _top_k_candidates(scaled: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """On CPU, the ``top_k`` largest scaled logits and their ids ([N, k] each, in ``sort_descending``'s
+    order), or ``None`` where the whole vocabulary must be filtered: on CUDA, without top-k, or when a logit
+    outside the k is tied with the k-th (transformers keeps those too)."""
+    if scaled.device.type != "cpu" or not 0 < top_k < scaled.shape[-1]:
+        return None
+    values, ids = torch.topk(scaled, top_k, dim=-1, sorted=False)
+    if bool(((scaled >= values.min(dim=-1, keepdim=True).values).sum(dim=-1) > top_k).any()):
+        return None
+    ids, by_id = ids.sort(dim=-1)  # so that ties end up in ascending id, as on the whole vocabulary
+    values, order = sort_descending(values.gather(1, by_id))
+    return values, ids.gather(1, order)
+
+
 def sample(logits: torch.Tensor, plan: RolloutPlan, generator: torch.Generator | None) -> torch.Tensor:
-    """logits: [N, V] -> next tokens [N] (int64), on the logits' device, without a host sync."""
+    """logits: [N, V] -> next tokens [N] (int64), on the logits' device, without a host sync on CUDA."""
     if plan.greedy:
         return logits.argmax(dim=-1)
-    probs = filter_logits(logits, temperature=plan.temperature, top_k=plan.top_k, top_p=plan.top_p).softmax(dim=-1)
-    race = torch.empty_like(probs).exponential_(1.0, generator=generator)
-    return (probs / race).argmax(dim=-1)
+    scaled = logits.float() / plan.temperature
+    candidates = _top_k_candidates(scaled, plan.top_k)
+    if candidates is None:
+        return draw(filter_logits(scaled, top_k=plan.top_k, top_p=plan.top_p).softmax(dim=-1), generator)
+    values, ids = candidates  # [N, k], descending
+    if plan.top_p < 1.0:
+        values = values.masked_fill(top_p_removed(values, plan.top_p), float("-inf"))
+    return ids.gather(1, draw(values.softmax(dim=-1), generator).unsqueeze(1)).squeeze(1)

@@ -1,0 +1,93 @@
+"""What sampling costs, in two tables:
+
+1. sampling against greedy with our static strategy: one rollout object, the two decodings interleaved
+   call by call, medians of wall time (no host sync per step, so sampling should cost a few percent);
+2. one step's token selection for 16 rows at real vocabulary sizes: ours (top-k candidates on CPU,
+   inverse-CDF draw) against transformers' warpers + ``multinomial``, what ``generate`` does.
+
+    python scripts/sampling_cost.py          # llama-small, B=4, n=1 and 4, prompt 128, 32 tokens; vocab 259..151,936
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from types import SimpleNamespace
+
+import torch
+
+from opsd_rollout import HybridEngineRollout, HybridEngineRolloutConfig, SamplingConfig
+from opsd_rollout.bench.prompts import synthetic_prompts
+from opsd_rollout.models import load_model
+from opsd_rollout.rollout.sampling import sample
+
+
+def transformers_sample(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
+                        generator: torch.Generator) -> torch.Tensor:
+    """What ``generate(do_sample=True)`` does at each step: the warpers, softmax, ``multinomial``."""
+    from transformers.generation.logits_process import (TemperatureLogitsWarper, TopKLogitsWarper,
+                                                        TopPLogitsWarper)
+
+    scores = TemperatureLogitsWarper(temperature)(None, logits)
+    scores = TopPLogitsWarper(top_p)(None, TopKLogitsWarper(top_k)(None, scores))
+    return torch.multinomial(scores.softmax(dim=-1), 1, generator=generator).squeeze(1)
+
+
+def selection_table(vocab_sizes: list[int], rows: int, rounds: int) -> None:
+    print(f"\nOne step's token selection, {rows} rows, T=1, top-k 50, top-p 0.95, median of {rounds} (ms)")
+    print("| vocabulary | transformers warpers + multinomial | ours | speed-up |\n|---:|---:|---:|---:|")
+    plan = SimpleNamespace(greedy=False, temperature=1.0, top_k=50, top_p=0.95)
+    generator = torch.Generator().manual_seed(0)
+    for vocab in vocab_sizes:
+        logits = torch.randn(rows, vocab, generator=generator) * 3
+        contenders = {"transformers": lambda: transformers_sample(logits, 1.0, 50, 0.95, generator),
+                      "ours": lambda: sample(logits, plan, generator)}
+        times: dict[str, list[float]] = {name: [] for name in contenders}
+        for round_ in range(rounds + 1):
+            for name, select in contenders.items():
+                start = time.perf_counter()
+                select()
+                if round_:
+                    times[name].append((time.perf_counter() - start) * 1e3)
+        theirs, ours = (statistics.median(times[name]) for name in contenders)
+        print(f"| {vocab:,} | {theirs:.3f} | {ours:.3f} | {theirs / ours:.1f}x |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="llama-small")
+    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--samples-per-prompt", default="1,4", help="comma list")
+    parser.add_argument("--prompt-length", type=int, default=128)
+    parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--rounds", type=int, default=11)
+    parser.add_argument("--vocab-sizes", default="259,32000,151936", help="comma list for the second table")
+    args = parser.parse_args()
+
+    model, tokenizer = load_model(args.model)
+    rollout = HybridEngineRollout(model, tokenizer, HybridEngineRolloutConfig(strategy="static", ignore_eos=True))
+    request = synthetic_prompts(args.batch_size, args.prompt_length, vocab_size=model.config.vocab_size, seed=0)
+    print(f"{args.model}, B={args.batch_size}, prompt {args.prompt_length}, {args.max_new_tokens} new tokens, "
+          f"{torch.get_num_threads()} threads, median of {args.rounds} interleaved rounds (ms)")
+    print("| n | greedy | sampling (T=1, top-k 50, top-p 0.95) | sampling vs greedy |\n|---:|---:|---:|---:|")
+    for n in (int(v) for v in args.samples_per_prompt.split(",")):
+        decodings = {
+            "greedy": SamplingConfig(max_new_tokens=args.max_new_tokens, n_samples_per_prompt=n, temperature=0.0),
+            "sampling": SamplingConfig(max_new_tokens=args.max_new_tokens, n_samples_per_prompt=n, temperature=1.0,
+                                       top_k=50, top_p=0.95),
+        }
+        times: dict[str, list[float]] = {name: [] for name in decodings}
+        for round_ in range(args.rounds + 1):  # round 0 warms up
+            for name in (list(decodings) if round_ % 2 else list(reversed(decodings))):
+                start = time.perf_counter()
+                rollout.generate(request, decodings[name])
+                if round_:
+                    times[name].append((time.perf_counter() - start) * 1e3)
+        greedy, sampled = (statistics.median(times[name]) for name in decodings)
+        print(f"| {n} | {greedy:.1f} | {sampled:.1f} | {(sampled / greedy - 1) * 100:+.1f}% |")
+    selection_table([int(v) for v in args.vocab_sizes.split(",")], rows=16, rounds=args.rounds)
+
+
+if __name__ == "__main__":
+    main()
