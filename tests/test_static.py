@@ -82,6 +82,19 @@ def test_static_shapes_decode_equals_generate(tiny_models, tokenizer, name, prom
 
 
 @pytest.mark.parametrize("name", ["llama-tiny", "gpt2-tiny"])
+@pytest.mark.parametrize("static_shapes", [False, True])
+def test_eager_attention_gets_two_dimensional_masks_and_equals_generate(tiny_models, tokenizer, name,
+                                                                        static_shapes):
+    """Without SDPA the decode steps pass 2-D masks (transformers builds the 4-D one) of the cache's width."""
+    model = copy.deepcopy(tiny_models[name])
+    model.set_attn_implementation("eager")
+    assert model.config._attn_implementation == "eager"
+    rollout = HybridEngineRollout(model, tokenizer, static(static_shapes=static_shapes))
+    for prompts in PROMPTS:
+        assert_greedy_equals_generate(model, tokenizer, rollout, prompts, 2)
+
+
+@pytest.mark.parametrize("name", ["llama-tiny", "gpt2-tiny"])
 def test_compiled_decode_step_is_one_graph_and_equals_generate(tiny_models, tokenizer, name):
     """``compile_decode`` traces the one-token step whole (``fullgraph``: no graph break, so a GPU replays
     it as one CUDA graph). Here with a CPU backend; the engine refuses ``compile_decode`` on CPU."""
