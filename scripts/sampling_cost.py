@@ -36,22 +36,24 @@ def transformers_sample(logits: torch.Tensor, temperature: float, top_k: int, to
 
 def selection_table(vocab_sizes: list[int], rows: int, rounds: int) -> None:
     print(f"\nOne step's token selection, {rows} rows, T=1, top-k 50, top-p 0.95, median of {rounds} (ms)")
-    print("| vocabulary | transformers warpers + multinomial | ours | speed-up |\n|---:|---:|---:|---:|")
+    print("| vocabulary | logits | transformers warpers + multinomial | ours | speed-up |\n|---:|---|---:|---:|---:|")
     plan = SimpleNamespace(greedy=False, temperature=1.0, top_k=50, top_p=0.95)
     generator = torch.Generator().manual_seed(0)
     for vocab in vocab_sizes:
-        logits = torch.randn(rows, vocab, generator=generator) * 3
-        contenders = {"transformers": lambda: transformers_sample(logits, 1.0, 50, 0.95, generator),
-                      "ours": lambda: sample(logits, plan, generator)}
-        times: dict[str, list[float]] = {name: [] for name in contenders}
-        for round_ in range(rounds + 1):
-            for name, select in contenders.items():
-                start = time.perf_counter()
-                select()
-                if round_:
-                    times[name].append((time.perf_counter() - start) * 1e3)
-        theirs, ours = (statistics.median(times[name]) for name in contenders)
-        print(f"| {vocab:,} | {theirs:.3f} | {ours:.3f} | {theirs / ours:.1f}x |")
+        for dtype in (torch.float32, torch.bfloat16):  # bf16 logits tie often at the k-th
+            logits = (torch.randn(rows, vocab, generator=generator) * 3).to(dtype)
+            contenders = {"transformers": lambda: transformers_sample(logits.float(), 1.0, 50, 0.95, generator),
+                          "ours": lambda: sample(logits, plan, generator)}
+            times: dict[str, list[float]] = {name: [] for name in contenders}
+            for round_ in range(rounds + 1):
+                for name, select in contenders.items():
+                    start = time.perf_counter()
+                    select()
+                    if round_:
+                        times[name].append((time.perf_counter() - start) * 1e3)
+            theirs, ours = (statistics.median(times[name]) for name in contenders)
+            print(f"| {vocab:,} | {str(dtype).removeprefix('torch.')} | {theirs:.3f} | {ours:.3f} | "
+                  f"{theirs / ours:.1f}x |")
 
 
 def main() -> None:

@@ -10,7 +10,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from opsd_rollout.rollout.sampling import draw, sample
+from opsd_rollout.rollout.sampling import _top_k_candidates, draw, sample
 
 
 def assert_follows(counts: torch.Tensor, probs: torch.Tensor) -> None:
@@ -32,6 +32,8 @@ def test_draw_follows_unnormalized_probabilities_and_never_draws_a_zero():
     assert_follows(torch.bincount(picks, minlength=probs.numel()).double(), probs)
     one = torch.tensor([[0.0, 0.0, 1e-30, 0.0]])  # a single tiny mass still wins every draw
     assert draw(one.expand(100, -1), generator).eq(2).all()
+    broken = torch.tensor([[float("nan")] * 4, [0.0] * 4])  # no distribution: still an index, never V
+    assert draw(broken, generator).lt(4).all()
 
 
 def transformers_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
@@ -57,10 +59,13 @@ def pool_ties(values: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("top_k,top_p", [(4, 1.0), (4, 0.99), (0, 0.9), (8, 0.8), (2, 1.0), (9, 0.9)])
 def test_sampling_equals_transformers_warpers_with_ties_at_the_kth_logit(top_k, top_p):
     """Logits 5, 4, 3 and six tied at 2 (the 4th largest), then lower ones: transformers' top-k keeps all
-    six ties, so must we (the CPU candidate path hands such rows to the whole-vocabulary path; with k = 9
-    the ties are inside the candidates and top-p cuts through them)."""
+    six ties, so must we (they join the CPU path's candidates; with k = 9 top-p cuts through them)."""
     logits = torch.tensor([[5.0, 4.0, 3.0] + [2.0] * 6 + [1.0, 0.5, 0.0, -1.0] * 4])
     temperature = 0.9
+    candidates = _top_k_candidates(logits / temperature, top_k)
+    assert (candidates is None) == (top_k == 0)
+    if top_k in (4, 8):
+        assert torch.isfinite(candidates[0]).sum() == 9, "all six ties are candidates"
     probs = transformers_probs(logits, temperature, top_k, top_p)
     plan = SimpleNamespace(greedy=False, temperature=temperature, top_k=top_k, top_p=top_p)
     generator = torch.Generator().manual_seed(5)
@@ -70,9 +75,23 @@ def test_sampling_equals_transformers_warpers_with_ties_at_the_kth_logit(top_k, 
     assert_follows(pool_ties(counts), pool_ties(probs))
 
 
+def test_bf16_logits_with_rows_of_different_tie_counts_keep_each_rows_ties():
+    """bf16 logits tie often; each row keeps its own k-th's ties and nothing below its k-th."""
+    logits = torch.tensor([[3.0, 2.0, 2.0, 2.0, 1.0, 0.0], [3.0, 2.5, 2.0, 1.0, 1.0, 0.0]], dtype=torch.bfloat16)
+    values, ids = _top_k_candidates(logits.float(), 2)
+    kept = [sorted(i for v, i in zip(vs, row) if v > float("-inf")) for vs, row in zip(values.tolist(), ids.tolist())]
+    assert kept == [[0, 1, 2, 3], [0, 1]]
+    plan = SimpleNamespace(greedy=False, temperature=1.0, top_k=2, top_p=1.0)
+    picks = sample(logits.repeat_interleave(3000, dim=0), plan, torch.Generator().manual_seed(0))
+    for row in range(2):
+        counts = torch.bincount(picks.view(2, 3000)[row], minlength=6).double()
+        assert_follows(counts, transformers_probs(logits[row:row + 1].float(), 1.0, 2, 1.0))
+
+
 def test_candidate_path_equals_transformers_without_ties():
     logits = torch.randn(1, 300, generator=torch.Generator().manual_seed(1)) * 3
     for top_k, top_p in [(10, 1.0), (40, 0.9)]:
+        assert _top_k_candidates(logits / 1.2, top_k)[1].shape == (1, top_k)
         probs = transformers_probs(logits, 1.2, top_k, top_p)
         plan = SimpleNamespace(greedy=False, temperature=1.2, top_k=top_k, top_p=top_p)
         picks = sample(logits.expand(10000, -1), plan, torch.Generator().manual_seed(top_k))

@@ -81,6 +81,36 @@ def test_static_shapes_decode_equals_generate(tiny_models, tokenizer, name, prom
     assert_greedy_equals_generate(model, tokenizer, rollout, prompts, n)
 
 
+@pytest.mark.parametrize("static_shapes", [False, True])
+@pytest.mark.parametrize("prompts", PROMPTS)
+def test_decode_steps_attend_to_the_filled_positions_and_skip_the_mask_without_padding(
+        tiny_models, tokenizer, static_shapes, prompts):
+    """Each decode step's keys span the positions written so far (the whole cache with ``static_shapes``),
+    and its mask is ``None`` when no prompt is padded, else the same width, switched on up to the fed token."""
+    from opsd_rollout.rollout import static as static_module
+
+    model = tiny_models["llama-tiny"]
+    rollout = HybridEngineRollout(model, tokenizer, static(static_shapes=static_shapes))
+    seen = []
+
+    def spy(model, token, position, mask, cache):
+        logits = static_module.decode_one_token(model, token, position, mask, cache)
+        seen.append((None if mask is None else mask.clone(), cache.layers[0].get_mask_sizes(0)[0]))
+        return logits
+
+    rollout.strategy._decode_step = spy
+    request = assert_greedy_equals_generate(model, tokenizer, rollout, prompts, 1)
+    P, length = request.prompt_ids.shape[1], request.prompt_ids.shape[1] + 10
+    for step, (mask, width) in enumerate(seen, start=1):
+        assert width == (length if static_shapes else P + step)
+        if prompts == "unpadded" and not static_shapes:
+            assert mask is None
+            continue
+        assert mask.shape == (3, 1, 1, length if static_shapes else P + step)
+        assert torch.equal(mask[:, 0, 0, :P], request.prompt_attention_mask.bool())
+        assert mask[:, 0, 0, P:P + step].all() and not mask[:, 0, 0, P + step:].any()
+
+
 @pytest.mark.parametrize("name", ["llama-tiny", "gpt2-tiny"])
 @pytest.mark.parametrize("static_shapes", [False, True])
 def test_eager_attention_gets_two_dimensional_masks_and_equals_generate(tiny_models, tokenizer, name,

@@ -3,10 +3,10 @@ top-p filtering as transformers' warpers do, then an inverse-CDF draw from a see
 number per row, not one per vocabulary entry, and no ``multinomial``).
 
 On CPU with top-k, filtering and the draw run over the k candidates only: sorting a 150k vocabulary for
-top-p costs more than a small model's forward there. That path reads one flag on the host (free on CPU)
-to keep transformers' semantics exactly: when a row has logits tied with its k-th, all of them are kept,
-so that call takes the whole-vocabulary path. On CUDA the whole-vocabulary path always runs (sorting is
-cheap there, and a host read is not).
+top-p costs more than a small model's forward there. Logits tied with the k-th stay candidates, as
+transformers keeps them; how many there are is one host read (free on CPU). On CUDA the whole-vocabulary
+path always runs (sorting is cheap there, and a host read is not). The two paths order the draw
+differently, so a seed gives the same tokens for the same batch on the same device, not across devices.
 """
 
 from __future__ import annotations
@@ -51,23 +51,29 @@ def filter_logits(logits: torch.Tensor, *, top_k: int, top_p: float) -> torch.Te
 
 def draw(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
     """probs: [N, V], rows not necessarily normalized -> [N] indices, index i with probability
-    ``probs[i] / probs.sum()``; an index of zero probability is never drawn."""
-    cdf = probs.double().cumsum(dim=-1)
+    ``probs[i] / probs.sum()``; an index of zero probability is never drawn (a row of NaNs or zeros, which
+    no distribution describes, still yields a valid index rather than V)."""
+    precise = torch.float32 if probs.device.type == "mps" else torch.float64  # MPS has no float64
+    cdf = probs.cumsum(dim=-1, dtype=precise)
     total = cdf[:, -1:]
-    u = torch.rand(total.shape, generator=generator, dtype=cdf.dtype, device=cdf.device) * total
+    u = torch.rand(total.shape, generator=generator, dtype=precise, device=cdf.device) * total
     u = torch.minimum(u, total.nextafter(torch.zeros_like(total)))  # strictly below the total after rounding
-    return torch.searchsorted(cdf, u, right=True).squeeze(-1)
+    return torch.searchsorted(cdf, u, right=True).squeeze(-1).clamp_(max=probs.shape[-1] - 1)
 
 
 def _top_k_candidates(scaled: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """On CPU, the ``top_k`` largest scaled logits and their ids ([N, k] each, in ``sort_descending``'s
-    order), or ``None`` where the whole vocabulary must be filtered: on CUDA, without top-k, or when a logit
-    outside the k is tied with the k-th (transformers keeps those too)."""
+    """On CPU, each row's top-k scaled logits and every logit tied with its k-th (transformers keeps those
+    too), with their ids: [N, W] each, W = k plus the most ties any row has, slots a row does not need at
+    ``-inf``; in ``sort_descending``'s order. ``None`` on other devices (one host read here) or without
+    top-k: the whole vocabulary is filtered then."""
     if scaled.device.type != "cpu" or not 0 < top_k < scaled.shape[-1]:
         return None
     values, ids = torch.topk(scaled, top_k, dim=-1, sorted=False)
-    if bool(((scaled >= values.min(dim=-1, keepdim=True).values).sum(dim=-1) > top_k).any()):
-        return None
+    kth = values.min(dim=-1, keepdim=True).values
+    width = int((scaled >= kth).sum(dim=-1).max())  # ties with the k-th: common with bf16/fp16 logits
+    if width > top_k:
+        values, ids = torch.topk(scaled, width, dim=-1, sorted=False)
+        values = values.masked_fill(values < kth, float("-inf"))
     ids, by_id = ids.sort(dim=-1)  # so that ties end up in ascending id, as on the whole vocabulary
     values, order = sort_descending(values.gather(1, by_id))
     return values, ids.gather(1, order)

@@ -130,10 +130,11 @@ class StaticDecode:
         n, (rows, P) = plan.samples_per_prompt, prompt_ids.shape
         length = P + plan.max_new_tokens
         dtype = target.dtype if target.dtype.is_floating_point else torch.float32
-        static_shapes = self.static_shapes
+        attention = getattr(config, "_attn_implementation", None)
+        # flex attention compiles its kernel for each key length: the whole-cache layout keeps one length
+        static_shapes = self.static_shapes or attention == "flex_attention"
         cache = self.workspace.cache(config, rows, length, dtype, device, static_shapes=static_shapes)
-        masks = self.workspace.masks(prompt_mask, length, static_shapes=static_shapes,
-                                     sdpa=getattr(config, "_attn_implementation", None) == "sdpa")
+        masks = self.workspace.masks(prompt_mask, length, static_shapes=static_shapes, sdpa=attention == "sdpa")
         if self.shared_prefill and n > 1:
             from transformers import StaticCache
 
