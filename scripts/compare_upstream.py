@@ -46,17 +46,27 @@ class PlainGenerate:
 
 
 def parse_shape(text: str) -> SimpleNamespace:
+    """``BxNxPxR`` or ``BxNxPxRxsampling``."""
     parts = text.split("x")
-    decoding = parts[4] if len(parts) > 4 else "greedy"
-    b, n, p, r = (int(v) for v in parts[:4])
+    try:
+        b, n, p, r = (int(v) for v in parts[:4])
+    except ValueError:
+        b = n = p = r = 0
+    decoding = parts[4] if len(parts) == 5 else "greedy"
+    if len(parts) not in (4, 5) or min(b, n, p, r) < 1 or decoding not in ("greedy", "sampling"):
+        raise argparse.ArgumentTypeError(f"a shape is BxNxPxR[xsampling] with positive integers, got {text!r}")
     return SimpleNamespace(B=b, n=n, P=p, R=r, decoding=decoding, label=text)
+
+
+def parse_shapes(text: str) -> list[SimpleNamespace]:
+    return [parse_shape(part) for part in text.split(",")]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="llama-small")
     parser.add_argument("--zero-stage", type=int, default=0)
-    parser.add_argument("--shapes", default="4x1x128x32,2x8x512x32,4x4x128x32x sampling".replace(" ", ""),
+    parser.add_argument("--shapes", type=parse_shapes, default="4x1x128x32,2x8x512x32,4x4x128x32xsampling",
                         help="comma list of BxNxPxR[xsampling]")
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
@@ -84,7 +94,7 @@ def main() -> None:
     if main_rank:
         print(f"{args.model}, ZeRO-{args.zero_stage}, world size {dist.get_world_size()}, "
               f"{torch.get_num_threads()} threads, median of {args.rounds} interleaved rounds (ms)")
-    for shape in (parse_shape(s) for s in args.shapes.split(",")):
+    for shape in args.shapes:
         request = synthetic_prompts(shape.B, shape.P, vocab_size=model.config.vocab_size, seed=dist.get_rank())
         request = RolloutRequest(request.prompt_ids.to(engine.device), request.prompt_attention_mask.to(engine.device))
         sampling = SamplingConfig(max_new_tokens=shape.R, n_samples_per_prompt=shape.n,

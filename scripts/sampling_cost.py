@@ -56,15 +56,27 @@ def selection_table(vocab_sizes: list[int], rows: int, rounds: int) -> None:
                   f"{theirs / ours:.1f}x |")
 
 
+def positive_ints(text: str) -> list[int]:
+    """argparse type: a comma list of positive integers."""
+    try:
+        values = [int(v) for v in text.split(",")]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected a comma list of positive integers, got {text!r}")
+    return values
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="llama-small")
     parser.add_argument("--batch-size", type=int, default=4)
-    parser.add_argument("--samples-per-prompt", default="1,4", help="comma list")
+    parser.add_argument("--samples-per-prompt", type=positive_ints, default=[1, 4], help="comma list")
     parser.add_argument("--prompt-length", type=int, default=128)
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=11)
-    parser.add_argument("--vocab-sizes", default="259,32000,151936", help="comma list for the second table")
+    parser.add_argument("--vocab-sizes", type=positive_ints, default=[259, 32000, 151936],
+                        help="comma list for the second table")
     args = parser.parse_args()
 
     model, tokenizer = load_model(args.model)
@@ -73,7 +85,7 @@ def main() -> None:
     print(f"{args.model}, B={args.batch_size}, prompt {args.prompt_length}, {args.max_new_tokens} new tokens, "
           f"{torch.get_num_threads()} threads, median of {args.rounds} interleaved rounds (ms)")
     print("| n | greedy | sampling (T=1, top-k 50, top-p 0.95) | sampling vs greedy |\n|---:|---:|---:|---:|")
-    for n in (int(v) for v in args.samples_per_prompt.split(",")):
+    for n in args.samples_per_prompt:
         decodings = {
             "greedy": SamplingConfig(max_new_tokens=args.max_new_tokens, n_samples_per_prompt=n, temperature=0.0),
             "sampling": SamplingConfig(max_new_tokens=args.max_new_tokens, n_samples_per_prompt=n, temperature=1.0,
@@ -88,7 +100,7 @@ def main() -> None:
                     times[name].append((time.perf_counter() - start) * 1e3)
         greedy, sampled = (statistics.median(times[name]) for name in decodings)
         print(f"| {n} | {greedy:.1f} | {sampled:.1f} | {(sampled / greedy - 1) * 100:+.1f}% |")
-    selection_table([int(v) for v in args.vocab_sizes.split(",")], rows=16, rounds=args.rounds)
+    selection_table(args.vocab_sizes, rows=16, rounds=args.rounds)
 
 
 if __name__ == "__main__":
