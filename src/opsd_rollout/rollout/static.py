@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from transformers.cache_utils import StaticCache
 
 from opsd_rollout.rollout.sampling import sample
 from opsd_rollout.rollout.target import RolloutTarget
@@ -105,8 +106,6 @@ class StaticDecode:
         if processors:
             return f"the model's generation_config sets {processors}, which only generate() applies"
         try:
-            from transformers import StaticCache
-
             layers = StaticCache(config=model.config, max_cache_len=2).layers
         except Exception as error:  # noqa: BLE001 - any failure means: not for us
             return f"cannot build a static cache for {type(model).__name__}: {error}"
@@ -136,8 +135,6 @@ class StaticDecode:
         cache = self.workspace.cache(config, rows, length, dtype, device, static_shapes=static_shapes)
         masks = self.workspace.masks(prompt_mask, length, static_shapes=static_shapes, sdpa=attention == "sdpa")
         if self.shared_prefill and n > 1:
-            from transformers import StaticCache
-
             # prefill the B distinct prompts, then copy their keys/values into the n rows of each
             shared = StaticCache(config=config, max_cache_len=P)
             logits = prefill(model, prompt_ids[::n], prompt_mask[::n], masks.prefill(P, rows=slice(None, None, n)),

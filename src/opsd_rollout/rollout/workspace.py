@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from transformers.cache_utils import StaticLayer
+from transformers.cache_utils import StaticCache, StaticLayer
 
 
 @dataclass(frozen=True)
@@ -93,8 +93,6 @@ class KVWorkspace:
               static_shapes: bool = False):
         """A transformers ``StaticCache`` for ``rows`` x ``length`` whose layers are views of the workspace:
         ``FilledLayer`` layers, or with ``static_shapes`` (a compiled decode step) plain ``StaticLayer`` ones."""
-        from transformers import StaticCache
-
         shape = KVShape.of(config)
         elements = rows * shape.kv_heads * length * shape.head_dim
         if self._fits(shape, elements, dtype, device):
