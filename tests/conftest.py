@@ -6,8 +6,10 @@ from __future__ import annotations
 import os
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
+from scipy.stats import chisquare
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 torch.set_num_threads(min(2, torch.get_num_threads()))
@@ -35,6 +37,19 @@ def clean_env() -> dict[str, str]:
     from opsd_rollout.distributed import environment_without_ranks
 
     return environment_without_ranks()
+
+
+def assert_chi_square_fit(counts: torch.Tensor, probs: torch.Tensor) -> None:
+    """Sample ``counts`` per index against ``probs``: no zero-probability index drawn, and a chi-square
+    goodness of fit with the cells expected under 5 pooled into one (p > 0.001)."""
+    assert counts[probs == 0].sum() == 0, "a zero-probability index was drawn"
+    expected = probs.double() / probs.sum() * counts.sum()
+    big = expected >= 5
+    observed = np.append(counts[big].numpy(), counts[~big].sum().item())
+    wanted = np.append(expected[big].numpy(), expected[~big].sum().item())
+    keep = wanted > 0
+    result = chisquare(observed[keep], wanted[keep] * observed[keep].sum() / wanted[keep].sum())
+    assert result.pvalue > 0.001, (result, int(big.sum()))
 
 
 def transition_model(table: list[int], *, eos_token_id=None, sharpness: float = 20.0):

@@ -5,24 +5,17 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-import numpy as np
 import pytest
 import torch
-from scipy.stats import chisquare
 
+from conftest import assert_chi_square_fit
 from opsd_rollout.rollout.sampling import _top_k_candidates, draw, sample
 
 
 def assert_follows(counts: torch.Tensor, probs: torch.Tensor) -> None:
-    """Support and chi-square goodness of fit (rare cells pooled) of sample counts against probs."""
-    assert counts[probs == 0].sum() == 0, "a zero-probability index was drawn"
+    """Every kept index drawn, none other, in proportions that fit ``probs``."""
     assert (counts > 0).sum() == (probs > 0).sum(), "not every kept index was drawn"
-    expected = probs.double() / probs.sum() * counts.sum()
-    big = expected >= 5
-    observed = np.append(counts[big].numpy(), counts[~big].sum().item())
-    wanted = np.append(expected[big].numpy(), expected[~big].sum().item())
-    keep = wanted > 0
-    assert chisquare(observed[keep], wanted[keep] * observed[keep].sum() / wanted[keep].sum()).pvalue > 0.001
+    assert_chi_square_fit(counts, probs)
 
 
 def test_draw_follows_unnormalized_probabilities_and_never_draws_a_zero():
