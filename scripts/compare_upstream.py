@@ -70,6 +70,8 @@ def main() -> None:
                         help="comma list of BxNxPxR[xsampling]")
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error(f"--rounds must be at least 1, got {args.rounds}")
 
     model, tokenizer = load_model(args.model)
     engine = build_engine(model, args.zero_stage)

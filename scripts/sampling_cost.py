@@ -11,8 +11,10 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import time
+from collections.abc import Callable
 from types import SimpleNamespace
 
 import torch
@@ -34,6 +36,19 @@ def transformers_sample(logits: torch.Tensor, temperature: float, top_k: int, to
     return torch.multinomial(scores.softmax(dim=-1), 1, generator=generator).squeeze(1)
 
 
+def interleaved_medians(contenders: dict[str, Callable[[], object]], rounds: int) -> list[float]:
+    """Median ms of each contender over ``rounds`` rounds after one warm-up round, the order alternating
+    every round so that neither always runs first."""
+    times: dict[str, list[float]] = {name: [] for name in contenders}
+    for round_ in range(rounds + 1):
+        for name in (list(contenders) if round_ % 2 else list(reversed(contenders))):
+            start = time.perf_counter()
+            contenders[name]()
+            if round_:
+                times[name].append((time.perf_counter() - start) * 1e3)
+    return [statistics.median(times[name]) for name in contenders]
+
+
 def selection_table(vocab_sizes: list[int], rows: int, rounds: int) -> None:
     print(f"\nOne step's token selection, {rows} rows, T=1, top-k 50, top-p 0.95, median of {rounds} (ms)")
     print("| vocabulary | logits | transformers warpers + multinomial | ours | speed-up |\n|---:|---|---:|---:|---:|")
@@ -42,39 +57,40 @@ def selection_table(vocab_sizes: list[int], rows: int, rounds: int) -> None:
     for vocab in vocab_sizes:
         for dtype in (torch.float32, torch.bfloat16):  # bf16 logits tie often at the k-th
             logits = (torch.randn(rows, vocab, generator=generator) * 3).to(dtype)
-            contenders = {"transformers": lambda: transformers_sample(logits.float(), 1.0, 50, 0.95, generator),
-                          "ours": lambda: sample(logits, plan, generator)}
-            times: dict[str, list[float]] = {name: [] for name in contenders}
-            for round_ in range(rounds + 1):
-                for name, select in contenders.items():
-                    start = time.perf_counter()
-                    select()
-                    if round_:
-                        times[name].append((time.perf_counter() - start) * 1e3)
-            theirs, ours = (statistics.median(times[name]) for name in contenders)
+            theirs, ours = interleaved_medians(
+                {"transformers": lambda: transformers_sample(logits.float(), 1.0, 50, 0.95, generator),
+                 "ours": lambda: sample(logits, plan, generator)}, rounds)
             print(f"| {vocab:,} | {str(dtype).removeprefix('torch.')} | {theirs:.3f} | {ours:.3f} | "
                   f"{theirs / ours:.1f}x |")
+
+
+def positive_int(text: str) -> int:
+    """argparse type: a positive integer."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
 
 
 def positive_ints(text: str) -> list[int]:
     """argparse type: a comma list of positive integers."""
     try:
-        values = [int(v) for v in text.split(",")]
-    except ValueError:
-        values = []
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected a comma list of positive integers, got {text!r}")
-    return values
+        return [positive_int(part) for part in text.split(",")]
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"expected a comma list of positive integers, got {text!r}") from None
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="llama-small")
-    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--batch-size", type=positive_int, default=4)
     parser.add_argument("--samples-per-prompt", type=positive_ints, default=[1, 4], help="comma list")
-    parser.add_argument("--prompt-length", type=int, default=128)
-    parser.add_argument("--max-new-tokens", type=int, default=32)
-    parser.add_argument("--rounds", type=int, default=11)
+    parser.add_argument("--prompt-length", type=positive_int, default=128)
+    parser.add_argument("--max-new-tokens", type=positive_int, default=32)
+    parser.add_argument("--rounds", type=positive_int, default=11)
     parser.add_argument("--vocab-sizes", type=positive_ints, default=[259, 32000, 151936],
                         help="comma list for the second table")
     args = parser.parse_args()
@@ -91,14 +107,9 @@ def main() -> None:
             "sampling": SamplingConfig(max_new_tokens=args.max_new_tokens, n_samples_per_prompt=n, temperature=1.0,
                                        top_k=50, top_p=0.95),
         }
-        times: dict[str, list[float]] = {name: [] for name in decodings}
-        for round_ in range(args.rounds + 1):  # round 0 warms up
-            for name in (list(decodings) if round_ % 2 else list(reversed(decodings))):
-                start = time.perf_counter()
-                rollout.generate(request, decodings[name])
-                if round_:
-                    times[name].append((time.perf_counter() - start) * 1e3)
-        greedy, sampled = (statistics.median(times[name]) for name in decodings)
+        greedy, sampled = interleaved_medians(
+            {name: functools.partial(rollout.generate, request, config) for name, config in decodings.items()},
+            args.rounds)
         print(f"| {n} | {greedy:.1f} | {sampled:.1f} | {(sampled / greedy - 1) * 100:+.1f}% |")
     selection_table(args.vocab_sizes, rows=16, rounds=args.rounds)
 
