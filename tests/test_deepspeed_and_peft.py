@@ -75,9 +75,21 @@ def test_peft_lora_model_keeps_the_prefill_decode_split(tiny_models, tokenizer):
 def test_gather_once_falls_back_to_per_layer_over_budget(engines, tokenizer, caplog):
     config = HybridEngineRolloutConfig(zero3_gather="once", gather_memory_budget_bytes=1024)
     rollout = HybridEngineRollout(engines["llama-tiny", 3], tokenizer, config)
-    with caplog.at_level("INFO"):
+    with caplog.at_level("WARNING"):
         rollout.generate(left_padded([[5, 6]], 0), SamplingConfig(max_new_tokens=2))
     assert "gathers per layer" in caplog.text and "exceed the gather budget" in caplog.text
+    assert {r.levelname for r in caplog.records if "gathers per layer" in r.getMessage()} == {"WARNING"}
+
+
+def test_the_default_gather_budget_counts_memory_the_caching_allocator_holds_unused(monkeypatch):
+    """After a training step torch's allocator keeps freed blocks reserved; mem_get_info calls them taken."""
+    from opsd_rollout.rollout import gather
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (1_000, 10_000))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 6_000)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 2_500)
+    assert gather.available_bytes(torch.device("cuda", 0)) == 1_000 + 6_000 - 2_500
+    assert gather.default_budget_bytes(torch.device("cuda", 0)) == int(0.8 * 4_500)
 
 
 def test_deepspeed_engine_around_a_peft_model(tiny_models, tokenizer):

@@ -93,8 +93,9 @@ def test_decode_steps_attend_to_the_filled_positions_and_skip_the_mask_without_p
     rollout = HybridEngineRollout(model, tokenizer, static(static_shapes=static_shapes))
     seen = []
 
-    def spy(model, token, position, mask, cache):
-        logits = static_module.decode_one_token(model, token, position, mask, cache)
+    def spy(*args):
+        logits = static_module.decode_one_token(*args)
+        mask, cache = args[3], args[4]
         seen.append((None if mask is None else mask.clone(), cache.layers[0].get_mask_sizes(0)[0]))
         return logits
 

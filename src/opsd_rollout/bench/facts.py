@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from opsd_rollout.modeling import KVShape
+
 
 @dataclass(frozen=True)
 class ModelFacts:
@@ -21,8 +23,6 @@ class ModelFacts:
 
     @classmethod
     def of(cls, model: torch.nn.Module) -> "ModelFacts":
-        from opsd_rollout.rollout.workspace import KVShape
-
         config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         hidden = getattr(config, "hidden_size", None) or getattr(config, "n_embd")
         shape = KVShape.of(config)

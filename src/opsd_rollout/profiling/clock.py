@@ -33,10 +33,11 @@ class Clock:
         return "cuda_events" if self.uses_events else "synchronized_clock"
 
     def mark(self) -> Any:
-        """Never blocks on CPU (synchronous) or CUDA (events); synchronizes other accelerators."""
+        """Never blocks on CPU (synchronous) or CUDA (events); synchronizes other accelerators. On CUDA the
+        event goes on the clock's device's current stream, whichever device is current in the caller."""
         if self.uses_events:
             event = torch.cuda.Event(enable_timing=True)
-            event.record()
+            event.record(torch.cuda.current_stream(self.device))
             return event
         synchronize(self.device)
         return time.perf_counter()

@@ -14,33 +14,11 @@ from typing import Any
 
 import torch
 
+from opsd_rollout.modeling import device_of, wrapped_modules
 from opsd_rollout.profiling.clock import Clock
 from opsd_rollout.profiling.forward import ForwardTimer
 
 _ACTIVE: "weakref.WeakKeyDictionary[torch.nn.Module, ModelTimeProfiler]" = weakref.WeakKeyDictionary()
-
-
-def wrapped_modules(module: torch.nn.Module) -> list[torch.nn.Module]:
-    """``module`` and what it wraps: ``.module`` of DeepSpeed engines, ``get_base_model()`` of PEFT."""
-    chain = [module]
-    while True:
-        current = chain[-1]
-        inner = getattr(current, "module", None)
-        if not isinstance(inner, torch.nn.Module) and callable(getattr(current, "get_base_model", None)):
-            inner = current.get_base_model()
-        if not isinstance(inner, torch.nn.Module) or inner in chain:
-            return chain
-        chain.append(inner)
-
-
-def device_of(module: torch.nn.Module) -> torch.device:
-    """Where ``module`` runs: its ``device`` attribute (DeepSpeed engines, transformers models), else its first
-    parameter's device, else the CPU."""
-    device = getattr(module, "device", None)
-    if isinstance(device, (torch.device, str)):
-        return torch.device(device)
-    param = next(module.parameters(), None)
-    return param.device if param is not None else torch.device("cpu")
 
 
 class ModelTimeProfiler:

@@ -10,8 +10,8 @@ from typing import Any
 
 import torch
 
+from opsd_rollout.modeling import device_of
 from opsd_rollout.profiling.clock import Clock, synchronize
-from opsd_rollout.profiling.model_time import device_of
 from opsd_rollout.profiling.probes import PhaseProbes, add_housekeeping_probes
 
 

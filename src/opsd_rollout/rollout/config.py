@@ -35,7 +35,8 @@ class HybridEngineRolloutConfig:
     call's seed from torch's global RNG, so ``torch.manual_seed`` makes runs repeatable."""
     compile_decode: bool = False
     """``static`` on CUDA: compile the one-token decode step with ``torch.compile(mode="reduce-overhead")``
-    (CUDA graphs), greedy and sampling alike. Refused on CPU. DeepSpeed's ``use_graph_capture`` maps here."""
+    (CUDA graphs), greedy and sampling alike, over cache lengths rounded up to powers of two (one graph per
+    bucket). Refused on CPU. DeepSpeed's ``use_graph_capture`` maps here."""
     static_shapes: bool = False
     """``static``: every decode step sees the whole preallocated cache, masked (the same shapes at every step,
     what a CUDA graph needs; implied by ``compile_decode``). Off, each step attends only to the positions
@@ -45,8 +46,9 @@ class HybridEngineRolloutConfig:
     it fits ``gather_memory_budget_bytes``), ``per_layer`` leaves DeepSpeed gathering layer by layer at
     every forward."""
     gather_memory_budget_bytes: int | None = None
-    """Most bytes the one-time ZeRO-3 gather may materialize; ``None``: 80% of the device's free memory
-    (CUDA) or of available RAM (CPU). Above it, per-layer gathering is used with a logged reason."""
+    """Most bytes the one-time ZeRO-3 gather may materialize; ``None``: 80% of the device's free memory plus
+    what torch's caching allocator holds unused (CUDA), or of available RAM (CPU). Above it, per-layer
+    gathering is used, with a warning."""
     profile_forwards: bool = True
     """With profiling on, also time every forward (the prefill/decode split). Off leaves the model unhooked
     and the forward-derived profile fields ``None``."""

@@ -19,7 +19,7 @@ from opsd_rollout.rollout.config import HybridEngineRolloutConfig
 from opsd_rollout.rollout.gather import GatherOnce
 from opsd_rollout.rollout.phases import add_rollout_probes, zero3_offload
 from opsd_rollout.rollout.strategies import TransformersGenerate, make_strategy
-from opsd_rollout.rollout.target import resolve_target
+from opsd_rollout.rollout.target import hybrid_engine_problem, resolve_target
 from opsd_rollout.rollout.validation import RolloutPlan, plan_rollout
 
 
@@ -47,6 +47,9 @@ class HybridEngineRollout(RolloutEngine):
         self.tokenizer = tokenizer
         self.cfg = HybridEngineRolloutConfig.from_any(cfg)
         self.target = resolve_target(engine)
+        problem = hybrid_engine_problem(engine) if self.target.hybrid_engine else None
+        if problem:
+            raise ValueError(problem)
         if self.cfg.merge_adapters and not self.target.is_peft:
             raise ValueError(f"merge_adapters=True needs a PEFT model (with merge_adapter/unmerge_adapter); "
                              f"got {type(self.target.model).__name__}")

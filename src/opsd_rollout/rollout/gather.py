@@ -8,19 +8,25 @@ import logging
 from collections.abc import Iterator
 from typing import Any
 
+import psutil
 import torch
 
 logger = logging.getLogger(__name__)
 
 
-def default_budget_bytes(device: torch.device) -> int:
-    """80% of the free accelerator memory, or of the available RAM on CPU."""
+def available_bytes(device: torch.device) -> int:
+    """Memory a new allocation can use: on CUDA the device's free memory plus what torch's caching allocator
+    holds without using (``mem_get_info`` counts that as taken; after a training step it is often most of
+    the headroom); on CPU the available RAM."""
     if device.type == "cuda":
         free, _total = torch.cuda.mem_get_info(device)
-        return int(0.8 * free)
-    import psutil
+        return int(free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
+    return int(psutil.virtual_memory().available)
 
-    return int(0.8 * psutil.virtual_memory().available)
+
+def default_budget_bytes(device: torch.device) -> int:
+    """80% of ``available_bytes``."""
+    return int(0.8 * available_bytes(device))
 
 
 class GatherOnce:
@@ -51,7 +57,8 @@ class GatherOnce:
             reason = (f"the full parameters ({self.full_bytes / 2**20:.0f} MiB) exceed the gather budget "
                       f"({budget / 2**20:.0f} MiB here) on at least one rank")
             if reason != self.last_reason:
-                logger.info("ZeRO-3 rollout gathers per layer: %s", reason)
+                logger.warning("ZeRO-3 rollout gathers per layer (slower: the whole model once per token): %s; "
+                               "raise gather_memory_budget_bytes if it fits", reason)
             self.last_reason = reason
             return False
         self.last_reason = None

@@ -13,40 +13,40 @@ import torch
 import torch.distributed as dist
 from transformers.cache_utils import StaticCache
 
+from opsd_rollout.modeling import position_ids, text_config
+from opsd_rollout.rollout.compiled import LENGTH_BUCKET_MIN, CompiledStep, bucket
 from opsd_rollout.rollout.sampling import sample
 from opsd_rollout.rollout.target import RolloutTarget
 from opsd_rollout.rollout.validation import RolloutPlan
-from opsd_rollout.rollout.workspace import KVWorkspace, RolloutMasks, set_filled
-
-
-def position_ids(mask: torch.Tensor) -> torch.Tensor:
-    """[N, T] positions of left-padded (or holed) sequences: real tokens count from 0, as transformers'
-    ``generate`` numbers them (masked positions get 1; they are never attended to)."""
-    return (mask.long().cumsum(-1) - 1).masked_fill_(mask == 0, 1)
+from opsd_rollout.rollout.workspace import KVWorkspace, RolloutMasks, check_written, set_filled
 
 
 def prefill(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, cache_mask: torch.Tensor | None,
-            cache: Any) -> torch.Tensor:
+            cache: Any, cache_keyword: str) -> torch.Tensor:
     """ids, mask: [B, P] left-padded prompts; cache_mask: [B, cache width] or None (no padding).
-    Fills ``cache``; returns last logits [B, V]."""
-    positions = position_ids(mask)
-    out = model(input_ids=ids, attention_mask=cache_mask, position_ids=positions, cache=cache, use_cache=True,
-                logits_to_keep=1)
+    Fills ``cache`` (passed as ``cache_keyword``, the name the model's forward takes it by); returns the last
+    logits [B, V]."""
+    out = model(input_ids=ids, attention_mask=cache_mask, position_ids=position_ids(mask), use_cache=True,
+                logits_to_keep=1, **{cache_keyword: cache})
     return out.logits[:, -1]
 
 
 def decode_one_token(model: torch.nn.Module, token: torch.Tensor, position: torch.Tensor,
-                     mask: torch.Tensor | None, cache: Any) -> torch.Tensor:
+                     mask: torch.Tensor | None, cache: Any, cache_keyword: str) -> torch.Tensor:
     """token, position: [N, 1]; mask: [N, kv], [N, 1, 1, kv] or None. Returns logits [N, V] for the next token."""
-    out = model(input_ids=token, attention_mask=mask, position_ids=position, cache=cache, use_cache=True)
+    out = model(input_ids=token, attention_mask=mask, position_ids=position, use_cache=True,
+                **{cache_keyword: cache})
     return out.logits[:, -1]
 
 
 def replicate_cache(source: Any, target: Any, repeats: int, prompt_length: int) -> None:
-    """Copy each prompt's prefilled keys/values into its ``repeats`` sample rows ([B..] -> [B*n..])."""
+    """Copy each prompt's prefilled keys/values into its ``repeats`` sample rows ([B..] -> [B*n..]), as one
+    broadcast copy per tensor (no ``[B*n, ...]`` temporary)."""
     for src, dst in zip(source.layers, target.layers):
-        dst.keys[:, :, :prompt_length].copy_(src.keys[:, :, :prompt_length].repeat_interleave(repeats, dim=0))
-        dst.values[:, :, :prompt_length].copy_(src.values[:, :, :prompt_length].repeat_interleave(repeats, dim=0))
+        for a, b in ((src.keys, dst.keys), (src.values, dst.values)):
+            rows, heads, _, dim = a.shape
+            b.view(rows, repeats, heads, -1, dim)[:, :, :, :prompt_length].copy_(
+                a[:, :, :prompt_length].unsqueeze(1))
         set_filled(dst, prompt_length)
 
 
@@ -80,7 +80,8 @@ class StaticDecode:
         self.static_shapes = static_shapes or compile_decode
         # only the one-token step is compiled (CUDA-graph friendly); prefill stays eager
         options = compile_options or {"mode": "reduce-overhead", "dynamic": False}
-        self._decode_step = torch.compile(decode_one_token, **options) if compile_decode else decode_one_token
+        self.compiled = CompiledStep(decode_one_token, options) if compile_decode else None
+        self._decode_step = self.compiled or decode_one_token
         self.stop_check_interval = stop_check_interval
         self.seed = seed
         self.workspace = KVWorkspace()
@@ -94,11 +95,13 @@ class StaticDecode:
         if target.hybrid_engine:
             return "the hybrid engine generates through its own patched generate()"
         model = target.forward_module
+        if target.cache_keyword is None:
+            return f"{type(model).__name__}.forward takes no KV cache argument by name"
         attention = getattr(model.config, "_attn_implementation", None)
         if attention not in (None, "sdpa", "eager", "flex_attention"):
             # flash attention trims keys by the 2-D mask's length, which here spans the whole static cache
             return f"attention implementation {attention!r} needs transformers' own cache handling"
-        config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        config = text_config(model.config)
         if getattr(config, "v_head_dim", None) not in (None, getattr(config, "head_dim", None)) or getattr(
                 config, "qk_rope_head_dim", None):
             return "keys and values of different widths (multi-head latent attention)"
@@ -128,27 +131,35 @@ class StaticDecode:
         model, config, device = target.model, target.forward_module.config, prompt_ids.device
         n, (rows, P) = plan.samples_per_prompt, prompt_ids.shape
         length = P + plan.max_new_tokens
+        if self.compiled is not None:  # a bounded set of cache lengths: one graph per bucket, not per length
+            length = bucket(length, LENGTH_BUCKET_MIN)
         dtype = target.dtype if target.dtype.is_floating_point else torch.float32
         attention = getattr(config, "_attn_implementation", None)
         # flex attention compiles its kernel for each key length: the whole-cache layout keeps one length
         static_shapes = self.static_shapes or attention == "flex_attention"
         cache = self.workspace.cache(config, rows, length, dtype, device, static_shapes=static_shapes)
         masks = self.workspace.masks(prompt_mask, length, static_shapes=static_shapes, sdpa=attention == "sdpa")
+        keyword = target.cache_keyword
         if self.shared_prefill and n > 1:
             # prefill the B distinct prompts, then copy their keys/values into the n rows of each
-            shared = StaticCache(config=config, max_cache_len=P)
+            shared = self.workspace.prefill_cache(config, rows // n, P, dtype, device)
             logits = prefill(model, prompt_ids[::n], prompt_mask[::n], masks.prefill(P, rows=slice(None, None, n)),
-                             shared)
+                             shared, keyword)
+            check_written(shared, P, "prefill")
             replicate_cache(shared, cache, n, P)
             logits = logits.repeat_interleave(n, dim=0)
         else:
-            logits = prefill(model, prompt_ids, prompt_mask, masks.prefill(length if static_shapes else P), cache)
+            logits = prefill(model, prompt_ids, prompt_mask, masks.prefill(length if static_shapes else P), cache,
+                             keyword)
+            check_written(cache, P, "prefill")
+        if self.compiled is not None:
+            self.compiled.note_shape((rows, length, masks.step_shape, dtype, device.type))
         lockstep = target.zero_stage == 3 and target.world_size > 1
-        tokens = self._decode(model, logits, prompt_mask, masks, cache, plan, lockstep)
+        tokens = self._decode(model, logits, prompt_mask, masks, cache, plan, lockstep, keyword)
         return torch.cat([prompt_ids, tokens], dim=1)
 
     def _decode(self, model: torch.nn.Module, logits: torch.Tensor, prompt_mask: torch.Tensor,
-                masks: RolloutMasks, cache: Any, plan: RolloutPlan, lockstep: bool) -> torch.Tensor:
+                masks: RolloutMasks, cache: Any, plan: RolloutPlan, lockstep: bool, keyword: str) -> torch.Tensor:
         """The decode loop; returns the generated tokens [N, steps run]."""
         device = logits.device
         prompt_length = prompt_mask.shape[1]
@@ -165,7 +176,7 @@ class StaticDecode:
             if steps % check_every == 0 and not plan.ignore_eos and self._all_done(running, lockstep):
                 break
             mask = masks.step(prompt_length + steps)  # the token fed now sits at prompt_length + steps - 1
-            logits = self._decode_step(model, token.unsqueeze(1), position, mask, cache)
+            logits = self._decode_step(model, token.unsqueeze(1), position, mask, cache, keyword)
             token = sample(logits, plan, generator)
             tokens[:, steps] = token
             running &= ~torch.isin(token, eos)

@@ -6,10 +6,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
+import deepspeed
 import torch
+import transformers
+from packaging.version import Version
 
 from opsd_rollout.distributed import rank_info
-from opsd_rollout.profiling.model_time import wrapped_modules
+from opsd_rollout.modeling import cache_keyword, innermost_model, text_config
 
 
 @dataclass(frozen=True)
@@ -32,6 +35,9 @@ class RolloutTarget:
     max_positions: int | None
     config_eos_ids: tuple[int, ...]
     """``generation_config.eos_token_id`` of the model (an int or a Qwen-style list)."""
+    cache_keyword: str | None
+    """The keyword the model's forward takes its KV cache by (``cache`` or, before transformers 5.23,
+    ``past_key_values``); ``None`` when it takes none by name."""
 
     @property
     def is_peft(self) -> bool:
@@ -63,10 +69,26 @@ def _is_hybrid_engine(obj: Any) -> bool:
     return isinstance(obj, DeepSpeedHybridEngine)
 
 
-def innermost_model(module: torch.nn.Module) -> torch.nn.Module:
-    """The transformers model whose forward runs at every step, inside DeepSpeed (``.module``) and PEFT
-    (``get_base_model()``) wrappers; the same unwrapping ``profile_model_time`` hooks."""
-    return wrapped_modules(module)[-1]
+def hybrid_engine_problem(engine: Any) -> str | None:
+    """Why DeepSpeed's hybrid engine cannot generate with the installed transformers, or ``None``.
+
+    In eval mode the hybrid engine swaps each decoder layer's forward for a DeepSpeed inference layer
+    (``DeepSpeedTransformerInference``), which returns a tuple (``return_tuple`` is on in every config it
+    builds). transformers 5's model loop feeds each layer's output to the next as a tensor, so the second
+    layer receives a tuple and fails. transformers 4.x unpacked ``layer_outputs[0]``; opsd-rollout needs 5.x.
+    """
+    containers = getattr(engine, "_inference_containers", None) or []
+    tuple_layers = [c for c in containers
+                    if any(getattr(getattr(getattr(c, "module", None), "config", None), flag, True)
+                           for flag in ("return_tuple", "return_single_tuple"))]
+    if not tuple_layers or Version(transformers.__version__).major < 5:
+        return None
+    return (f"DeepSpeed {deepspeed.__version__}'s hybrid engine replaces {len(tuple_layers)} decoder layers with "
+            f"inference layers that return tuples, and transformers {transformers.__version__} passes each layer's "
+            "output to the next as a tensor, so generation would fail at the second layer. The hybrid engine "
+            "generates only with transformers 4.x, which opsd-rollout does not support: turn "
+            "hybrid_engine.enabled off in the DeepSpeed config (the static strategy, with one ZeRO-3 gather per "
+            "rollout, takes its place)")
 
 
 def _eos_ids(value: Any) -> tuple[int, ...]:
@@ -104,7 +126,7 @@ def resolve_target(engine_or_model: Any) -> RolloutTarget:
 
     forward_module = innermost_model(model)
     config = getattr(forward_module, "config", None)
-    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    text = text_config(config) if config is not None else None
     param = _first_param(forward_module)
     generation_config = getattr(forward_module, "generation_config", None)
     return RolloutTarget(
@@ -116,8 +138,9 @@ def resolve_target(engine_or_model: Any) -> RolloutTarget:
         hybrid_engine=hybrid,
         device=device,
         dtype=param.dtype if param is not None else torch.float32,
-        vocab_size=getattr(text_config, "vocab_size", None),
-        max_positions=(getattr(text_config, "max_position_embeddings", None)
-                       or getattr(text_config, "n_positions", None)),
+        vocab_size=getattr(text, "vocab_size", None),
+        max_positions=(getattr(text, "max_position_embeddings", None)
+                       or getattr(text, "n_positions", None)),
         config_eos_ids=_eos_ids(getattr(generation_config, "eos_token_id", None)),
+        cache_keyword=cache_keyword(forward_module),
     )

@@ -1,35 +1,22 @@
 """The reusable KV workspace: one flat buffer per layer for keys and one for values, viewed as contiguous
 ``[N, H, L, D]`` tensors for each rollout's shape, so a workspace sized by the largest rollout serves
-every smaller one without reallocating. Plus the token and attention-mask buffers of the decode loop.
+every smaller one without reallocating. Plus the shared prefill's own (smaller) buffers, and the token and
+attention-mask buffers of the decode loop.
 
 Two kinds of cache layers sit on it. Eager decoding uses ``FilledLayer``: attention reads only the positions
 written so far (``[N, H, filled, D]`` views of the buffer), so the unwritten tail costs nothing and needs no
-mask. A compiled decode step (CUDA graphs) needs the same shapes at every step and uses transformers'
-``StaticLayer``, which always returns the whole ``[N, H, L, D]`` buffer and relies on the mask."""
+mask. A compiled decode step (CUDA graphs) needs the same shapes at every step and uses ``WholeLayer``,
+transformers' ``StaticLayer``, which always returns the whole ``[N, H, L, D]`` buffer and relies on the mask.
+Every tensor a compiled step reads (buffers, views, fill counters) keeps its address from call to call."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from transformers.cache_utils import StaticCache, StaticLayer
 
-
-@dataclass(frozen=True)
-class KVShape:
-    layers: int
-    kv_heads: int
-    head_dim: int
-
-    @classmethod
-    def of(cls, config: Any) -> "KVShape":
-        config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-        heads = getattr(config, "num_attention_heads", None) or getattr(config, "n_head")
-        hidden = getattr(config, "hidden_size", None) or getattr(config, "n_embd")
-        layers = getattr(config, "num_hidden_layers", None) or getattr(config, "n_layer")
-        kv_heads = getattr(config, "num_key_value_heads", None) or heads
-        return cls(layers, kv_heads, getattr(config, "head_dim", None) or hidden // heads)
+from opsd_rollout.modeling import KVShape
 
 
 class FilledLayer(StaticLayer):
@@ -58,71 +45,162 @@ class FilledLayer(StaticLayer):
         return self.filled
 
 
+class WholeLayer(StaticLayer):
+    """transformers' ``StaticLayer`` over workspace memory (the whole cache every step, for compiled steps),
+    which also counts on the host the positions eager forwards wrote, so a forward that ignored the cache
+    is caught (``written``); inside compiled code the count is skipped (a Python int would be a guard)."""
+
+    written: int = 0
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        if not torch.compiler.is_compiling():
+            self.written += key_states.shape[-2]
+        return super().update(key_states, value_states, *args, **kwargs)
+
+
+def written(layer: StaticLayer) -> int:
+    """Positions an eager forward wrote into a workspace layer."""
+    return layer.filled if isinstance(layer, FilledLayer) else layer.written
+
+
 def set_filled(layer: StaticLayer, length: int) -> None:
     """Mark the first ``length`` positions of a workspace layer as written (after copying them in)."""
     if isinstance(layer, FilledLayer):
         layer.filled = length
     else:
         layer.cumulative_length.fill_(length)
+        layer.written = length
+
+
+def check_written(cache: Any, expected: int, what: str) -> None:
+    """Raise if a forward did not write ``expected`` positions into every layer of ``cache``: the model then ran
+    without its cache (e.g. a transformers release that takes the cache under another keyword), and every
+    later token would be wrong. Host-side counters only: no device read."""
+    got = {written(layer) for layer in cache.layers}
+    if got != {expected}:
+        raise RuntimeError(f"the {what} forward wrote {sorted(got)} positions into the KV cache, expected {expected}: "
+                           "the model did not use the cache it was given, so its tokens would be wrong. This "
+                           "transformers release is not supported by the static strategy; use strategy='generate'.")
+
+
+class _Buffers:
+    """One flat keys buffer and one flat values buffer per layer, and the caches viewing them by shape."""
+
+    def __init__(self) -> None:
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+        self.caches: dict[tuple, Any] = {}
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.keys + self.values)
+
+    def fits(self, shape: KVShape, elements: int, dtype: torch.dtype, device: torch.device) -> bool:
+        return (len(self.keys) == shape.layers and self.keys[0].numel() >= elements
+                and self.keys[0].dtype == dtype and self.keys[0].device == device)
+
+    def allocate(self, shape: KVShape, elements: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.release()
+        self.keys = [torch.zeros(elements, dtype=dtype, device=device) for _ in range(shape.layers)]
+        self.values = [torch.zeros(elements, dtype=dtype, device=device) for _ in range(shape.layers)]
+
+    def release(self) -> None:
+        self.keys, self.values, self.caches = [], [], {}
 
 
 class KVWorkspace:
     """Buffers kept between rollouts (``cache_policy=retain``) and freed by ``release()``."""
 
     def __init__(self) -> None:
-        self._keys: list[torch.Tensor] = []
-        self._values: list[torch.Tensor] = []
+        self._kv = _Buffers()
+        self._prefill = _Buffers()
+        self._lengths: list[torch.Tensor] = []
+        """Per layer, the ``cumulative_length`` of ``WholeLayer`` caches: allocated once, reset in place, so a
+        compiled step that reads it sees one address for the workspace's life."""
         self._tokens: torch.Tensor | None = None
         self._mask: torch.Tensor | None = None
         self._decode_mask: torch.Tensor | None = None
         self.last_event: str | None = None
-        """``reused`` or ``allocated``: what the last ``cache()`` call did."""
+        """``reused`` or ``allocated``: what the last rollout's ``cache()``/``prefill_cache()`` calls did."""
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self._keys + self._values)
+        """Bytes of the key/value buffers (the decode cache and the shared prefill's)."""
+        return self._kv.nbytes + self._prefill.nbytes
 
     def release(self) -> None:
-        self._keys, self._values, self._tokens, self._mask, self._decode_mask = [], [], None, None, None
+        self._kv.release()
+        self._prefill.release()
+        self._lengths, self._tokens, self._mask, self._decode_mask = [], None, None, None
 
-    def _fits(self, shape: KVShape, elements: int, dtype: torch.dtype, device: torch.device) -> bool:
-        return (len(self._keys) == shape.layers and self._keys[0].numel() >= elements
-                and self._keys[0].dtype == dtype and self._keys[0].device == device)
+    def allocate(self, part: str, shape: KVShape, elements: int, dtype: torch.dtype, device: torch.device) -> None:
+        """(Re)allocate ``part``'s key/value buffers (``kv`` or ``prefill``), ``elements`` per layer; a profiled
+        rollout times this call as ``workspace_alloc_ms``."""
+        if part == "kv":
+            self._kv.allocate(shape, elements, dtype, device)
+            if len(self._lengths) != shape.layers or self._lengths[0].device != device:
+                self._lengths = [torch.zeros((), dtype=torch.int64, device=device) for _ in range(shape.layers)]
+        else:
+            self._prefill.allocate(shape, elements, dtype, device)
 
     def cache(self, config: Any, rows: int, length: int, dtype: torch.dtype, device: torch.device, *,
-              static_shapes: bool = False):
-        """A transformers ``StaticCache`` for ``rows`` x ``length`` whose layers are views of the workspace:
-        ``FilledLayer`` layers, or with ``static_shapes`` (a compiled decode step) plain ``StaticLayer`` ones."""
+              static_shapes: bool = False) -> StaticCache:
+        """The decode cache for ``rows`` x ``length``, empty: a transformers ``StaticCache`` whose layers view the
+        workspace (``FilledLayer``, or with ``static_shapes`` ``WholeLayer``). The same cache object comes back
+        for the same shape, so a compiled step sees the same tensors every call."""
+        self.last_event = None
+        cache = self._cache("kv", self._kv, config, rows, length, dtype, device,
+                            WholeLayer if static_shapes else FilledLayer)
+        for layer, counter in zip(cache.layers, self._lengths):
+            if isinstance(layer, WholeLayer):
+                if layer.cumulative_length is not counter:
+                    layer.cumulative_length = counter
+                    if device.type == "cuda":  # fixed addresses: the compiled step replays as a graph
+                        for tensor in (layer.keys, layer.values, counter):
+                            torch._dynamo.mark_static_address(tensor)
+            set_filled(layer, 0)
+        return cache
+
+    def prefill_cache(self, config: Any, rows: int, length: int, dtype: torch.dtype,
+                      device: torch.device) -> StaticCache:
+        """The shared prefill's cache for ``rows`` distinct prompts of ``length`` tokens, empty (``FilledLayer``
+        views of the workspace's prefill buffers, kept between calls like the decode cache)."""
+        cache = self._cache("prefill", self._prefill, config, rows, length, dtype, device, FilledLayer)
+        for layer in cache.layers:
+            set_filled(layer, 0)
+        return cache
+
+    def _cache(self, part: str, buffers: _Buffers, config: Any, rows: int, length: int, dtype: torch.dtype,
+               device: torch.device, layer_type: type) -> StaticCache:
         shape = KVShape.of(config)
         elements = rows * shape.kv_heads * length * shape.head_dim
-        if self._fits(shape, elements, dtype, device):
-            self.last_event = "reused"
+        if buffers.fits(shape, elements, dtype, device):
+            self.last_event = self.last_event or "reused"
         else:
-            self.allocate(shape, elements, dtype, device)
+            self.allocate(part, shape, elements, dtype, device)
             self.last_event = "allocated"
+        key = (rows, length, layer_type)
+        if key not in buffers.caches:
+            buffers.caches[key] = self._view_cache(buffers, shape, config, rows, length, device, layer_type)
+        return buffers.caches[key]
+
+    @staticmethod
+    def _view_cache(buffers: _Buffers, shape: KVShape, config: Any, rows: int, length: int, device: torch.device,
+                    layer_type: type) -> StaticCache:
         cache = StaticCache(config=config, max_cache_len=length)
         unsupported = {type(layer).__name__ for layer in cache.layers if type(layer) is not StaticLayer}
         if unsupported:
             raise TypeError(f"{sorted(unsupported)} layers are not supported by the static workspace")
         view = (rows, shape.kv_heads, length, shape.head_dim)
-        layer_type = StaticLayer if static_shapes else FilledLayer
+        elements = rows * shape.kv_heads * length * shape.head_dim
         cache.layers = [layer_type(max_cache_len=length) for _ in cache.layers]
-        for layer, keys, values in zip(cache.layers, self._keys, self._values):
+        for layer, keys, values in zip(cache.layers, buffers.keys, buffers.values):
             layer.keys, layer.values = keys[:elements].view(view), values[:elements].view(view)
             layer.device, layer.batch_size, layer.num_heads = device, rows, shape.kv_heads
             layer.k_head_dim = layer.v_head_dim = shape.head_dim
-            layer.cumulative_length = torch.zeros((), dtype=torch.int64, device=device)
             layer.is_initialized = True
-            if static_shapes and device.type == "cuda":  # fixed addresses: the compiled step replays as a graph
-                for tensor in (layer.keys, layer.values, layer.cumulative_length):
-                    torch._dynamo.mark_static_address(tensor)
         return cache
-
-    def allocate(self, shape: KVShape, elements: int, dtype: torch.dtype, device: torch.device) -> None:
-        """(Re)allocate the key/value buffers: ``elements`` per layer (a profiled rollout times this call)."""
-        self.release()
-        self._keys = [torch.zeros(elements, dtype=dtype, device=device) for _ in range(shape.layers)]
-        self._values = [torch.zeros(elements, dtype=dtype, device=device) for _ in range(shape.layers)]
 
     def tokens(self, rows: int, steps: int, fill: int, device: torch.device) -> torch.Tensor:
         """[rows, steps] int64 token buffer, filled with ``fill``."""
@@ -167,6 +245,11 @@ class RolloutMasks:
 
     def __init__(self, prefill: torch.Tensor | None, decode: torch.Tensor | None, static_shapes: bool):
         self._prefill, self._decode, self._static_shapes = prefill, decode, static_shapes
+
+    @property
+    def step_shape(self) -> tuple[int, ...] | None:
+        """The decode masks' layout (``None`` when there are none), part of a compiled step's shape."""
+        return None if self._decode is None else tuple(self._decode.shape[1:-1])
 
     def prefill(self, width: int, rows: slice = slice(None)) -> torch.Tensor | None:
         """For a prefill into a cache ``width`` positions wide (of the given ``rows``)."""
