@@ -11,10 +11,11 @@ import torch
 from conftest import chain_table, left_padded, make_tokenizer, transition_model
 from opsd_rollout import HybridEngineRollout, HybridEngineRolloutConfig, RolloutRequest, SamplingConfig
 from opsd_rollout.deepspeed_engine import build_engine
+from opsd_rollout.modeling import position_ids
 from opsd_rollout.models import PRESETS
-from opsd_rollout.rollout.static import position_ids
-from opsd_rollout.opsd import (DivergenceConfig, TeacherCacheConfig, build_teacher_cache, chunked_divergence,
-                               opsd_step, response_targets, token_divergence)
+from opsd_rollout.opsd import (DivergenceConfig, TeacherCacheBuffers, TeacherCacheConfig, build_teacher_cache,
+                               chunked_divergence, opsd_step, response_targets, token_divergence)
+from opsd_rollout.profiling import Clock, StageRecorder
 
 
 def reference(student_logits, teacher_logits, beta, temperature):
@@ -78,6 +79,26 @@ def test_chunked_equals_unchunked_with_gradients(topk):
     torch.testing.assert_close(results[0][2], results[1][2])
 
 
+def test_checkpointed_chunks_do_not_keep_the_teachers_device_copies_for_backward():
+    """Each chunk's teacher slice is fetched inside the checkpointed function: autograd saves the student's
+    chunk, never the teacher's (on a GPU, those would all stay on the device until backward)."""
+    g = torch.Generator().manual_seed(5)
+    cached = torch.topk(torch.randn(2, 12, 11, generator=g), 5, dim=-1)
+    fetched = []
+
+    def chunk(start, stop):
+        fetched.append((start, stop))
+        return cached.values[:, start:stop].clone(), cached.indices[:, start:stop].clone()  # a fresh "device copy"
+
+    saved = []
+    student = torch.randn(2, 12, 11, generator=g).requires_grad_()
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(tuple(t.shape)) or t, lambda t: t):
+        total, count = chunked_divergence(student, chunk, torch.ones(2, 12), DivergenceConfig(chunk_size=4))
+    assert saved and not any(shape[-1] == 5 for shape in saved), saved
+    total.backward()
+    assert sorted(fetched) == sorted([(0, 4), (4, 8), (8, 12)] * 2), "fetched once forward, once in backward"
+
+
 def rollout_batch(table, prompts, max_new=6, n=2):
     model = transition_model(table)
     rollout = HybridEngineRollout(model, make_tokenizer(0, 2))
@@ -108,12 +129,13 @@ def test_teacher_cache_round_trip_and_device_chunk_bound(tiny_models, mode):
     targets = response_targets(batch)
     shapes = []
     handle = teacher.lm_head.register_forward_hook(lambda _m, _i, out: shapes.append(out.numel()))
+    recorder = StageRecorder(Clock("cpu"), time_forwards=False)
     try:
         config = TeacherCacheConfig(mode=mode, top_k=6, micro_batch_size=2, chunk_size=4)
-        cache, times = build_teacher_cache(teacher, targets, config)
+        cache = build_teacher_cache(teacher, targets, config, recorder=recorder)
     finally:
         handle.remove()
-    assert max(shapes) <= 2 * 4 * 259, "the device never holds more than micro-batch x chunk x V logits"
+    assert max(shapes) <= 4 * 259, "the device never holds more than chunk x V logits"
     with torch.no_grad():
         positions = position_ids(batch.attention_mask)  # the convention every forward here uses
         full = teacher(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
@@ -126,7 +148,21 @@ def test_teacher_cache_round_trip_and_device_chunk_bound(tiny_models, mode):
         torch.testing.assert_close(cache.values, top.values, rtol=1e-5, atol=1e-5)
         assert torch.equal(cache.indices.long(), top.indices)
         assert cache.nbytes == top.values.numel() * 4 + top.indices.numel() * 4
-    assert times.forward_ms > 0
+    stages = recorder.resolve().stages
+    assert stages["teacher_forward"] > 0 and stages["cache_write"] >= 0
+
+
+def test_teacher_cache_buffers_are_reused_from_step_to_step(tiny_models):
+    teacher = tiny_models["gpt2-tiny"]
+    buffers = TeacherCacheBuffers()
+    batches = [rollout_batch(chain_table(16, {}), [[5, 6], [7]], max_new=m) for m in (6, 4, 6)]
+    caches = []
+    for batch in batches:
+        cache = build_teacher_cache(teacher, response_targets(batch), TeacherCacheConfig(mode="topk", top_k=3),
+                                    buffers=buffers)
+        caches.append((cache.values.data_ptr(), cache.indices.data_ptr(), cache.values.shape))
+    assert caches[0][:2] == caches[1][:2] == caches[2][:2], "a smaller or equal cache reuses the first buffers"
+    assert buffers.nbytes == caches[0][2].numel() * 8
 
 
 @pytest.mark.parametrize("zero_stage", [0, 3])
@@ -160,8 +196,8 @@ def test_teacher_cache_from_a_zero3_teacher_engine_matches_the_bare_teacher(tiny
     batch.input_ids.clamp_(max=15)  # token ids of the 16-token table are valid for the 259-token teacher
     targets = response_targets(batch)
     config = TeacherCacheConfig(mode="topk", top_k=5, micro_batch_size=3, chunk_size=2)
-    from_engine, _ = build_teacher_cache(engine, targets, config)
-    from_model, _ = build_teacher_cache(teacher, targets, config)
+    from_engine = build_teacher_cache(engine, targets, config, buffers=TeacherCacheBuffers())
+    from_model = build_teacher_cache(teacher, targets, config, buffers=TeacherCacheBuffers())
     torch.testing.assert_close(from_engine.values, from_model.values, rtol=1e-5, atol=1e-5)
     assert torch.equal(from_engine.indices, from_model.indices)
 
@@ -178,7 +214,7 @@ def test_teacher_cache_applies_final_logit_softcapping_like_the_model():
         teacher.lm_head.weight.mul_(50)  # logits well past the cap, so capping changes them
     batch = rollout_batch(chain_table(16, {}), [[5, 6], [7]], max_new=4)
     targets = response_targets(batch)
-    cache, _ = build_teacher_cache(teacher, targets, TeacherCacheConfig(mode="full", chunk_size=2))
+    cache = build_teacher_cache(teacher, targets, TeacherCacheConfig(mode="full", chunk_size=2))
     with torch.no_grad():
         full = teacher(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
                        position_ids=position_ids(batch.attention_mask)).logits[:, targets.window]

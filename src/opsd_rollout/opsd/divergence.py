@@ -73,9 +73,11 @@ def token_divergence(student_logits: torch.Tensor, teacher: torch.Tensor | tuple
     return generalized_jsd(F.log_softmax(student, dim=-1), teacher_logp, config.effective_beta)
 
 
-def _chunk_sum(student_logits, teacher_values, teacher_indices, mask, config) -> torch.Tensor:
-    teacher = teacher_values if teacher_indices is None else (teacher_values, teacher_indices)
-    return (token_divergence(student_logits, teacher, config) * mask).sum()
+def _chunk_sum(student_logits: torch.Tensor, mask: torch.Tensor, teacher_chunk, start: int, stop: int,
+               config: DivergenceConfig) -> torch.Tensor:
+    # the teacher's chunk is fetched here, inside the checkpointed function: backward fetches it again
+    # instead of activation checkpointing keeping every chunk's device copy alive until backward
+    return (token_divergence(student_logits, teacher_chunk(start, stop), config) * mask).sum()
 
 
 def chunked_divergence(student_logits: torch.Tensor, teacher_chunk, mask: torch.Tensor,
@@ -84,15 +86,14 @@ def chunked_divergence(student_logits: torch.Tensor, teacher_chunk, mask: torch.
 
     student_logits: [N, R, V] (with grad); ``teacher_chunk(start, stop)`` returns the teacher's cache for
     window positions ``start:stop`` on the student's device (logits [N, c, V] or a top-k pair); mask: [N, R].
+    With grad, each chunk's intermediates (and its teacher chunk) are recomputed in backward, not kept.
     Returns ``(sum, count)`` separately so ranks can all-reduce both before dividing.
     """
     total = student_logits.new_zeros((), dtype=torch.float32)
     mask = mask.to(torch.float32)
     for start in range(0, student_logits.shape[1], config.chunk_size):
         stop = min(start + config.chunk_size, student_logits.shape[1])
-        teacher = teacher_chunk(start, stop)
-        values, indices = teacher if isinstance(teacher, tuple) else (teacher, None)
-        args = (student_logits[:, start:stop], values, indices, mask[:, start:stop], config)
+        args = (student_logits[:, start:stop], mask[:, start:stop], teacher_chunk, start, stop, config)
         if student_logits.requires_grad:
             total = total + checkpoint(_chunk_sum, *args, use_reentrant=False)
         else:

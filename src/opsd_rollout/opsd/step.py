@@ -8,12 +8,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
+from opsd_rollout.modeling import position_ids
 from opsd_rollout.opsd.divergence import DivergenceConfig, chunked_divergence
 from opsd_rollout.opsd.targets import response_targets
 from opsd_rollout.opsd.teacher import TeacherCacheConfig, build_teacher_cache
-from opsd_rollout.profiling import Clock, PeakMemory, RolloutProfile, timed_eval
-from opsd_rollout.rollout.static import position_ids
+from opsd_rollout.profiling import Clock, PeakMemory, RolloutProfile, StageRecorder, timed_eval
 
 PHASES = ("rollout", "teacher", "student_forward", "loss", "backward", "optimizer")
 
@@ -64,22 +65,19 @@ class StepProfile:
         return data
 
 
-@dataclass
 class _Phases:
-    clock: Clock
-    device: torch.device
-    origin: Any
-    ms: dict[str, float] = field(default_factory=dict)
-    peaks: dict[str, int] = field(default_factory=dict)
-    starts: dict[str, float] = field(default_factory=dict)
+    """The step's phases as stages of one deferred recorder (marks read once, at the end), each with the peak
+    memory it reached."""
+
+    def __init__(self, recorder: StageRecorder, device: torch.device):
+        self.recorder, self.device = recorder, device
+        self.peaks: dict[str, int] = {}
 
     def run(self, name: str, fn, *args, **kwargs):
         memory = PeakMemory(self.device)
         memory.start()
-        start = self.clock.mark()
-        self.starts[name] = self.clock.elapsed_ms(self.origin, start)
-        result = fn(*args, **kwargs)
-        self.ms[name] = self.clock.elapsed_ms(start, self.clock.mark())
+        with self.recorder.stage(name):
+            result = fn(*args, **kwargs)
         self.peaks[name] = memory.stop()[0]
         return result
 
@@ -90,20 +88,19 @@ def _student_logits(engine: Any, targets) -> torch.Tensor:
     return out.logits[:, targets.window]  # [N, R, V]
 
 
-def _token_mean(total: torch.Tensor, count: torch.Tensor) -> tuple[torch.Tensor, float]:
-    """The loss to backpropagate and the value to report: the mean over every rank's valid tokens.
+def _token_mean(total: torch.Tensor, count: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The loss to backpropagate and the value to report (a device scalar, read after the step): the mean over
+    every rank's valid tokens.
 
     DeepSpeed averages gradients over ranks, so each rank scales its sum by ``world_size / global count``;
     dividing by its own count would weight ranks with fewer valid tokens too much.
     """
-    import torch.distributed as dist
-
     if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
-        return total / count.clamp(min=1), float(total.detach() / count.clamp(min=1))
+        return total / count.clamp(min=1), total.detach() / count.clamp(min=1)
     both = torch.stack([total.detach().float(), count.float()]).to(total.device)
     dist.all_reduce(both)
     global_count = both[1].clamp(min=1)
-    return total * dist.get_world_size() / global_count, float(both[0] / global_count)
+    return total * dist.get_world_size() / global_count, both[0] / global_count
 
 
 def opsd_step(student_engine: Any, teacher: Any, rollout: Any, request: Any, sampling: Any, *,
@@ -113,28 +110,29 @@ def opsd_step(student_engine: Any, teacher: Any, rollout: Any, request: Any, sam
     divergence = divergence or DivergenceConfig()
     teacher_cache = teacher_cache or TeacherCacheConfig()
     device = torch.device(student_engine.device)
-    clock = Clock(device)
-    step_start = clock.mark()
-    phases = _Phases(clock, device, step_start)
-    with timed_eval(student_engine, device, train_after=True) as switch:
-        batch = phases.run("rollout", rollout.generate, request, sampling)
-    targets = response_targets(batch)
-    cache, teacher_times = phases.run("teacher", build_teacher_cache, teacher, targets, teacher_cache, clock)
-    logits = phases.run("student_forward", _student_logits, student_engine, targets)
-    total, count = phases.run("loss", chunked_divergence, logits,
-                              lambda s, e: cache.chunk(s, e, logits.device), targets.mask.to(logits.device),
-                              divergence)
-    loss, reported = _token_mean(total, count)
-    phases.run("backward", student_engine.backward, loss)
-    phases.run("optimizer", student_engine.step)
-    total_ms = clock.elapsed_ms(step_start, clock.mark())
-    producing = switch.eval_ms + phases.ms["rollout"] + (switch.train_ms or 0.0)
+    recorder = StageRecorder(Clock(device), time_forwards=False)
+    phases = _Phases(recorder, device)
+    with recorder.stage("total"):
+        with timed_eval(student_engine, device, train_after=True) as switch:
+            batch = phases.run("rollout", rollout.generate, request, sampling)
+        targets = response_targets(batch)
+        cache = phases.run("teacher", build_teacher_cache, teacher, targets, teacher_cache, recorder=recorder)
+        logits = phases.run("student_forward", _student_logits, student_engine, targets)
+        total, count = phases.run("loss", chunked_divergence, logits,
+                                  lambda s, e: cache.chunk(s, e, logits.device), targets.mask.to(logits.device),
+                                  divergence)
+        loss, reported = _token_mean(total, count)
+        phases.run("backward", student_engine.backward, loss)
+        phases.run("optimizer", student_engine.step)
+    resolved = recorder.resolve()
+    ms = resolved.stages
+    starts = {span.name: span.start_ms for span in resolved.spans if span.name in PHASES}
+    producing = switch.eval_ms + ms["rollout"] + (switch.train_ms or 0.0)
     return StepProfile(
         rollout=rollout.get_last_profile(), eval_ms=switch.eval_ms, train_ms=switch.train_ms or 0.0,
-        rollout_ms=phases.ms["rollout"], teacher_forward_ms=teacher_times.forward_ms,
-        cache_write_ms=teacher_times.cache_write_ms, student_forward_ms=phases.ms["student_forward"],
-        loss_ms=phases.ms["loss"], backward_ms=phases.ms["backward"], optimizer_ms=phases.ms["optimizer"],
-        total_ms=total_ms, rollout_share=producing / total_ms if total_ms > 0 else 0.0,
-        peak_memory_bytes=dict(phases.peaks), phase_start_ms=dict(phases.starts), response_tokens=targets.tokens,
-        teacher_cache_bytes=cache.nbytes,
-        loss=reported)
+        rollout_ms=ms["rollout"], teacher_forward_ms=ms.get("teacher_forward", 0.0),
+        cache_write_ms=ms.get("cache_write", 0.0), student_forward_ms=ms["student_forward"], loss_ms=ms["loss"],
+        backward_ms=ms["backward"], optimizer_ms=ms["optimizer"], total_ms=ms["total"],
+        rollout_share=producing / ms["total"] if ms["total"] > 0 else 0.0,
+        peak_memory_bytes=dict(phases.peaks), phase_start_ms=starts, response_tokens=targets.tokens,
+        teacher_cache_bytes=cache.nbytes, loss=float(reported))

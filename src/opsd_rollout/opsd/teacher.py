@@ -1,20 +1,25 @@
 """The frozen teacher's logits over a rollout, cached on the host.
 
-The teacher runs in micro-batches; its final hidden states go through the LM head one sequence chunk at a
-time, and each chunk of logits (or its top-k) is copied to host memory (pinned, non-blocking on CUDA), so
-the device never holds more than ``micro_batch_size x chunk_size x V`` teacher logits.
+The teacher runs in micro-batches of rows; its final hidden states over the response window, flattened to
+``[rows x window, d]``, go through the LM head ``chunk_size`` token positions at a time, and each chunk of
+logits (or its top-k) is copied to host memory (pinned, non-blocking on CUDA). Flattening makes every chunk's
+destination one contiguous range of the host cache, so each copy is a single DMA into pinned memory (a
+strided destination would stage through pageable memory and synchronize). The device never holds more than
+``chunk_size x V`` teacher logits. The host buffers are kept between steps (``TeacherCacheBuffers``), and
+times are recorded as deferred marks (no synchronization per chunk), read once at the end of the step.
 """
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from opsd_rollout.modeling import innermost_model, position_ids, text_config
 from opsd_rollout.opsd.targets import ResponseTargets
-from opsd_rollout.rollout.static import position_ids
-from opsd_rollout.rollout.target import innermost_model
+from opsd_rollout.profiling import NULL_RECORDER
 
 CACHE_MODES = ("full", "topk")
 
@@ -27,8 +32,9 @@ class TeacherCacheConfig:
     """Logits kept per position with ``mode="topk"``."""
     micro_batch_size: int = 4
     """Rows per teacher forward."""
-    chunk_size: int = 128
-    """Sequence positions per LM-head chunk (and per host copy)."""
+    chunk_size: int = 512
+    """Token positions (rows x window, flattened) per LM-head chunk and per host copy: the device holds at
+    most ``chunk_size x V`` teacher logits at a time."""
     dtype: torch.dtype | None = None
     """Storage dtype on the host; ``None`` keeps the teacher's."""
 
@@ -36,8 +42,9 @@ class TeacherCacheConfig:
         if self.mode not in CACHE_MODES:
             raise ValueError(f"teacher cache mode must be one of {list(CACHE_MODES)}; got {self.mode!r}")
         for name in ("top_k", "micro_batch_size", "chunk_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1; got {getattr(self, name)!r}")
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"teacher cache {name} must be an int >= 1; got {value!r}")
 
 
 @dataclass
@@ -60,10 +67,47 @@ class TeacherCache:
         return values, self.indices[:, start:stop].to(device, non_blocking=non_blocking)
 
 
+class TeacherCacheBuffers:
+    """The host memory teacher caches are built in, kept from step to step (pinned on CUDA, where pinning is
+    expensive enough that doing it every step would cost more than the copies it speeds up). A cache built
+    into these buffers is valid until the next build into them."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self._buffers.values())
+
+    def take(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, pin: bool) -> torch.Tensor:
+        """A contiguous ``shape`` tensor in buffer ``name``, reallocated only when it does not fit."""
+        numel = 1
+        for size in shape:
+            numel *= size
+        buffer = self._buffers.get(name)
+        if buffer is None or buffer.numel() < numel or buffer.dtype != dtype or buffer.is_pinned() != pin:
+            self._buffers.pop(name, None)  # free the old one before allocating its replacement
+            buffer = self._buffers[name] = torch.empty(numel, dtype=dtype, pin_memory=pin)
+        return buffer[:numel].view(shape)
+
+    def release(self) -> None:
+        self._buffers.clear()
+
+
+_BUFFERS: "weakref.WeakKeyDictionary[torch.nn.Module, TeacherCacheBuffers]" = weakref.WeakKeyDictionary()
+
+
+def buffers_for(teacher: torch.nn.Module) -> TeacherCacheBuffers:
+    """The buffers kept for ``teacher`` (made on first use, dropped with the teacher)."""
+    if teacher not in _BUFFERS:
+        _BUFFERS[teacher] = TeacherCacheBuffers()
+    return _BUFFERS[teacher]
+
+
 def finalize_logits(config: Any, logits: torch.Tensor) -> torch.Tensor:
     """What some models' ``forward`` does after the LM head, applied here because the cache calls the LM head
     itself: Cohere's ``logit_scale``, Granite's ``logits_scaling``, Gemma 2/3's ``final_logit_softcapping``."""
-    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    config = text_config(config)
     if getattr(config, "logit_scale", None):
         logits = logits * config.logit_scale
     if getattr(config, "logits_scaling", None):
@@ -73,53 +117,44 @@ def finalize_logits(config: Any, logits: torch.Tensor) -> torch.Tensor:
     return logits
 
 
-@dataclass
-class TeacherTimes:
-    forward_ms: float = 0.0
-    cache_write_ms: float = 0.0
-
-
 @torch.no_grad()
-def build_teacher_cache(teacher: Any, targets: ResponseTargets, config: TeacherCacheConfig,
-                        clock=None) -> tuple[TeacherCache, TeacherTimes]:
-    """Run the teacher over ``targets``' sequences and cache its logits for the response window."""
-    from opsd_rollout.profiling import Clock
+def build_teacher_cache(teacher: Any, targets: ResponseTargets, config: TeacherCacheConfig, *,
+                        recorder: Any = NULL_RECORDER, buffers: TeacherCacheBuffers | None = None) -> TeacherCache:
+    """Run the teacher over ``targets``' sequences and cache its logits for the response window on the host.
 
+    ``recorder`` (a ``StageRecorder``) gets ``teacher_forward`` (body and LM head) and ``cache_write`` spans;
+    ``buffers`` default to the ones kept for ``teacher`` (see ``buffers_for``)."""
     model = innermost_model(teacher)  # inside DeepSpeed and PEFT wrappers
     body, head = model.base_model, model.get_output_embeddings()
-    device = next(head.parameters()).device if any(True for _ in head.parameters()) else targets.input_ids.device
-    clock = clock or Clock(device)
+    head_param = next(head.parameters(), None)
+    device = head_param.device if head_param is not None else targets.input_ids.device
     rows, window = targets.labels.shape
-    vocab = model.config.get_text_config().vocab_size if hasattr(model.config, "get_text_config") else \
-        model.config.vocab_size
+    vocab = text_config(model.config).vocab_size
     dtype = config.dtype or next(model.parameters()).dtype
     pin = device.type == "cuda"
     width = vocab if config.mode == "full" else min(config.top_k, vocab)
-    values = torch.empty((rows, window, width), dtype=dtype, pin_memory=pin)
-    indices = None if config.mode == "full" else torch.empty((rows, window, width), dtype=torch.int32, pin_memory=pin)
-    times = TeacherTimes()
+    buffers = buffers if buffers is not None else buffers_for(model)
+    values = buffers.take("values", (rows * window, width), dtype, pin)  # flat: [N * R, width]
+    indices = None if config.mode == "full" else buffers.take("indices", (rows * window, width), torch.int32, pin)
     for row in range(0, rows, config.micro_batch_size):
         ids = targets.input_ids[row:row + config.micro_batch_size].to(device)
         mask = targets.attention_mask[row:row + config.micro_batch_size].to(device)
-        positions = position_ids(mask)
-        start = clock.mark()
-        hidden = body(input_ids=ids, attention_mask=mask, position_ids=positions).last_hidden_state[:, targets.window]
-        times.forward_ms += clock.elapsed_ms(start, clock.mark())
-        for pos in range(0, window, config.chunk_size):
-            start = clock.mark()
-            logits = finalize_logits(model.config, head(hidden[:, pos:pos + config.chunk_size]))  # [b, c, V] at most
-            if config.mode == "topk":
-                top = torch.topk(logits, width, dim=-1)
-                logits, chosen = top.values, top.indices
-            mid = clock.mark()
-            target = values[row:row + ids.shape[0], pos:pos + config.chunk_size]
-            target.copy_(logits.to(dtype), non_blocking=pin)
-            if indices is not None:
-                indices[row:row + ids.shape[0], pos:pos + config.chunk_size].copy_(chosen.to(torch.int32),
-                                                                                    non_blocking=pin)
-            end = clock.mark()
-            times.forward_ms += clock.elapsed_ms(start, mid)
-            times.cache_write_ms += clock.elapsed_ms(mid, end)
-    if pin:
-        torch.cuda.synchronize(device)
-    return TeacherCache(values, indices), times
+        with recorder.stage("teacher_forward"):
+            hidden = body(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask)).last_hidden_state
+            hidden = hidden[:, targets.window].reshape(-1, hidden.shape[-1])  # [b * R, d]
+        base = row * window  # this micro-batch's first flat position
+        for start in range(0, hidden.shape[0], config.chunk_size):
+            stop = min(start + config.chunk_size, hidden.shape[0])
+            with recorder.stage("teacher_forward"):
+                logits = finalize_logits(model.config, head(hidden[start:stop]))  # [c, V]
+                chosen = None
+                if config.mode == "topk":
+                    logits, chosen = torch.topk(logits, width, dim=-1)
+            with recorder.stage("cache_write"):
+                values[base + start:base + stop].copy_(logits.to(dtype), non_blocking=pin)
+                if indices is not None:
+                    indices[base + start:base + stop].copy_(chosen.to(torch.int32), non_blocking=pin)
+    if pin:  # the host copies must land before anyone reads the cache
+        torch.cuda.current_stream(device).synchronize()
+    shape = (rows, window, width)
+    return TeacherCache(values.view(shape), None if indices is None else indices.view(shape))

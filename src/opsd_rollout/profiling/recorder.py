@@ -32,14 +32,17 @@ class Span:
 
 
 class StageRecorder:
-    """Records nested ``stage(name)`` spans and the forwards of one module; resolved once by ``resolve()``."""
+    """Records nested ``stage(name)`` spans and the forwards of one module; resolved once by ``resolve()``.
+
+    Marks are only recorded while the work runs (device events on CUDA: no synchronization) and read once at
+    the end. A stage entered several times (a chunk loop) sums its spans."""
 
     enabled = True
 
     def __init__(self, clock: Clock, *, time_forwards: bool = True):
         self.clock = clock
         self.time_forwards = time_forwards
-        self._marks: dict[str, tuple[Any, Any, str | None]] = {}
+        self._marks: list[tuple[str, Any, Any, str | None]] = []
         self._stack: list[str] = []
         self._forward_timer: ForwardTimer | None = None
         self._forward_parent: str | None = None
@@ -54,7 +57,7 @@ class StageRecorder:
             yield
         finally:
             self._stack.pop()
-        self._marks[name] = (start, self.clock.mark(), parent)
+        self._marks.append((name, start, self.clock.mark(), parent))
 
     @contextlib.contextmanager
     def forwards(self, module: torch.nn.Module) -> Iterator[None]:
@@ -76,12 +79,15 @@ class StageRecorder:
             yield
 
     def resolve(self) -> "Resolved":
-        """Read every mark once (one device wait on CUDA) into stage times, forwards, phases and spans."""
-        origin = self._marks[ROOT][0]
-        stages, spans = {}, []
-        for name, (start, end, parent) in self._marks.items():
-            stages[name] = max(0.0, self.clock.elapsed_ms(start, end))
-            spans.append(Span(name, max(0.0, self.clock.elapsed_ms(origin, start)), stages[name], parent))
+        """Read every mark once (one device wait on CUDA) into stage times, forwards, phases and spans; offsets
+        count from the ``total`` stage's start (or the first mark's, without one)."""
+        origin = next((start for name, start, _end, _parent in self._marks if name == ROOT), self._marks[0][1])
+        stages: dict[str, float] = {}
+        spans = []
+        for name, start, end, parent in self._marks:
+            ms = max(0.0, self.clock.elapsed_ms(start, end))
+            stages[name] = stages.get(name, 0.0) + ms
+            spans.append(Span(name, max(0.0, self.clock.elapsed_ms(origin, start)), ms, parent))
         phases: dict[str, PhaseTotal] = self._probes.totals() if self._probes is not None else {}
         inside: dict[int, float] = {}
         for record in self._probes.records if self._probes is not None else []:
