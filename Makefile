@@ -5,8 +5,12 @@ PY := $(VENV)/bin/python
 # Installed only when the venv has no torch yet; on this project's CPU machines this is a local
 # CPU wheel. Override (e.g. TORCH_SPEC="torch --index-url ...") or preinstall your own torch.
 TORCH_SPEC ?= torch==2.13.0
+# The floor environment: the oldest release of every dependency (requirements/floor.txt) on Python 3.12,
+# the lent GPU machine's stack. Any python3.12 works; pyenv's is found when none is on the PATH.
+FLOOR_PYTHON ?= $(shell python3.12 -c 'import sys; print(sys.executable)' 2>/dev/null || PYENV_VERSION=$$(pyenv versions --bare 2>/dev/null | grep '^3\.12' | tail -1) python3.12 -c 'import sys; print(sys.executable)' 2>/dev/null || echo python3)
+FLOOR_VENV ?= .venv-floor
 
-.PHONY: test bench install install-test clean
+.PHONY: test test-fast test-floor bench install install-test gpu-bundle clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -24,15 +28,32 @@ $(VENV)/.installed-test: pyproject.toml $(VENV)/.torch
 	$(PY) -m pip install --quiet -e ".[test,plot]"
 	touch $@ $(VENV)/.installed
 
+$(FLOOR_VENV)/.installed: pyproject.toml requirements/floor.txt
+	rm -rf $(FLOOR_VENV)
+	$(FLOOR_PYTHON) -m venv $(FLOOR_VENV)
+	$(FLOOR_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(FLOOR_VENV)/bin/python -m pip install --quiet -c requirements/floor.txt -e ".[test,plot]"
+	touch $@
+
 install: $(VENV)/.installed
 install-test: $(VENV)/.installed-test
 
 test: install-test
 	$(PY) -m pytest -q
 
+test-fast: install-test
+	$(PY) -m pytest -q -m "not slow"
+
+test-floor: $(FLOOR_VENV)/.installed
+	$(FLOOR_VENV)/bin/python -c "import sys, torch, transformers; print('floor:', sys.version.split()[0], 'torch', torch.__version__, 'transformers', transformers.__version__)"
+	$(FLOOR_VENV)/bin/python -m pytest -q -m "not slow"
+
 bench: install
 	$(PY) -m opsd_rollout bench --output bench-results/rollout.json --plot bench-results \
 		--trace bench-results/trace.json
 
+gpu-bundle: install
+	$(PY) scripts/gpu_bundle.py --output .gpu-bundle
+
 clean:
-	rm -rf $(VENV) bench-results .pytest_cache .hypothesis
+	rm -rf $(VENV) $(FLOOR_VENV) .gpu-bundle bench-results .pytest_cache .hypothesis

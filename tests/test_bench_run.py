@@ -149,6 +149,7 @@ def test_mann_whitney_against_the_formula():
     assert mann_whitney_p([1, 2, 3, 4, 5], [6, 7, 8, 9, 10]) == pytest.approx(0.01219, abs=1e-4)
 
 
+@pytest.mark.slow
 def test_an_interrupted_run_leaves_valid_json_that_resume_completes(tmp_path):
     output = tmp_path / "run.json"
     command = [sys.executable, "-m", "opsd_rollout", "bench", "--model", "llama-tiny", "--zero-stages", "none",
@@ -180,6 +181,7 @@ def test_an_interrupted_run_leaves_valid_json_that_resume_completes(tmp_path):
         assert after["iterations"] == before["iterations"]
 
 
+@pytest.mark.slow
 def test_step_benchmark_end_to_end(tmp_path, capsys):
     out = tmp_path / "step.json"
     assert main(["step", "--student", "llama-tiny", "--teacher", "qwen2-tiny", "--loss", "jsd,forward_kl",

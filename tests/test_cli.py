@@ -32,6 +32,7 @@ def test_bad_model_is_one_clear_line(capsys):
     assert err.startswith("opsd-rollout: error:") and "never downloads" in err and "Traceback" not in err
 
 
+@pytest.mark.slow
 def test_python_dash_m_help_works():
     result = subprocess.run([sys.executable, "-m", "opsd_rollout", "--help"], capture_output=True, text=True,
                             timeout=120)

@@ -8,12 +8,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from conftest import clean_env
 from opsd_rollout.distributed import free_port
 
 HERE = Path(__file__).parent
 
 
+@pytest.mark.slow
 def test_zero3_ranks_finishing_at_different_steps(tmp_path):
     env = {**clean_env(), "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr",

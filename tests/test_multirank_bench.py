@@ -10,6 +10,7 @@ import sys
 import textwrap
 
 import jsonschema
+import pytest
 
 from conftest import clean_env
 from opsd_rollout.bench.report import load_schema
@@ -25,6 +26,7 @@ def run_cli(args, tmp_path, extra_env=None, timeout=300):
                           timeout=timeout, cwd=tmp_path)
 
 
+@pytest.mark.slow
 def test_two_rank_zero3_bench_gathers_and_merges_both_ranks(tmp_path):
     output = tmp_path / "run.json"
     result = run_cli(["bench", *ARGS, "--output", str(output)], tmp_path)
@@ -53,6 +55,7 @@ def test_two_rank_zero3_bench_gathers_and_merges_both_ranks(tmp_path):
     assert not list(tmp_path.glob("bench-results*")), "no rank wrote anything but the requested output"
 
 
+@pytest.mark.slow
 def test_a_rank_that_fails_stops_the_run_with_its_error(tmp_path):
     hook = tmp_path / "hook"
     hook.mkdir()
@@ -76,6 +79,7 @@ def test_a_rank_that_fails_stops_the_run_with_its_error(tmp_path):
     assert "rank 1 failed on config" in text and "planted failure on rank 1" in text
 
 
+@pytest.mark.slow
 def test_two_rank_opsd_step(tmp_path):
     output = tmp_path / "step.json"
     result = run_cli(["step", "--teacher", "qwen2-tiny", "--zero-stages", "3", "--batch-sizes", "1",
