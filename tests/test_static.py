@@ -13,7 +13,7 @@ from conftest import (TINY_PRESETS, assert_batch_contract, assert_chi_square_fit
                       make_tokenizer, prompts_with_padding_and_holes, reference_rollout, transition_model)
 from opsd_rollout import HybridEngineRollout, HybridEngineRolloutConfig, RolloutRequest, SamplingConfig
 from opsd_rollout.models import EOS_ID, PAD_ID
-from opsd_rollout.rollout.static import StaticDecode
+from opsd_rollout.rollout.strategies.static import StaticDecode
 
 
 def reference_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> np.ndarray:
@@ -87,7 +87,7 @@ def test_decode_steps_attend_to_the_filled_positions_and_skip_the_mask_without_p
         tiny_models, tokenizer, static_shapes, prompts):
     """Each decode step's keys span the positions written so far (the whole cache with ``static_shapes``),
     and its mask is ``None`` when no prompt is padded, else the same width, switched on up to the fed token."""
-    from opsd_rollout.rollout import static as static_module
+    from opsd_rollout.rollout.strategies import static as static_module
 
     model = tiny_models["llama-tiny"]
     rollout = HybridEngineRollout(model, tokenizer, static(static_shapes=static_shapes))
@@ -253,7 +253,7 @@ def test_models_without_a_static_cache_fall_back_to_generate(tokenizer, caplog):
 
 
 def test_flash_attention_and_generation_config_processors_fall_back_to_generate(tiny_models, tokenizer, caplog):
-    from opsd_rollout.rollout.static import StaticDecode
+    from opsd_rollout.rollout.strategies.static import StaticDecode
     from opsd_rollout.rollout.target import resolve_target
 
     model = copy.deepcopy(tiny_models["llama-tiny"])
@@ -270,7 +270,10 @@ def test_flash_attention_and_generation_config_processors_fall_back_to_generate(
     assert torch.equal(batch.input_ids, ref_ids)  # the penalty applied, as model.generate applies it
 
 
-def test_a_list_valued_tokenizer_eos_is_the_pad_fallback(tiny_models):
-    rollout = HybridEngineRollout(tiny_models["llama-tiny"], make_tokenizer(None, [2, 5]))
-    batch = rollout.generate(left_padded([[7, 8]], 2), SamplingConfig(max_new_tokens=3, temperature=0))
-    assert batch.input_ids.shape[0] == 1
+def test_a_list_valued_tokenizer_eos_is_the_pad_fallback():
+    """The first of the tokenizer's EOS ids pads the rows that stop early."""
+    model = transition_model(chain_table(16, {8: 5}))  # after 8 comes 5, an EOS; 10 runs on: 11, 12, 13
+    rollout = HybridEngineRollout(model, make_tokenizer(None, [2, 5]))
+    batch = rollout.generate(left_padded([[7, 8], [9, 10]], 2), SamplingConfig(max_new_tokens=3, temperature=0))
+    assert batch.input_ids[:, 2:].tolist() == [[5, 2, 2], [11, 12, 13]]
+    assert batch.attention_mask[:, 2:].tolist() == [[1, 0, 0], [1, 1, 1]]

@@ -18,7 +18,7 @@ from opsd_rollout import HybridEngineRollout, HybridEngineRolloutConfig, Samplin
 from opsd_rollout.modeling import cache_keyword
 from opsd_rollout.models import EOS_ID, PAD_ID
 from opsd_rollout.rollout.compiled import CompiledStep, bucket
-from opsd_rollout.rollout.static import StaticDecode
+from opsd_rollout.rollout.strategies.static import StaticDecode
 
 INSTALLED_KEYWORD = cache_keyword(LlamaForCausalLM.__new__(LlamaForCausalLM))
 
@@ -59,7 +59,8 @@ def test_a_forward_that_ignores_its_cache_fails_loudly(tiny_models, tokenizer, n
     """What transformers < 5.23 did with ``cache=``: swallowed by ``**kwargs``, the model ran uncached."""
     rollout = HybridEngineRollout(tiny_models["llama-tiny"], tokenizer,
                                   HybridEngineRolloutConfig(strategy="static", static_shapes=static_shapes))
-    rollout.target = dataclasses.replace(rollout.target, cache_keyword="a_name_the_model_ignores")
+    spec = dataclasses.replace(rollout.target.spec, cache_keyword="a_name_the_model_ignores")
+    rollout.target = dataclasses.replace(rollout.target, spec=spec)
     with pytest.raises(RuntimeError, match="did not use the cache"):
         rollout.generate(prompts_with_padding_and_holes(tokenizer),
                          SamplingConfig(max_new_tokens=4, n_samples_per_prompt=n, temperature=0))

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from conftest import make_tokenizer
+from conftest import chain_table, left_padded, make_tokenizer, transition_model
 from opsd_rollout import HybridEngineRollout, HybridEngineRolloutConfig, RolloutRequest, SamplingConfig
 
 
@@ -70,10 +70,13 @@ def test_tokenizer_without_pad_or_eos_is_refused(tiny_models):
         engine.generate(ok_request(), SamplingConfig(max_new_tokens=2))
 
 
-def test_pad_falls_back_to_eos(tiny_models):
-    engine = HybridEngineRollout(tiny_models["llama-tiny"], make_tokenizer(None, 2))
-    batch = engine.generate(ok_request(), SamplingConfig(max_new_tokens=2, temperature=0))
-    assert batch.input_ids.shape[0] == 2
+def test_pad_falls_back_to_eos():
+    """Without a pad id, rows that stop early are padded with the EOS id."""
+    model = transition_model(chain_table(16, {8: 2}))  # after 8 comes EOS; 10 runs on
+    engine = HybridEngineRollout(model, make_tokenizer(None, 2))
+    batch = engine.generate(left_padded([[7, 8], [9, 10]], 0), SamplingConfig(max_new_tokens=3, temperature=0))
+    assert batch.input_ids[:, 2:].tolist() == [[2, 2, 2], [11, 12, 13]]
+    assert batch.attention_mask[:, 2:].tolist() == [[1, 0, 0], [1, 1, 1]]
 
 
 def test_non_tensor_prompts_and_wrong_sampling_type_are_type_errors(rollout):

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from transformers.cache_utils import StaticCache, StaticLayer
 
 CACHE_KEYWORDS = ("cache", "past_key_values")
 """How a model's ``forward`` takes its KV cache: ``cache`` from transformers 5.23 on, ``past_key_values``
@@ -88,3 +89,100 @@ class KVShape:
     def bytes_per_token(self, element_size: int) -> int:
         """Keys and values of one position of one row, all layers."""
         return 2 * self.layers * self.kv_heads * self.head_dim * element_size
+
+
+def max_positions_of(config: Any) -> int | None:
+    """The model's position limit from its config, or ``None`` when it has none."""
+    config = text_config(config)
+    return getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+
+
+STATIC_ATTENTION = (None, "sdpa", "eager", "flex_attention")
+"""Attention implementations that read a preallocated cache through its layers' ``update`` and the mask we pass.
+Flash attention trims keys by the 2-D mask's length, which would span the whole static cache."""
+
+NEUTRAL_GENERATION = {"repetition_penalty": (None, 1.0), "no_repeat_ngram_size": (None, 0),
+                      "encoder_no_repeat_ngram_size": (None, 0), "min_new_tokens": (None, 0), "min_length": (None, 0),
+                      "suppress_tokens": (None, []), "begin_suppress_tokens": (None, []), "bad_words_ids": (None, []),
+                      "forced_bos_token_id": (None,), "forced_eos_token_id": (None,), "sequence_bias": (None, {}),
+                      "epsilon_cutoff": (None, 0.0), "eta_cutoff": (None, 0.0), "typical_p": (None, 1.0),
+                      "min_p": (None, 0.0), "exponential_decay_length_penalty": (None,),
+                      "renormalize_logits": (None, False), "diversity_penalty": (None, 0.0)}
+"""``generation_config`` fields and the values that leave ``generate()``'s logits processors off."""
+
+
+def _static_cache_problem(model: torch.nn.Module, config: Any, attention: str | None,
+                          keyword: str | None) -> str | None:
+    if keyword is None:
+        return f"{type(model).__name__}.forward takes no KV cache argument by name"
+    if attention not in STATIC_ATTENTION:
+        return f"attention implementation {attention!r} needs transformers' own cache handling"
+    if getattr(config, "v_head_dim", None) not in (None, getattr(config, "head_dim", None)) or getattr(
+            config, "qk_rope_head_dim", None):
+        return "keys and values of different widths (multi-head latent attention)"
+    try:
+        layers = StaticCache(config=model.config, max_cache_len=2).layers
+    except Exception as error:  # noqa: BLE001 - any failure means: no static cache for this model
+        return f"cannot build a static cache for {type(model).__name__}: {error}"
+    if any(type(layer) is not StaticLayer for layer in layers):
+        return "sliding-window or linear-attention layers need transformers' own cache handling"
+    return None
+
+
+def _full_numel(param: torch.nn.Parameter) -> int:
+    """A parameter's full size, also when ZeRO-3 has partitioned it away (``ds_numel``)."""
+    return int(getattr(param, "ds_numel", param.numel()))
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A transformers causal LM's facts, read once (``ModelSpec.of``) from the innermost model."""
+
+    config: Any
+    """The decoder's config."""
+    vocab_size: int | None
+    max_positions: int | None
+    hidden_size: int | None
+    kv: KVShape | None
+    """``None`` when the config does not say (the static strategy then cannot run)."""
+    attention: str | None
+    """``config._attn_implementation``: ``sdpa``, ``eager``, ``flex_attention``, ``flash_attention_2``, ..."""
+    cache_keyword: str | None
+    """The keyword the model's forward takes its KV cache by (see ``CACHE_KEYWORDS``)."""
+    static_cache_problem: str | None
+    """Why a preallocated static KV cache cannot serve this model, or ``None``."""
+    generation_processors: tuple[str, ...]
+    """``generation_config`` fields that switch on logits processors only ``generate()`` applies."""
+    parameters: int
+    """All parameters (ZeRO-3 partitioned ones counted whole)."""
+    matmul_parameters: int
+    """Parameters that take part in a matmul per token: all but an untied input embedding table."""
+    dtype: torch.dtype
+
+    @classmethod
+    def of(cls, model: torch.nn.Module) -> "ModelSpec":
+        model = innermost_model(model)
+        config = text_config(model.config)
+        attention = getattr(model.config, "_attn_implementation", None)
+        keyword = cache_keyword(model)
+        try:
+            kv = KVShape.of(config)
+        except (AttributeError, TypeError):
+            kv = None
+        params = list(model.parameters())
+        parameters = sum(_full_numel(p) for p in params)
+        embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+        output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        weight = getattr(embedding, "weight", None)
+        untied = weight is not None and weight is not getattr(output, "weight", None)
+        generation = getattr(model, "generation_config", None)
+        return cls(
+            config=config, vocab_size=getattr(config, "vocab_size", None), max_positions=max_positions_of(config),
+            hidden_size=getattr(config, "hidden_size", None) or getattr(config, "n_embd", None), kv=kv,
+            attention=attention, cache_keyword=keyword,
+            static_cache_problem=_static_cache_problem(model, config, attention, keyword) if kv is not None
+            else "the config does not give the key/value shape",
+            generation_processors=tuple(name for name, neutral in NEUTRAL_GENERATION.items()
+                                        if getattr(generation, name, None) not in neutral),
+            parameters=parameters, matmul_parameters=parameters - (_full_numel(weight) if untied else 0),
+            dtype=params[0].dtype if params else torch.float32)

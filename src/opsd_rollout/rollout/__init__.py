@@ -1,6 +1,26 @@
-"""The rollout engine: config and validation, post-processing, generation strategies."""
+"""The rollout engine: config and validation, post-processing, generation strategies.
 
-from opsd_rollout.rollout.config import HybridEngineRolloutConfig
-from opsd_rollout.rollout.engine import HybridEngineRollout
+``HybridEngineRollout`` loads on first use (PEP 562): the config module alone is light, and the command line
+reads it for its help."""
 
-__all__ = ["HybridEngineRollout", "HybridEngineRolloutConfig"]
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+_EXPORTS = {"HybridEngineRollout": "opsd_rollout.rollout.engine",
+            "HybridEngineRolloutConfig": "opsd_rollout.rollout.config"}
+
+__all__ = sorted(_EXPORTS)
+
+if TYPE_CHECKING:
+    from opsd_rollout.rollout.config import HybridEngineRolloutConfig
+    from opsd_rollout.rollout.engine import HybridEngineRollout
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'opsd_rollout.rollout' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value
+    return value

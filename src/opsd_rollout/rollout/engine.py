@@ -57,7 +57,7 @@ class HybridEngineRollout(RolloutEngine):
         if self.cfg.compile_decode and self.target.device.type != "cuda":
             raise ValueError(f"compile_decode=True needs a CUDA device (CUDA graphs capture GPU kernels); the model "
                              f"is on {self.target.device}. Leave it off on CPU: the eager decode loop is used.")
-        reason = getattr(self.strategy, "unsupported_reason", lambda _t: None)(self.target)
+        reason = self.strategy.unsupported_reason(self.target)
         if reason:
             logger.warning("strategy %r cannot run %s (%s); using 'generate'", self.cfg.strategy,
                            type(self.target.forward_module).__name__, reason)
@@ -123,15 +123,15 @@ class HybridEngineRollout(RolloutEngine):
             prompt_length=plan.prompt_length, max_new_tokens=plan.max_new_tokens, dtype=dtype_name(self.target.dtype),
             device=str(self.target.device), decoding=plan.decoding, strategy=self.strategy.name,
             zero_stage=self.target.zero_stage, world_size=self.target.world_size, rank=self.target.rank,
-            timer=self._clock.kind, workspace=getattr(getattr(self.strategy, "workspace", None), "last_event", None))
+            timer=self._clock.kind,
+            workspace=self.strategy.workspace.last_event if self.strategy.workspace is not None else None)
         return batch
 
     def _probes(self) -> PhaseProbes:
         probes = PhaseProbes(self._clock)
         add_rollout_probes(probes, self.target, self, merge_adapters=self.cfg.merge_adapters)
-        workspace = getattr(self.strategy, "workspace", None)
-        if workspace is not None:
-            probes.add(workspace, "allocate", "workspace_alloc")
+        if self.strategy.workspace is not None:
+            probes.add(self.strategy.workspace, "allocate", "workspace_alloc")
         if self._gather_once is not None:
             probes.add(self._gather_once, "gather", "param_gather")
             probes.add(self._gather_once, "release", "param_gather")

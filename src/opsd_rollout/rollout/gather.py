@@ -10,6 +10,8 @@ from typing import Any
 
 import psutil
 import torch
+from deepspeed.runtime.zero import parameter_offload
+from deepspeed.runtime.zero.partition_parameters import GatheredParameters
 
 logger = logging.getLogger(__name__)
 
@@ -77,8 +79,6 @@ class GatherOnce:
             context.__exit__(None, None, None)
         finally:
             if self.offload is not None:
-                from deepspeed.runtime.zero import parameter_offload
-
                 stack = parameter_offload.FWD_MODULE_STACK
                 depth = len(stack)
                 self.offload.setup_zero_stage3_hooks()
@@ -90,8 +90,6 @@ class GatherOnce:
         if not self.params or not self.fits():
             yield False
             return
-        from deepspeed.runtime.zero.partition_parameters import GatheredParameters
-
         context = GatheredParameters(self.params, modifier_rank=None)
         self.gather(context)
         try:

@@ -9,10 +9,12 @@ from typing import Any, Callable
 import deepspeed
 import torch
 import transformers
+from deepspeed.runtime.engine import DeepSpeedEngine
+from deepspeed.runtime.hybrid_engine import DeepSpeedHybridEngine
 from packaging.version import Version
 
 from opsd_rollout.distributed import rank_info
-from opsd_rollout.modeling import cache_keyword, innermost_model, text_config
+from opsd_rollout.modeling import ModelSpec, innermost_model
 
 
 @dataclass(frozen=True)
@@ -30,14 +32,26 @@ class RolloutTarget:
     zero_stage: int
     hybrid_engine: bool
     device: torch.device
-    dtype: torch.dtype
-    vocab_size: int | None
-    max_positions: int | None
+    spec: ModelSpec
+    """The model's facts (config, KV shape, attention, limits, cache keyword), read once."""
     config_eos_ids: tuple[int, ...]
     """``generation_config.eos_token_id`` of the model (an int or a Qwen-style list)."""
-    cache_keyword: str | None
-    """The keyword the model's forward takes its KV cache by (``cache`` or, before transformers 5.23,
-    ``past_key_values``); ``None`` when it takes none by name."""
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.spec.dtype
+
+    @property
+    def vocab_size(self) -> int | None:
+        return self.spec.vocab_size
+
+    @property
+    def max_positions(self) -> int | None:
+        return self.spec.max_positions
+
+    @property
+    def cache_keyword(self) -> str | None:
+        return self.spec.cache_keyword
 
     @property
     def is_peft(self) -> bool:
@@ -51,22 +65,6 @@ class RolloutTarget:
     @property
     def rank(self) -> int:
         return rank_info().rank
-
-
-def _is_deepspeed_engine(obj: Any) -> bool:
-    try:
-        from deepspeed import DeepSpeedEngine
-    except ImportError:  # pragma: no cover - deepspeed is a dependency
-        return False
-    return isinstance(obj, DeepSpeedEngine)
-
-
-def _is_hybrid_engine(obj: Any) -> bool:
-    try:
-        from deepspeed.runtime.hybrid_engine import DeepSpeedHybridEngine
-    except ImportError:  # pragma: no cover
-        return False
-    return isinstance(obj, DeepSpeedHybridEngine)
 
 
 def hybrid_engine_problem(engine: Any) -> str | None:
@@ -101,33 +99,26 @@ def _eos_ids(value: Any) -> tuple[int, ...]:
     return tuple(int(v) for v in value)
 
 
-def _first_param(module: torch.nn.Module) -> torch.nn.Parameter | None:
-    return next(module.parameters(), None)
-
-
 def resolve_target(engine_or_model: Any) -> RolloutTarget:
     """Inspect ``engine_or_model`` once; raises ``TypeError`` for anything that cannot generate."""
-    if _is_deepspeed_engine(engine_or_model):
+    if isinstance(engine_or_model, DeepSpeedEngine):
         model = engine_or_model.module
         zero_stage = int(engine_or_model.zero_optimization_stage())
-        hybrid = _is_hybrid_engine(engine_or_model)
+        hybrid = isinstance(engine_or_model, DeepSpeedHybridEngine)
         device = torch.device(engine_or_model.device)
         generate_fn = engine_or_model.generate if hybrid else model.generate
     elif isinstance(engine_or_model, torch.nn.Module):
         model, zero_stage, hybrid = engine_or_model, 0, False
-        param = _first_param(model)
+        param = next(model.parameters(), None)
         device = param.device if param is not None else torch.device("cpu")
         generate_fn = getattr(model, "generate", None)
     else:
         raise TypeError("engine must be a DeepSpeed engine or a transformers causal LM (torch.nn.Module); "
                         f"got {type(engine_or_model).__name__}")
-    if not callable(generate_fn):
-        raise TypeError(f"engine's model {type(model).__name__} has no generate(); pass a transformers causal LM")
-
     forward_module = innermost_model(model)
-    config = getattr(forward_module, "config", None)
-    text = text_config(config) if config is not None else None
-    param = _first_param(forward_module)
+    if not callable(generate_fn) or getattr(forward_module, "config", None) is None:
+        raise TypeError(f"engine's model {type(model).__name__} is not a transformers causal LM (it needs a config "
+                        "and generate())")
     generation_config = getattr(forward_module, "generation_config", None)
     return RolloutTarget(
         engine=engine_or_model,
@@ -137,10 +128,6 @@ def resolve_target(engine_or_model: Any) -> RolloutTarget:
         zero_stage=zero_stage,
         hybrid_engine=hybrid,
         device=device,
-        dtype=param.dtype if param is not None else torch.float32,
-        vocab_size=getattr(text, "vocab_size", None),
-        max_positions=(getattr(text, "max_position_embeddings", None)
-                       or getattr(text, "n_positions", None)),
+        spec=ModelSpec.of(forward_module),
         config_eos_ids=_eos_ids(getattr(generation_config, "eos_token_id", None)),
-        cache_keyword=cache_keyword(forward_module),
     )

@@ -188,10 +188,7 @@ class KVWorkspace:
     @staticmethod
     def _view_cache(buffers: _Buffers, shape: KVShape, config: Any, rows: int, length: int, device: torch.device,
                     layer_type: type) -> StaticCache:
-        cache = StaticCache(config=config, max_cache_len=length)
-        unsupported = {type(layer).__name__ for layer in cache.layers if type(layer) is not StaticLayer}
-        if unsupported:
-            raise TypeError(f"{sorted(unsupported)} layers are not supported by the static workspace")
+        cache = StaticCache(config=config, max_cache_len=length)  # only full-attention layers: ModelSpec checked
         view = (rows, shape.kv_heads, length, shape.head_dim)
         elements = rows * shape.kv_heads * length * shape.head_dim
         cache.layers = [layer_type(max_cache_len=length) for _ in cache.layers]

@@ -11,9 +11,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from transformers.cache_utils import StaticCache
 
-from opsd_rollout.modeling import position_ids, text_config
+from opsd_rollout.modeling import position_ids
 from opsd_rollout.rollout.compiled import LENGTH_BUCKET_MIN, CompiledStep, bucket
 from opsd_rollout.rollout.sampling import sample
 from opsd_rollout.rollout.target import RolloutTarget
@@ -50,22 +49,6 @@ def replicate_cache(source: Any, target: Any, repeats: int, prompt_length: int) 
         set_filled(dst, prompt_length)
 
 
-NEUTRAL_GENERATION = {"repetition_penalty": (None, 1.0), "no_repeat_ngram_size": (None, 0),
-                      "encoder_no_repeat_ngram_size": (None, 0), "min_new_tokens": (None, 0), "min_length": (None, 0),
-                      "suppress_tokens": (None, []), "begin_suppress_tokens": (None, []), "bad_words_ids": (None, []),
-                      "forced_bos_token_id": (None,), "forced_eos_token_id": (None,), "sequence_bias": (None, {}),
-                      "epsilon_cutoff": (None, 0.0), "eta_cutoff": (None, 0.0), "typical_p": (None, 1.0),
-                      "min_p": (None, 0.0), "exponential_decay_length_penalty": (None,),
-                      "renormalize_logits": (None, False), "diversity_penalty": (None, 0.0)}
-
-
-def _generation_config_processors(model: torch.nn.Module) -> list[str]:
-    """The logits processors the model's generation_config would switch on in ``generate()``."""
-    config = getattr(model, "generation_config", None)
-    return [name for name, neutral in NEUTRAL_GENERATION.items()
-            if getattr(config, name, None) not in neutral]
-
-
 class StaticDecode:
     """Prefill once (B prompts, not B*n, with ``shared_prefill``), then a static-shape decode loop."""
 
@@ -94,26 +77,11 @@ class StaticDecode:
         """Why this strategy cannot run ``target`` (the rollout then uses ``generate``), or ``None``."""
         if target.hybrid_engine:
             return "the hybrid engine generates through its own patched generate()"
-        model = target.forward_module
-        if target.cache_keyword is None:
-            return f"{type(model).__name__}.forward takes no KV cache argument by name"
-        attention = getattr(model.config, "_attn_implementation", None)
-        if attention not in (None, "sdpa", "eager", "flex_attention"):
-            # flash attention trims keys by the 2-D mask's length, which here spans the whole static cache
-            return f"attention implementation {attention!r} needs transformers' own cache handling"
-        config = text_config(model.config)
-        if getattr(config, "v_head_dim", None) not in (None, getattr(config, "head_dim", None)) or getattr(
-                config, "qk_rope_head_dim", None):
-            return "keys and values of different widths (multi-head latent attention)"
-        processors = _generation_config_processors(model)
-        if processors:
-            return f"the model's generation_config sets {processors}, which only generate() applies"
-        try:
-            layers = StaticCache(config=model.config, max_cache_len=2).layers
-        except Exception as error:  # noqa: BLE001 - any failure means: not for us
-            return f"cannot build a static cache for {type(model).__name__}: {error}"
-        if any(type(layer).__name__ != "StaticLayer" for layer in layers):
-            return "sliding-window or linear-attention layers need transformers' own cache handling"
+        if target.spec.static_cache_problem:
+            return target.spec.static_cache_problem
+        if target.spec.generation_processors:
+            return (f"the model's generation_config sets {list(target.spec.generation_processors)}, which only "
+                    "generate() applies")
         return None
 
     def _generator_for(self, device: torch.device) -> torch.Generator:
