@@ -13,7 +13,7 @@ from conftest import left_padded
 from opsd_rollout import HybridEngineRollout, HybridEngineRolloutConfig, SamplingConfig
 from opsd_rollout.deepspeed_engine import build_engine
 from opsd_rollout.profiling import Clock, PhaseProbes, timed_eval
-from opsd_rollout.profiling.profile import ATTRIBUTED_PHASES
+from opsd_rollout.profiling.profile import ATTRIBUTED_FIELDS
 from opsd_rollout.rollout.phases import add_rollout_probes, zero3_coordinator
 from opsd_rollout.rollout.target import resolve_target
 
@@ -27,7 +27,7 @@ def assert_shares_add_up(p):
     shares = p.stage_shares()
     assert all(v >= 0 for v in shares.values())
     assert sum(shares.values()) <= 1.0 + 1e-9
-    for name in ATTRIBUTED_PHASES:
+    for name in ATTRIBUTED_FIELDS:
         assert (getattr(p, name) or 0.0) <= p.generation_ms
 
 

@@ -114,7 +114,7 @@ def test_forward_timer_counts_chunked_prefill_as_prefill(tiny_models):
             model(ids[:, 6:], past_key_values=cache, use_cache=True)  # prefill chunk 2
             for token in (20, 21, 22):
                 model(torch.tensor([[token]]), past_key_values=cache, use_cache=True)
-        phases = [f.phase for f in timer.read()]
+        phases = [f.kind for f in timer.read()]
     finally:
         timer.remove()
     assert phases == ["prefill", "prefill", "decode", "decode", "decode"]

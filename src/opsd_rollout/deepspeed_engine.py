@@ -7,9 +7,12 @@ ZeRO stages without a config file.
 from __future__ import annotations
 
 import os
+from datetime import timedelta
 from typing import Any
 
+import deepspeed
 import torch
+import torch.distributed as dist
 
 from opsd_rollout.distributed import free_port
 
@@ -24,11 +27,6 @@ def init_distributed(timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S) -> None:
     collective of the group gives up after ``timeout_s`` seconds with an error, instead of waiting forever
     for a rank that died.
     """
-    from datetime import timedelta
-
-    import deepspeed
-    import torch.distributed as dist
-
     if dist.is_available() and dist.is_initialized():
         return
     if "RANK" not in os.environ:
@@ -66,8 +64,6 @@ def deepspeed_config(zero_stage: int, *, dtype: torch.dtype = torch.float32, lr:
 
 def build_engine(model: torch.nn.Module, zero_stage: int, **config_kwargs: Any):
     """Wrap ``model`` in a DeepSpeed engine at ``zero_stage``; returns the engine."""
-    import deepspeed
-
     init_distributed()
     dtype = next(model.parameters()).dtype
     config = deepspeed_config(zero_stage, dtype=dtype, **config_kwargs)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import socket
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -29,15 +31,11 @@ LAUNCHER_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_
 
 def environment_without_ranks() -> dict[str, str]:
     """This process's environment minus ``LAUNCHER_ENV``, for child processes that start ranks of their own."""
-    import os
-
     return {k: v for k, v in os.environ.items() if k not in LAUNCHER_ENV}
 
 
 def free_port() -> int:
     """A free TCP port on loopback, for a new process group's rendezvous."""
-    import socket
-
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])

@@ -10,13 +10,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from opsd_rollout.metrics import STEP_PARTS
 from opsd_rollout.modeling import position_ids
 from opsd_rollout.opsd.divergence import DivergenceConfig, chunked_divergence
 from opsd_rollout.opsd.targets import response_targets
 from opsd_rollout.opsd.teacher import TeacherCacheConfig, build_teacher_cache
 from opsd_rollout.profiling import Clock, PeakMemory, RolloutProfile, StageRecorder, timed_eval
-
-PHASES = ("rollout", "teacher", "student_forward", "loss", "backward", "optimizer")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -42,9 +41,9 @@ class StepProfile:
     rollout_share: float
     """(eval + rollout + train) / total: what the step spends producing its samples."""
     peak_memory_bytes: dict[str, int] = field(default_factory=dict)
-    """Per phase: accelerator peak allocated on CUDA, process peak RSS on CPU."""
-    phase_start_ms: dict[str, float] = field(default_factory=dict)
-    """Per phase: its start, from the start of the step (for traces)."""
+    """Per step part: accelerator peak allocated on CUDA, process peak RSS on CPU."""
+    part_start_ms: dict[str, float] = field(default_factory=dict)
+    """Per step part: its start, from the start of the step (for traces)."""
     response_tokens: int = 0
     teacher_cache_bytes: int = 0
     loss: float = 0.0
@@ -58,15 +57,15 @@ class StepProfile:
         """Flat numbers first (what benchmark summaries read), the nested rollout profile under ``rollout``."""
         data = dataclasses.asdict(self)
         data["rollout"] = self.rollout.to_dict() if self.rollout is not None else None
-        for phase, peak in data.pop("peak_memory_bytes").items():
-            data[f"peak_{phase}_bytes"] = peak
+        for part, peak in data.pop("peak_memory_bytes").items():
+            data[f"peak_{part}_bytes"] = peak
         data["peak_memory_bytes"] = max(self.peak_memory_bytes.values(), default=0)
         data["tokens_per_second"] = self.tokens_per_second
         return data
 
 
-class _Phases:
-    """The step's phases as stages of one deferred recorder (marks read once, at the end), each with the peak
+class _Parts:
+    """The step's parts as stages of one deferred recorder (marks read once, at the end), each with the peak
     memory it reached."""
 
     def __init__(self, recorder: StageRecorder, device: torch.device):
@@ -111,22 +110,22 @@ def opsd_step(student_engine: Any, teacher: Any, rollout: Any, request: Any, sam
     teacher_cache = teacher_cache or TeacherCacheConfig()
     device = torch.device(student_engine.device)
     recorder = StageRecorder(Clock(device), time_forwards=False)
-    phases = _Phases(recorder, device)
+    parts = _Parts(recorder, device)
     with recorder.stage("total"):
         with timed_eval(student_engine, device, train_after=True) as switch:
-            batch = phases.run("rollout", rollout.generate, request, sampling)
+            batch = parts.run("rollout", rollout.generate, request, sampling)
         targets = response_targets(batch)
-        cache = phases.run("teacher", build_teacher_cache, teacher, targets, teacher_cache, recorder=recorder)
-        logits = phases.run("student_forward", _student_logits, student_engine, targets)
-        total, count = phases.run("loss", chunked_divergence, logits,
+        cache = parts.run("teacher", build_teacher_cache, teacher, targets, teacher_cache, recorder=recorder)
+        logits = parts.run("student_forward", _student_logits, student_engine, targets)
+        total, count = parts.run("loss", chunked_divergence, logits,
                                   lambda s, e: cache.chunk(s, e, logits.device), targets.mask.to(logits.device),
                                   divergence)
         loss, reported = _token_mean(total, count)
-        phases.run("backward", student_engine.backward, loss)
-        phases.run("optimizer", student_engine.step)
+        parts.run("backward", student_engine.backward, loss)
+        parts.run("optimizer", student_engine.step)
     resolved = recorder.resolve()
     ms = resolved.stages
-    starts = {span.name: span.start_ms for span in resolved.spans if span.name in PHASES}
+    starts = {span.name: span.start_ms for span in resolved.spans if span.name in STEP_PARTS}
     producing = switch.eval_ms + ms["rollout"] + (switch.train_ms or 0.0)
     return StepProfile(
         rollout=rollout.get_last_profile(), eval_ms=switch.eval_ms, train_ms=switch.train_ms or 0.0,
@@ -134,5 +133,5 @@ def opsd_step(student_engine: Any, teacher: Any, rollout: Any, request: Any, sam
         cache_write_ms=ms.get("cache_write", 0.0), student_forward_ms=ms["student_forward"], loss_ms=ms["loss"],
         backward_ms=ms["backward"], optimizer_ms=ms["optimizer"], total_ms=ms["total"],
         rollout_share=producing / ms["total"] if ms["total"] > 0 else 0.0,
-        peak_memory_bytes=dict(phases.peaks), phase_start_ms=starts, response_tokens=targets.tokens,
+        peak_memory_bytes=dict(parts.peaks), part_start_ms=starts, response_tokens=targets.tokens,
         teacher_cache_bytes=cache.nbytes, loss=float(reported))

@@ -16,14 +16,14 @@ from opsd_rollout.profiling.clock import Clock
 
 @dataclass(frozen=True)
 class ForwardTime:
-    """One forward pass: its duration, its input shape, its phase and (when asked) its start offset."""
+    """One forward pass: its duration, its input shape, its kind and (when asked) its start offset."""
 
     ms: float
     rows: int
     query_tokens: int
     """Tokens per row fed to this forward (1 for a decode step)."""
-    phase: str
-    """``prefill`` or ``decode``."""
+    kind: str
+    """``prefill`` or ``decode`` (a forward kind)."""
     offset_ms: float | None = None
     """Start, relative to the ``origin`` mark given to ``ForwardTimer.read``."""
     attributed_ms: float = 0.0
@@ -93,9 +93,6 @@ class ForwardTimer:
         start, shape = self._open.pop()
         if not self._open:  # only outermost forwards count
             self._records.append((start, self.clock.mark(), shape))
-
-    def __len__(self) -> int:
-        return len(self._records)
 
     def open_index(self) -> int | None:
         """Index (in ``read()``'s list) of the forward running now, or ``None`` between forwards."""

@@ -55,8 +55,8 @@ class ModelTimeProfiler:
                 "or since the last read. Under CUDA-graph replay the model's forward hooks do not run: time the "
                 "module whose call replays the graph (e.g. the DeepSpeed inference engine) instead.")
         if split:
-            return {"prefill": [t.ms for t in times if t.phase == "prefill"],
-                    "decode": [t.ms for t in times if t.phase == "decode"]}
+            return {"prefill": [t.ms for t in times if t.kind == "prefill"],
+                    "decode": [t.ms for t in times if t.kind == "decode"]}
         return [t.ms for t in times]
 
     def remove(self) -> None:

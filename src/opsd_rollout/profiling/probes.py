@@ -12,10 +12,14 @@ record calls and bytes, e.g. ZeRO-3 all-gathers launched inside a timed fetch.
 
 from __future__ import annotations
 
+import gc
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+import torch
+from deepspeed.accelerator import get_accelerator
 
 from opsd_rollout.profiling.clock import Clock, synchronize
 
@@ -141,16 +145,7 @@ class PhaseProbes:
 def add_housekeeping_probes(probes: PhaseProbes) -> None:
     """``gc.collect`` as ``gc`` and the accelerator's ``empty_cache`` (DeepSpeed's accelerator object and
     ``torch.cuda``) as ``empty_cache``: what the hybrid engine and trainers call on the hot path."""
-    import gc
-
-    import torch
-
     probes.add(gc, "collect", "gc")
-    try:
-        from deepspeed.accelerator import get_accelerator
-
-        probes.add(get_accelerator(), "empty_cache", "empty_cache")
-    except ImportError:  # pragma: no cover - deepspeed is a dependency
-        pass
+    probes.add(get_accelerator(), "empty_cache", "empty_cache")
     if torch.cuda.is_available():
         probes.add(torch.cuda, "empty_cache", "empty_cache")

@@ -12,6 +12,8 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from opsd_rollout.metrics import ATTRIBUTED_PHASES, ROLLOUT_STAGES
+
 # DeepSpeed's key -> ours.
 DEEPSPEED_ALIASES: dict[str, str] = {
     "prefill_forward_ms": "prefill_ms",
@@ -21,8 +23,7 @@ DEEPSPEED_ALIASES: dict[str, str] = {
     "num_samples_per_prompt": "samples_per_prompt",
 }
 DERIVED_KEYS = ("generation_overhead_ms",)
-ATTRIBUTED_PHASES = ("param_gather_ms", "inference_cache_ms", "lora_fuse_ms", "lora_unfuse_ms", "gc_ms",
-                     "empty_cache_ms", "workspace_alloc_ms")
+ATTRIBUTED_FIELDS = tuple(f"{phase}_ms" for phase in ATTRIBUTED_PHASES)
 
 
 @dataclass(frozen=True, kw_only=True, eq=True)
@@ -120,7 +121,7 @@ class RolloutProfile(Mapping):
     @property
     def attributed_ms(self) -> float:
         """All attributed phases together."""
-        return sum(getattr(self, name) or 0.0 for name in ATTRIBUTED_PHASES)
+        return sum(getattr(self, name) or 0.0 for name in ATTRIBUTED_FIELDS)
 
     @property
     def generation_overhead_ms(self) -> float:
@@ -151,18 +152,10 @@ class RolloutProfile(Mapping):
         """Each top-level stage and attributed phase as a fraction of ``total_ms``."""
         if self.total_ms <= 0:
             return {}
-        names = ("prompt_expansion_ms", "prefill_ms", "decode_ms", "post_processing_ms", *ATTRIBUTED_PHASES)
-        shares = {name: getattr(self, name) / self.total_ms for name in names if getattr(self, name) is not None}
-        shares["generation_overhead_ms"] = self.generation_overhead_ms / self.total_ms
-        return shares
+        return {name: self[name] / self.total_ms for name in ROLLOUT_STAGES if self[name] is not None}
 
 
 _FIELD_NAMES: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(RolloutProfile))
-
-
-PHASE_FIELDS = {"param_gather": "param_gather_ms", "inference_cache": "inference_cache_ms", "lora_fuse": "lora_fuse_ms",
-                "lora_unfuse": "lora_unfuse_ms", "gc": "gc_ms", "empty_cache": "empty_cache_ms",
-                "workspace_alloc": "workspace_alloc_ms"}
 
 
 def build_profile(*, stages: dict[str, float], forwards: list | None, phases: dict, peak_memory: tuple[int, str],
@@ -177,8 +170,8 @@ def build_profile(*, stages: dict[str, float], forwards: list | None, phases: di
         ("prefill_ms", "decode_ms", "decode_steps", "prefill_forwards", "ttft_ms", "tpot_ms", "prefill_tokens",
          "decode_tokens_per_second", "prefill_tokens_per_second"))
     if forwards is not None:
-        prefill = [f for f in forwards if f.phase == "prefill"]
-        decode = [f for f in forwards if f.phase == "decode"]
+        prefill = [f for f in forwards if f.kind == "prefill"]
+        decode = [f for f in forwards if f.kind == "decode"]
         prefill_ms, decode_ms = sum(f.exclusive_ms for f in prefill), sum(f.exclusive_ms for f in decode)
         prefill_tokens = sum(f.rows * f.query_tokens for f in prefill)
         forward_fields.update(
@@ -188,7 +181,7 @@ def build_profile(*, stages: dict[str, float], forwards: list | None, phases: di
             decode_tokens_per_second=((generated_tokens - effective_batch_size) / (decode_ms / 1e3)
                                       if decode_ms > 0 else None),
             prefill_tokens_per_second=prefill_tokens / (prefill_ms / 1e3) if prefill_ms > 0 else None)
-    attributed: dict[str, Any] = {field: phases[phase].ms for phase, field in PHASE_FIELDS.items()
+    attributed: dict[str, Any] = {f"{phase}_ms": phases[phase].ms for phase in ATTRIBUTED_PHASES
                                   if phase in phases and (phases[phase].calls or phases[phase].events)}
     if "param_gather" in phases:
         attributed.update(param_gather_count=phases["param_gather"].events,

@@ -99,7 +99,7 @@ class StageRecorder:
         if self._forward_timer is not None:
             forwards = [dataclasses.replace(f, attributed_ms=inside.get(i, 0.0))
                         for i, f in enumerate(self._forward_timer.read(origin=origin))]
-            spans += [Span(f"{f.phase} forward", max(0.0, f.offset_ms), f.ms, self._forward_parent) for f in forwards]
+            spans += [Span(f"{f.kind} forward", max(0.0, f.offset_ms), f.ms, self._forward_parent) for f in forwards]
         elif self.time_forwards:
             forwards = []
         spans.sort(key=lambda span: span.start_ms)

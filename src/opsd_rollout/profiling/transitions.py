@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
@@ -25,7 +25,6 @@ class ModeSwitchTimes:
     """``gc.collect`` inside either switch."""
     empty_cache_ms: float = 0.0
     """Accelerator ``empty_cache`` inside either switch."""
-    details: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -1,0 +1,110 @@
+"""Every figure a profile or a benchmark reports, defined once: its label, its unit, how ranks merge it and
+which way is better. The profile's attributed phases, the stage breakdowns, the comparison's metrics and the
+multi-rank merge rules are all read from here; a new figure is added here and nowhere else.
+
+Three words, three meanings: an **attributed phase** is work probed inside a rollout (a ZeRO-3 gather,
+LoRA fuse, ``gc.collect``); a **forward kind** is ``prefill`` or ``decode``; a **step part** is one part of an
+OPSD step (rollout, teacher, student forward, loss, backward, optimizer).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MERGES = ("max", "sum", "mean")
+
+
+@dataclass(frozen=True)
+class Metric:
+    name: str
+    """The profile field (``total_ms``) it is read from."""
+    label: str
+    """Short, for table columns and plot legends."""
+    unit: str
+    """``ms``, ``bytes``, ``tokens/s``, ``tokens``, ``count``, ``ratio`` or ``loss``."""
+    merge: str = "max"
+    """Across ranks of one run: ``max`` (the slowest rank's time, the largest rank's memory), ``sum``
+    (throughput and token counts: each rank rolls out its own prompts) or ``mean`` (ratios, losses)."""
+    lower_is_better: bool | None = True
+    """For comparisons; ``None``: not a performance figure."""
+    compared: bool = False
+    """``opsd-rollout compare`` judges it by default."""
+
+
+def _ms(name: str, label: str, *, compared: bool = False) -> Metric:
+    return Metric(name, label, "ms", compared=compared)
+
+
+METRICS: dict[str, Metric] = {m.name: m for m in [
+    # rollout stages
+    _ms("total_ms", "total", compared=True),
+    _ms("prompt_expansion_ms", "expand"),
+    _ms("generation_ms", "generation"),
+    _ms("prefill_ms", "prefill", compared=True),
+    _ms("decode_ms", "decode", compared=True),
+    _ms("generation_overhead_ms", "gen-other"),
+    _ms("post_processing_ms", "post", compared=True),
+    _ms("attention_mask_ms", "mask"),
+    _ms("ttft_ms", "TTFT", compared=True),
+    _ms("tpot_ms", "TPOT", compared=True),
+    # attributed phases (inside generation)
+    _ms("param_gather_ms", "gather"),
+    _ms("inference_cache_ms", "cache"),
+    _ms("lora_fuse_ms", "fuse"),
+    _ms("lora_unfuse_ms", "unfuse"),
+    _ms("gc_ms", "gc"),
+    _ms("empty_cache_ms", "empty_cache"),
+    _ms("workspace_alloc_ms", "alloc"),
+    Metric("param_gather_count", "gathers", "count", merge="sum", lower_is_better=None),
+    Metric("param_gather_bytes", "gathered", "bytes", merge="sum", lower_is_better=None),
+    # throughput and counts
+    Metric("tokens_per_second", "tok/s", "tokens/s", merge="sum", lower_is_better=False, compared=True),
+    Metric("decode_tokens_per_second", "decode tok/s", "tokens/s", merge="sum", lower_is_better=False,
+           compared=True),
+    Metric("prefill_tokens_per_second", "prefill tok/s", "tokens/s", merge="sum", lower_is_better=False),
+    Metric("generated_tokens", "tokens", "tokens", merge="sum", lower_is_better=None),
+    Metric("padded_tokens", "padding", "tokens", merge="sum", lower_is_better=None),
+    Metric("prefill_tokens", "prefill tokens", "tokens", merge="sum", lower_is_better=None),
+    Metric("response_tokens", "response tokens", "tokens", merge="sum", lower_is_better=None),
+    Metric("effective_batch_size", "rows", "count", merge="sum", lower_is_better=None),
+    Metric("batch_size", "prompts", "count", merge="sum", lower_is_better=None),
+    # memory
+    Metric("peak_memory_bytes", "peak", "bytes", compared=True),
+    # OPSD step parts
+    _ms("eval_ms", "eval"),
+    _ms("rollout_ms", "rollout", compared=True),
+    _ms("train_ms", "train"),
+    _ms("teacher_forward_ms", "teacher", compared=True),
+    _ms("cache_write_ms", "cache write"),
+    _ms("student_forward_ms", "student"),
+    _ms("loss_ms", "loss time", compared=True),
+    _ms("backward_ms", "backward", compared=True),
+    _ms("optimizer_ms", "optim"),
+    Metric("rollout_share", "rollout %", "ratio", merge="mean", lower_is_better=None),
+    Metric("loss", "loss", "loss", merge="mean", lower_is_better=None),
+    Metric("teacher_cache_bytes", "cache", "bytes", lower_is_better=None),
+]}
+
+ATTRIBUTED_PHASES = ("param_gather", "inference_cache", "lora_fuse", "lora_unfuse", "gc", "empty_cache",
+                     "workspace_alloc")
+"""The attributed phases a rollout profile reports, each as ``<phase>_ms``."""
+ROLLOUT_STAGES = ("prompt_expansion_ms", "prefill_ms", "decode_ms", *(f"{p}_ms" for p in ATTRIBUTED_PHASES),
+                  "generation_overhead_ms", "post_processing_ms")
+"""A rollout's time, broken down: disjoint parts that add up to (at most) ``total_ms``."""
+STEP_PARTS = ("rollout", "teacher", "student_forward", "loss", "backward", "optimizer")
+"""The parts of an OPSD step, in the order they run."""
+STEP_STAGES = ("eval_ms", "rollout_ms", "train_ms", "teacher_forward_ms", "cache_write_ms", "student_forward_ms",
+               "loss_ms", "backward_ms", "optimizer_ms")
+"""An OPSD step's time, broken down: disjoint parts that add up to (at most) its ``total_ms``."""
+
+
+def metric(name: str) -> Metric:
+    """The registered metric, or a default one for an unregistered field (a time if it ends in ``_ms``)."""
+    if name in METRICS:
+        return METRICS[name]
+    unit = "ms" if name.endswith("_ms") else ("bytes" if name.endswith("_bytes") else "")
+    return Metric(name, name.removesuffix("_ms"), unit, lower_is_better=True if unit else None)
+
+
+def label(name: str) -> str:
+    return metric(name).label
