@@ -10,8 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from opsd_rollout.bench.configfile import read_config_file, split_config
-from opsd_rollout.bench.matrix import BenchMatrix, BenchSettings, run_order
-from opsd_rollout.bench.stats import Stats
+from opsd_rollout.bench.matrix import Matrix, run_order
+from opsd_rollout.bench.scenarios import RolloutScenario, RolloutSettings, StepScenario, StepSettings
+from opsd_rollout.bench.stats import Stats, median, median_index
 
 small_ints = st.lists(st.integers(1, 64), min_size=1, max_size=3, unique=True)
 
@@ -21,7 +22,7 @@ small_ints = st.lists(st.integers(1, 64), min_size=1, max_size=3, unique=True)
        dtypes=st.lists(st.sampled_from(["fp32", "bf16"]), min_size=1, max_size=2, unique=True),
        zero=st.lists(st.sampled_from(["none", 0, 3]), min_size=1, max_size=2, unique=True))
 def test_expansion_is_the_product_and_run_order_is_largest_first_per_engine(b, n, p, r, dtypes, zero):
-    matrix = BenchMatrix.parse({"batch_sizes": b, "samples_per_prompt": n, "prompt_lengths": p,
+    matrix = Matrix.parse(RolloutScenario, {"batch_sizes": b, "samples_per_prompt": n, "prompt_lengths": p,
                                 "response_lengths": r, "dtypes": dtypes, "zero_stages": zero})
     configs = matrix.expand()
     assert len(configs) == len(b) * len(n) * len(p) * len(r) * len(dtypes) * len(zero)
@@ -39,7 +40,7 @@ def test_expansion_is_the_product_and_run_order_is_largest_first_per_engine(b, n
 
 def test_every_bad_value_is_listed_in_one_message():
     with pytest.raises(ValueError) as error:
-        BenchMatrix.parse({"batch_sizes": ["1", "0", "x"], "dtypes": ["fp32", "fp8"], "zero_stages": ["4"],
+        Matrix.parse(RolloutScenario, {"batch_sizes": ["1", "0", "x"], "dtypes": ["fp32", "fp8"], "zero_stages": ["4"],
                            "decoding": ["beam"], "colours": ["red"]})
     message = str(error.value)
     for fragment in ("batch_sizes: '0' is not an integer >= 1", "batch_sizes: 'x'", "dtypes: 'fp8'",
@@ -48,7 +49,7 @@ def test_every_bad_value_is_listed_in_one_message():
 
 
 def test_positions_beyond_the_model_are_refused_up_front():
-    matrix = BenchMatrix.parse({"prompt_lengths": [512, 1000], "response_lengths": [32, 64]})
+    matrix = Matrix.parse(RolloutScenario, {"prompt_lengths": [512, 1000], "response_lengths": [32, 64]})
     with pytest.raises(ValueError, match="prompt 1000 \\+ response 32 = 1032; prompt 1000 \\+ response 64"):
         matrix.check_positions(1024)
     matrix.check_positions(2048)
@@ -56,7 +57,7 @@ def test_positions_beyond_the_model_are_refused_up_front():
 
 def test_settings_are_validated_together():
     with pytest.raises(ValueError) as error:
-        BenchSettings(iterations=0, warmup=-1, top_p=2.0, prompts="random")
+        RolloutSettings(iterations=0, warmup=-1, top_p=2.0, prompts="random")
     for fragment in ("iterations must be", "warmup must be", "top_p must be", "prompts must be"):
         assert fragment in str(error.value)
 
@@ -69,17 +70,17 @@ def test_settings_are_validated_together():
 def test_config_files_in_three_formats(tmp_path, suffix, text):
     path = tmp_path / f"bench{suffix}"
     path.write_text(text)
-    axes, settings_ = split_config(read_config_file(path))
-    matrix = BenchMatrix.parse(axes)
-    assert matrix.batch_sizes == [2, 8] and matrix.samples_per_prompt == [4]
-    assert BenchSettings(**settings_).iterations == 3
+    axes, settings_ = split_config(read_config_file(path), RolloutScenario)
+    matrix = Matrix.parse(RolloutScenario, axes)
+    assert matrix["batch_sizes"] == [2, 8] and matrix["samples_per_prompt"] == [4]
+    assert RolloutSettings(**settings_).iterations == 3
 
 
 def test_config_file_unknown_key_is_named(tmp_path):
     path = tmp_path / "bad.json"
     path.write_text('{"batch_size": [1]}')
     with pytest.raises(ValueError, match="unknown keys \\['batch_size'\\]"):
-        split_config(read_config_file(path))
+        split_config(read_config_file(path), RolloutScenario)
 
 
 @settings(max_examples=100, deadline=None)
@@ -96,10 +97,43 @@ def test_stats_match_numpy(values):
     assert s.iqr == pytest.approx(np.percentile(array, 75) - np.percentile(array, 25))
 
 
-def test_stats_merge_skip_missing_and_flag_spread():
-    a, b = Stats.from_values([1.0, 2.0]), Stats.from_values([3.0, None, float("nan")])
-    merged = Stats.merge([a, None, b])
-    assert merged.count == 3 and merged.p50 == 2.0
+def test_stats_skip_missing_and_flag_spread_and_one_median():
+    pooled = Stats.from_values([1.0, 2.0, 3.0, None, float("nan")])
+    assert pooled.count == 3 and pooled.p50 == 2.0 == median([3.0, 1.0, 2.0])
+    assert Stats.from_values([1.0, 2.0, 3.0, 10.0]).p50 == 2.5 == median([1, 2, 3, 10])
+    assert [median_index(v) for v in ([5.0, 1.0, 3.0], [4.0, 1.0, 3.0, 2.0], [7.0])] == [2, 3, 0]
     assert Stats.from_values([None]) is None
     assert Stats.from_values([100, 100, 100, 100]).noisy is False
     assert Stats.from_values([80, 100, 120, 140]).noisy is True
+
+
+def test_each_kind_owns_its_axes_and_defaults():
+    """A library caller gets a working step benchmark from the defaults alone (the step's settings, teacher
+    included, live with the step scenario), and rollout configs carry no step axes."""
+    from opsd_rollout.models import max_positions
+
+    settings_ = StepSettings()
+    assert (settings_.model, settings_.teacher, settings_.lr) == ("llama-tiny", "llama-small", 1e-3)
+    matrix = Matrix.parse(StepScenario, {"losses": ["forward_kl", "jsd"], "betas": ["0.2", "0.7"]})
+    StepScenario(settings_).check(matrix, max_positions)
+    configs = matrix.expand()
+    assert sorted((c.loss, c.beta) for c in configs if c.zero_stage == 0) == [
+        ("forward_kl", None), ("jsd", 0.2), ("jsd", 0.7)]  # beta varies the JSD only
+    assert configs[0].key.endswith("-forward_kl-full") and "jsd0.2-full" in configs[1].key
+    rollout = Matrix.defaults(RolloutScenario).expand()[0]
+    assert not hasattr(rollout, "loss") and set(Matrix.defaults(RolloutScenario).to_dict()) == {
+        axis.name for axis in RolloutScenario.axes}
+    with pytest.raises(ValueError, match="not none"):
+        StepScenario(settings_).check(Matrix.parse(StepScenario, {"zero_stages": ["none"]}), max_positions)
+
+
+def test_the_command_line_describes_itself_without_importing_torch():
+    """``--help`` reads only light modules (scenarios, axes, settings, presets): no torch, DeepSpeed or
+    transformers until a command runs."""
+    import subprocess
+    import sys
+
+    code = ("import sys, opsd_rollout.cli as cli; cli.build_parser(); "
+            "print(sorted(m for m in ('torch', 'deepspeed', 'transformers') if m in sys.modules))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0 and result.stdout.strip() == "[]", result.stdout + result.stderr

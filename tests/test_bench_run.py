@@ -14,7 +14,8 @@ import pytest
 
 from conftest import clean_env
 from opsd_rollout import HybridEngineRollout
-from opsd_rollout.bench.matrix import BenchMatrix, BenchSettings
+from opsd_rollout.bench.matrix import Matrix
+from opsd_rollout.bench.scenarios import RolloutScenario, RolloutSettings
 from opsd_rollout.bench.report import load_schema
 from opsd_rollout.bench.runner import BenchRunner
 from opsd_rollout.cli import main
@@ -79,9 +80,9 @@ def test_a_failing_config_is_recorded_and_the_run_goes_on(tmp_path, monkeypatch)
         return original(self, request, sampling)
 
     monkeypatch.setattr(HybridEngineRollout, "generate", flaky)
-    matrix = BenchMatrix.parse({"batch_sizes": [1, 2, 3], "prompt_lengths": [8], "response_lengths": [2],
+    matrix = Matrix.parse(RolloutScenario, {"batch_sizes": [1, 2, 3], "prompt_lengths": [8], "response_lengths": [2],
                                 "samples_per_prompt": [1], "zero_stages": ["none"]})
-    runner = BenchRunner(matrix, BenchSettings(model="llama-tiny", warmup=0, iterations=2),
+    runner = BenchRunner(matrix, RolloutSettings(model="llama-tiny", warmup=0, iterations=2),
                          output=tmp_path / "r.json", measure_machine=False)
     results = runner.run()
     assert [r.status for r in results] == ["ok", "failed", "ok"]

@@ -1,31 +1,30 @@
-"""Command line: ``opsd-rollout <subcommand>``; flags map onto the library's dataclasses, nothing else parses."""
+"""Command line: ``opsd-rollout <subcommand>``; flags map onto the library's dataclasses, nothing else parses.
+
+Building the parser reads only light modules (the scenarios' axes and settings, the presets), so ``--help``
+answers at once; torch, transformers and DeepSpeed are imported by the command that needs them.
+"""
 
 from __future__ import annotations
 
 import argparse
 import os
+import subprocess
 import sys
 import warnings
 from collections.abc import Sequence
 from dataclasses import fields
+from typing import Any
 
 from rich.console import Console
 from rich.table import Table
 
-from opsd_rollout.bench.runner import RankFailure
-
-AXIS_FLAGS = {  # flag -> BenchMatrix axis
-    "batch_sizes": "batch sizes (prompts per rollout)",
-    "samples_per_prompt": "samples per prompt (n)",
-    "prompt_lengths": "prompt lengths in tokens",
-    "response_lengths": "response lengths (max_new_tokens)",
-    "dtypes": "fp32, fp16, bf16 (a dtype the device cannot run is reported as skipped)",
-    "decoding": "greedy, sampling (temperature/top-k/top-p below)",
-    "zero_stages": "0-3 (a DeepSpeed engine built from the model) or none (the bare model)",
-    "strategies": "static (default: our decode loop, shared prefill) or generate (transformers' generate)",
-    "cache_policies": "retain (keep inference workspaces between calls) or release (free after each call)",
-    "forward_timing": "on, off: time every forward pass (prefill/decode split)",
-}
+from opsd_rollout.bench.compare import comparison_markdown, comparison_table, compare_documents
+from opsd_rollout.bench.configfile import read_config_file, split_config
+from opsd_rollout.bench.matrix import Matrix, run_order
+from opsd_rollout.bench.report import load_document, write_text_atomic
+from opsd_rollout.bench.scenarios import RolloutScenario, Scenario, StepScenario
+from opsd_rollout.bench.scenarios.rollout import PROMPT_KINDS
+from opsd_rollout.presets import DEFAULT_MODEL, PRESETS
 
 
 def _console() -> Console:
@@ -34,8 +33,6 @@ def _console() -> Console:
 
 
 def _cmd_models(_args: argparse.Namespace) -> int:
-    from opsd_rollout.models import DEFAULT_MODEL, PRESETS
-
     table = Table(title="Built-in model presets (random weights, byte tokenizer; nothing downloads)")
     for column in ("name", "architecture", "parameters", "description"):
         table.add_column(column)
@@ -46,49 +43,28 @@ def _cmd_models(_args: argparse.Namespace) -> int:
     return 0
 
 
-STEP_AXIS_FLAGS = {
-    "losses": "forward_kl, reverse_kl, jsd",
-    "betas": "generalized JSD beta in [0, 1] (0 = forward KL, 1 = reverse KL; jsd only)",
-    "teacher_caches": "full (every logit) or top<k> (e.g. top64): the host teacher-logit cache",
-}
-
-
-SINGULAR = {"losses": "loss", "betas": "beta", "teacher_caches": "teacher-cache"}
-
-
-def _bench_inputs(args: argparse.Namespace, kind: str):
-    from opsd_rollout.bench.configfile import read_config_file, split_config
-    from opsd_rollout.bench.matrix import BenchMatrix, BenchSettings
-
-    file_axes, file_settings = split_config(read_config_file(args.config)) if args.config else ({}, {})
-    flags = {**AXIS_FLAGS, **(STEP_AXIS_FLAGS if kind == "step" else {})}
-    flag_axes = {axis: getattr(args, axis).split(",") for axis in flags if getattr(args, axis) is not None}
-    base = BenchMatrix.for_steps() if kind == "step" else None
-    matrix = BenchMatrix.parse({**file_axes, **flag_axes}, base=base)
-    defaults = {"model": "llama-tiny", "teacher": "llama-small", "lr": 1e-3} if kind == "step" else {}
-    flag_settings = {f.name: getattr(args, f.name) for f in fields(BenchSettings)
+def _bench_inputs(args: argparse.Namespace, scenario: type[Scenario]) -> tuple[Matrix, Any]:
+    """The matrix and settings of a run: the scenario's defaults, then the config file, then the flags."""
+    file_axes, file_settings = split_config(read_config_file(args.config), scenario) if args.config else ({}, {})
+    flag_axes = {axis.name: getattr(args, axis.name).split(",") for axis in scenario.axes
+                 if getattr(args, axis.name) is not None}
+    matrix = Matrix.parse(scenario, {**file_axes, **flag_axes})
+    flag_settings = {f.name: getattr(args, f.name) for f in fields(scenario.settings_type)
                      if getattr(args, f.name, None) is not None}
-    settings = BenchSettings(**{**defaults, **file_settings, **flag_settings})
-    if kind == "step" and not matrix.is_step:
-        raise ValueError("an OPSD step benchmark needs at least one loss (--losses)")
-    if kind == "step" and "none" in matrix.zero_stages:
-        raise ValueError("an OPSD step trains a DeepSpeed engine: --zero-stages takes 0-3 here, not none")
-    return matrix, settings
+    return matrix, scenario.settings_type(**{**file_settings, **flag_settings})
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    return _run_matrix(args, "rollout")
+    return _run_matrix(args, RolloutScenario)
 
 
 def _cmd_step(args: argparse.Namespace) -> int:
-    return _run_matrix(args, "step")
+    return _run_matrix(args, StepScenario)
 
 
 def _relaunch(argv: Sequence[str], nproc: int) -> int:
     """Run this same command on ``nproc`` local ranks under torchrun (free port, gloo on CPU)."""
-    import subprocess
-
-    from opsd_rollout.distributed import environment_without_ranks, free_port
+    from opsd_rollout.distributed import environment_without_ranks, free_port  # heavy: see the module docstring
 
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr",
                "127.0.0.1", "--master_port", str(free_port()), "-m", "opsd_rollout", *argv]
@@ -108,11 +84,7 @@ def _without_nproc(argv: Sequence[str]) -> list[str]:
     return out
 
 
-def _run_matrix(args: argparse.Namespace, kind: str) -> int:
-    from opsd_rollout.bench.matrix import BenchMatrix, BenchSettings, run_order
-    from opsd_rollout.bench.report import load_document
-    from opsd_rollout.bench.session import run_bench_session
-
+def _run_matrix(args: argparse.Namespace, scenario: type[Scenario]) -> int:
     if args.nproc is not None:
         if args.nproc < 1:
             raise ValueError(f"--nproc must be >= 1; got {args.nproc}")
@@ -122,17 +94,19 @@ def _run_matrix(args: argparse.Namespace, kind: str) -> int:
     existing = None
     if args.resume:
         existing = load_document(args.resume)
-        if existing.get("kind", "rollout") != kind:
-            raise ValueError(f"--resume {args.resume!r} holds a {existing.get('kind')} benchmark; resume it with "
-                             f"`opsd-rollout {'step' if existing.get('kind') == 'step' else 'bench'}`")
-        matrix = BenchMatrix.parse(existing["matrix"])
-        settings = BenchSettings(**existing["settings"])
+        if existing["kind"] != scenario.kind:
+            raise ValueError(f"--resume {args.resume!r} holds a {existing['kind']} benchmark; resume it with "
+                             f"`opsd-rollout {'step' if existing['kind'] == 'step' else 'bench'}`")
+        matrix = Matrix.parse(scenario, existing["matrix"])
+        settings = scenario.settings_type(**existing["settings"])
         args.output = args.resume
     else:
-        matrix, settings = _bench_inputs(args, kind)
-    _check_positions(matrix, settings.model)
-    if kind == "step":
-        _check_positions(matrix, settings.teacher)
+        matrix, settings = _bench_inputs(args, scenario)
+    from opsd_rollout.bench.runner import RankFailure  # heavy: see the module docstring
+    from opsd_rollout.bench.session import run_bench_session
+    from opsd_rollout.models import max_positions
+
+    scenario(settings).check(matrix, max_positions)
     if args.dry_run:
         configs = matrix.expand()
         order = {c.key: i for i, c in enumerate(run_order(configs), start=1)}
@@ -144,20 +118,15 @@ def _run_matrix(args: argparse.Namespace, kind: str) -> int:
             table.add_row(str(i), str(order[config.key]), config.key)
         console.print(table)
         return 0
-    return run_bench_session(matrix, settings, output=args.output, plot_dir=args.plot, trace=args.trace,
-                             existing=existing, console=console, collective_timeout_s=args.collective_timeout)
-
-
-def _check_positions(matrix, model: str) -> None:
-    from opsd_rollout.models import max_positions
-
-    matrix.check_positions(max_positions(model))
+    try:
+        return run_bench_session(matrix, settings, output=args.output, plot_dir=args.plot, trace=args.trace,
+                                 existing=existing, console=console, collective_timeout_s=args.collective_timeout)
+    except RankFailure as error:  # one rank failed: say which and why; the launcher stops the others
+        print(f"opsd-rollout: error: {error}", file=sys.stderr)
+        return 1
 
 
 def _cmd_compare(args: argparse.Namespace) -> int:
-    from opsd_rollout.bench.compare import comparison_markdown, comparison_table, compare_documents
-    from opsd_rollout.bench.report import load_document, write_text_atomic
-
     if args.threshold < 0:
         raise ValueError(f"--threshold must be >= 0 (percent); got {args.threshold}")
     ignore = tuple(a.strip() for a in args.ignore_axes.split(",") if a.strip()) if args.ignore_axes else ()
@@ -177,37 +146,41 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_bench_flags(bench: argparse.ArgumentParser, kind: str = "rollout") -> None:
-    from opsd_rollout.bench.matrix import PROMPT_KINDS
+SINGULAR = {"losses": "--loss", "betas": "--beta", "teacher_caches": "--teacher-cache"}
+"""Short spellings accepted beside the plural axis flags: ``--loss jsd --beta 0.5``."""
 
+
+def _add_bench_flags(bench: argparse.ArgumentParser, scenario: type[Scenario]) -> None:
     axes = bench.add_argument_group("matrix axes (comma lists; override --config)")
-    for axis, help_text in {**AXIS_FLAGS, **(STEP_AXIS_FLAGS if kind == "step" else {})}.items():
-        axes.add_argument("--" + axis.replace("_", "-"), dest=axis, metavar="LIST", help=help_text)
-        if axis in SINGULAR:  # the short spellings: --loss jsd --beta 0.5
-            axes.add_argument("--" + SINGULAR[axis], dest=axis, metavar="LIST", help=argparse.SUPPRESS)
+    for axis in scenario.axes:
+        names = [axis.flag] + ([SINGULAR[axis.name]] if axis.name in SINGULAR else [])
+        default = ",".join(str(v).lower() if isinstance(v, bool) else str(v) for v in scenario.defaults[axis.name])
+        axes.add_argument(*names, dest=axis.name, metavar="LIST", help=f"{axis.help} (default {default})")
+    defaults = scenario.settings_type()
     runs = bench.add_argument_group("settings (override --config)")
     runs.add_argument("--config", metavar="FILE", help="TOML, JSON or YAML file with axes and settings")
-    if kind == "step":
-        runs.add_argument("--student", dest="model", help="student: preset name or local checkpoint (default "
-                          "llama-tiny)")
-        runs.add_argument("--teacher", help="teacher of the same vocabulary (default llama-small)")
-        runs.add_argument("--lr", type=float, help="student AdamW learning rate (default 1e-3)")
+    if scenario is StepScenario:
+        runs.add_argument("--student", dest="model", help=f"student: preset name or local checkpoint (default "
+                          f"{defaults.model})")
+        runs.add_argument("--teacher", help=f"teacher of the same vocabulary (default {defaults.teacher})")
+        runs.add_argument("--lr", type=float, help=f"student AdamW learning rate (default {defaults.lr:g})")
     else:
-        runs.add_argument("--model", help="preset name (see `opsd-rollout models`; default llama-small) or a local "
-                          "checkpoint directory")
-    runs.add_argument("--warmup", type=int, help="unmeasured iterations per config (default 1)")
-    runs.add_argument("--iterations", type=int, help="measured iterations per config (default 5)")
-    runs.add_argument("--seed", type=int, help="seed for prompts and sampling (default 0)")
+        runs.add_argument("--model", help="preset name (see `opsd-rollout models`) or a local checkpoint "
+                          f"directory (default {defaults.model})")
+    runs.add_argument("--warmup", type=int, help=f"unmeasured iterations per config (default {defaults.warmup})")
+    runs.add_argument("--iterations", type=int, help=f"measured iterations per config (default {defaults.iterations})")
+    runs.add_argument("--seed", type=int, help=f"seed for prompts and sampling (default {defaults.seed})")
     runs.add_argument("--prompts", choices=PROMPT_KINDS, help="synthetic: exact-length prompts (default); "
                       "variable: left-padded prompts of varying length")
-    runs.add_argument("--pad-fraction", type=float, help="mean padding fraction with --prompts variable (0.25)")
+    runs.add_argument("--pad-fraction", type=float, help=f"mean padding fraction with --prompts variable (default "
+                      f"{defaults.pad_fraction})")
     runs.add_argument("--fixed-length", action=argparse.BooleanOptionalAction, default=None,
                       help="ignore EOS so every row generates the full response length (default on)")
-    runs.add_argument("--temperature", type=float, help="sampling temperature (default 1.0)")
-    runs.add_argument("--top-k", type=int, help="sampling top-k, -1 or 0 disables (default 50)")
-    runs.add_argument("--top-p", type=float, help="sampling top-p (default 1.0)")
+    runs.add_argument("--temperature", type=float, help=f"sampling temperature (default {defaults.temperature})")
+    runs.add_argument("--top-k", type=int, help=f"sampling top-k, -1 or 0 disables (default {defaults.top_k})")
+    runs.add_argument("--top-p", type=float, help=f"sampling top-p (default {defaults.top_p})")
     out = bench.add_argument_group("output")
-    out.add_argument("--output", metavar="FILE", default=f"bench-results/{kind}.json",
+    out.add_argument("--output", metavar="FILE", default=f"bench-results/{scenario.kind}.json",
                      help="result JSON, rewritten atomically after every config (default %(default)s)")
     out.add_argument("--plot", metavar="DIR", help="write stages.png, throughput.png and latency.png here")
     out.add_argument("--trace", metavar="FILE", help="Chrome/Perfetto trace of one measured iteration per config")
@@ -232,14 +205,14 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmark rollouts over a matrix of shapes",
                            description="Benchmark rollouts over a matrix of shapes. With no flags: a smoke "
                            "matrix (batch 1,4 x samples 1,4 x prompt 128 x response 32, greedy, llama-small).")
-    _add_bench_flags(bench)
+    _add_bench_flags(bench, RolloutScenario)
     bench.set_defaults(func=_cmd_bench)
     step = sub.add_parser("step", help="benchmark whole OPSD steps (rollout, teacher, student update)",
                           description="Benchmark whole on-policy distillation steps on DeepSpeed: rollout, teacher "
                           "forward into a host logit cache, student forward, divergence, backward, optimizer step. "
                           "Default: student llama-tiny, teacher llama-small, B 2 x n 2 x prompt 32 x response 32, "
                           "jsd(0.5), ZeRO 0 and 3.")
-    _add_bench_flags(step, "step")
+    _add_bench_flags(step, StepScenario)
     step.set_defaults(func=_cmd_step)
     compare = sub.add_parser("compare", help="compare two result files; exit 1 on a significant regression")
     compare.add_argument("before", metavar="BEFORE.json")
@@ -265,9 +238,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as error:  # bad input: a clear message, no traceback
         print(f"opsd-rollout: error: {error}", file=sys.stderr)
         return 2
-    except RankFailure as error:  # one rank failed: say which and why; the launcher stops the others
-        print(f"opsd-rollout: error: {error}", file=sys.stderr)
-        return 1
     except KeyboardInterrupt:
         print("opsd-rollout: interrupted; finished configs are in the result file (finish with --resume)",
               file=sys.stderr)

@@ -4,20 +4,18 @@ whether it is significant, judged on the raw iterations with a two-sided Mann-Wh
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from rich.table import Table
 
-from opsd_rollout.bench.report import ConfigResult, display_labels
+from opsd_rollout.bench.report import ConfigResult, display_labels, results_of
+from opsd_rollout.bench.scenarios import scenario_class
 from opsd_rollout.bench.stats import Stats
+from opsd_rollout.metrics import METRICS
 
-# metric -> True when lower is better
-METRICS: dict[str, bool] = {
-    "total_ms": True, "ttft_ms": True, "tpot_ms": True, "prefill_ms": True, "decode_ms": True,
-    "post_processing_ms": True, "tokens_per_second": False, "decode_tokens_per_second": False,
-    "peak_memory_bytes": True,
-}
+COMPARED = tuple(name for name, m in METRICS.items() if m.compared)
+"""The metrics ``compare`` judges (those the registry marks ``compared``)."""
 TEST_NAME = "two-sided Mann-Whitney U (normal approximation, tie-corrected) on per-iteration values"
 
 
@@ -66,7 +64,7 @@ class MetricChange:
     def verdict(self) -> str:
         if not self.significant:
             return "no significant change"
-        better = (self.after < self.before) == METRICS[self.metric]
+        better = (self.after < self.before) == METRICS[self.metric].lower_is_better
         return ("better" if better else "worse") + (" - REGRESSION" if self.regression else "")
 
 
@@ -75,14 +73,10 @@ class MetricChange:
 MIN_ABSOLUTE = {"ms": 1.0, "bytes": 2**20}
 
 
-def _unit(metric: str) -> str | None:
-    return "ms" if metric.endswith("_ms") else ("bytes" if metric.endswith("_bytes") else None)
-
-
 def _match_key(result: ConfigResult, ignore: tuple[str, ...]) -> str:
     if not ignore:
         return result.config.key
-    config = {k: v for k, v in result.config.to_dict().items() if k not in ignore}
+    config = {k: v for k, v in asdict(result.config).items() if k not in ignore}
     return "|".join(f"{k}={v}" for k, v in sorted(config.items()) if v is not None)
 
 
@@ -90,15 +84,18 @@ def compare_documents(before: dict[str, Any], after: dict[str, Any], *, threshol
                       alpha: float = 0.05, ignore: tuple[str, ...] = ()) -> tuple[list[MetricChange], list[str]]:
     """Changes for every config present in both files and ``ok`` in both; plus notes on unmatched ones.
     ``ignore`` names config axes left out of the matching (e.g. ``strategy``, to compare two strategies)."""
-    from opsd_rollout.bench.matrix import BenchConfig
-
-    unknown = [axis for axis in ignore if axis not in BenchConfig.__dataclass_fields__]
+    kinds = {before.get("kind", "rollout"), after.get("kind", "rollout")}
+    if len(kinds) > 1:
+        raise ValueError(f"cannot compare a {before.get('kind')} benchmark with a {after.get('kind')} one")
+    config_type = scenario_class(kinds.pop()).config_type
+    axes = [f.name for f in fields(config_type)]
+    unknown = [axis for axis in ignore if axis not in axes]
     if unknown:
-        raise ValueError(f"--ignore-axes: unknown axes {unknown}; axes are {list(BenchConfig.__dataclass_fields__)}")
+        raise ValueError(f"--ignore-axes: unknown axes {unknown}; axes are {axes}")
     changes, notes = [], []
     old, new = {}, {}
     for side, document, table in (("BEFORE", before, old), ("AFTER", after, new)):
-        for result in map(ConfigResult.from_dict, document.get("results", [])):
+        for result in results_of(document, config_type):
             key = _match_key(result, ignore)
             if key in table:
                 notes.append(f"{side}: {result.config.key} and {table[key].config.key} match the same config once "
@@ -120,11 +117,12 @@ def compare_documents(before: dict[str, Any], after: dict[str, Any], *, threshol
             notes.append(f"{key}: with {len(old[key].iterations)} and {len(result.iterations)} iterations the "
                          f"smallest possible p is {floor:.3f} >= {alpha}: nothing can be significant; "
                          "rerun with more --iterations")
-        for metric, lower_is_better in METRICS.items():
+        for metric in COMPARED:
             a, b = old[key].metric(metric), result.metric(metric)
             if a is None or b is None:
                 continue
-            changes.append(_change(key, labels[key], metric, a, b, lower_is_better, threshold_pct, alpha))
+            changes.append(_change(key, labels[key], metric, a, b, METRICS[metric].lower_is_better, threshold_pct,
+                                   alpha))
     notes += [f"{key}: only in BEFORE" for key in old if key not in new]
     return changes, notes
 
@@ -135,7 +133,7 @@ def _change(key: str, label: str, metric: str, a: Stats, b: Stats, lower_is_bett
     significant = p < alpha and a.p50 != b.p50
     worse = (b.p50 > a.p50) if lower_is_better else (b.p50 < a.p50)
     pct = abs(100.0 * (b.p50 - a.p50) / a.p50) if a.p50 else 0.0
-    large = abs(b.p50 - a.p50) >= MIN_ABSOLUTE.get(_unit(metric), 0.0)
+    large = abs(b.p50 - a.p50) >= MIN_ABSOLUTE.get(METRICS[metric].unit, 0.0)
     return MetricChange(key, label, metric, a.p50, b.p50, p, significant,
                         significant and worse and pct > threshold_pct and large)
 

@@ -4,11 +4,12 @@ with dashes or underscores (``batch_sizes`` or ``batch-sizes``)."""
 from __future__ import annotations
 
 import json
+import tomllib
 from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from opsd_rollout.bench.matrix import AXES, BenchSettings
+from opsd_rollout.bench.scenarios.base import Scenario
 
 
 def read_config_file(path: str | Path) -> dict[str, Any]:
@@ -20,10 +21,6 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
     suffix = path.suffix.lower()
     try:
         if suffix == ".toml":
-            try:
-                import tomllib
-            except ImportError:  # Python 3.10
-                import tomli as tomllib
             data = tomllib.loads(text)
         elif suffix == ".json":
             data = json.loads(text)
@@ -44,14 +41,15 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
     return {str(k).replace("-", "_"): v for k, v in data.items()}
 
 
-def split_config(data: dict[str, Any]) -> tuple[dict[str, list[Any]], dict[str, Any]]:
-    """``(axes, settings)`` from a config file's contents; unknown keys are an error naming them."""
-    setting_names = {f.name for f in fields(BenchSettings)}
-    unknown = sorted(k for k in data if k not in AXES and k not in setting_names)
+def split_config(data: dict[str, Any], scenario: type[Scenario]) -> tuple[dict[str, list[Any]], dict[str, Any]]:
+    """``(axes, settings)`` of ``scenario`` from a config file's contents; unknown keys are an error naming them."""
+    axis_names = {axis.name for axis in scenario.axes}
+    setting_names = {f.name for f in fields(scenario.settings_type)}
+    unknown = sorted(k for k in data if k not in axis_names and k not in setting_names)
     if unknown:
-        raise ValueError(f"--config: unknown keys {unknown}; axes are {sorted(AXES)}, settings are "
+        raise ValueError(f"--config: unknown keys {unknown}; axes are {sorted(axis_names)}, settings are "
                          f"{sorted(setting_names)}")
-    axes = {k: _as_list(v) for k, v in data.items() if k in AXES}
+    axes = {k: _as_list(v) for k, v in data.items() if k in axis_names}
     settings = {k: v for k, v in data.items() if k in setting_names}
     return axes, settings
 

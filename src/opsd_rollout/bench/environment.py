@@ -6,12 +6,12 @@ import os
 import platform
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from opsd_rollout.bench.timing import interleaved_times
 from opsd_rollout.distributed import rank_info
 
 
@@ -50,17 +50,8 @@ def _version(module: str) -> str | None:
 
 
 def _best_seconds(fn, device: torch.device, repeats: int) -> float:
-    from opsd_rollout.profiling import synchronize
-
-    fn()
-    synchronize(device)
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        synchronize(device)
-        best = min(best, time.perf_counter() - start)
-    return best
+    """The fastest of ``repeats`` timed calls after one warm-up: a ceiling, so the best, not the median."""
+    return min(interleaved_times({"fn": fn}, repeats, device=device)["fn"]) / 1e3
 
 
 def measure_ceilings(device: torch.device, *, copy_mib: int = 256, matmul_n: int = 1024,

@@ -1,18 +1,17 @@
-"""PNG plots of a benchmark run: stacked stage breakdown, tokens/s against effective batch, p50/p95 latency."""
+"""PNG plots of a benchmark run: stacked stage breakdown, tokens/s against effective batch, p50/p95 latency.
+What is stacked and how it is labelled come from the scenario and the metric registry."""
 
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
-from opsd_rollout.bench.report import SHARE_LABELS, STEP_PHASES, ConfigResult, display_labels
-
-STAGES = ("prompt_expansion_ms", "prefill_ms", "decode_ms", "param_gather_ms", "inference_cache_ms",
-          "lora_fuse_ms", "lora_unfuse_ms", "gc_ms", "empty_cache_ms", "workspace_alloc_ms",
-          "generation_overhead_ms", "post_processing_ms")
-
-
-STEP_STAGES = tuple(STEP_PHASES)
+from opsd_rollout.bench.report import ConfigResult, display_labels
+from opsd_rollout.bench.stats import median
+from opsd_rollout.metrics import label
+from opsd_rollout.profiling import RolloutProfile
 
 
 def _pyplot():
@@ -27,26 +26,18 @@ def _pyplot():
 
 
 def _median_stage_ms(result: ConfigResult, stages: tuple[str, ...]) -> dict[str, float]:
-    from opsd_rollout.profiling import RolloutProfile
-
-    if stages is STEP_STAGES:
-        rows = result.iterations
-        read = dict.get
-    else:  # rollout profiles: generation_overhead_ms is derived, not stored
-        rows = [RolloutProfile(**it) for it in result.iterations]
-        read = getattr
-    out = {}
-    for stage in stages:
-        values = sorted(read(row, stage) or 0.0 for row in rows)
-        out[stage] = values[len(values) // 2]
-    return out
+    """Per stage, its median over the iterations (a rollout's ``generation_overhead_ms`` is derived, not stored,
+    so rollout iterations are read through their profile)."""
+    rows: list[Any] = result.iterations
+    if rows and "generation_overhead_ms" in stages:
+        rows = [RolloutProfile(**it) for it in rows]
+    return {stage: median((row[stage] or 0.0) if stage in row else 0.0 for row in rows) for stage in stages}
 
 
-def write_plots(results: list[ConfigResult], directory: str | Path, kind: str = "rollout") -> list[Path]:
+def write_plots(results: list[ConfigResult], directory: str | Path, scenario: Any) -> list[Path]:
     """Writes stages.png, throughput.png and latency.png for the configs that ran; returns their paths.
-    ``kind="step"`` stacks an OPSD step's phases instead of a rollout's stages."""
-    stages = STEP_STAGES if kind == "step" else STAGES
-    names_of = STEP_PHASES if kind == "step" else SHARE_LABELS
+    ``scenario`` says which stages stack (a rollout's or an OPSD step's) and what one iteration is."""
+    stages = scenario.stages
     plt = _pyplot()
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
@@ -61,11 +52,11 @@ def write_plots(results: list[ConfigResult], directory: str | Path, kind: str = 
     for stage in stages:
         heights = [m[stage] for m in medians]
         if any(heights):
-            ax.bar(labels, heights, bottom=bottoms, label=names_of.get(stage, stage))
+            ax.bar(labels, heights, bottom=bottoms, label=label(stage))
             bottoms = [b + h for b, h in zip(bottoms, heights)]
     ax.set_ylabel("ms (median iteration per stage)")
     ax.set_ylim(bottom=0)
-    ax.set_title("Where OPSD step time goes" if kind == "step" else "Where rollout time goes")
+    ax.set_title(f"Where {scenario.what} time goes")
     ax.legend(fontsize=8)
     ax.tick_params(axis="x", rotation=30, labelsize=8)
     paths.append(_save(fig, directory / "stages.png", plt))
@@ -82,7 +73,7 @@ def write_plots(results: list[ConfigResult], directory: str | Path, kind: str = 
         ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=name)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("effective batch size (batch x samples per prompt)")
-    ax.set_ylabel("trained response tokens/s (p50)" if kind == "step" else "generated tokens/s (p50)")
+    ax.set_ylabel(scenario.throughput_label)
     ax.set_title("Throughput against effective batch")
     ax.legend(fontsize=8)
     paths.append(_save(fig, directory / "throughput.png", plt))
@@ -94,7 +85,7 @@ def write_plots(results: list[ConfigResult], directory: str | Path, kind: str = 
     ax.bar([i - 0.2 for i in positions], p50, width=0.4, label="p50")
     ax.bar([i + 0.2 for i in positions], p95, width=0.4, label="p95")
     ax.set_xticks(list(positions), labels, rotation=30, fontsize=8)
-    ax.set_ylabel("step latency (ms)" if kind == "step" else "rollout latency (ms)")
+    ax.set_ylabel(f"{scenario.what} latency (ms)")
     ax.set_title("Latency per config")
     ax.legend(fontsize=8)
     paths.append(_save(fig, directory / "latency.png", plt))
@@ -102,9 +93,9 @@ def write_plots(results: list[ConfigResult], directory: str | Path, kind: str = 
 
 
 def _series_name(result: ConfigResult, results: list[ConfigResult]) -> str:
-    config = result.config.to_dict()
+    config = asdict(result.config)
     varying = [axis for axis in config if axis != "batch_size" and axis != "prompt_length"
-               and len({str(r.config.to_dict()[axis]) for r in results}) > 1]
+               and len({str(asdict(r.config)[axis]) for r in results}) > 1]
     return " ".join([f"prompt {result.config.prompt_length}"] + [f"{axis}={config[axis]}" for axis in varying])
 
 

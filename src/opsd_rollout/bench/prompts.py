@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import torch
+from typing import Any
 
-from opsd_rollout import RolloutRequest
+import torch
+from deepspeed.runtime.rollout.base import RolloutRequest, SamplingConfig
 
 
 def synthetic_prompts(batch_size: int, prompt_length: int, *, vocab_size: int, seed: int,
@@ -24,3 +25,18 @@ def synthetic_prompts(batch_size: int, prompt_length: int, *, vocab_size: int, s
         mask = (positions >= prompt_length - lengths.unsqueeze(1)).long()
         ids = ids.masked_fill(mask == 0, pad_token_id)
     return RolloutRequest(ids, mask)
+
+
+def rollout_inputs(config: Any, settings: Any, tokenizer: Any, vocab_size: int, rank: int,
+                   device: torch.device) -> tuple[RolloutRequest, SamplingConfig]:
+    """The request and sampling config of one rollout config; each rank rolls out its own shard of prompts."""
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    request = synthetic_prompts(config.batch_size, config.prompt_length, vocab_size=vocab_size,
+                                seed=settings.seed + 1000 * rank,
+                                pad_fraction=settings.pad_fraction if settings.prompts == "variable" else 0.0,
+                                pad_token_id=pad)
+    greedy = config.decoding == "greedy"
+    sampling = SamplingConfig(max_new_tokens=config.response_length, n_samples_per_prompt=config.samples_per_prompt,
+                              temperature=0.0 if greedy else settings.temperature, top_k=settings.top_k,
+                              top_p=settings.top_p)
+    return RolloutRequest(request.prompt_ids.to(device), request.prompt_attention_mask.to(device)), sampling

@@ -1,29 +1,25 @@
 """Multi-rank benchmarks: every rank's iterations gathered to all ranks with DeepSpeed's communication,
-merged by the usual rules (latency: the slowest rank; throughput and token counts: summed over ranks;
-memory: the largest rank), and the skew between ranks per stage."""
+merged field by field by each metric's rule (``opsd_rollout.metrics``: latency the slowest rank's, throughput
+and token counts summed, memory the largest rank's, ratios and losses averaged), and the skew between ranks
+per stage."""
 
 from __future__ import annotations
 
-import statistics
 from typing import Any
 
-from opsd_rollout.bench.stats import is_number
+import deepspeed.comm as dist
 
-SUMMED = {"tokens_per_second", "decode_tokens_per_second", "prefill_tokens_per_second", "generated_tokens",
-          "padded_tokens", "prefill_tokens", "response_tokens", "param_gather_count", "param_gather_bytes",
-          "effective_batch_size", "batch_size"}
-"""Fields that add up across ranks (each rank rolls out its own prompts); every other number but the
-``AVERAGED`` ones takes the maximum over ranks (the slowest rank's time, the largest rank's memory)."""
-AVERAGED = {"loss", "rollout_share"}
-"""Per-rank ratios and losses: the mean over ranks."""
+from opsd_rollout.bench.stats import is_number, median
+from opsd_rollout.metrics import metric
+
 SKEW_THRESHOLD = 1.2
 """A stage whose slowest rank takes more than this times the median rank's time is flagged."""
+
+_MERGE = {"max": max, "sum": sum, "mean": lambda values: sum(values) / len(values)}
 
 
 def gather_from_ranks(payload: Any) -> list[Any]:
     """Every rank's ``payload``, in rank order, on every rank (DeepSpeed's ``all_gather_object``)."""
-    import deepspeed.comm as dist
-
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, payload)
     return gathered
@@ -38,8 +34,7 @@ def merge_iterations(per_rank: list[list[dict[str, Any]]]) -> list[dict[str, Any
         for key, value in rows[0].items():
             values = [row.get(key) for row in rows]
             if key != "rank" and is_number(value) and all(is_number(v) for v in values):
-                out[key] = (sum(values) if key in SUMMED else
-                            sum(values) / len(values) if key in AVERAGED else max(values))
+                out[key] = _MERGE[metric(key).merge](values)
         out["rank"] = None
         merged.append(out)
     return merged
@@ -51,8 +46,8 @@ def stage_skew(per_rank: list[list[dict[str, Any]]], threshold: float = SKEW_THR
     for key, value in per_rank[0][0].items() if per_rank and per_rank[0] else []:
         if not key.endswith("_ms") or not is_number(value):
             continue
-        medians = [statistics.median(row[key] for row in rows if is_number(row.get(key))) for rows in per_rank]
-        middle = statistics.median(medians)
+        medians = [median(row[key] for row in rows if is_number(row.get(key))) for rows in per_rank]
+        middle = median(medians)
         ratio = max(medians) / middle if middle > 0 else 1.0
         skew[key] = {"max_over_median": ratio, "slowest_rank": medians.index(max(medians)),
                      "rank_medians_ms": medians, "flagged": ratio > threshold}

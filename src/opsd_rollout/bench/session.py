@@ -8,12 +8,14 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from opsd_rollout.bench.matrix import BenchConfig, BenchMatrix, BenchSettings
-from opsd_rollout.bench.report import display_labels, results_table, step_table, write_json_atomic
+from opsd_rollout.bench.matrix import Matrix
+from opsd_rollout.bench.plots import write_plots
+from opsd_rollout.bench.report import display_labels, write_json_atomic
 from opsd_rollout.bench.runner import BenchRunner
+from opsd_rollout.profiling.trace import chrome_trace
 
 
-def run_bench_session(matrix: BenchMatrix, settings: BenchSettings, *, output: str | None, plot_dir: str | None,
+def run_bench_session(matrix: Matrix, settings: Any, *, output: str | None, plot_dir: str | None,
                       trace: str | None, existing: dict[str, Any] | None, console: Console,
                       collective_timeout_s: float | None = None) -> int:
     """Runs the matrix; returns the exit status (1 when a config failed). Under a launcher every rank runs
@@ -28,7 +30,7 @@ def run_bench_session(matrix: BenchMatrix, settings: BenchSettings, *, output: s
         configs = bar.add_task("configs", total=len(runner.pending))
         iterations = bar.add_task("iterations", total=per_config)
 
-        def progress(event: str, config: BenchConfig | None, iteration: int) -> None:
+        def progress(event: str, config: Any, iteration: int) -> None:
             if event == "config":
                 bar.update(configs, description=f"configs ({config.label})")
                 bar.reset(iterations, total=per_config)
@@ -41,17 +43,7 @@ def run_bench_session(matrix: BenchMatrix, settings: BenchSettings, *, output: s
             console.print(f"resuming {output}: {len(runner.pending)} of {len(runner.configs)} configs to run")
         results = runner.run(progress)
 
-    env = runner.environment
-    title = (f"{settings.model} on {env['device_name']} ({env['threads']} threads), {settings.iterations} "
-             f"iterations after {settings.warmup} warmup"
-             f"{', fixed length' if settings.fixed_length else ', real EOS stopping'}")
-    if runner.ranks.world_size > 1:
-        title += (f"; {runner.ranks.world_size} ranks: batch sizes are per rank, times are the slowest rank's, "
-                  "tokens/s the sum over ranks")
-    if runner.kind == "step":
-        console.print(step_table(results, f"OPSD steps: student {title}; teacher {settings.teacher}"))
-    else:
-        console.print(results_table(results, title))
+    console.print(runner.scenario.table(results, runner.scenario.title(runner.environment, runner.ranks.world_size)))
     labels = display_labels([r.config for r in results])
     for result in results:
         for warning in result.warnings:
@@ -66,13 +58,9 @@ def run_bench_session(matrix: BenchMatrix, settings: BenchSettings, *, output: s
     if output:
         console.print(f"results: {output}")
     if plot_dir:
-        from opsd_rollout.bench.plots import write_plots
-
-        for path in write_plots(results, plot_dir, runner.kind):
+        for path in write_plots(results, plot_dir, runner.scenario):
             console.print(f"plot: {path}")
     if trace:
-        from opsd_rollout.profiling.trace import chrome_trace
-
         timelines = [(r.config.key, runner.timelines[r.config.key]) for r in results
                      if r.config.key in runner.timelines]
         write_json_atomic(Path(trace), chrome_trace(timelines))

@@ -1,17 +1,32 @@
-"""``Stats``: the one summary of a list of measurements, used by the bench, the report and ``compare``."""
+"""``Stats``: the one summary of a list of measurements, used by the bench, the report and ``compare``; and the
+one median everything else uses."""
 
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+
 def is_number(value: Any) -> bool:
     """An int or float measurement (not a bool, not None)."""
     return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def median(values: Iterable[float]) -> float:
+    """The median (the mean of the two middle values for an even count), as ``Stats.p50`` computes it."""
+    return float(statistics.median(values))
+
+
+def median_index(values: Sequence[float]) -> int:
+    """The index of a median element of ``values`` (the lower of the two middles for an even count): for
+    picking a representative measurement, not a figure."""
+    order = sorted(range(len(values)), key=values.__getitem__)
+    return order[(len(order) - 1) // 2]
 
 
 SPREAD_WARNING = 0.10
@@ -31,7 +46,7 @@ class Stats:
     stdev: float
     iqr: float
     values: tuple[float, ...] = field(default=(), repr=False, compare=False)
-    """The measurements themselves, kept for ``merge`` and significance tests; not serialized."""
+    """The measurements themselves, kept for significance tests; not serialized."""
 
     @classmethod
     def from_values(cls, values: Iterable[float | int | None]) -> "Stats | None":
@@ -40,16 +55,11 @@ class Stats:
         if not finite:
             return None
         array = np.asarray(finite, dtype=np.float64)
-        q25, p50, q75, p95 = np.percentile(array, [25, 50, 75, 95])
-        return cls(count=len(finite), mean=float(array.mean()), p50=float(p50), p95=float(p95),
+        q25, q75, p95 = np.percentile(array, [25, 75, 95])
+        return cls(count=len(finite), mean=float(array.mean()), p50=median(finite), p95=float(p95),
                    min=float(array.min()), max=float(array.max()),
                    stdev=float(array.std(ddof=1)) if len(finite) > 1 else 0.0, iqr=float(q75 - q25),
                    values=tuple(finite))
-
-    @classmethod
-    def merge(cls, parts: Sequence["Stats | None"]) -> "Stats | None":
-        """The summary of all the parts' measurements together (e.g. several ranks or runs)."""
-        return cls.from_values(v for part in parts if part is not None for v in part.values)
 
     @property
     def spread(self) -> float:
@@ -63,8 +73,3 @@ class Stats:
     def to_dict(self) -> dict[str, Any]:
         return {"count": self.count, "mean": self.mean, "p50": self.p50, "p95": self.p95, "min": self.min,
                 "max": self.max, "stdev": self.stdev, "iqr": self.iqr}
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any], values: Sequence[float] = ()) -> "Stats":
-        return cls(**{k: data[k] for k in ("count", "mean", "p50", "p95", "min", "max", "stdev", "iqr")},
-                   values=tuple(values))

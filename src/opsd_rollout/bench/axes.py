@@ -1,0 +1,104 @@
+"""Benchmark matrix axes: what each one is called, how its values are read from a flag or a config file, and
+what a valid value is. A scenario lists the axes it has; nothing else parses axis values."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from opsd_rollout.rollout.config import CACHE_POLICIES, STRATEGIES
+
+DTYPES = ("fp32", "fp16", "bf16")
+DECODINGS = ("greedy", "sampling")
+ZERO_STAGES = ("none", 0, 1, 2, 3)
+LOSSES = ("forward_kl", "reverse_kl", "jsd")
+
+
+def positive_int(value: Any) -> int:
+    if isinstance(value, bool):
+        raise ValueError
+    number = int(str(value).strip())
+    if number < 1:
+        raise ValueError
+    return number
+
+
+def choice(options: Sequence[Any]) -> Callable[[Any], Any]:
+    def parse(value: Any) -> Any:
+        text = str(value).strip().lower()
+        for option in options:
+            if text == str(option):
+                return option
+        raise ValueError
+
+    return parse
+
+
+def unit_float(value: Any) -> float:
+    number = float(str(value).strip())
+    if not 0.0 <= number <= 1.0:
+        raise ValueError
+    return number
+
+
+def teacher_cache(value: Any) -> str:
+    """``full`` or ``top<k>`` (k >= 1), e.g. ``top64``."""
+    text = str(value).strip().lower()
+    if text == "full" or (text.startswith("top") and text[3:].isdigit() and int(text[3:]) >= 1):
+        return text
+    raise ValueError
+
+
+def on_off(value: Any) -> bool:
+    text = str(value).strip().lower()
+    if text in ("on", "true", "1", "yes"):
+        return True
+    if text in ("off", "false", "0", "no"):
+        return False
+    raise ValueError
+
+
+@dataclass(frozen=True)
+class Axis:
+    """One axis of a matrix: ``name`` in the matrix (and ``--name`` as a flag), ``field`` in each config."""
+
+    name: str
+    field: str
+    parse: Callable[[Any], Any]
+    expected: str
+    """What a valid value is, for error messages."""
+    help: str
+    """The flag's help."""
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+
+ROLLOUT_AXES = (
+    Axis("batch_sizes", "batch_size", positive_int, "an integer >= 1", "batch sizes (prompts per rollout)"),
+    Axis("samples_per_prompt", "samples_per_prompt", positive_int, "an integer >= 1", "samples per prompt (n)"),
+    Axis("prompt_lengths", "prompt_length", positive_int, "an integer >= 1", "prompt lengths in tokens"),
+    Axis("response_lengths", "response_length", positive_int, "an integer >= 1",
+         "response lengths (max_new_tokens)"),
+    Axis("dtypes", "dtype", choice(DTYPES), f"one of {', '.join(DTYPES)}",
+         "fp32, fp16, bf16 (a dtype the device cannot run is reported as skipped)"),
+    Axis("decoding", "decoding", choice(DECODINGS), f"one of {', '.join(DECODINGS)}",
+         "greedy, sampling (temperature/top-k/top-p below)"),
+    Axis("zero_stages", "zero_stage", choice(ZERO_STAGES), "none (bare model) or a ZeRO stage 0-3",
+         "0-3 (a DeepSpeed engine built from the model) or none (the bare model)"),
+    Axis("strategies", "strategy", choice(STRATEGIES), f"one of {', '.join(STRATEGIES)}",
+         "static (default: our decode loop, shared prefill) or generate (transformers' generate)"),
+    Axis("cache_policies", "cache_policy", choice(CACHE_POLICIES), f"one of {', '.join(CACHE_POLICIES)}",
+         "retain (keep inference workspaces between calls) or release (free after each call)"),
+    Axis("forward_timing", "forward_timing", on_off, "on or off", "on, off: time every forward pass "
+         "(prefill/decode split)"),
+)
+STEP_AXES = ROLLOUT_AXES + (
+    Axis("losses", "loss", choice(LOSSES), f"one of {', '.join(LOSSES)}", "forward_kl, reverse_kl, jsd"),
+    Axis("betas", "beta", unit_float, "a number in [0, 1]",
+         "generalized JSD beta in [0, 1] (0 = forward KL, 1 = reverse KL; jsd only)"),
+    Axis("teacher_caches", "teacher_cache", teacher_cache, "full or top<k> (e.g. top64)",
+         "full (every logit) or top<k> (e.g. top64): the host teacher-logit cache"),
+)

@@ -1,0 +1,108 @@
+"""The ``Scenario`` base: what one kind of benchmark must say (see the package's docstring).
+
+Scenario modules are read to build the command line, so they import nothing heavy at their top (no torch,
+DeepSpeed or transformers: ``opsd-rollout bench --help`` must answer at once); what runs a benchmark is imported
+by the methods that run it (``prepare``, ``derive``, ``table``, ``timeline``)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+
+from rich.table import Table
+
+from opsd_rollout.bench.axes import Axis
+
+if TYPE_CHECKING:
+    from opsd_rollout.bench.report import ConfigResult
+    from opsd_rollout.bench.runner import EnginePool
+    from opsd_rollout.profiling.recorder import Span
+
+
+def integer(low: int) -> tuple[Callable[[Any], bool], str]:
+    return (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= low), f"an integer >= {low}"
+
+
+def number(test: Callable[[float], bool], expected: str) -> tuple[Callable[[Any], bool], str]:
+    return (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and test(v)), expected
+
+
+def one_of(options: tuple[Any, ...]) -> tuple[Callable[[Any], bool], str]:
+    return (lambda v: v in options), f"one of {', '.join(map(str, options))}"
+
+
+class Settings:
+    """Base of a scenario's settings dataclass: ``rules`` (field -> (test, what a valid value is)) are checked
+    together when it is built, every failure listed in one ``ValueError``."""
+
+    rules: ClassVar[dict[str, tuple[Callable[[Any], bool], str]]] = {}
+
+    def __post_init__(self) -> None:
+        errors = [f"{name} must be {expected}; got {getattr(self, name)!r}"
+                  for name, (test, expected) in self.rules.items() if not test(getattr(self, name))]
+        if errors:
+            raise ValueError("invalid benchmark settings:\n  " + "\n  ".join(errors))
+
+
+class Measurement(Protocol):
+    """One config, ready to measure: ``run()`` measures one iteration and returns its figures."""
+
+    def run(self) -> dict[str, Any]:
+        ...
+
+    def timeline(self) -> list[Span]:
+        """Spans of the last ``run()`` (stages, forwards, attributed phases), for traces."""
+        ...
+
+
+class Scenario:
+    """What one kind of benchmark measures; subclasses fill in the class attributes and the methods."""
+
+    kind: ClassVar[str]
+    """``rollout``, ``step``: the result file's ``kind`` and the CLI subcommand's name."""
+    axes: ClassVar[tuple[Axis, ...]]
+    config_type: ClassVar[type]
+    """A frozen dataclass with one field per axis (``key``, ``label``, ``engine_key`` properties)."""
+    settings_type: ClassVar[type]
+    """A dataclass of everything about a run that is not an axis, with its defaults."""
+    defaults: ClassVar[dict[str, list[Any]]]
+    """The matrix a run with no axis given measures."""
+    stages: ClassVar[tuple[str, ...]]
+    """Metric names that break one iteration's time down (disjoint, in order): the stages plot and shares."""
+    what: ClassVar[str]
+    """``rollout`` or ``step``: what one iteration is, for labels (``step latency (ms)``)."""
+    throughput_label: ClassVar[str]
+
+    def __init__(self, settings: Any):
+        self.settings = settings
+
+    @classmethod
+    def make_config(cls, **fields: Any) -> Any:
+        return cls.config_type(**fields)
+
+    def check(self, matrix: Any, max_positions: Any) -> None:
+        """Refuse what the axes alone cannot (e.g. lengths beyond a model); ``max_positions(name)`` reads a
+        model's position limit without building it."""
+        matrix.check_positions(max_positions(self.settings.model))
+
+    def prepare(self, pool: "EnginePool", config: Any) -> Measurement:
+        raise NotImplementedError
+
+    def derive(self, result: "ConfigResult", spec: Any, ceilings: dict[str, Any] | None,
+               world_size: int) -> dict[str, Any]:
+        """Figures derived from the config's iterations (medians, utilisation)."""
+        raise NotImplementedError
+
+    def table(self, results: list["ConfigResult"], title: str) -> Table:
+        raise NotImplementedError
+
+    def title(self, environment: dict[str, Any], world_size: int) -> str:
+        """The results table's title: model, device, threads, iterations."""
+        s = self.settings
+        title = (f"{s.model} on {environment['device_name']} ({environment['threads']} threads per rank), "
+                 f"{s.iterations} iterations after {s.warmup} warmup"
+                 f"{', fixed length' if s.fixed_length else ', real EOS stopping'}")
+        if world_size > 1:
+            title += (f"; {world_size} ranks: batch sizes are per rank, times are the slowest rank's, "
+                      "tokens/s the sum over ranks")
+        return title

@@ -1,0 +1,181 @@
+"""``opsd-rollout bench``: rollouts (``HybridEngineRollout.generate``) over a matrix of shapes, each iteration
+one profiled call."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from rich.table import Table
+
+from opsd_rollout.bench.axes import ROLLOUT_AXES
+from opsd_rollout.bench.facts import decode_bytes_per_step, prefill_flops
+from opsd_rollout.bench.report import ConfigResult, config_table, fmt, mib
+from opsd_rollout.bench.scenarios.base import Scenario, Settings, integer, number, one_of
+from opsd_rollout.bench.stats import median_index
+from opsd_rollout.metrics import ROLLOUT_STAGES, label
+from opsd_rollout.presets import DEFAULT_MODEL
+
+PROMPT_KINDS = ("synthetic", "variable")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RolloutConfig:
+    """One point of a rollout matrix."""
+
+    batch_size: int
+    samples_per_prompt: int
+    prompt_length: int
+    response_length: int
+    dtype: str
+    decoding: str
+    zero_stage: int | str
+    strategy: str
+    cache_policy: str
+    forward_timing: bool
+
+    @property
+    def effective_batch_size(self) -> int:
+        return self.batch_size * self.samples_per_prompt
+
+    @property
+    def engine_key(self) -> tuple[str, int | str]:
+        """Configs with the same key share a built engine."""
+        return (self.dtype, self.zero_stage)
+
+    @property
+    def key(self) -> str:
+        """Stable identity, used to match results across runs (``--resume``, ``compare``)."""
+        return (f"B{self.batch_size}-n{self.samples_per_prompt}-P{self.prompt_length}-R{self.response_length}-"
+                f"{self.dtype}-{self.decoding}-zero{self.zero_stage}-{self.strategy}-{self.cache_policy}-"
+                f"fwd{'on' if self.forward_timing else 'off'}")
+
+    @property
+    def label(self) -> str:
+        """Short, for tables and plots: the axes that usually vary."""
+        return f"B{self.batch_size} n{self.samples_per_prompt} P{self.prompt_length} R{self.response_length}"
+
+
+@dataclass(kw_only=True)
+class RolloutSettings(Settings):
+    """Everything about a rollout benchmark that is not an axis."""
+
+    model: str = DEFAULT_MODEL
+    """Preset name or local checkpoint directory."""
+    warmup: int = 1
+    """Unrecorded iterations per config before measuring."""
+    iterations: int = 5
+    """Measured iterations per config."""
+    seed: int = 0
+    """Seeds the prompts and, before each config, torch's RNG (sampling)."""
+    prompts: str = "synthetic"
+    """``synthetic``: every prompt exactly ``prompt_length`` tokens; ``variable``: left-padded, lengths vary."""
+    pad_fraction: float = 0.25
+    """With ``prompts=variable``, the mean fraction of the prompt grid that is padding."""
+    fixed_length: bool = True
+    """EOS ignored during generation so every row generates ``response_length`` tokens (as benchmark tools
+    do); off: real stopping, with response lengths reported."""
+    temperature: float = 1.0
+    """Sampling temperature (decoding=sampling)."""
+    top_k: int = 50
+    """Sampling top-k (decoding=sampling; -1 or 0 disables)."""
+    top_p: float = 1.0
+    """Sampling top-p (decoding=sampling)."""
+
+    rules: ClassVar = {
+        "warmup": integer(0), "iterations": integer(1), "prompts": one_of(PROMPT_KINDS),
+        "pad_fraction": number(lambda v: 0 <= v < 1, "in [0, 1)"),
+        "temperature": number(lambda v: v > 0, "> 0 for sampling (greedy is decoding=greedy)"),
+        "top_k": integer(-1), "top_p": number(lambda v: 0 < v <= 1, "in (0, 1]")}
+
+
+class RolloutMeasurement:
+    """One config's rollout, built: each ``run()`` is one profiled ``generate``."""
+
+    def __init__(self, rollout: Any, request: Any, sampling: Any):
+        self.rollout, self.request, self.sampling = rollout, request, sampling
+
+    def run(self) -> dict[str, Any]:
+        self.rollout.generate(self.request, self.sampling)
+        return self.rollout.get_last_profile().to_dict()
+
+    def timeline(self) -> list:
+        return self.rollout.get_last_timeline() or []
+
+
+def median_shares(result: ConfigResult) -> dict[str, float]:
+    """Stage shares of the iteration whose total is the median one (the lower of two middles)."""
+    from opsd_rollout.profiling.profile import RolloutProfile  # heavy: see scenarios/base.py
+
+    if not result.iterations:
+        return {}
+    middle = median_index([it["total_ms"] for it in result.iterations])
+    return RolloutProfile(**result.iterations[middle]).stage_shares()
+
+
+def derived_figures(result: ConfigResult, spec: Any, ceilings: dict[str, Any] | None,
+                    world_size: int = 1) -> dict[str, Any]:
+    """TTFT, TPOT, prefill and decode tokens/s (medians) and utilisation against the measured ceilings."""
+    c = result.config
+    med = {name: result.p50(name) for name in ("ttft_ms", "tpot_ms", "prefill_ms", "prefill_tokens",
+                                               "prefill_tokens_per_second", "decode_tokens_per_second",
+                                               "response_length")}
+    out: dict[str, Any] = {"time_to_first_token_ms": med["ttft_ms"], "time_per_output_token_ms": med["tpot_ms"],
+                           "prefill_tokens_per_second": med["prefill_tokens_per_second"],
+                           "decode_tokens_per_second": med["decode_tokens_per_second"],
+                           "decode_bandwidth_utilisation": None, "prefill_compute_utilisation": None}
+    if ceilings and med["tpot_ms"]:
+        context = c.prompt_length + (med["response_length"] or c.response_length) / 2
+        bytes_per_step = decode_bytes_per_step(spec, c.effective_batch_size, context)
+        out["decode_bandwidth_utilisation"] = bytes_per_step / (med["tpot_ms"] / 1e3) / ceilings[
+            "memory_bandwidth_bytes_per_s"]
+    if ceilings and med["prefill_ms"] and med["prefill_tokens"]:
+        # merged multi-rank iterations sum prefill tokens over ranks; the ceiling is one device's
+        rows = med["prefill_tokens"] / c.prompt_length / world_size
+        flops = prefill_flops(spec, round(rows), c.prompt_length)
+        out["prefill_compute_utilisation"] = flops / (med["prefill_ms"] / 1e3) / ceilings["matmul_flops_per_s"]
+    return out
+
+
+class RolloutScenario(Scenario):
+    kind = "rollout"
+    axes = ROLLOUT_AXES
+    config_type = RolloutConfig
+    settings_type = RolloutSettings
+    defaults: ClassVar[dict[str, list[Any]]] = {
+        "batch_sizes": [1, 4], "samples_per_prompt": [1, 4], "prompt_lengths": [128], "response_lengths": [32],
+        "dtypes": ["fp32"], "decoding": ["greedy"], "zero_stages": [0], "strategies": ["static"],
+        "cache_policies": ["retain"], "forward_timing": [True]}
+    stages = ROLLOUT_STAGES
+    what = "rollout"
+    throughput_label = "generated tokens/s (p50)"
+
+    def prepare(self, pool: Any, config: RolloutConfig) -> RolloutMeasurement:
+        from opsd_rollout.bench.prompts import rollout_inputs  # heavy: see scenarios/base.py
+
+        rollout, built = pool.rollout(config, self.settings.fixed_length)
+        request, sampling = rollout_inputs(config, self.settings, built.tokenizer, built.spec.vocab_size,
+                                           pool.rank, pool.device)
+        return RolloutMeasurement(rollout, request, sampling)
+
+    def derive(self, result: ConfigResult, spec: Any, ceilings: dict[str, Any] | None,
+               world_size: int) -> dict[str, Any]:
+        return derived_figures(result, spec, ceilings, world_size)
+
+    def table(self, results: list[ConfigResult], title: str) -> Table:
+        """One row per config; stage columns are shares of the median iteration's total."""
+        shares = {r.config.key: median_shares(r) for r in results if r.status == "ok"}
+        stage_columns = [k for k in self.stages if any(s.get(k, 0) >= 0.005 for s in shares.values())]
+        noisy = any(r.metric("total_ms").noisy for r in results if r.status == "ok")
+
+        def row(result: ConfigResult) -> list[str]:
+            total, row_shares = result.metric("total_ms"), shares[result.config.key]
+            return [fmt(result.p50("ttft_ms"), 2), fmt(result.p50("tpot_ms"), 2), fmt(result.p50("tokens_per_second")),
+                    fmt(total.p50) + ("*" if total.noisy else ""), fmt(total.p95),
+                    mib(result.p50("peak_memory_bytes")),
+                    *[f"{100 * row_shares.get(k, 0.0):.0f}" for k in stage_columns]]
+
+        columns = ["TTFT ms", "TPOT ms", "tok/s p50", "total ms p50", "p95", "peak MiB",
+                   *[label(k) + " %" for k in stage_columns]]
+        return config_table(results, title, columns, row,
+                            caption="* spread (IQR/median) over 10%: noisy" if noisy else None)

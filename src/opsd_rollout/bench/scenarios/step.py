@@ -1,0 +1,163 @@
+"""``opsd-rollout step``: whole on-policy distillation steps (``opsd_step``) over a matrix of shapes, losses and
+teacher caches, each iteration one step on a DeepSpeed engine."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from rich.table import Table
+
+from opsd_rollout.bench.axes import STEP_AXES
+from opsd_rollout.bench.report import ConfigResult, config_table, fmt, mib
+from opsd_rollout.bench.scenarios.base import Scenario, number
+from opsd_rollout.bench.scenarios.rollout import RolloutConfig, RolloutSettings
+from opsd_rollout.metrics import STEP_STAGES, label
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepConfig(RolloutConfig):
+    """One point of an OPSD step matrix: the rollout's axes plus the loss and the teacher cache."""
+
+    loss: str
+    beta: float | None
+    """The generalized JSD's beta; ``None`` for the KLs (fixed at 0 and 1)."""
+    teacher_cache: str
+    """``full`` or ``top<k>``."""
+
+    @property
+    def _loss_text(self) -> str:
+        return self.loss + (f"{self.beta:g}" if self.beta is not None else "")
+
+    @property
+    def key(self) -> str:
+        return f"{super().key}-{self._loss_text}-{self.teacher_cache}"
+
+    @property
+    def label(self) -> str:
+        beta = f"({self.beta:g})" if self.beta is not None else ""
+        return f"{super().label} {self.loss}{beta} {self.teacher_cache}"
+
+    @property
+    def teacher_cache_options(self) -> dict[str, Any]:
+        """``TeacherCacheConfig`` keyword arguments of ``teacher_cache``."""
+        if self.teacher_cache == "full":
+            return {"mode": "full"}
+        return {"mode": "topk", "top_k": int(self.teacher_cache[3:])}
+
+
+@dataclass(kw_only=True)
+class StepSettings(RolloutSettings):
+    """Everything about an OPSD step benchmark that is not an axis."""
+
+    model: str = "llama-tiny"
+    """The student: preset name or local checkpoint directory."""
+    teacher: str = "llama-small"
+    """The teacher (preset or local checkpoint; the student's vocabulary)."""
+    lr: float = 1e-3
+    """The student's AdamW learning rate."""
+
+    rules: ClassVar = {**RolloutSettings.rules, "lr": number(lambda v: v > 0, "a number > 0"),
+                       "teacher": (lambda v: isinstance(v, str) and bool(v), "a preset name or a checkpoint directory")}
+
+
+class StepMeasurement:
+    """One config's OPSD step, built: each ``run()`` is one step."""
+
+    def __init__(self, engine: Any, teacher: Any, rollout: Any, request: Any, sampling: Any, config: StepConfig):
+        from opsd_rollout.opsd import DivergenceConfig, TeacherCacheConfig, opsd_step  # heavy: see scenarios/base.py
+
+        self._step = opsd_step
+        self.engine, self.teacher, self.rollout = engine, teacher, rollout
+        self.request, self.sampling = request, sampling
+        self.divergence = DivergenceConfig(loss=config.loss, beta=config.beta if config.beta is not None else 0.5)
+        self.cache = TeacherCacheConfig(**config.teacher_cache_options)
+        self._last = None
+
+    def run(self) -> dict[str, Any]:
+        self._last = self._step(self.engine, self.teacher, self.rollout, self.request, self.sampling,
+                               divergence=self.divergence, teacher_cache=self.cache)
+        return self._last.to_dict()
+
+    def timeline(self) -> list[Any]:
+        """The last step's parts, with the rollout's own spans inside its part."""
+        from opsd_rollout.profiling.recorder import Span
+
+        p = self._last
+        durations = {"rollout": p.rollout_ms, "teacher": p.teacher_forward_ms + p.cache_write_ms,
+                     "student_forward": p.student_forward_ms, "loss": p.loss_ms, "backward": p.backward_ms,
+                     "optimizer": p.optimizer_ms}
+        offset = p.part_start_ms.get("rollout", 0.0)
+        spans = [Span("step", 0.0, p.total_ms, None)]
+        spans += [Span(name, start, durations[name], "step") for name, start in p.part_start_ms.items()]
+        return spans + [Span(s.name, offset + s.start_ms, s.duration_ms, s.parent or "rollout")
+                        for s in self.rollout.get_last_timeline() or []]
+
+
+def step_figures(result: ConfigResult) -> dict[str, Any]:
+    """Medians a step benchmark reader wants first."""
+    step_ms, rollout_ms = result.p50("total_ms"), result.p50("rollout_ms")
+    return {"rollout_share": result.p50("rollout_share"), "loss": result.p50("loss"), "step_ms": step_ms,
+            "rollout_ms": rollout_ms, "teacher_cache_bytes": result.p50("teacher_cache_bytes"),
+            "trained_tokens_per_second": result.p50("tokens_per_second"),
+            "step_ms_without_rollout": (step_ms - rollout_ms) if step_ms and rollout_ms is not None else None}
+
+
+class StepScenario(Scenario):
+    kind = "step"
+    axes = STEP_AXES
+    config_type = StepConfig
+    settings_type = StepSettings
+    defaults: ClassVar[dict[str, list[Any]]] = {
+        "batch_sizes": [2], "samples_per_prompt": [2], "prompt_lengths": [32], "response_lengths": [32],
+        "dtypes": ["fp32"], "decoding": ["greedy"], "zero_stages": [0, 3], "strategies": ["static"],
+        "cache_policies": ["retain"], "forward_timing": [True], "losses": ["jsd"], "betas": [0.5],
+        "teacher_caches": ["full"]}
+    stages = STEP_STAGES
+    what = "step"
+    throughput_label = "trained response tokens/s (p50)"
+    columns = ("rollout_ms", "teacher_forward_ms", "cache_write_ms", "student_forward_ms", "loss_ms", "backward_ms",
+               "optimizer_ms")
+
+    @classmethod
+    def make_config(cls, **fields: Any) -> StepConfig:
+        if fields["loss"] != "jsd":  # beta only varies the generalized JSD; the KLs appear once
+            fields["beta"] = None
+        return StepConfig(**fields)
+
+    def check(self, matrix: Any, max_positions: Any) -> None:
+        if "none" in matrix["zero_stages"]:
+            raise ValueError("an OPSD step trains a DeepSpeed engine: --zero-stages takes 0-3 here, not none")
+        super().check(matrix, max_positions)
+        matrix.check_positions(max_positions(self.settings.teacher))
+
+    def prepare(self, pool: Any, config: StepConfig) -> StepMeasurement:
+        from opsd_rollout.bench.prompts import rollout_inputs  # heavy: see scenarios/base.py
+
+        rollout, built = pool.rollout(config, self.settings.fixed_length)
+        request, sampling = rollout_inputs(config, self.settings, built.tokenizer, built.spec.vocab_size,
+                                           pool.rank, pool.device)
+        return StepMeasurement(built.engine, pool.frozen(self.settings.teacher, config.dtype), rollout, request,
+                               sampling, config)
+
+    def derive(self, result: ConfigResult, spec: Any, ceilings: dict[str, Any] | None,
+               world_size: int) -> dict[str, Any]:
+        return step_figures(result)
+
+    def title(self, environment: dict[str, Any], world_size: int) -> str:
+        return f"OPSD steps: student {super().title(environment, world_size)}; teacher {self.settings.teacher}"
+
+    def table(self, results: list[ConfigResult], title: str) -> Table:
+        """One row per step config: medians of each part, the rollout's share and the loss."""
+
+        def row(result: ConfigResult) -> list[str]:
+            total = result.metric("total_ms")
+            return [fmt(total.p50) + ("*" if total.noisy else ""), fmt(total.p95),
+                    f"{100 * result.p50('rollout_share'):.0f}", *[fmt(result.p50(k)) for k in self.columns],
+                    fmt(result.p50("loss"), 4), mib(result.p50("peak_memory_bytes")),
+                    fmt(result.p50("teacher_cache_bytes") / 2**20, 2)]
+
+        columns = ["step ms", "p95", "rollout %", *[f"{label(k)} ms" for k in self.columns], "loss", "peak MiB",
+                   "cache MiB"]
+        return config_table(results, title, columns, row, caption="parts: median ms (eval/train switches in the "
+                            "JSON); rollout share = (eval + rollout + train) / step")

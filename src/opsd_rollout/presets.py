@@ -1,0 +1,87 @@
+"""The built-in model presets: real transformers architectures (Llama, Qwen2, GPT-2) at named sizes, with random
+weights drawn from a fixed seed; ``tiny`` presets run in milliseconds for tests, ``small`` ones have tens of
+millions of parameters for benchmarks. Nothing here downloads.
+
+A light module (no torch or transformers at import: the command line reads it for its help); a preset imports
+them when it builds its model. ``opsd_rollout.models`` loads presets and local checkpoints.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+PAD_TOKEN, BOS_TOKEN, EOS_TOKEN = "<pad>", "<s>", "</s>"
+PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
+BYTE_OFFSET = 3  # byte b has id b + BYTE_OFFSET
+VOCAB_SIZE = BYTE_OFFSET + 256
+DEFAULT_MODEL = "llama-small"
+PRESET_SEED = 1234
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelPreset:
+    """A named architecture and size; ``build()`` makes the model, always with the same weights."""
+
+    name: str
+    """``<arch>-<size>``, e.g. ``llama-tiny``."""
+    arch: str
+    """transformers model type: ``llama``, ``qwen2`` or ``gpt2``."""
+    description: str
+    """One line for ``opsd-rollout models``."""
+    config_kwargs: dict[str, Any]
+    """Keyword arguments of the architecture's config class."""
+
+    def make_config(self):
+        from transformers import AutoConfig  # heavy: see the module docstring
+
+        common = dict(vocab_size=VOCAB_SIZE, pad_token_id=PAD_ID, bos_token_id=BOS_ID, eos_token_id=EOS_ID)
+        return AutoConfig.for_model(self.arch, **common, **self.config_kwargs)
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.build(device="meta").parameters())
+
+    def build(self, *, dtype: Any = None, device: Any = "cpu"):
+        """Instantiate in eval mode with weights from ``PRESET_SEED`` (global RNG state untouched); ``dtype``
+        defaults to float32."""
+        import torch  # heavy: see the module docstring
+        from transformers import AutoModelForCausalLM
+
+        dtype = dtype or torch.float32
+        config = self.make_config()
+        if torch.device(device).type == "meta":
+            with torch.device("meta"):
+                return AutoModelForCausalLM.from_config(config)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(PRESET_SEED)
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        return model.to(device=device, dtype=dtype).eval()
+
+
+def _llama_like(hidden: int, layers: int, heads: int, kv_heads: int, ffn: int, positions: int) -> dict[str, Any]:
+    return dict(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                num_key_value_heads=kv_heads, intermediate_size=ffn, max_position_embeddings=positions,
+                tie_word_embeddings=False)
+
+
+def _gpt2(hidden: int, layers: int, heads: int, positions: int) -> dict[str, Any]:
+    return dict(n_embd=hidden, n_layer=layers, n_head=heads, n_positions=positions,
+                resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+
+
+PRESETS: dict[str, ModelPreset] = {
+    p.name: p for p in [
+        ModelPreset(name="llama-tiny", arch="llama", description="Llama, 2 layers, d=64 (tests)",
+                    config_kwargs=_llama_like(64, 2, 4, 2, 128, 1024)),
+        ModelPreset(name="llama-small", arch="llama", description="Llama, 8 layers, d=512, GQA 8/4 (bench)",
+                    config_kwargs=_llama_like(512, 8, 8, 4, 1408, 2048)),
+        ModelPreset(name="qwen2-tiny", arch="qwen2", description="Qwen2, 2 layers, d=64, qkv bias (tests)",
+                    config_kwargs=_llama_like(64, 2, 4, 2, 128, 1024)),
+        ModelPreset(name="qwen2-small", arch="qwen2", description="Qwen2, 8 layers, d=512, GQA 8/4 (bench)",
+                    config_kwargs=_llama_like(512, 8, 8, 4, 1408, 2048)),
+        ModelPreset(name="gpt2-tiny", arch="gpt2", description="GPT-2, 2 layers, d=64, learned positions (tests)",
+                    config_kwargs=_gpt2(64, 2, 4, 1024)),
+        ModelPreset(name="gpt2-small", arch="gpt2", description="GPT-2, 8 layers, d=512 (bench)",
+                    config_kwargs=_gpt2(512, 8, 8, 1024)),
+    ]
+}
