@@ -9,7 +9,6 @@ so each profile's ``post_processing_ms`` is post-processing alone, on identical 
 from __future__ import annotations
 
 import argparse
-import statistics
 from types import SimpleNamespace
 
 import torch
@@ -17,6 +16,7 @@ from deepspeed.runtime.rollout import HybridEngineRollout as DeepSpeedRollout
 from deepspeed.runtime.rollout.hybrid_engine_rollout import HybridEngineRolloutConfig as DeepSpeedConfig
 
 from opsd_rollout import HybridEngineRollout, HybridEngineRolloutConfig, RolloutRequest, SamplingConfig
+from opsd_rollout.bench.stats import median
 
 VOCAB, PAD, EOS = 32000, 0, 2
 
@@ -67,8 +67,8 @@ def main() -> None:
         for name, rollout in (("opsd_rollout", ours), ("deepspeed", theirs)):
             rollout.generate(request, sampling)
             times[name].append(rollout.get_last_profile()["post_processing_ms"])
-    ours_ms = statistics.median(times["opsd_rollout"][1:])
-    theirs_ms = statistics.median(times["deepspeed"][1:])
+    ours_ms = median(times["opsd_rollout"][1:])
+    theirs_ms = median(times["deepspeed"][1:])
     print(f"batch: {rows} rows, prompt {args.prompt_length}, response <= {args.response_length}, "
           f"threads {torch.get_num_threads()}, median of {args.repeats}")
     print("| post-processing | median ms |")

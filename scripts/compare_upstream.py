@@ -11,9 +11,8 @@ sampling, so the differences are the strategies' own. Only rank 0 prints.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
-import statistics
-import time
 from types import SimpleNamespace
 
 import torch
@@ -22,6 +21,7 @@ from deepspeed.runtime.rollout import HybridEngineRollout as DeepSpeedRollout
 
 from opsd_rollout import HybridEngineRollout, HybridEngineRolloutConfig, RolloutRequest, SamplingConfig
 from opsd_rollout.bench.prompts import synthetic_prompts
+from opsd_rollout.bench.timing import interleaved_medians
 from opsd_rollout.deepspeed_engine import build_engine
 from opsd_rollout.models import load_model
 
@@ -101,22 +101,15 @@ def main() -> None:
         request = RolloutRequest(request.prompt_ids.to(engine.device), request.prompt_attention_mask.to(engine.device))
         sampling = SamplingConfig(max_new_tokens=shape.R, n_samples_per_prompt=shape.n,
                                   temperature=0.0 if shape.decoding == "greedy" else 1.0, top_k=50, top_p=0.95)
-        times: dict[str, list[float]] = {name: [] for name in contenders}
-        for round_ in range(args.rounds + 1):  # round 0 warms up
-            names = list(contenders) if round_ % 2 else list(reversed(contenders))
-            for name in names:
-                dist.barrier()
-                start = time.perf_counter()
-                contenders[name].generate(request, sampling)
-                if round_:
-                    times[name].append((time.perf_counter() - start) * 1e3)
+        medians = interleaved_medians({name: functools.partial(contender.generate, request, sampling)
+                                       for name, contender in contenders.items()}, args.rounds,
+                                      device=engine.device, before_each=dist.barrier)
         if main_rank:
-            reference = statistics.median(times["DeepSpeed HybridEngineRollout"])
+            reference = medians["DeepSpeed HybridEngineRollout"]
             print(f"\n{shape.label}: B={shape.B} n={shape.n} prompt={shape.P} response={shape.R} {shape.decoding}")
             print("| rollout | median ms | speed-up vs DeepSpeed |\n|---|---:|---:|")
-            for name, values in times.items():
-                median = statistics.median(values)
-                print(f"| {name} | {median:.1f} | {reference / median:.2f}x |")
+            for name, value in medians.items():
+                print(f"| {name} | {value:.1f} | {reference / value:.2f}x |")
 
 
 if __name__ == "__main__":

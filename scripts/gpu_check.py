@@ -218,7 +218,7 @@ def check_cuda_graphs(ctx: Context) -> str:
 def check_no_host_sync(ctx: Context) -> str:
     """The decode loop never waits on the device (``set_sync_debug_mode('error')`` raises on a sync), eager and
     compiled, greedy and sampled, when no early exit is asked for."""
-    from opsd_rollout.rollout.static import StaticDecode
+    from opsd_rollout.rollout.strategies.static import StaticDecode
 
     original = StaticDecode._decode
 

@@ -6,13 +6,14 @@
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
+import functools
 
 import torch
 
 from opsd_rollout import HybridEngineRollout, HybridEngineRolloutConfig, SamplingConfig
 from opsd_rollout.bench.prompts import synthetic_prompts
+from opsd_rollout.bench.stats import median
+from opsd_rollout.bench.timing import interleaved_times
 from opsd_rollout.models import load_model
 
 
@@ -34,15 +35,9 @@ def main() -> None:
         "off": HybridEngineRollout(model, tokenizer),
         "on": HybridEngineRollout(model, tokenizer, HybridEngineRolloutConfig(enable_profiling=True)),
     }
-    times: dict[str, list[float]] = {"off": [], "on": []}
-    for round_ in range(args.rounds + 1):  # round 0 is warmup
-        order = ("off", "on") if round_ % 2 else ("on", "off")  # alternate so drift hits both alike
-        for name in order:
-            start = time.perf_counter()
-            rollouts[name].generate(request, sampling)
-            if round_:
-                times[name].append((time.perf_counter() - start) * 1e3)
-    off, on = statistics.median(times["off"]), statistics.median(times["on"])
+    times = interleaved_times({name: functools.partial(rollout.generate, request, sampling)
+                               for name, rollout in rollouts.items()}, args.rounds)
+    off, on = median(times["off"]), median(times["on"])
     print(f"{args.model}: B={args.batch_size} n={args.samples_per_prompt} prompt={args.prompt_length} "
           f"max_new_tokens={args.max_new_tokens}, greedy, threads {torch.get_num_threads()}, "
           f"median of {args.rounds} interleaved rounds")

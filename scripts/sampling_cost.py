@@ -12,15 +12,13 @@ from __future__ import annotations
 
 import argparse
 import functools
-import statistics
-import time
-from collections.abc import Callable
 from types import SimpleNamespace
 
 import torch
 
 from opsd_rollout import HybridEngineRollout, HybridEngineRolloutConfig, SamplingConfig
 from opsd_rollout.bench.prompts import synthetic_prompts
+from opsd_rollout.bench.timing import interleaved_medians
 from opsd_rollout.models import load_model
 from opsd_rollout.rollout.sampling import sample
 
@@ -36,19 +34,6 @@ def transformers_sample(logits: torch.Tensor, temperature: float, top_k: int, to
     return torch.multinomial(scores.softmax(dim=-1), 1, generator=generator).squeeze(1)
 
 
-def interleaved_medians(contenders: dict[str, Callable[[], object]], rounds: int) -> list[float]:
-    """Median ms of each contender over ``rounds`` rounds after one warm-up round, the order alternating
-    every round so that neither always runs first."""
-    times: dict[str, list[float]] = {name: [] for name in contenders}
-    for round_ in range(rounds + 1):
-        for name in (list(contenders) if round_ % 2 else list(reversed(contenders))):
-            start = time.perf_counter()
-            contenders[name]()
-            if round_:
-                times[name].append((time.perf_counter() - start) * 1e3)
-    return [statistics.median(times[name]) for name in contenders]
-
-
 def selection_table(vocab_sizes: list[int], rows: int, rounds: int) -> None:
     print(f"\nOne step's token selection, {rows} rows, T=1, top-k 50, top-p 0.95, median of {rounds} (ms)")
     print("| vocabulary | logits | transformers warpers + multinomial | ours | speed-up |\n|---:|---|---:|---:|---:|")
@@ -57,9 +42,10 @@ def selection_table(vocab_sizes: list[int], rows: int, rounds: int) -> None:
     for vocab in vocab_sizes:
         for dtype in (torch.float32, torch.bfloat16):  # bf16 logits tie often at the k-th
             logits = (torch.randn(rows, vocab, generator=generator) * 3).to(dtype)
-            theirs, ours = interleaved_medians(
+            medians = interleaved_medians(
                 {"transformers": lambda: transformers_sample(logits.float(), 1.0, 50, 0.95, generator),
                  "ours": lambda: sample(logits, plan, generator)}, rounds)
+            theirs, ours = medians["transformers"], medians["ours"]
             print(f"| {vocab:,} | {str(dtype).removeprefix('torch.')} | {theirs:.3f} | {ours:.3f} | "
                   f"{theirs / ours:.1f}x |")
 
@@ -107,9 +93,10 @@ def main() -> None:
             "sampling": SamplingConfig(max_new_tokens=args.max_new_tokens, n_samples_per_prompt=n, temperature=1.0,
                                        top_k=50, top_p=0.95),
         }
-        greedy, sampled = interleaved_medians(
+        medians = interleaved_medians(
             {name: functools.partial(rollout.generate, request, config) for name, config in decodings.items()},
             args.rounds)
+        greedy, sampled = medians["greedy"], medians["sampling"]
         print(f"| {n} | {greedy:.1f} | {sampled:.1f} | {(sampled / greedy - 1) * 100:+.1f}% |")
     selection_table(args.vocab_sizes, rows=16, rounds=args.rounds)
 
