@@ -137,3 +137,27 @@ def test_the_command_line_describes_itself_without_importing_torch():
             "print(sorted(m for m in ('torch', 'deepspeed', 'transformers') if m in sys.modules))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0 and result.stdout.strip() == "[]", result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("suffix,text,expected", [
+    (".toml", "batch_sizes = [1,\nmodel = 'x'\n", r"bad.toml:2:1: "),
+    (".json", '{"batch_sizes": [1,]}', r"bad.json:1:20: Expecting value"),
+    (".yaml", "batch_sizes: [1, 2\nmodel: x\n", r"bad.yaml:2:"),
+    (".yaml", "- just\n- a list\n", r"bad.yaml: must hold a table"),
+])
+def test_config_file_errors_are_one_line_naming_the_file_and_the_line(tmp_path, suffix, text, expected):
+    path = tmp_path / f"bad{suffix}"
+    path.write_text(text)
+    with pytest.raises(ValueError) as error:
+        read_config_file(path)
+    message = str(error.value)
+    assert "\n" not in message and expected in message and str(path) in message
+
+
+def test_the_example_config_in_the_repository_loads():
+    from pathlib import Path
+
+    example = Path(__file__).resolve().parents[1] / "examples" / "bench.toml"
+    axes, settings_ = split_config(read_config_file(example), RolloutScenario)
+    matrix = Matrix.parse(RolloutScenario, axes)
+    assert matrix.expand() and RolloutSettings(**settings_).iterations >= 1

@@ -22,7 +22,7 @@ def test_bench_prints_a_stage_table_for_a_tiny_model(capsys, tmp_path):
                  "--prompt-lengths", "8", "--response-lengths", "4", "--warmup", "0", "--iterations", "2",
                  "--output", str(tmp_path / "r.json")]) == 0
     out = capsys.readouterr().out
-    for column in ("TTFT ms", "TPOT ms", "prefill %", "decode %", "B2 n2 P8 R4"):
+    for column in ("TTFT", "TPOT", "where the time goes", "prefill", "decode", "B2 n2 P8 R4", "warm-up", "1st"):
         assert column in out
 
 
@@ -43,3 +43,28 @@ def test_unknown_subcommand_exits_2():
     with pytest.raises(SystemExit) as exit_info:
         main(["frobnicate"])
     assert exit_info.value.code == 2
+
+
+def test_every_readme_command_matches_the_parser():
+    """Each ``opsd-rollout`` command in the README's shell blocks parses with today's flags."""
+    import re
+    import shlex
+    from pathlib import Path
+
+    from opsd_rollout.cli import build_parser
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    commands = []
+    for block in re.findall(r"```bash\n(.*?)```", readme, flags=re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            for part in line.split("#")[0].split(";"):
+                words = shlex.split(part)
+                if "..." not in part and words[:1] == ["opsd-rollout"]:
+                    commands.append(words[1:])
+    assert len(commands) >= 8, commands
+    parser = build_parser()
+    for argv in commands:
+        try:
+            parser.parse_args(argv)
+        except SystemExit as error:  # --help and --version exit 0; a bad flag exits 2
+            assert error.code == 0, f"README command does not parse: opsd-rollout {' '.join(argv)}"

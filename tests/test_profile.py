@@ -167,3 +167,17 @@ def test_release_policy_times_the_release_and_timeline_nests(tiny_models, tokeni
         if parent is not None:
             assert parent.start_ms <= span.start_ms + 1e-6
             assert span.start_ms + span.duration_ms <= parent.start_ms + parent.duration_ms + 1e-6
+
+
+def test_every_profile_field_is_documented_in_the_repository():
+    """docs/CONTRACT.md carries what users rely on: each RolloutProfile and StepProfile field has a row."""
+    import dataclasses
+    from pathlib import Path
+
+    from opsd_rollout.opsd import StepProfile
+    from opsd_rollout.profiling import RolloutProfile
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "CONTRACT.md").read_text()
+    for cls in (RolloutProfile, StepProfile):
+        missing = [f.name for f in dataclasses.fields(cls) if f"`{f.name}`" not in text]
+        assert not missing, f"{cls.__name__} fields without a row in docs/CONTRACT.md: {missing}"

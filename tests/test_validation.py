@@ -42,6 +42,8 @@ CASES = [
     ("outside the model's vocabulary", Bare(torch.tensor([[-1, 5]]), torch.ones(1, 2, dtype=torch.long)), {}),
     ("only 0 and 1", Bare(torch.tensor([[5, 6]]), torch.tensor([[1, 2]])), {}),
     ("no real token", Bare(torch.tensor([[5, 6]]), torch.tensor([[0, 0]])), {}),
+    ("rows [1, 2] end in padding (right-padded prompts)",
+     Bare(torch.tensor([[5, 6, 7], [5, 6, 0], [5, 0, 0]]), torch.tensor([[1, 1, 1], [1, 1, 0], [1, 0, 0]])), {}),
     ("n_samples_per_prompt must be an int >= 1", None, dict(n_samples_per_prompt=0)),
     ("max_new_tokens must be an int >= 1", None, dict(max_new_tokens=0)),
     ("max_new_tokens must be an int >= 1", None, dict(max_new_tokens=-3)),
@@ -62,6 +64,20 @@ def test_bad_input_raises_before_model_work(rollout, message, request_, sampling
         engine.generate(request_ or ok_request(), sampling)
     assert calls == [], "no forward may run on bad input"
     assert engine.get_last_profile() is None
+
+
+@pytest.mark.parametrize("strategy", ["static", "generate"])
+def test_masked_positions_inside_a_prompt_are_invisible(tiny_models, tokenizer, strategy):
+    """A prompt with masked positions between its tokens generates what the same tokens left-padded do:
+    positions count real tokens only and attention skips the masked ones (supported exactly)."""
+    model = tiny_models["llama-tiny"]
+    rollout = HybridEngineRollout(model, tokenizer, HybridEngineRolloutConfig(strategy=strategy))
+    holed = RolloutRequest(torch.tensor([[20, 0, 21, 0, 22], [30, 31, 32, 33, 34]]),
+                           torch.tensor([[1, 0, 1, 0, 1], [1, 1, 1, 1, 1]]))
+    left = RolloutRequest(torch.tensor([[0, 0, 20, 21, 22], [30, 31, 32, 33, 34]]),
+                          torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]]))
+    sampling = SamplingConfig(max_new_tokens=10, n_samples_per_prompt=2, temperature=0)
+    assert torch.equal(rollout.generate(holed, sampling).input_ids[:, 5:], rollout.generate(left, sampling).input_ids[:, 5:])
 
 
 def test_tokenizer_without_pad_or_eos_is_refused(tiny_models):

@@ -7,6 +7,8 @@ answers at once; torch, transformers and DeepSpeed are imported by the command t
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import logging
 import os
 import subprocess
 import sys
@@ -18,9 +20,11 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from opsd_rollout.bench.compare import comparison_markdown, comparison_table, compare_documents
+from opsd_rollout import __version__
+from opsd_rollout.bench.compare import (EXIT_NOTHING_COMPARED, EXIT_PARTIAL, EXIT_REGRESSION, TEST_NAME,
+                                        compare_documents, comparison_markdown, comparison_notes, comparison_table)
 from opsd_rollout.bench.configfile import read_config_file, split_config
-from opsd_rollout.bench.matrix import Matrix, run_order
+from opsd_rollout.bench.matrix import Matrix
 from opsd_rollout.bench.report import load_document, write_text_atomic
 from opsd_rollout.bench.scenarios import RolloutScenario, Scenario, StepScenario
 from opsd_rollout.bench.scenarios.rollout import PROMPT_KINDS
@@ -41,6 +45,16 @@ def _cmd_models(_args: argparse.Namespace) -> int:
         table.add_row(preset.name + default, preset.arch, f"{preset.num_parameters() / 1e6:.2f}M", preset.description)
     _console().print(table)
     return 0
+
+
+def _warmup(text: str) -> int | str:
+    """argparse type of --warmup: ``auto`` or a count."""
+    if text.strip().lower() == "auto":
+        return "auto"
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected auto or a whole number, got {text!r}") from None
 
 
 def _bench_inputs(args: argparse.Namespace, scenario: type[Scenario]) -> tuple[Matrix, Any]:
@@ -68,8 +82,11 @@ def _relaunch(argv: Sequence[str], nproc: int) -> int:
 
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr",
                "127.0.0.1", "--master_port", str(free_port()), "-m", "opsd_rollout", *argv]
-    # a one-process group of this process (if any) must not leak into the ranks' environment
-    return subprocess.run(command, env=environment_without_ranks()).returncode
+    # a one-process group of this process (if any) must not leak into the ranks' environment; the ranks share
+    # the machine's cores (torchrun would give each one thread)
+    env = environment_without_ranks()
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    return subprocess.run(command, env=env).returncode
 
 
 def _without_nproc(argv: Sequence[str]) -> list[str]:
@@ -84,7 +101,21 @@ def _without_nproc(argv: Sequence[str]) -> list[str]:
     return out
 
 
+def _quiet_accelerator_detection() -> None:
+    """DeepSpeed warns "Setting accelerator to CPU" whenever it finds no accelerator: where it would pick the
+    CPU anyway, say so through ``DS_ACCELERATOR`` first (torch is imported here, by a command that runs work)."""
+    import torch  # heavy: see the module docstring
+
+    others = ("intel_extension_for_pytorch", "torch_npu", "habana_frameworks", "torch_mlu")
+    if "DS_ACCELERATOR" in os.environ or torch.cuda.is_available() or torch.backends.mps.is_available() or any(
+            importlib.util.find_spec(name) for name in others):
+        return
+    os.environ["DS_ACCELERATOR"] = "cpu"
+
+
 def _run_matrix(args: argparse.Namespace, scenario: type[Scenario]) -> int:
+    if not args.verbose:
+        _quiet_accelerator_detection()
     if args.nproc is not None:
         if args.nproc < 1:
             raise ValueError(f"--nproc must be >= 1; got {args.nproc}")
@@ -103,20 +134,13 @@ def _run_matrix(args: argparse.Namespace, scenario: type[Scenario]) -> int:
     else:
         matrix, settings = _bench_inputs(args, scenario)
     from opsd_rollout.bench.runner import RankFailure  # heavy: see the module docstring
-    from opsd_rollout.bench.session import run_bench_session
+    from opsd_rollout.bench.session import print_dry_run, run_bench_session
     from opsd_rollout.models import max_positions
 
     scenario(settings).check(matrix, max_positions)
     if args.dry_run:
-        configs = matrix.expand()
-        order = {c.key: i for i, c in enumerate(run_order(configs), start=1)}
-        table = Table(title=f"{len(configs)} configs on {settings.model} (user order; 'run' is the order they "
-                      "will run in)", title_justify="left")
-        for column in ("#", "run", "config"):
-            table.add_column(column)
-        for i, config in enumerate(configs, start=1):
-            table.add_row(str(i), str(order[config.key]), config.key)
-        console.print(table)
+        previous = load_document(args.estimate_from) if args.estimate_from else existing
+        print_dry_run(matrix, settings, previous, console)
         return 0
     try:
         return run_bench_session(matrix, settings, output=args.output, plot_dir=args.plot, trace=args.trace,
@@ -130,20 +154,28 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     if args.threshold < 0:
         raise ValueError(f"--threshold must be >= 0 (percent); got {args.threshold}")
     ignore = tuple(a.strip() for a in args.ignore_axes.split(",") if a.strip()) if args.ignore_axes else ()
-    changes, notes = compare_documents(load_document(args.before), load_document(args.after),
-                                       threshold_pct=args.threshold, ignore=ignore)
+    comparison = compare_documents(load_document(args.before), load_document(args.after),
+                                   threshold_pct=args.threshold, ignore=ignore)
     console = _console()
-    console.print(comparison_table(changes))
-    for note in notes:
+    console.print(comparison_table(comparison))
+    console.print(f"test: {TEST_NAME}; a regression's whole interval is worse than {args.threshold:g}%")
+    for note in comparison_notes(comparison):
         console.print(f"note: {note}")
     if args.markdown:
-        write_text_atomic(args.markdown, comparison_markdown(changes, notes, args.threshold))
-    regressions = [c for c in changes if c.regression]
-    if regressions:
-        console.print(f"[bold red]{len(regressions)} significant regression(s) beyond {args.threshold:g}%[/]")
-        return 1
-    console.print(f"no significant regression beyond {args.threshold:g}%")
-    return 0
+        write_text_atomic(args.markdown, comparison_markdown(comparison, args.threshold))
+    status = comparison.exit_status(args.allow_partial)
+    if status == EXIT_NOTHING_COMPARED:
+        console.print("[bold red]nothing compared: no config is measured in both files[/] (match across an axis "
+                      "with --ignore-axes)")
+    elif status == EXIT_REGRESSION:
+        console.print(f"[bold red]{len(comparison.regressions)} regression(s) beyond {args.threshold:g}%[/]")
+    elif status == EXIT_PARTIAL:
+        console.print(f"[bold red]partial: {len(comparison.only_before)} config(s) only in BEFORE, "
+                      f"{len(comparison.only_after)} only in AFTER[/] (--allow-partial accepts that); "
+                      f"no regression beyond {args.threshold:g}% in the {comparison.matched} compared")
+    else:
+        console.print(f"{comparison.matched} config(s) compared: no regression beyond {args.threshold:g}%")
+    return status
 
 
 SINGULAR = {"losses": "--loss", "betas": "--beta", "teacher_caches": "--teacher-cache"}
@@ -167,7 +199,13 @@ def _add_bench_flags(bench: argparse.ArgumentParser, scenario: type[Scenario]) -
     else:
         runs.add_argument("--model", help="preset name (see `opsd-rollout models`) or a local checkpoint "
                           f"directory (default {defaults.model})")
-    runs.add_argument("--warmup", type=int, help=f"unmeasured iterations per config (default {defaults.warmup})")
+    runs.add_argument("--warmup", type=_warmup, metavar="auto|N", help="unmeasured calls per config before "
+                      "measuring: auto (default) warms up until two consecutive calls agree within "
+                      f"{defaults.steady_tolerance:.0%}, N makes exactly N")
+    runs.add_argument("--warmup-max-iterations", type=int, metavar="N", help="most warm-up calls per config with "
+                      f"--warmup auto (default {defaults.warmup_max_iterations})")
+    runs.add_argument("--warmup-max-seconds", type=float, metavar="S", help="most seconds of warm-up per config "
+                      f"with --warmup auto (default {defaults.warmup_max_seconds:g})")
     runs.add_argument("--iterations", type=int, help=f"measured iterations per config (default {defaults.iterations})")
     runs.add_argument("--seed", type=int, help=f"seed for prompts and sampling (default {defaults.seed})")
     runs.add_argument("--prompts", choices=PROMPT_KINDS, help="synthetic: exact-length prompts (default); "
@@ -186,8 +224,10 @@ def _add_bench_flags(bench: argparse.ArgumentParser, scenario: type[Scenario]) -
     out.add_argument("--trace", metavar="FILE", help="Chrome/Perfetto trace of one measured iteration per config")
     out.add_argument("--resume", metavar="FILE", help="finish an interrupted run: runs only the configs FILE "
                      "lacks (or that failed), with FILE's own matrix and settings, and writes back to FILE")
-    out.add_argument("--dry-run", action="store_true", help="print the expanded matrix and its run order, run "
-                     "nothing")
+    out.add_argument("--dry-run", action="store_true", help="print the expanded matrix, its run order, the warm-up "
+                     "and iterations, and an estimated duration; run nothing")
+    out.add_argument("--estimate-from", metavar="FILE", help="with --dry-run: a previous result of these configs, "
+                     "whose times estimate this run's duration (default: the --resume file)")
     ranks = bench.add_argument_group("several ranks (or launch under torchrun / deepspeed yourself)")
     ranks.add_argument("--nproc", type=int, metavar="N", help="run on N local ranks: relaunches this command "
                        "under torchrun; each rank rolls out its own prompts, rank 0 gathers and writes")
@@ -197,32 +237,44 @@ def _add_bench_flags(bench: argparse.ArgumentParser, scenario: type[Scenario]) -
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="opsd-rollout", description=(
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
+                        help="also show what DeepSpeed and the package log (accelerator detection, op builds)")
+    parser = argparse.ArgumentParser(prog="opsd-rollout", parents=[common], description=(
         "Profiled, fast rollouts for on-policy (self-)distillation on DeepSpeed."))
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    models = sub.add_parser("models", help="list the built-in model presets")
+    models = sub.add_parser("models", parents=[common], help="list the built-in model presets")
     models.set_defaults(func=_cmd_models)
-    bench = sub.add_parser("bench", help="benchmark rollouts over a matrix of shapes",
+    bench = sub.add_parser("bench", parents=[common], help="benchmark rollouts over a matrix of shapes",
                            description="Benchmark rollouts over a matrix of shapes. With no flags: a smoke "
                            "matrix (batch 1,4 x samples 1,4 x prompt 128 x response 32, greedy, llama-small).")
     _add_bench_flags(bench, RolloutScenario)
     bench.set_defaults(func=_cmd_bench)
-    step = sub.add_parser("step", help="benchmark whole OPSD steps (rollout, teacher, student update)",
+    step = sub.add_parser("step", parents=[common],
+                          help="benchmark whole OPSD steps (rollout, teacher, student update)",
                           description="Benchmark whole on-policy distillation steps on DeepSpeed: rollout, teacher "
                           "forward into a host logit cache, student forward, divergence, backward, optimizer step. "
                           "Default: student llama-tiny, teacher llama-small, B 2 x n 2 x prompt 32 x response 32, "
                           "jsd(0.5), ZeRO 0 and 3.")
     _add_bench_flags(step, StepScenario)
     step.set_defaults(func=_cmd_step)
-    compare = sub.add_parser("compare", help="compare two result files; exit 1 on a significant regression")
+    compare = sub.add_parser(
+        "compare", parents=[common], help="compare two result files; exit 1 on a regression",
+        description="Compare two result files config by config: the ratio of each metric's medians with a 95% "
+        "bootstrap confidence interval. Exit status: 0 compared, no regression; 1 a regression (the whole "
+        "interval worse than --threshold); 2 bad input; 3 nothing compared (no config in both files); 4 one "
+        "file has configs the other lacks (unless --allow-partial).")
     compare.add_argument("before", metavar="BEFORE.json")
     compare.add_argument("after", metavar="AFTER.json")
     compare.add_argument("--threshold", type=float, default=5.0,
-                         help="percent change for the worse that counts as a regression when significant "
-                         "and at least 1 ms (times) or 1 MiB (memory) (default %(default)s)")
+                         help="percent: a regression's whole confidence interval is worse than this, and it moves "
+                         "at least 1 ms (times) or 1 MiB (memory) (default %(default)s)")
     compare.add_argument("--markdown", metavar="FILE", help="also write the comparison as a Markdown table")
     compare.add_argument("--ignore-axes", metavar="LIST", help="config axes to leave out when matching BEFORE and "
                          "AFTER, e.g. strategy (to compare generate against static)")
+    compare.add_argument("--allow-partial", action="store_true", help="exit 0 (not 4) when one file has configs "
+                         "the other lacks")
     compare.set_defaults(func=_cmd_compare)
     return parser
 
@@ -232,7 +284,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     warnings.filterwarnings("ignore", category=FutureWarning, module="torch")
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
-    args.argv = argv
+    args.argv, args.verbose = argv, getattr(args, "verbose", False)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s")
     try:
         return int(args.func(args) or 0)
     except ValueError as error:  # bad input: a clear message, no traceback

@@ -6,6 +6,9 @@ ZeRO stages without a config file.
 
 from __future__ import annotations
 
+import contextlib
+import io
+import logging
 import os
 from datetime import timedelta
 from typing import Any
@@ -16,6 +19,8 @@ import torch.distributed as dist
 
 from opsd_rollout.distributed import free_port
 
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_COLLECTIVE_TIMEOUT_S = 600.0
 
@@ -35,7 +40,12 @@ def init_distributed(timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S) -> None:
     kwargs: dict[str, Any] = {"timeout": timedelta(seconds=timeout_s), "verbose": False}
     if not torch.cuda.is_available():
         kwargs["dist_backend"] = "gloo"
-    deepspeed.init_distributed(**kwargs)
+    # DeepSpeed prints a line when it builds or loads its CPU communication op: ours to log, not to print
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        deepspeed.init_distributed(**kwargs)
+    for line in printed.getvalue().splitlines():
+        logger.info("%s", line)
 
 
 def deepspeed_config(zero_stage: int, *, dtype: torch.dtype = torch.float32, lr: float = 1e-4,

@@ -1,48 +1,55 @@
-"""``opsd-rollout compare BEFORE.json AFTER.json``: per config and metric, the change of the median and
-whether it is significant, judged on the raw iterations with a two-sided Mann-Whitney U test."""
+"""``opsd-rollout compare BEFORE.json AFTER.json``: per config and metric, the ratio of the medians (after /
+before) with a bootstrap confidence interval from the raw iterations, and a verdict.
+
+A change is *significant* when its whole interval lies on one side of 1 (the runs' own noise cannot explain
+it), and a *regression* when its whole interval lies beyond the threshold on the worse side (and it moves
+by at least 1 ms or 1 MiB). Two runs of the same code then rarely disagree: a shared machine's drift widens
+the interval instead of flagging a regression. Comparing nothing is an error, not a pass.
+"""
 
 from __future__ import annotations
 
-import math
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
+import numpy as np
 from rich.table import Table
 
-from opsd_rollout.bench.report import ConfigResult, display_labels, results_of
+from opsd_rollout.bench.report import ConfigResult, compact_table, display_labels, fmt, results_of
 from opsd_rollout.bench.scenarios import scenario_class
 from opsd_rollout.bench.stats import Stats
 from opsd_rollout.metrics import METRICS
 
 COMPARED = tuple(name for name, m in METRICS.items() if m.compared)
 """The metrics ``compare`` judges (those the registry marks ``compared``)."""
-TEST_NAME = "two-sided Mann-Whitney U (normal approximation, tie-corrected) on per-iteration values"
+CONFIDENCE = 0.95
+RESAMPLES = 2000
+TEST_NAME = (f"{CONFIDENCE:.0%} bootstrap confidence interval of the ratio of medians (after / before), "
+             f"{RESAMPLES} resamples of each side's iterations")
+MIN_ABSOLUTE = {"ms": 1.0, "bytes": 2**20}
+"""Smallest absolute change that can count as a regression, per unit: sub-millisecond stages and a few
+hundred kB of RSS move on a shared machine without any code change."""
+
+EXIT_REGRESSION, EXIT_NOTHING_COMPARED, EXIT_PARTIAL = 1, 3, 4
+"""Exit statuses of ``opsd-rollout compare`` (0: compared, no regression; 2: bad input)."""
 
 
-def mann_whitney_p(a: list[float], b: list[float]) -> float:
-    """Two-sided p-value that ``a`` and ``b`` come from the same distribution."""
-    n, m = len(a), len(b)
-    if n == 0 or m == 0:
-        return 1.0
-    pooled = sorted([(v, 0) for v in a] + [(v, 1) for v in b])
-    ranks = [0.0] * len(pooled)
-    tie_term, i = 0.0, 0
-    while i < len(pooled):
-        j = i
-        while j + 1 < len(pooled) and pooled[j + 1][0] == pooled[i][0]:
-            j += 1
-        for k in range(i, j + 1):
-            ranks[k] = (i + j) / 2 + 1
-        tie_term += (j - i + 1)**3 - (j - i + 1)
-        i = j + 1
-    rank_sum_a = sum(r for r, (_, group) in zip(ranks, pooled) if group == 0)
-    u = rank_sum_a - n * (n + 1) / 2
-    mean = n * m / 2
-    variance = n * m / 12 * ((n + m + 1) - tie_term / ((n + m) * (n + m - 1)))
-    if variance <= 0:
-        return 1.0
-    z = (abs(u - mean) - 0.5) / math.sqrt(variance)  # continuity correction
-    return max(0.0, min(1.0, math.erfc(max(z, 0.0) / math.sqrt(2))))
+def bootstrap_ratio(before: list[float], after: list[float], *, resamples: int = RESAMPLES,
+                    confidence: float = CONFIDENCE, seed: int = 0) -> tuple[float, float, float]:
+    """``(median(after) / median(before), low, high)``: the ratio and its bootstrap confidence interval."""
+    rng = np.random.default_rng(seed)
+    a, b = np.asarray(before, dtype=np.float64), np.asarray(after, dtype=np.float64)
+    a_medians = np.median(a[rng.integers(0, len(a), (resamples, len(a)))], axis=1)
+    b_medians = np.median(b[rng.integers(0, len(b), (resamples, len(b)))], axis=1)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratios = b_medians / a_medians
+    ratios = ratios[np.isfinite(ratios)]
+    ratio = float(np.median(b) / np.median(a)) if np.median(a) else float("nan")
+    if not len(ratios):
+        return ratio, float("nan"), float("nan")
+    tail = (1 - confidence) / 2
+    low, high = np.quantile(ratios, [tail, 1 - tail])
+    return ratio, float(low), float(high)
 
 
 @dataclass(frozen=True)
@@ -52,13 +59,16 @@ class MetricChange:
     metric: str
     before: float
     after: float
-    p_value: float
+    ratio: float
+    low: float
+    high: float
+    """The ratio's confidence interval."""
     significant: bool
     regression: bool
 
     @property
     def change_pct(self) -> float:
-        return 100.0 * (self.after - self.before) / self.before if self.before else 0.0
+        return 100.0 * (self.ratio - 1.0)
 
     @property
     def verdict(self) -> str:
@@ -68,9 +78,39 @@ class MetricChange:
         return ("better" if better else "worse") + (" - REGRESSION" if self.regression else "")
 
 
-# smallest absolute change that can count as a regression, per unit: sub-millisecond stages and a few
-# hundred kB of RSS move on a shared machine without any code change
-MIN_ABSOLUTE = {"ms": 1.0, "bytes": 2**20}
+def judge(key: str, label: str, metric: str, a: Stats, b: Stats, threshold_pct: float) -> MetricChange:
+    ratio, low, high = bootstrap_ratio(list(a.values), list(b.values))
+    significant = low > 1.0 or high < 1.0
+    lower_is_better = METRICS[metric].lower_is_better
+    beyond = low > 1 + threshold_pct / 100 if lower_is_better else high < 1 - threshold_pct / 100
+    large = abs(b.p50 - a.p50) >= MIN_ABSOLUTE.get(METRICS[metric].unit, 0.0)
+    return MetricChange(key, label, metric, a.p50, b.p50, ratio, low, high, significant,
+                        significant and beyond and large)
+
+
+@dataclass
+class Comparison:
+    """What ``compare_documents`` found."""
+
+    changes: list[MetricChange] = field(default_factory=list)
+    matched: int = 0
+    """Configs present and measured in both files."""
+    only_before: list[str] = field(default_factory=list)
+    only_after: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def regressions(self) -> list[MetricChange]:
+        return [c for c in self.changes if c.regression]
+
+    def exit_status(self, allow_partial: bool = False) -> int:
+        if not self.matched:
+            return EXIT_NOTHING_COMPARED
+        if self.regressions:
+            return EXIT_REGRESSION
+        if (self.only_before or self.only_after) and not allow_partial:
+            return EXIT_PARTIAL
+        return 0
 
 
 def _match_key(result: ConfigResult, ignore: tuple[str, ...]) -> str:
@@ -81,9 +121,9 @@ def _match_key(result: ConfigResult, ignore: tuple[str, ...]) -> str:
 
 
 def compare_documents(before: dict[str, Any], after: dict[str, Any], *, threshold_pct: float = 5.0,
-                      alpha: float = 0.05, ignore: tuple[str, ...] = ()) -> tuple[list[MetricChange], list[str]]:
-    """Changes for every config present in both files and ``ok`` in both; plus notes on unmatched ones.
-    ``ignore`` names config axes left out of the matching (e.g. ``strategy``, to compare two strategies)."""
+                      ignore: tuple[str, ...] = ()) -> Comparison:
+    """Every config present and ``ok`` in both files, judged metric by metric. ``ignore`` names config axes left
+    out of the matching (e.g. ``strategy``, to compare two strategies)."""
     kinds = {before.get("kind", "rollout"), after.get("kind", "rollout")}
     if len(kinds) > 1:
         raise ValueError(f"cannot compare a {before.get('kind')} benchmark with a {after.get('kind')} one")
@@ -92,70 +132,68 @@ def compare_documents(before: dict[str, Any], after: dict[str, Any], *, threshol
     unknown = [axis for axis in ignore if axis not in axes]
     if unknown:
         raise ValueError(f"--ignore-axes: unknown axes {unknown}; axes are {axes}")
-    changes, notes = [], []
+    out = Comparison()
     old, new = {}, {}
     for side, document, table in (("BEFORE", before, old), ("AFTER", after, new)):
         for result in results_of(document, config_type):
             key = _match_key(result, ignore)
             if key in table:
-                notes.append(f"{side}: {result.config.key} and {table[key].config.key} match the same config once "
-                             f"{', '.join(ignore)} is ignored; only the first is compared")
+                out.notes.append(f"{side}: {result.config.key} and {table[key].config.key} match the same config "
+                                 f"once {', '.join(ignore)} is ignored; only the first is compared")
                 continue
             table[key] = result
     names = display_labels([r.config for r in new.values()])
-    labels = {key: names[result.config.key] for key, result in new.items()}
     for key, result in new.items():
         if key not in old:
-            notes.append(f"{key}: only in AFTER")
+            out.only_after.append(result.config.key)
             continue
         if result.status != "ok" or old[key].status != "ok":
-            notes.append(f"{key}: status {old[key].status} -> {result.status}")
+            out.notes.append(f"{result.config.key}: status {old[key].status} -> {result.status}, not compared")
             continue
-        floor = mann_whitney_p(list(range(len(old[key].iterations))),
-                               list(range(len(old[key].iterations), len(old[key].iterations) + len(result.iterations))))
-        if floor >= alpha:
-            notes.append(f"{key}: with {len(old[key].iterations)} and {len(result.iterations)} iterations the "
-                         f"smallest possible p is {floor:.3f} >= {alpha}: nothing can be significant; "
-                         "rerun with more --iterations")
+        out.matched += 1
         for metric in COMPARED:
             a, b = old[key].metric(metric), result.metric(metric)
-            if a is None or b is None:
-                continue
-            changes.append(_change(key, labels[key], metric, a, b, METRICS[metric].lower_is_better, threshold_pct,
-                                   alpha))
-    notes += [f"{key}: only in BEFORE" for key in old if key not in new]
-    return changes, notes
+            if a is not None and b is not None:
+                out.changes.append(judge(key, names[result.config.key], metric, a, b, threshold_pct))
+    out.only_before = [result.config.key for key, result in old.items() if key not in new]
+    return out
 
 
-def _change(key: str, label: str, metric: str, a: Stats, b: Stats, lower_is_better: bool, threshold_pct: float,
-            alpha: float) -> MetricChange:
-    p = mann_whitney_p(list(a.values), list(b.values))
-    significant = p < alpha and a.p50 != b.p50
-    worse = (b.p50 > a.p50) if lower_is_better else (b.p50 < a.p50)
-    pct = abs(100.0 * (b.p50 - a.p50) / a.p50) if a.p50 else 0.0
-    large = abs(b.p50 - a.p50) >= MIN_ABSOLUTE.get(METRICS[metric].unit, 0.0)
-    return MetricChange(key, label, metric, a.p50, b.p50, p, significant,
-                        significant and worse and pct > threshold_pct and large)
+def _value(metric: str, value: float) -> str:
+    return fmt(value / 2**20, 0) if METRICS[metric].unit == "bytes" else fmt(value, 2)
 
 
-def comparison_table(changes: list[MetricChange]) -> Table:
-    table = Table(title=f"before -> after (medians); significance: {TEST_NAME}, alpha 0.05", title_justify="left")
-    for column in ("config", "metric", "before", "after", "change", "p", "verdict"):
-        table.add_column(column, justify="right" if column in ("before", "after", "change", "p") else "left")
-    for c in changes:
-        style = "bold red" if c.regression else ("green" if c.verdict == "better" else None)
-        table.add_row(c.label, c.metric, f"{c.before:,.2f}", f"{c.after:,.2f}", f"{c.change_pct:+.1f}%",
-                      f"{c.p_value:.3f}", c.verdict, style=style)
-    return table
+def _unit(metric: str) -> str:
+    unit = METRICS[metric].unit
+    return "MiB" if unit == "bytes" else unit
 
 
-def comparison_markdown(changes: list[MetricChange], notes: list[str], threshold_pct: float) -> str:
-    lines = [f"Significance: {TEST_NAME}, alpha 0.05; a regression is a significant change for the worse of "
-             f"more than {threshold_pct:g}% (and at least 1 ms for times, 1 MiB for memory).", "",
-             "| config | metric | before (p50) | after (p50) | change | p | verdict |",
+def comparison_table(comparison: Comparison) -> Table:
+    rows = [([c.label, f"{METRICS[c.metric].label} {_unit(c.metric)}", _value(c.metric, c.before),
+              _value(c.metric, c.after), f"{c.change_pct:+.1f}%", f"{c.low:.2f}-{c.high:.2f}", c.verdict],
+             "bold red" if c.regression else ("green" if c.verdict == "better" else None))
+            for c in comparison.changes]
+    return compact_table("before -> after (medians)", ["config", "metric", "before", "after", "change", "95% CI",
+                                                        "verdict"], rows)
+
+
+def comparison_markdown(comparison: Comparison, threshold_pct: float) -> str:
+    lines = [f"Test: {TEST_NAME}. A change is significant when its interval excludes 1; a regression when its "
+             f"whole interval is worse than {threshold_pct:g}% (and it moves at least 1 ms for times, 1 MiB for "
+             "memory).", "",
+             "| config | metric | before (p50) | after (p50) | change | 95% CI of the ratio | verdict |",
              "|---|---|---:|---:|---:|---:|---|"]
-    lines += [f"| {c.label} | {c.metric} | {c.before:,.2f} | {c.after:,.2f} | {c.change_pct:+.1f}% | "
-              f"{c.p_value:.3f} | {c.verdict} |" for c in changes]
+    lines += [f"| {c.label} | {METRICS[c.metric].label} {_unit(c.metric)} | {_value(c.metric, c.before)} | "
+              f"{_value(c.metric, c.after)} | {c.change_pct:+.1f}% | {c.low:.3f}-{c.high:.3f} | {c.verdict} |"
+              for c in comparison.changes]
+    notes = comparison_notes(comparison)
     if notes:
         lines += ["", *[f"- {note}" for note in notes]]
     return "\n".join(lines) + "\n"
+
+
+def comparison_notes(comparison: Comparison) -> list[str]:
+    notes = list(comparison.notes)
+    notes += [f"{key}: only in BEFORE" for key in comparison.only_before]
+    notes += [f"{key}: only in AFTER" for key in comparison.only_after]
+    return notes

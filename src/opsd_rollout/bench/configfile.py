@@ -4,6 +4,7 @@ with dashes or underscores (``batch_sizes`` or ``batch-sizes``)."""
 from __future__ import annotations
 
 import json
+import re
 import tomllib
 from dataclasses import fields
 from pathlib import Path
@@ -13,32 +14,45 @@ from opsd_rollout.bench.scenarios.base import Scenario
 
 
 def read_config_file(path: str | Path) -> dict[str, Any]:
+    """The file's settings and axes, keys with underscores; every problem is one ``ValueError`` line naming
+    the file (and, for a parse error, the line and column)."""
     path = Path(path)
     try:
         text = path.read_text()
     except OSError as error:
-        raise ValueError(f"--config {str(path)!r}: cannot read it ({error.strerror})") from None
+        raise ValueError(f"--config {path}: cannot read it ({error.strerror})") from None
     suffix = path.suffix.lower()
+    if suffix not in (".toml", ".json", ".yaml", ".yml"):
+        raise ValueError(f"--config {path}: use a .toml, .json, .yaml or .yml file")
     try:
-        if suffix == ".toml":
-            data = tomllib.loads(text)
-        elif suffix == ".json":
-            data = json.loads(text)
-        elif suffix in (".yaml", ".yml"):
-            try:
-                import yaml
-            except ImportError:
-                raise ValueError("--config: YAML files need PyYAML (pip install pyyaml)") from None
-            data = yaml.safe_load(text) or {}
-        else:
-            raise ValueError(f"--config {str(path)!r}: use a .toml, .json, .yaml or .yml file")
-    except ValueError:
-        raise
-    except Exception as error:  # noqa: BLE001 - every parser has its own error type
-        raise ValueError(f"--config {str(path)!r} does not parse: {error}") from None
+        data = _parse(text, suffix)
+    except tomllib.TOMLDecodeError as error:  # "Unclosed array (at line 2, column 1)"
+        where = re.search(r"\(at line (\d+), column (\d+)\)", str(error))
+        message = re.sub(r"\s*\(at line \d+, column \d+\)", "", str(error))
+        raise ValueError(f"--config {path}:{where[1]}:{where[2]}: {message}" if where
+                         else f"--config {path}: {message}") from None
+    except json.JSONDecodeError as error:
+        raise ValueError(f"--config {path}:{error.lineno}:{error.colno}: {error.msg}") from None
+    except Exception as error:  # noqa: BLE001 - PyYAML's errors carry a mark: the place it stopped
+        mark = getattr(error, "problem_mark", None)
+        problem = getattr(error, "problem", None) or str(error).splitlines()[0]
+        where = f":{mark.line + 1}:{mark.column + 1}" if mark is not None else ""
+        raise ValueError(f"--config {path}{where}: {problem}") from None
     if not isinstance(data, dict):
-        raise ValueError(f"--config {str(path)!r} must hold a table/object of settings")
+        raise ValueError(f"--config {path}: must hold a table of settings and axes, not {type(data).__name__}")
     return {str(k).replace("-", "_"): v for k, v in data.items()}
+
+
+def _parse(text: str, suffix: str) -> Any:
+    if suffix == ".toml":
+        return tomllib.loads(text)
+    if suffix == ".json":
+        return json.loads(text)
+    try:
+        import yaml  # optional: YAML config files need PyYAML
+    except ImportError:
+        raise ValueError("--config: YAML files need PyYAML (pip install pyyaml)") from None
+    return yaml.safe_load(text) or {}
 
 
 def split_config(data: dict[str, Any], scenario: type[Scenario]) -> tuple[dict[str, list[Any]], dict[str, Any]]:

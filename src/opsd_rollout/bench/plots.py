@@ -35,21 +35,26 @@ def _median_stage_ms(result: ConfigResult, stages: tuple[str, ...]) -> dict[str,
 
 
 def write_plots(results: list[ConfigResult], directory: str | Path, scenario: Any) -> list[Path]:
-    """Writes stages.png, throughput.png and latency.png for the configs that ran; returns their paths.
-    ``scenario`` says which stages stack (a rollout's or an OPSD step's) and what one iteration is."""
-    stages = scenario.stages
+    """Writes stages.png, latency.png and (when the effective batch size varies) throughput.png for the
+    configs that ran; returns their paths. ``scenario`` says which stages stack and what one iteration is."""
     plt = _pyplot()
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     ok = [r for r in results if r.status == "ok"]
     names = display_labels([r.config for r in ok])
     labels = [names[r.config.key] for r in ok]
-    paths = []
+    paths = [_stages(plt, ok, labels, scenario, directory / "stages.png"),
+             _latency(plt, ok, labels, scenario, directory / "latency.png")]
+    if len({r.config.effective_batch_size for r in ok}) > 1:  # a line needs more than one batch size
+        paths.append(_throughput(plt, ok, scenario, directory / "throughput.png"))
+    return paths
 
-    fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(ok) + 2), 4.5))
+
+def _stages(plt, ok: list[ConfigResult], labels: list[str], scenario: Any, path: Path) -> Path:
+    fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(ok) + 3), 4.5))
     bottoms = [0.0] * len(ok)
-    medians = [_median_stage_ms(r, stages) for r in ok]
-    for stage in stages:
+    medians = [_median_stage_ms(r, scenario.stages) for r in ok]
+    for stage in scenario.stages:
         heights = [m[stage] for m in medians]
         if any(heights):
             ax.bar(labels, heights, bottom=bottoms, label=label(stage))
@@ -57,11 +62,31 @@ def write_plots(results: list[ConfigResult], directory: str | Path, scenario: An
     ax.set_ylabel("ms (median iteration per stage)")
     ax.set_ylim(bottom=0)
     ax.set_title(f"Where {scenario.what} time goes")
-    ax.legend(fontsize=8)
+    _legend_outside(ax)
     ax.tick_params(axis="x", rotation=30, labelsize=8)
-    paths.append(_save(fig, directory / "stages.png", plt))
+    return _save(fig, path, plt)
 
-    fig, ax = plt.subplots(figsize=(6, 4.5))
+
+def _latency(plt, ok: list[ConfigResult], labels: list[str], scenario: Any, path: Path) -> Path:
+    """Each config's iterations as a box (median, quartiles, whiskers at 1.5 IQR) with every iteration drawn
+    as a dot; a log axis when the values span more than 5x, so one slow config or iteration does not flatten
+    the others."""
+    fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(ok) + 2), 4.5))
+    values = [list(r.metric("total_ms").values) for r in ok]
+    ax.boxplot(values, showfliers=False, widths=0.5)
+    for position, points in enumerate(values, start=1):
+        ax.plot([position] * len(points), points, "o", markersize=3, alpha=0.5, color="black")
+    every = [v for points in values for v in points]
+    if every and min(every) > 0 and max(every) / min(every) > 5:
+        ax.set_yscale("log")
+    ax.set_xticks(range(1, len(ok) + 1), labels, rotation=30, fontsize=8)
+    ax.set_ylabel(f"{scenario.what} latency (ms), every iteration")
+    ax.set_title("Latency per config")
+    return _save(fig, path, plt)
+
+
+def _throughput(plt, ok: list[ConfigResult], scenario: Any, path: Path) -> Path:
+    fig, ax = plt.subplots(figsize=(7, 4.5))
     # one line per prompt length (and per value of any other axis that varies, samples per prompt
     # included), so no two points of a line share an effective batch size
     series: dict[str, list[tuple[int, float]]] = defaultdict(list)
@@ -75,21 +100,13 @@ def write_plots(results: list[ConfigResult], directory: str | Path, scenario: An
     ax.set_xlabel("effective batch size (batch x samples per prompt)")
     ax.set_ylabel(scenario.throughput_label)
     ax.set_title("Throughput against effective batch")
-    ax.legend(fontsize=8)
-    paths.append(_save(fig, directory / "throughput.png", plt))
+    _legend_outside(ax)
+    return _save(fig, path, plt)
 
-    fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(ok) + 2), 4.5))
-    p50 = [r.metric("total_ms").p50 for r in ok]
-    p95 = [r.metric("total_ms").p95 for r in ok]
-    positions = range(len(ok))
-    ax.bar([i - 0.2 for i in positions], p50, width=0.4, label="p50")
-    ax.bar([i + 0.2 for i in positions], p95, width=0.4, label="p95")
-    ax.set_xticks(list(positions), labels, rotation=30, fontsize=8)
-    ax.set_ylabel(f"{scenario.what} latency (ms)")
-    ax.set_title("Latency per config")
-    ax.legend(fontsize=8)
-    paths.append(_save(fig, directory / "latency.png", plt))
-    return paths
+
+def _legend_outside(ax) -> None:
+    """Beside the axes, never over the data."""
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
 
 
 def _series_name(result: ConfigResult, results: list[ConfigResult]) -> str:

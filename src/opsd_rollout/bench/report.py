@@ -13,6 +13,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from rich import box
 from rich.table import Table
 
 from opsd_rollout.bench.stats import Stats, is_number
@@ -38,6 +39,10 @@ class ConfigResult:
     """Multi-rank runs: each rank's status and raw iterations (``iterations`` is then the merged view)."""
     skew: dict[str, Any] | None = None
     """Multi-rank runs: per stage, the slowest rank and max/median of the ranks' median times."""
+    warmup: dict[str, Any] | None = None
+    """How the config was warmed up (``stability.Warmup``: calls, first call's ms, steady or not)."""
+    interference: dict[str, Any] | None = None
+    """What could have disturbed the measured calls (``stability.Interference``), and whether it did."""
 
     def metric(self, name: str) -> Stats | None:
         return Stats.from_values(it.get(name) for it in self.iterations)
@@ -55,13 +60,24 @@ class ConfigResult:
         return {"key": self.config.key, "config": asdict(self.config), "status": self.status, "error": self.error,
                 "iterations": self.iterations,
                 "summary": {name: stats.to_dict() for name, stats in self.summary().items()},
-                "derived": self.derived, "warnings": self.warnings, "per_rank": self.per_rank, "skew": self.skew}
+                "derived": self.derived, "warnings": self.warnings, "per_rank": self.per_rank, "skew": self.skew,
+                "warmup": self.warmup, "interference": self.interference}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], config_type: type) -> "ConfigResult":
         return cls(config=config_type(**data["config"]), status=data["status"], error=data.get("error"),
                    iterations=list(data.get("iterations", [])), derived=dict(data.get("derived", {})),
-                   warnings=list(data.get("warnings", [])), per_rank=data.get("per_rank"), skew=data.get("skew"))
+                   warnings=list(data.get("warnings", [])), per_rank=data.get("per_rank"), skew=data.get("skew"),
+                   warmup=data.get("warmup"), interference=data.get("interference"))
+
+    @property
+    def disturbed(self) -> bool:
+        return bool(self.interference and self.interference.get("disturbed"))
+
+    @property
+    def spread_flag(self) -> str:
+        """``*`` when a spread warning was given (the table marks it; the warning says why)."""
+        return "*" if any(w.startswith("total_ms spread") for w in self.warnings) else ""
 
 
 def write_text_atomic(path: str | os.PathLike, text: str) -> None:
@@ -179,18 +195,49 @@ def mib(value: float | None) -> str:
     return fmt(value / 2**20 if value is not None else None, 0)
 
 
+def compact_table(title: str, columns: Sequence[str], rows: Sequence[tuple[Sequence[str], str | None]],
+                  caption: str | None = None) -> Table:
+    """A table that fits an 80-column terminal: the first column (a label) and the headers wrap, the other
+    cells (numbers, verdicts) never wrap nor get cut. ``rows``: (cells, style)."""
+    table = Table(title=title, title_justify="left", caption=caption, caption_justify="left", box=box.SIMPLE_HEAD,
+                  padding=(0, 1), collapse_padding=True, pad_edge=False)
+    table.add_column(columns[0], justify="left", overflow="fold", ratio=1)
+    for column in columns[1:]:
+        table.add_column(_two_lines(column), justify="right", no_wrap=True)
+    for cells, style in rows:
+        table.add_row(*cells, style=style)
+    return table
+
+
+def _two_lines(header: str) -> str:
+    """A header of several words on two lines, split where the halves are most even: narrower columns."""
+    words = header.split(" ")
+    if len(words) < 2:
+        return header
+    split = min(range(1, len(words)), key=lambda i: abs(len(" ".join(words[:i])) - len(" ".join(words[i:]))))
+    return " ".join(words[:split]) + "\n" + " ".join(words[split:])
+
+
 def config_table(results: list[ConfigResult], title: str, columns: Sequence[str],
                  row: Callable[[ConfigResult], Sequence[str]], caption: str | None = None) -> Table:
-    """One row per config: its display label, then ``row(result)`` for a measured config or its status and
-    error for one that was not."""
-    table = Table(title=title, title_justify="left", caption=caption, caption_justify="left")
-    table.add_column("config", justify="left")
-    for column in columns:
-        table.add_column(column, justify="right")
+    """One row per config: its display label, then ``row(result)`` for a measured config or its status for one
+    that was not (its error is printed below the tables)."""
     labels = display_labels([r.config for r in results])
-    for result in results:
-        if result.status != "ok":
-            table.add_row(labels[result.config.key], f"{result.status}: {(result.error or '')[:70]}", style="red")
-        else:
-            table.add_row(labels[result.config.key], *row(result))
-    return table
+    rows = [([labels[r.config.key], *row(r)], None) if r.status == "ok"
+            else ([labels[r.config.key], f"{r.status} (see below)"], "red") for r in results]
+    return compact_table(title, ["config", *columns], rows, caption)
+
+
+def stability_table(results: list[ConfigResult]) -> Table:
+    """Per config: how it was warmed up, its first call, how much its measured iterations spread and whether
+    anything disturbed them."""
+
+    def row(result: ConfigResult) -> list[str]:
+        warmup, total = result.warmup or {}, result.metric("total_ms")
+        steady = {True: "", False: " (not steady)", None: ""}[warmup.get("steady")]
+        return [f"{warmup.get('iterations', '-')}{steady}", fmt(warmup.get("first_call_ms")),
+                f"{100 * total.spread:.0f}{result.spread_flag}", "yes" if result.disturbed else "no"]
+
+    flagged = any(r.spread_flag for r in results if r.status == "ok")
+    return config_table(results, "warm-up and noise", ["warm-up calls", "1st call ms", "spread %", "disturbed"], row,
+                        caption="* spread (IQR/median) over 10%: see its warning below" if flagged else None)

@@ -17,11 +17,22 @@ from opsd_rollout.bench.environment import environment_block, measure_ceilings
 from opsd_rollout.bench.matrix import Matrix, run_order
 from opsd_rollout.bench.ranks import gather_from_ranks, merge_iterations, stage_skew
 from opsd_rollout.bench.report import SCHEMA_VERSION, ConfigResult, write_json_atomic
+from opsd_rollout.bench.stability import (Interference, InterferenceMonitor, Warmup, merge_interference,
+                                          spread_warning, warm_up)
 from opsd_rollout.deepspeed_engine import DEFAULT_COLLECTIVE_TIMEOUT_S, build_engine, init_distributed
 from opsd_rollout.distributed import rank_info
 from opsd_rollout.modeling import ModelSpec
 from opsd_rollout.models import load_model, parse_dtype
 from opsd_rollout.rollout import HybridEngineRollout, HybridEngineRolloutConfig
+
+
+def share_cores() -> None:
+    """Under a launcher that left every local rank all of the machine's threads (the DeepSpeed launcher does;
+    torchrun gives each one), divide the cores among the local ranks so they do not oversubscribe them."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or 1)  # torchrun's, DeepSpeed's
+    cores = os.cpu_count() or 1
+    if local > 1 and "OMP_NUM_THREADS" not in os.environ and torch.get_num_threads() >= cores:
+        torch.set_num_threads(max(1, cores // local))
 
 
 class RankFailure(RuntimeError):
@@ -125,6 +136,7 @@ class BenchRunner:
         self._measure_machine = measure_machine
         self.timelines: dict[str, list] = {}
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # under torchrun / the deepspeed launcher
+            share_cores()
             init_distributed(collective_timeout_s or DEFAULT_COLLECTIVE_TIMEOUT_S)
             if self.device.type == "cuda":
                 self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
@@ -180,18 +192,27 @@ class BenchRunner:
             measurement = self.scenario.prepare(pool, config)
             self._spec = pool.get(config).spec
             torch.manual_seed(self.settings.seed)
-            for index in range(self.settings.warmup + self.settings.iterations):
-                figures = measurement.run()
-                if index >= self.settings.warmup:
-                    result.iterations.append(figures)
+            s = self.settings
+
+            def warmup_call() -> None:
+                measurement.run()
+                progress("warmup", config, len(warmup_times) + 1)
+                warmup_times.append(None)
+
+            warmup_times: list[None] = []
+            warmup = warm_up(warmup_call, fixed=s.warmup, max_iterations=s.warmup_max_iterations,
+                             max_seconds=s.warmup_max_seconds, tolerance=s.steady_tolerance, all_ranks=self._all_ranks)
+            monitor = InterferenceMonitor()
+            monitor.start()
+            for index in range(s.iterations):
+                result.iterations.append(measurement.run())
                 progress("iteration", config, index + 1)
+            interference = monitor.stop()
+            result.warmup, result.interference = warmup.to_dict(), interference.to_dict()
             self.timelines[config.key] = measurement.timeline()
             result.status = "ok"
-            result.derived = self.scenario.derive(result, self._spec, self.environment.get("ceilings"), 1)
-            total = result.metric("total_ms")
-            if total is not None and total.noisy:
-                result.warnings.append(f"total_ms spread (IQR/median) is {100 * total.spread:.1f}%, over 10%: "
-                                       "the machine was busy or the run too short; add --iterations")
+            if self.ranks.world_size == 1:
+                self._finish(result)
         except Exception as error:  # noqa: BLE001 - a failed config is recorded and the run goes on
             if self.ranks.world_size > 1:  # the other ranks may be waiting in a collective: stop them all
                 raise RankFailure(self.ranks.rank, config.key, error) from error
@@ -201,10 +222,34 @@ class BenchRunner:
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
 
+    def _all_ranks(self, done: bool) -> bool:
+        """Whether every rank is done warming up (each rank's collectives must pair with the others')."""
+        if self.ranks.world_size == 1:
+            return done
+        flag = torch.tensor(int(done), device=self.device)
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN)
+        return bool(flag.item())
+
+    def _finish(self, result: ConfigResult) -> None:
+        """Derived figures and the spread warning, from the config's final (for several ranks: merged)
+        iterations, so the table's ``*`` and its warning always come together."""
+        world_size = self.ranks.world_size if result.per_rank else 1
+        result.derived = self.scenario.derive(result, self._spec, self.environment.get("ceilings"), world_size)
+        result.derived.update(warmup_iterations=(result.warmup or {}).get("iterations"),
+                              first_call_ms=(result.warmup or {}).get("first_call_ms"))
+        warmup = Warmup(**result.warmup) if result.warmup else None
+        interference = Interference.from_dict(result.interference) if result.interference else None
+        warning = spread_warning(result.metric("total_ms"), warmup, interference, self.settings.steady_tolerance)
+        if warning:
+            result.warnings.append(warning)
+        elif interference is not None and interference.disturbed:
+            result.warnings.append(f"disturbed: {'; '.join(interference.reasons)} (the times did not spread, "
+                                   "but compare them with care)")
+
     def _merge_ranks(self, result: ConfigResult) -> None:
         """Gather every rank's outcome of this config; the result becomes the merged view plus ``per_rank``."""
         gathered = gather_from_ranks({"rank": self.ranks.rank, "status": result.status, "error": result.error,
-                                      "iterations": result.iterations})
+                                      "iterations": result.iterations, "interference": result.interference})
         result.per_rank = gathered
         if any(r["status"] != "ok" for r in gathered):
             bad = next(r for r in gathered if r["status"] != "ok")
@@ -212,8 +257,9 @@ class BenchRunner:
             return
         per_rank = [r["iterations"] for r in gathered]
         result.iterations = merge_iterations(per_rank)
-        result.derived = self.scenario.derive(result, self._spec, self.environment.get("ceilings"),
-                                              self.ranks.world_size)
+        result.interference = merge_interference([Interference.from_dict(r["interference"]) for r in gathered]).to_dict()
         result.skew = stage_skew(per_rank)
+        self._finish(result)
         result.warnings += [f"{stage}: rank {s['slowest_rank']} is {s['max_over_median']:.2f}x the median rank"
                             for stage, s in result.skew.items() if s["flagged"]]
+

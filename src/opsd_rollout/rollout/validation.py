@@ -120,8 +120,9 @@ def plan_rollout(request: Any, sampling: Any, target: RolloutTarget, tokenizer: 
                          f"{prompt_length + max_new_tokens} exceeds the model's {target.max_positions} positions")
 
     # One host read for every value check.
-    id_min, id_max, mask_ok, rows_ok = torch.stack([
-        ids.min().long(), ids.max().long(), ((mask == 0) | (mask == 1)).all().long(), (mask != 0).any(dim=1).all().long()
+    id_min, id_max, mask_ok, rows_ok, ends_ok = torch.stack([
+        ids.min().long(), ids.max().long(), ((mask == 0) | (mask == 1)).all().long(), (mask != 0).any(dim=1).all().long(),
+        (mask[:, -1] != 0).all().long()
     ]).tolist()
     vocab = target.vocab_size
     if id_min < 0 or (vocab is not None and id_max >= vocab):
@@ -132,6 +133,12 @@ def plan_rollout(request: Any, sampling: Any, target: RolloutTarget, tokenizer: 
     if not rows_ok:
         raise ValueError("request.prompt_attention_mask has a row with no real token (all 0); "
                          "every prompt needs at least one")
+    if not ends_ok:
+        rows = (mask[:, -1] == 0).nonzero().flatten().tolist()
+        raise ValueError(f"request.prompt_attention_mask: rows {rows[:8]}{' ...' if len(rows) > 8 else ''} end in "
+                         "padding (right-padded prompts). The response continues from each prompt's last column, "
+                         "so pad on the left (tokenizer.padding_side = 'left'); masked positions inside a prompt "
+                         "are fine")
     for name, token in [("pad_token_id", pad_token_id)] + [("eos_token_id", e) for e in eos_token_ids]:
         if token < 0 or (vocab is not None and token >= vocab):
             raise ValueError(f"tokenizer {name} {token} is outside the model's vocabulary [0, {vocab})")

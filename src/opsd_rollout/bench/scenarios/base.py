@@ -27,6 +27,11 @@ def number(test: Callable[[float], bool], expected: str) -> tuple[Callable[[Any]
     return (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and test(v)), expected
 
 
+def optional(rule: tuple[Callable[[Any], bool], str]) -> tuple[Callable[[Any], bool], str]:
+    test, expected = rule
+    return (lambda v: v is None or test(v)), f"{expected} or None"
+
+
 def one_of(options: tuple[Any, ...]) -> tuple[Callable[[Any], bool], str]:
     return (lambda v: v in options), f"one of {', '.join(map(str, options))}"
 
@@ -93,14 +98,17 @@ class Scenario:
         """Figures derived from the config's iterations (medians, utilisation)."""
         raise NotImplementedError
 
-    def table(self, results: list["ConfigResult"], title: str) -> Table:
+    def tables(self, results: list["ConfigResult"]) -> list[Table]:
+        """The tables a person reads after a run (below the ``title`` line)."""
         raise NotImplementedError
 
     def title(self, environment: dict[str, Any], world_size: int) -> str:
-        """The results table's title: model, device, threads, iterations."""
+        """The line above the tables: model, device, threads, iterations."""
         s = self.settings
-        title = (f"{s.model} on {environment['device_name']} ({environment['threads']} threads per rank), "
-                 f"{s.iterations} iterations after {s.warmup} warmup"
+        threads = environment["threads"]
+        warmup = "warm-up until steady" if s.warmup is None else f"{s.warmup} warm-up call{'s' * (s.warmup != 1)}"
+        title = (f"{s.model} on {environment['device_name']} ({threads} thread{'s' * (threads != 1)}"
+                 f"{' per rank' if world_size > 1 else ''}), {s.iterations} iterations after {warmup}"
                  f"{', fixed length' if s.fixed_length else ', real EOS stopping'}")
         if world_size > 1:
             title += (f"; {world_size} ranks: batch sizes are per rank, times are the slowest rank's, "

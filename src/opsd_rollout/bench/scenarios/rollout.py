@@ -10,8 +10,8 @@ from rich.table import Table
 
 from opsd_rollout.bench.axes import ROLLOUT_AXES
 from opsd_rollout.bench.facts import decode_bytes_per_step, prefill_flops
-from opsd_rollout.bench.report import ConfigResult, config_table, fmt, mib
-from opsd_rollout.bench.scenarios.base import Scenario, Settings, integer, number, one_of
+from opsd_rollout.bench.report import ConfigResult, config_table, fmt, mib, stability_table
+from opsd_rollout.bench.scenarios.base import Scenario, Settings, integer, number, one_of, optional
 from opsd_rollout.bench.stats import median_index
 from opsd_rollout.metrics import ROLLOUT_STAGES, label
 from opsd_rollout.presets import DEFAULT_MODEL
@@ -62,8 +62,15 @@ class RolloutSettings(Settings):
 
     model: str = DEFAULT_MODEL
     """Preset name or local checkpoint directory."""
-    warmup: int = 1
-    """Unrecorded iterations per config before measuring."""
+    warmup: int | None = None
+    """Unrecorded calls per config before measuring: ``None`` (``--warmup auto``) warms up until two consecutive
+    calls agree within ``steady_tolerance``, within the two budgets below; a number makes exactly that many."""
+    warmup_max_iterations: int = 10
+    """Most warm-up calls per config with ``warmup=None``."""
+    warmup_max_seconds: float = 60.0
+    """Most seconds of warm-up per config with ``warmup=None``."""
+    steady_tolerance: float = 0.05
+    """Two consecutive warm-up calls within this relative difference: the config is steady."""
     iterations: int = 5
     """Measured iterations per config."""
     seed: int = 0
@@ -82,8 +89,16 @@ class RolloutSettings(Settings):
     top_p: float = 1.0
     """Sampling top-p (decoding=sampling)."""
 
+    def __post_init__(self) -> None:
+        if isinstance(self.warmup, str) and self.warmup.strip().lower() == "auto":  # the flag's spelling of None
+            self.warmup = None
+        super().__post_init__()
+
     rules: ClassVar = {
-        "warmup": integer(0), "iterations": integer(1), "prompts": one_of(PROMPT_KINDS),
+        "warmup": optional(integer(0)), "warmup_max_iterations": integer(2),
+        "warmup_max_seconds": number(lambda v: v >= 0, "a number of seconds >= 0"),
+        "steady_tolerance": number(lambda v: 0 < v < 1, "in (0, 1)"), "iterations": integer(1),
+        "prompts": one_of(PROMPT_KINDS),
         "pad_fraction": number(lambda v: 0 <= v < 1, "in [0, 1)"),
         "temperature": number(lambda v: v > 0, "> 0 for sampling (greedy is decoding=greedy)"),
         "top_k": integer(-1), "top_p": number(lambda v: 0 < v <= 1, "in (0, 1]")}
@@ -162,20 +177,19 @@ class RolloutScenario(Scenario):
                world_size: int) -> dict[str, Any]:
         return derived_figures(result, spec, ceilings, world_size)
 
-    def table(self, results: list[ConfigResult], title: str) -> Table:
-        """One row per config; stage columns are shares of the median iteration's total."""
+    def tables(self, results: list[ConfigResult]) -> list[Table]:
+        """Latency and throughput; where the time goes (shares of the median iteration); warm-up and noise."""
+
+        def figures(result: ConfigResult) -> list[str]:
+            total = result.metric("total_ms")
+            return [fmt(total.p50) + result.spread_flag, fmt(total.p95), fmt(result.p50("ttft_ms"), 2),
+                    fmt(result.p50("tpot_ms"), 2), fmt(result.p50("tokens_per_second")),
+                    mib(result.p50("peak_memory_bytes"))]
+
         shares = {r.config.key: median_shares(r) for r in results if r.status == "ok"}
-        stage_columns = [k for k in self.stages if any(s.get(k, 0) >= 0.005 for s in shares.values())]
-        noisy = any(r.metric("total_ms").noisy for r in results if r.status == "ok")
-
-        def row(result: ConfigResult) -> list[str]:
-            total, row_shares = result.metric("total_ms"), shares[result.config.key]
-            return [fmt(result.p50("ttft_ms"), 2), fmt(result.p50("tpot_ms"), 2), fmt(result.p50("tokens_per_second")),
-                    fmt(total.p50) + ("*" if total.noisy else ""), fmt(total.p95),
-                    mib(result.p50("peak_memory_bytes")),
-                    *[f"{100 * row_shares.get(k, 0.0):.0f}" for k in stage_columns]]
-
-        columns = ["TTFT ms", "TPOT ms", "tok/s p50", "total ms p50", "p95", "peak MiB",
-                   *[label(k) + " %" for k in stage_columns]]
-        return config_table(results, title, columns, row,
-                            caption="* spread (IQR/median) over 10%: noisy" if noisy else None)
+        stages = [k for k in self.stages if any(s.get(k, 0) >= 0.005 for s in shares.values())]
+        return [config_table(results, "latency and throughput (medians over the iterations)",
+                             ["p50 ms", "p95 ms", "TTFT ms", "TPOT ms", "tok/s", "peak MiB"], figures),
+                config_table(results, "where the time goes (% of the median iteration)", [label(k) for k in stages],
+                             lambda r: [f"{100 * shares[r.config.key].get(k, 0.0):.0f}" for k in stages]),
+                stability_table(results)]

@@ -9,7 +9,7 @@ from typing import Any, ClassVar
 from rich.table import Table
 
 from opsd_rollout.bench.axes import STEP_AXES
-from opsd_rollout.bench.report import ConfigResult, config_table, fmt, mib
+from opsd_rollout.bench.report import ConfigResult, config_table, fmt, mib, stability_table
 from opsd_rollout.bench.scenarios.base import Scenario, number
 from opsd_rollout.bench.scenarios.rollout import RolloutConfig, RolloutSettings
 from opsd_rollout.metrics import STEP_STAGES, label
@@ -147,17 +147,18 @@ class StepScenario(Scenario):
     def title(self, environment: dict[str, Any], world_size: int) -> str:
         return f"OPSD steps: student {super().title(environment, world_size)}; teacher {self.settings.teacher}"
 
-    def table(self, results: list[ConfigResult], title: str) -> Table:
-        """One row per step config: medians of each part, the rollout's share and the loss."""
+    def tables(self, results: list[ConfigResult]) -> list[Table]:
+        """The step and its loss; where the step's time goes (median ms per part); warm-up and noise."""
 
-        def row(result: ConfigResult) -> list[str]:
+        def figures(result: ConfigResult) -> list[str]:
             total = result.metric("total_ms")
-            return [fmt(total.p50) + ("*" if total.noisy else ""), fmt(total.p95),
-                    f"{100 * result.p50('rollout_share'):.0f}", *[fmt(result.p50(k)) for k in self.columns],
+            return [fmt(total.p50) + result.spread_flag, fmt(total.p95), f"{100 * result.p50('rollout_share'):.0f}",
                     fmt(result.p50("loss"), 4), mib(result.p50("peak_memory_bytes")),
                     fmt(result.p50("teacher_cache_bytes") / 2**20, 2)]
 
-        columns = ["step ms", "p95", "rollout %", *[f"{label(k)} ms" for k in self.columns], "loss", "peak MiB",
-                   "cache MiB"]
-        return config_table(results, title, columns, row, caption="parts: median ms (eval/train switches in the "
-                            "JSON); rollout share = (eval + rollout + train) / step")
+        return [config_table(results, "steps (medians over the iterations)",
+                             ["step ms", "p95 ms", "rollout %", "loss", "peak MiB", "cache MiB"],
+                             figures, caption="rollout share = (eval + rollout + train) / step"),
+                config_table(results, "where the step's time goes (median ms; eval/train switches in the JSON)",
+                             [label(k) for k in self.columns], lambda r: [fmt(r.p50(k)) for k in self.columns]),
+                stability_table(results)]
