@@ -163,13 +163,14 @@ def _value(metric: str, value: float) -> str:
     return fmt(value / 2**20, 0) if METRICS[metric].unit == "bytes" else fmt(value, 2)
 
 
-def _unit(metric: str) -> str:
-    unit = METRICS[metric].unit
-    return "MiB" if unit == "bytes" else unit
+def _name(metric: str) -> str:
+    """The metric's label with its unit where the label does not say it (``total ms``, ``peak MiB``)."""
+    unit = {"ms": " ms", "bytes": " MiB"}.get(METRICS[metric].unit, "")
+    return METRICS[metric].label + unit
 
 
 def comparison_table(comparison: Comparison) -> Table:
-    rows = [([c.label, f"{METRICS[c.metric].label} {_unit(c.metric)}", _value(c.metric, c.before),
+    rows = [([c.label, _name(c.metric), _value(c.metric, c.before),
               _value(c.metric, c.after), f"{c.change_pct:+.1f}%", f"{c.low:.2f}-{c.high:.2f}", c.verdict],
              "bold red" if c.regression else ("green" if c.verdict == "better" else None))
             for c in comparison.changes]
@@ -183,7 +184,7 @@ def comparison_markdown(comparison: Comparison, threshold_pct: float) -> str:
              "memory).", "",
              "| config | metric | before (p50) | after (p50) | change | 95% CI of the ratio | verdict |",
              "|---|---|---:|---:|---:|---:|---|"]
-    lines += [f"| {c.label} | {METRICS[c.metric].label} {_unit(c.metric)} | {_value(c.metric, c.before)} | "
+    lines += [f"| {c.label} | {_name(c.metric)} | {_value(c.metric, c.before)} | "
               f"{_value(c.metric, c.after)} | {c.change_pct:+.1f}% | {c.low:.3f}-{c.high:.3f} | {c.verdict} |"
               for c in comparison.changes]
     notes = comparison_notes(comparison)
