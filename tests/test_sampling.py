@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from conftest import assert_chi_square_fit
+from opsd_rollout.rollout.counter_rng import rollout_key, uniforms
 from opsd_rollout.rollout.sampling import _top_k_candidates, draw, sample
 
 
@@ -18,15 +19,33 @@ def assert_follows(counts: torch.Tensor, probs: torch.Tensor) -> None:
     assert_chi_square_fit(counts, probs)
 
 
+def counter_uniforms(rows: int, seed: int = 0) -> torch.Tensor:
+    """[rows, 1] uniforms from the rollout's counter-based generator: rows 0.. at step 0."""
+    return uniforms(rollout_key(seed, 0), torch.arange(rows), torch.zeros(rows, dtype=torch.int64))
+
+
+def test_counter_uniforms_are_uniform_and_depend_on_seed_row_and_step_only():
+    u = counter_uniforms(20000).squeeze(1)
+    assert u.dtype == torch.float64 and 0 <= u.min() and u.max() < 1
+    assert_chi_square_fit(torch.histc(u, bins=50, min=0, max=1).double(), torch.ones(50))
+    rows, steps = torch.tensor([3, 7, 3, 9]), torch.tensor([0, 4, 0, 2])
+    key = rollout_key(11, 2)
+    assert torch.equal(uniforms(key, rows, steps)[0], uniforms(key, rows, steps)[2])  # same row and step
+    assert torch.equal(uniforms(key, rows[[3, 0]], steps[[3, 0]]), uniforms(key, rows, steps)[[3, 0]])  # any order
+    assert not torch.equal(uniforms(rollout_key(12, 2), rows, steps), uniforms(key, rows, steps))
+    assert not torch.equal(uniforms(rollout_key(11, 3), rows, steps), uniforms(key, rows, steps))  # next call
+    single = uniforms(key, rows, steps, torch.float32)
+    assert single.dtype == torch.float32 and 0 <= single.min() and single.max() < 1
+
+
 def test_draw_follows_unnormalized_probabilities_and_never_draws_a_zero():
     probs = torch.tensor([0.0, 3.0, 0.0, 1.0, 0.5, 0.0, 0.0])  # zeros first, inside and last
-    generator = torch.Generator().manual_seed(0)
-    picks = draw(probs.expand(20000, -1), generator)
+    picks = draw(probs.expand(20000, -1), counter_uniforms(20000))
     assert_follows(torch.bincount(picks, minlength=probs.numel()).double(), probs)
     one = torch.tensor([[0.0, 0.0, 1e-30, 0.0]])  # a single tiny mass still wins every draw
-    assert draw(one.expand(100, -1), generator).eq(2).all()
+    assert draw(one.expand(100, -1), counter_uniforms(100)).eq(2).all()
     broken = torch.tensor([[float("nan")] * 4, [0.0] * 4])  # no distribution: still an index, never V
-    assert draw(broken, generator).lt(4).all()
+    assert draw(broken, counter_uniforms(2)).lt(4).all()
 
 
 def transformers_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
@@ -61,8 +80,7 @@ def test_sampling_equals_transformers_warpers_with_ties_at_the_kth_logit(top_k, 
         assert torch.isfinite(candidates[0]).sum() == 9, "all six ties are candidates"
     probs = transformers_probs(logits, temperature, top_k, top_p)
     plan = SimpleNamespace(greedy=False, temperature=temperature, top_k=top_k, top_p=top_p)
-    generator = torch.Generator().manual_seed(5)
-    picks = torch.cat([sample(logits.expand(2000, -1), plan, generator) for _ in range(5)])
+    picks = sample(logits.expand(10000, -1), plan, counter_uniforms(10000, seed=5))
     counts = torch.bincount(picks, minlength=logits.shape[1]).double()
     assert (counts[TIED] > 0).sum() == (probs[TIED] > 0).sum(), "a different number of tied tokens kept"
     assert_follows(pool_ties(counts), pool_ties(probs))
@@ -75,7 +93,7 @@ def test_bf16_logits_with_rows_of_different_tie_counts_keep_each_rows_ties():
     kept = [sorted(i for v, i in zip(vs, row) if v > float("-inf")) for vs, row in zip(values.tolist(), ids.tolist())]
     assert kept == [[0, 1, 2, 3], [0, 1]]
     plan = SimpleNamespace(greedy=False, temperature=1.0, top_k=2, top_p=1.0)
-    picks = sample(logits.repeat_interleave(3000, dim=0), plan, torch.Generator().manual_seed(0))
+    picks = sample(logits.repeat_interleave(3000, dim=0), plan, counter_uniforms(6000))
     for row in range(2):
         counts = torch.bincount(picks.view(2, 3000)[row], minlength=6).double()
         assert_follows(counts, transformers_probs(logits[row:row + 1].float(), 1.0, 2, 1.0))
@@ -87,5 +105,5 @@ def test_candidate_path_equals_transformers_without_ties():
         assert _top_k_candidates(logits / 1.2, top_k)[1].shape == (1, top_k)
         probs = transformers_probs(logits, 1.2, top_k, top_p)
         plan = SimpleNamespace(greedy=False, temperature=1.2, top_k=top_k, top_p=top_p)
-        picks = sample(logits.expand(10000, -1), plan, torch.Generator().manual_seed(top_k))
+        picks = sample(logits.expand(10000, -1), plan, counter_uniforms(10000, seed=top_k))
         assert_follows(torch.bincount(picks, minlength=logits.shape[1]).double(), probs)

@@ -86,17 +86,18 @@ def test_static_shapes_decode_equals_generate(tiny_models, tokenizer, name, prom
 def test_decode_steps_attend_to_the_filled_positions_and_skip_the_mask_without_padding(
         tiny_models, tokenizer, static_shapes, prompts):
     """Each decode step's keys span the positions written so far (the whole cache with ``static_shapes``),
-    and its mask is ``None`` when no prompt is padded, else the same width, switched on up to the fed token."""
+    and its mask is ``None`` when no prompt is padded, else the same width, switched on up to the fed token
+    (every row kept in the batch: compaction off)."""
     from opsd_rollout.rollout.strategies import static as static_module
 
     model = tiny_models["llama-tiny"]
-    rollout = HybridEngineRollout(model, tokenizer, static(static_shapes=static_shapes))
+    rollout = HybridEngineRollout(model, tokenizer, static(static_shapes=static_shapes, compact_rows=False))
     seen = []
 
     def spy(*args):
         logits = static_module.decode_one_token(*args)
         mask, cache = args[3], args[4]
-        seen.append((None if mask is None else mask.clone(), cache.layers[0].get_mask_sizes(0)[0]))
+        seen.append((None if mask is None else mask.clone(), cache.layers[0].get_mask_sizes(1)[0]))
         return logits
 
     rollout.strategy._decode_step = spy

@@ -52,7 +52,8 @@ CASES = [
     ("top_p must be in (0, 1]", None, dict(top_p=0.0)),
     ("top_p must be in (0, 1]", None, dict(top_p=1.5)),
     ("top_k must be an int >= -1", None, dict(top_k=-2)),
-    ("continuous_batch_size is not supported", None, dict(continuous_batch_size=4)),
+    ("continuous_batch_size must be an int >= 1 or None", None, dict(continuous_batch_size=0)),
+    ("continuous_batch_size must be an int >= 1 or None", None, dict(continuous_batch_size=2.5)),
 ]
 
 

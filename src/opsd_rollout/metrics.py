@@ -55,6 +55,7 @@ METRICS: dict[str, Metric] = {m.name: m for m in [
     _ms("gc_ms", "gc"),
     _ms("empty_cache_ms", "empty_cache"),
     _ms("workspace_alloc_ms", "alloc"),
+    _ms("compaction_ms", "compact"),
     Metric("param_gather_count", "gathers", "count", merge="sum", lower_is_better=None),
     Metric("param_gather_bytes", "gathered", "bytes", merge="sum", lower_is_better=None),
     # throughput and counts
@@ -68,8 +69,17 @@ METRICS: dict[str, Metric] = {m.name: m for m in [
     Metric("response_tokens", "response tokens", "tokens", merge="sum", lower_is_better=None),
     Metric("effective_batch_size", "rows", "count", merge="sum", lower_is_better=None),
     Metric("batch_size", "prompts", "count", merge="sum", lower_is_better=None),
+    Metric("row_steps", "row-steps", "count", merge="sum", lower_is_better=None),
+    Metric("live_row_utilisation", "live rows %", "ratio", merge="mean", lower_is_better=False),
+    Metric("compactions", "compactions", "count", merge="sum", lower_is_better=None),
+    Metric("admission_rounds", "admissions", "count", lower_is_better=None),
+    Metric("decode_slots", "slots", "count", merge="sum", lower_is_better=None),
+    _ms("row_latency_p50_ms", "row p50"),
+    _ms("row_latency_p95_ms", "row p95"),
+    _ms("row_latency_max_ms", "row max"),
     # memory
     Metric("peak_memory_bytes", "peak", "bytes", compared=True),
+    Metric("kv_workspace_bytes", "KV", "bytes"),
     # OPSD step parts
     _ms("eval_ms", "eval"),
     _ms("rollout_ms", "rollout", compared=True),
@@ -86,7 +96,7 @@ METRICS: dict[str, Metric] = {m.name: m for m in [
 ]}
 
 ATTRIBUTED_PHASES = ("param_gather", "inference_cache", "lora_fuse", "lora_unfuse", "gc", "empty_cache",
-                     "workspace_alloc")
+                     "workspace_alloc", "compaction")
 """The attributed phases a rollout profile reports, each as ``<phase>_ms``."""
 ROLLOUT_STAGES = ("prompt_expansion_ms", "prefill_ms", "decode_ms", *(f"{p}_ms" for p in ATTRIBUTED_PHASES),
                   "generation_overhead_ms", "post_processing_ms")

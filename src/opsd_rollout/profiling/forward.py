@@ -45,9 +45,9 @@ def _input_shape(args: tuple, kwargs: dict) -> tuple[int, int]:
 class ForwardTimer:
     """Records ``(start, end, query tokens)`` for each outermost forward of ``module``.
 
-    A forward is prefill until the first forward that feeds a single token per row after another
-    forward has run; every forward from there on is decode. Chunked prefill (several multi-token
-    forwards) therefore counts as prefill.
+    A forward that feeds several tokens per row is prefill (chunked prefill, and the prefills of prompts
+    admitted while others decode, included); one that feeds a single token is decode, unless it is the
+    first forward (a one-token prompt's prefill).
     """
 
     def __init__(self, module: torch.nn.Module, clock: Clock, *, also: tuple[torch.nn.Module, ...] = ()):
@@ -101,9 +101,9 @@ class ForwardTimer:
     def read(self, clear: bool = True, origin: Any = None) -> list[ForwardTime]:
         """Resolve the recorded marks (one device wait on CUDA) and classify each forward; with an
         ``origin`` mark, each forward's start offset from it too."""
-        times, decoding = [], False
+        times = []
         for index, (start, end, (rows, tokens)) in enumerate(self._records):
-            decoding = decoding or (index > 0 and tokens == 1)
+            decoding = index > 0 and tokens == 1
             offset = None if origin is None else self.clock.elapsed_ms(origin, start)
             times.append(ForwardTime(self.clock.elapsed_ms(start, end), rows, tokens,
                                      "decode" if decoding else "prefill", offset))

@@ -12,6 +12,8 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from opsd_rollout.metrics import ATTRIBUTED_PHASES, ROLLOUT_STAGES
 
 # DeepSpeed's key -> ours.
@@ -51,7 +53,8 @@ class RolloutProfile(Mapping):
     prefill_forwards: int | None
     """Number of prefill forwards (more than one when prefill is chunked)."""
     ttft_ms: float | None
-    """Time to first token: from the start of the call to the end of the last prefill forward."""
+    """Time to first token: from the start of the call to the end of the last prefill forward before the first
+    decode forward."""
     tpot_ms: float | None
     """Time per output token: the median decode forward, wall time (attributed phases inside included)."""
     prefill_tokens: int | None
@@ -81,6 +84,8 @@ class RolloutProfile(Mapping):
     """Accelerator ``empty_cache`` calls during the rollout."""
     workspace_alloc_ms: float | None = None
     """Allocating the static strategy's KV workspace (``None`` when it was reused or not used)."""
+    compaction_ms: float | None = None
+    """Moving the live rows to the front of a shrunken decode batch (``None`` when no row left the batch)."""
     workspace: str | None = None
     """Static strategy: ``reused`` or ``allocated`` KV workspace for this call (``None`` for ``generate``)."""
     # throughput
@@ -94,6 +99,24 @@ class RolloutProfile(Mapping):
     """Tokens produced by decode forwards (``generated_tokens`` less each row's first token) over ``decode_ms``."""
     prefill_tokens_per_second: float | None
     """``prefill_tokens / prefill_ms``."""
+    # how the decode batch was used
+    row_steps: int | None = None
+    """Row-steps computed: one per row for its first token (from its prefill), plus the rows every decode forward
+    computed, finished rows still in the batch included."""
+    live_row_utilisation: float | None = None
+    """``generated_tokens / row_steps``: the share of computed row-steps that produced a real token."""
+    compactions: int | None = None
+    """Times finished rows left the decode batch (it shrank to a smaller size)."""
+    admission_rounds: int | None = None
+    """Prefill rounds that admitted pending prompts into freed slots (``continuous_batch_size``)."""
+    decode_slots: int | None = None
+    """Rows the decode batch could hold: ``continuous_batch_size``, or every row."""
+    row_latency_p50_ms: float | None = None
+    """Per row, the time from the call's start to its last token: the median over rows (forward timing on)."""
+    row_latency_p95_ms: float | None = None
+    row_latency_max_ms: float | None = None
+    kv_workspace_bytes: int | None = None
+    """The static strategy's key/value buffers (decode and prefill caches), kept between calls."""
     # memory
     peak_memory_bytes: int
     """Accelerator peak allocated on CUDA; peak process RSS on CPU."""
@@ -158,12 +181,32 @@ class RolloutProfile(Mapping):
 _FIELD_NAMES: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(RolloutProfile))
 
 
+def _ttft(forwards: list) -> float | None:
+    """End of the last prefill forward before the first decode forward (later prefills admit other prompts)."""
+    first = [f for f in forwards[:next((i for i, f in enumerate(forwards) if f.kind == "decode"), len(forwards))]]
+    return first[-1].offset_ms + first[-1].ms if first else None
+
+
+def _row_latencies(forwards: list | None, decode: Any, lengths: Any) -> dict[str, float | None]:
+    """Percentiles over rows of the end of the forward that produced each row's last token."""
+    fields = dict.fromkeys(("row_latency_p50_ms", "row_latency_p95_ms", "row_latency_max_ms"))
+    if not forwards or decode is None or lengths is None:
+        return fields
+    index = decode.finish_forward if decode.finish_forward is not None else lengths - 1
+    ends = torch.tensor([f.offset_ms + f.ms for f in forwards], dtype=torch.float64)
+    latency = ends[index.to("cpu").clamp(0, len(forwards) - 1)]
+    p50, p95 = torch.quantile(latency, torch.tensor([0.5, 0.95], dtype=torch.float64)).tolist()
+    fields.update(row_latency_p50_ms=p50, row_latency_p95_ms=p95, row_latency_max_ms=float(latency.max()))
+    return fields
+
+
 def build_profile(*, stages: dict[str, float], forwards: list | None, phases: dict, peak_memory: tuple[int, str],
-                  generated_tokens: int, effective_batch_size: int, response_length: int,
-                  **metadata: Any) -> RolloutProfile:
+                  generated_tokens: int, effective_batch_size: int, response_length: int, decode_stats: Any = None,
+                  lengths: Any = None, **metadata: Any) -> RolloutProfile:
     """Assemble a profile from resolved stage times (``StageRecorder.resolve``) and the call's facts.
 
-    ``forwards`` is the list of ``ForwardTime`` (``None`` when forward timing was off).
+    ``forwards`` is the list of ``ForwardTime`` (``None`` when forward timing was off); ``decode_stats`` the
+    strategy's ``DecodeStats``; ``lengths`` each row's response length.
     """
     total_ms = stages["total"]
     forward_fields: dict[str, Any] = dict.fromkeys(
@@ -176,7 +219,7 @@ def build_profile(*, stages: dict[str, float], forwards: list | None, phases: di
         prefill_tokens = sum(f.rows * f.query_tokens for f in prefill)
         forward_fields.update(
             prefill_ms=prefill_ms, decode_ms=decode_ms, decode_steps=len(decode), prefill_forwards=len(prefill),
-            ttft_ms=(prefill[-1].offset_ms + prefill[-1].ms) if prefill else None,
+            ttft_ms=_ttft(forwards),
             tpot_ms=statistics.median(f.ms for f in decode) if decode else None, prefill_tokens=prefill_tokens,
             decode_tokens_per_second=((generated_tokens - effective_batch_size) / (decode_ms / 1e3)
                                       if decode_ms > 0 else None),
@@ -186,6 +229,12 @@ def build_profile(*, stages: dict[str, float], forwards: list | None, phases: di
     if "param_gather" in phases:
         attributed.update(param_gather_count=phases["param_gather"].events,
                           param_gather_bytes=phases["param_gather"].bytes)
+    if decode_stats is not None:
+        stats = decode_stats
+        attributed.update(row_steps=stats.row_steps, compactions=stats.compactions,
+                          admission_rounds=stats.admission_rounds, decode_slots=stats.slots,
+                          live_row_utilisation=generated_tokens / stats.row_steps if stats.row_steps else None,
+                          **_row_latencies(forwards, stats, lengths))
     return RolloutProfile(
         prompt_expansion_ms=stages["prompt_expansion"], generation_ms=stages["generation"],
         post_processing_ms=stages["post_processing"], attention_mask_ms=stages["attention_mask"],

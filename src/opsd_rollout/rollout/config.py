@@ -41,6 +41,11 @@ class HybridEngineRolloutConfig:
     """``static``: every decode step sees the whole preallocated cache, masked (the same shapes at every step,
     what a CUDA graph needs; implied by ``compile_decode``). Off, each step attends only to the positions
     written so far, with no mask at all when no prompt is padded."""
+    compact_rows: bool = True
+    """``static``: rows that finished leave the decode batch; at a check, when no prompt waits and the live rows
+    fit a smaller batch size (1, 2, 3, 4, 6, 8, 12, 16, ...: powers of two and 1.5x them), they move to the
+    front and the batch shrinks, so a step costs what its live rows cost. Off: every row is computed until the
+    last one finishes."""
     zero3_gather: str = "once"
     """ZeRO-3 without the hybrid engine: ``once`` gathers every parameter once for the whole rollout (when
     it fits ``gather_memory_budget_bytes``), ``per_layer`` leaves DeepSpeed gathering layer by layer at
@@ -66,7 +71,7 @@ class HybridEngineRolloutConfig:
 
     def __post_init__(self) -> None:
         for name in ("enable_profiling", "profile_forwards", "ignore_eos", "merge_adapters", "shared_prefill",
-                     "compile_decode", "static_shapes"):
+                     "compile_decode", "static_shapes", "compact_rows"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool; got {getattr(self, name)!r}")
         if self.strategy not in STRATEGIES:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 from collections.abc import Iterator
 from typing import Any
@@ -123,15 +124,16 @@ class HybridEngineRollout(RolloutEngine):
             prompt_length=plan.prompt_length, max_new_tokens=plan.max_new_tokens, dtype=dtype_name(self.target.dtype),
             device=str(self.target.device), decoding=plan.decoding, strategy=self.strategy.name,
             zero_stage=self.target.zero_stage, world_size=self.target.world_size, rank=self.target.rank,
-            timer=self._clock.kind,
+            timer=self._clock.kind, decode_stats=self.strategy.last_stats, lengths=lengths,
+            kv_workspace_bytes=self.strategy.workspace.nbytes if self.strategy.workspace is not None else None,
             workspace=self.strategy.workspace.last_event if self.strategy.workspace is not None else None)
         return batch
 
     def _probes(self) -> PhaseProbes:
         probes = PhaseProbes(self._clock)
         add_rollout_probes(probes, self.target, self, merge_adapters=self.cfg.merge_adapters)
-        if self.strategy.workspace is not None:
-            probes.add(self.strategy.workspace, "allocate", "workspace_alloc")
+        for obj, method, phase in self.strategy.probe_points():
+            probes.add(obj, method, phase)
         if self._gather_once is not None:
             probes.add(self._gather_once, "gather", "param_gather")
             probes.add(self._gather_once, "release", "param_gather")
@@ -157,7 +159,9 @@ class HybridEngineRollout(RolloutEngine):
             ids, mask = postprocess.expand_prompts(prompt_ids, prompt_mask, plan.samples_per_prompt)
         probes = self._probes() if recorder.enabled else None  # the unprofiled path builds nothing
         with recorder.stage("generation"), recorder.forwards(self.target.forward_module), recorder.probes(probes):
-            with self._params_gathered(), self._adapters_merged():
+            with self._params_gathered() as gathered, self._adapters_merged():
+                # per-layer ZeRO-3 gathering makes every forward a collective: ranks must prefill together
+                plan = dataclasses.replace(plan, collective_forwards=plan.lockstep and not gathered)
                 sequences = self.strategy.generate(self.target, ids, mask, plan)  # [N, P + R']
             if self.cfg.cache_policy == "release":
                 self.release_workspace()

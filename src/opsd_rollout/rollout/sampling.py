@@ -1,12 +1,13 @@
 """Token selection without host synchronization: argmax for greedy; for sampling, temperature, top-k and
-top-p filtering as transformers' warpers do, then an inverse-CDF draw from a seeded generator (one uniform
-number per row, not one per vocabulary entry, and no ``multinomial``).
+top-p filtering as transformers' warpers do, then an inverse-CDF draw with one uniform number per row (from
+``counter_rng``: a function of the seed, the row and the step, so scheduling never changes a token), not one
+per vocabulary entry, and no ``multinomial``.
 
 On CPU with top-k, filtering and the draw run over the k candidates only: sorting a 150k vocabulary for
 top-p costs more than a small model's forward there. Logits tied with the k-th stay candidates, as
 transformers keeps them; how many there are is one host read (free on CPU). On CUDA the whole-vocabulary
-path always runs (sorting is cheap there, and a host read is not). The two paths order the draw
-differently, so a seed gives the same tokens for the same batch on the same device, not across devices.
+path always runs (sorting is cheap there, and a host read is not). Which path runs depends on the sampling
+knobs and the device, never on the batch, and each row's token depends on its own logits and uniform only.
 """
 
 from __future__ import annotations
@@ -49,14 +50,18 @@ def filter_logits(logits: torch.Tensor, *, top_k: int, top_p: float) -> torch.Te
     return logits
 
 
-def draw(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """probs: [N, V], rows not necessarily normalized -> [N] indices, index i with probability
-    ``probs[i] / probs.sum()``; an index of zero probability is never drawn (a row of NaNs or zeros, which
-    no distribution describes, still yields a valid index rather than V)."""
-    precise = torch.float32 if probs.device.type == "mps" else torch.float64  # MPS has no float64
-    cdf = probs.cumsum(dim=-1, dtype=precise)
+def precise_dtype(device: torch.device) -> torch.dtype:
+    """The dtype of the draw's CDF and uniforms: float64, but float32 on MPS (which has no float64)."""
+    return torch.float32 if device.type == "mps" else torch.float64
+
+
+def draw(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """probs: [N, V], rows not necessarily normalized; uniform: [N, 1] in [0, 1) -> [N] indices, index i with
+    probability ``probs[i] / probs.sum()`` over uniform draws; an index of zero probability is never drawn (a
+    row of NaNs or zeros, which no distribution describes, still yields a valid index rather than V)."""
+    cdf = probs.cumsum(dim=-1, dtype=precise_dtype(probs.device))
     total = cdf[:, -1:]
-    u = torch.rand(total.shape, generator=generator, dtype=precise, device=cdf.device) * total
+    u = uniform.to(cdf.dtype) * total
     u = torch.minimum(u, total.nextafter(torch.zeros_like(total)))  # strictly below the total after rounding
     return torch.searchsorted(cdf, u, right=True).squeeze(-1).clamp_(max=probs.shape[-1] - 1)
 
@@ -79,15 +84,16 @@ def _top_k_candidates(scaled: torch.Tensor, top_k: int) -> tuple[torch.Tensor, t
     return values, ids.gather(1, order)
 
 
-def sample(logits: torch.Tensor, plan: RolloutPlan, generator: torch.Generator | None) -> torch.Tensor:
-    """logits: [N, V] -> next tokens [N] (int64), on the logits' device, without a host sync on CUDA."""
+def sample(logits: torch.Tensor, plan: RolloutPlan, uniform: torch.Tensor | None) -> torch.Tensor:
+    """logits: [N, V]; uniform: [N, 1], each row's draw (unused for greedy) -> next tokens [N] (int64), on the
+    logits' device, without a host sync on CUDA."""
     if plan.greedy:
         return logits.argmax(dim=-1)
     scaled = logits.float() / plan.temperature
     candidates = _top_k_candidates(scaled, plan.top_k)
     if candidates is None:
-        return draw(filter_logits(scaled, top_k=plan.top_k, top_p=plan.top_p).softmax(dim=-1), generator)
+        return draw(filter_logits(scaled, top_k=plan.top_k, top_p=plan.top_p).softmax(dim=-1), uniform)
     values, ids = candidates  # [N, k], descending
     if plan.top_p < 1.0:
         values = values.masked_fill(top_p_removed(values, plan.top_p), float("-inf"))
-    return ids.gather(1, draw(values.softmax(dim=-1), generator).unsqueeze(1)).squeeze(1)
+    return ids.gather(1, draw(values.softmax(dim=-1), uniform).unsqueeze(1)).squeeze(1)

@@ -29,6 +29,13 @@ class RolloutPlan:
     eos_token_ids: tuple[int, ...]
     ignore_eos: bool = False
     """Generation runs every row to ``max_new_tokens``; post-processing still cuts at the first EOS."""
+    continuous_batch_size: int | None = None
+    """At most this many rows decode at once; pending prompts take the slots finished rows free."""
+    lockstep: bool = False
+    """Several ZeRO-3 ranks: every rank runs the same number of forwards and stops at the same step."""
+    collective_forwards: bool = False
+    """Forwards gather parameters collectively (ZeRO-3 per-layer gathering on several ranks): a rank with
+    nothing to prefill still runs a prefill when another rank does."""
 
     @property
     def effective_batch_size(self) -> int:
@@ -69,9 +76,9 @@ def _check_sampling(sampling: Any) -> tuple[float, int, float]:
     for name in ("max_new_tokens", "temperature", "top_p", "top_k", "n_samples_per_prompt"):
         if not hasattr(sampling, name):
             raise TypeError(f"sampling must be a SamplingConfig; {type(sampling).__name__} has no {name!r}")
-    if getattr(sampling, "continuous_batch_size", None) is not None:
-        raise ValueError("sampling.continuous_batch_size is not supported by this rollout; leave it None "
-                         f"(got {sampling.continuous_batch_size!r})")
+    slots = getattr(sampling, "continuous_batch_size", None)
+    if slots is not None and (isinstance(slots, bool) or not isinstance(slots, int) or slots < 1):
+        raise ValueError(f"sampling.continuous_batch_size must be an int >= 1 or None; got {slots!r}")
     temperature = sampling.temperature
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or math.isnan(temperature) \
             or math.isinf(temperature):
@@ -145,4 +152,5 @@ def plan_rollout(request: Any, sampling: Any, target: RolloutTarget, tokenizer: 
     return RolloutPlan(batch_size=batch_size, prompt_length=prompt_length, samples_per_prompt=n,
                        max_new_tokens=max_new_tokens, greedy=temperature <= 0.0, temperature=temperature,
                        top_k=top_k, top_p=top_p, pad_token_id=pad_token_id, eos_token_ids=eos_token_ids,
-                       ignore_eos=ignore_eos)
+                       ignore_eos=ignore_eos, continuous_batch_size=getattr(sampling, "continuous_batch_size", None),
+                       lockstep=target.zero_stage == 3 and target.world_size > 1)

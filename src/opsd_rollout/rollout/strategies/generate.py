@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from transformers import GenerationConfig
 
+from opsd_rollout.rollout.strategies.base import DecodeStats
 from opsd_rollout.rollout.target import RolloutTarget
 from opsd_rollout.rollout.validation import RolloutPlan
 
@@ -16,6 +19,9 @@ class TransformersGenerate:
 
     name = "generate"
     workspace = None
+
+    def __init__(self) -> None:
+        self.last_stats = DecodeStats()
 
     def unsupported_reason(self, target: RolloutTarget) -> str | None:
         """generate runs every transformers causal LM."""
@@ -33,8 +39,15 @@ class TransformersGenerate:
         stop_ids = never if plan.ignore_eos else (list(plan.eos_token_ids) or never)
         config = GenerationConfig(max_new_tokens=plan.max_new_tokens, do_sample=not plan.greedy, num_beams=1,
                                   eos_token_id=stop_ids, pad_token_id=plan.pad_token_id, use_cache=True, **sampling)
-        return target.generate_fn(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=config,
-                                  synced_gpus=target.zero_stage == 3 and target.world_size > 1)
+        sequences = target.generate_fn(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=config,
+                                       synced_gpus=target.zero_stage == 3 and target.world_size > 1)
+        rows, steps = prompt_ids.shape[0], sequences.shape[1] - prompt_ids.shape[1]
+        # every row is computed at every step until the last one finishes
+        self.last_stats = DecodeStats(row_steps=rows * steps, slots=rows, forwards=steps)
+        return sequences
 
     def release_workspace(self) -> None:
         """generate keeps no workspace of its own between calls."""
+
+    def probe_points(self) -> list[tuple[Any, str, str]]:
+        return []

@@ -1,8 +1,11 @@
-"""Strategy ``static``: our own decode loop over a preallocated, reusable KV cache.
+"""Strategy ``static``: our own decode loop over a preallocated, reusable KV workspace.
 
-prefill -> (share the prompt's cache across its n samples) -> decode_one_token + sample, until every row
-has finished or ``max_new_tokens`` is reached. The loop stops only at checks every ``k`` steps (one host
-read each; under ZeRO-3 with several ranks, an all-reduce so every rank stops at the same step).
+admit (prefill each new prompt once; its keys/values copied to its samples' slots; first tokens sampled) ->
+decode_one_token + sample for the rows in the batch, until every row has finished. At a check every ``k``
+steps (one host read; under ZeRO-3 with several ranks, an all-reduce so every rank agrees) finished rows
+retire: pending rows take their slots (continuous batching), or once none is pending the live rows move to
+the front and the batch shrinks to a smaller size bucket (compaction). A row's random numbers depend only on
+the seed, its index in the request and its step, so none of this changes a sampled token.
 """
 
 from __future__ import annotations
@@ -14,10 +17,13 @@ import torch.distributed as dist
 
 from opsd_rollout.modeling import position_ids
 from opsd_rollout.rollout.compiled import LENGTH_BUCKET_MIN, CompiledStep, bucket
-from opsd_rollout.rollout.sampling import sample
+from opsd_rollout.rollout.counter_rng import rollout_key, uniforms
+from opsd_rollout.rollout.sampling import precise_dtype, sample
+from opsd_rollout.rollout.scheduler import Admission, RowScheduler
+from opsd_rollout.rollout.strategies.base import DecodeStats
 from opsd_rollout.rollout.target import RolloutTarget
 from opsd_rollout.rollout.validation import RolloutPlan
-from opsd_rollout.rollout.workspace import KVWorkspace, RolloutMasks, check_written, set_filled
+from opsd_rollout.rollout.workspace import CacheFront, KVWorkspace, check_written
 
 
 def prefill(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, cache_mask: torch.Tensor | None,
@@ -32,31 +38,20 @@ def prefill(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, cache
 
 def decode_one_token(model: torch.nn.Module, token: torch.Tensor, position: torch.Tensor,
                      mask: torch.Tensor | None, cache: Any, cache_keyword: str) -> torch.Tensor:
-    """token, position: [N, 1]; mask: [N, kv], [N, 1, 1, kv] or None. Returns logits [N, V] for the next token."""
+    """token, position: [A, 1]; mask: [A, kv], [A, 1, 1, kv] or None. Returns logits [A, V] for the next token."""
     out = model(input_ids=token, attention_mask=mask, position_ids=position, use_cache=True,
                 **{cache_keyword: cache})
     return out.logits[:, -1]
 
 
-def replicate_cache(source: Any, target: Any, repeats: int, prompt_length: int) -> None:
-    """Copy each prompt's prefilled keys/values into its ``repeats`` sample rows ([B..] -> [B*n..]), as one
-    broadcast copy per tensor (no ``[B*n, ...]`` temporary)."""
-    for src, dst in zip(source.layers, target.layers):
-        for a, b in ((src.keys, dst.keys), (src.values, dst.values)):
-            rows, heads, _, dim = a.shape
-            b.view(rows, repeats, heads, -1, dim)[:, :, :, :prompt_length].copy_(
-                a[:, :, :prompt_length].unsqueeze(1))
-        set_filled(dst, prompt_length)
-
-
 class StaticDecode:
-    """Prefill once (B prompts, not B*n, with ``shared_prefill``), then a static-shape decode loop."""
+    """Prefill once per prompt (B prompts, not B*n, with ``shared_prefill``), then a decode loop over slots."""
 
     name = "static"
 
     def __init__(self, *, shared_prefill: bool = True, stop_check_interval: int | None = None,
                  seed: int | None = None, compile_decode: bool = False, static_shapes: bool = False,
-                 compile_options: dict[str, Any] | None = None):
+                 compact_rows: bool = True, compile_options: dict[str, Any] | None = None):
         self.shared_prefill = shared_prefill
         # A compiled step needs the same shapes every step: the whole cache, masked (``static_shapes``).
         # Eager decoding attends to the filled positions only, which is cheaper.
@@ -66,9 +61,11 @@ class StaticDecode:
         self.compiled = CompiledStep(decode_one_token, options) if compile_decode else None
         self._decode_step = self.compiled or decode_one_token
         self.stop_check_interval = stop_check_interval
+        self.compact_rows = compact_rows
         self.seed = seed
         self.workspace = KVWorkspace()
-        self._generator: torch.Generator | None = None
+        self.last_stats = DecodeStats()
+        self._calls = 0
 
     def release_workspace(self) -> None:
         self.workspace.release()
@@ -84,78 +81,287 @@ class StaticDecode:
                     "generate() applies")
         return None
 
-    def _generator_for(self, device: torch.device) -> torch.Generator:
-        if self._generator is None or self._generator.device != device:
-            self._generator = torch.Generator(device=device)
-            if self.seed is not None:
-                self._generator.manual_seed(self.seed)
-        if self.seed is None:  # follow torch's global RNG, so torch.manual_seed makes runs repeatable
-            self._generator.manual_seed(int(torch.randint(0, 2**62, ())))
-        return self._generator
+    def _key(self) -> int:
+        """This call's random key: from ``seed`` and a count of calls (the same seed gives a repeatable sequence
+        of different rollouts), or without a seed from torch's global RNG (``torch.manual_seed`` repeats it)."""
+        self._calls += 1
+        seed = self.seed if self.seed is not None else int(torch.randint(0, 2**62, ()))
+        return rollout_key(seed, self._calls if self.seed is not None else 0)
 
     def generate(self, target: RolloutTarget, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
                  plan: RolloutPlan) -> torch.Tensor:
         """prompt_ids, prompt_mask: [N, P] expanded prompts. Returns [N, P + R'] (a fresh tensor)."""
-        model, config, device = target.model, target.forward_module.config, prompt_ids.device
-        n, (rows, P) = plan.samples_per_prompt, prompt_ids.shape
+        config, device = target.forward_module.config, prompt_ids.device
+        rows, P = prompt_ids.shape
+        slots = min(rows, plan.continuous_batch_size or rows)
         length = P + plan.max_new_tokens
         if self.compiled is not None:  # a bounded set of cache lengths: one graph per bucket, not per length
             length = bucket(length, LENGTH_BUCKET_MIN)
         dtype = target.dtype if target.dtype.is_floating_point else torch.float32
-        attention = getattr(config, "_attn_implementation", None)
         # flex attention compiles its kernel for each key length: the whole-cache layout keeps one length
-        static_shapes = self.static_shapes or attention == "flex_attention"
-        cache = self.workspace.cache(config, rows, length, dtype, device, static_shapes=static_shapes)
-        masks = self.workspace.masks(prompt_mask, length, static_shapes=static_shapes, sdpa=attention == "sdpa")
-        keyword = target.cache_keyword
-        if self.shared_prefill and n > 1:
-            # prefill the B distinct prompts, then copy their keys/values into the n rows of each
-            shared = self.workspace.prefill_cache(config, rows // n, P, dtype, device)
-            logits = prefill(model, prompt_ids[::n], prompt_mask[::n], masks.prefill(P, rows=slice(None, None, n)),
-                             shared, keyword)
-            check_written(shared, P, "prefill")
-            replicate_cache(shared, cache, n, P)
-            logits = logits.repeat_interleave(n, dim=0)
-        else:
-            logits = prefill(model, prompt_ids, prompt_mask, masks.prefill(length if static_shapes else P), cache,
-                             keyword)
-            check_written(cache, P, "prefill")
-        if self.compiled is not None:
-            self.compiled.note_shape((rows, length, masks.step_shape, dtype, device.type))
-        lockstep = target.zero_stage == 3 and target.world_size > 1
-        tokens = self._decode(model, logits, prompt_mask, masks, cache, plan, lockstep, keyword)
+        whole = self.static_shapes or target.spec.attention == "flex_attention"
+        cache, front = self.workspace.cache(config, slots, length, dtype, device, whole=whole)
+        run = _Run(self, target, prompt_ids, prompt_mask, plan, cache, front, slots)
+        tokens = run.loop()
+        self.last_stats = run.stats
         return torch.cat([prompt_ids, tokens], dim=1)
 
-    def _decode(self, model: torch.nn.Module, logits: torch.Tensor, prompt_mask: torch.Tensor,
-                masks: RolloutMasks, cache: Any, plan: RolloutPlan, lockstep: bool, keyword: str) -> torch.Tensor:
-        """The decode loop; returns the generated tokens [N, steps run]."""
-        device = logits.device
-        prompt_length = prompt_mask.shape[1]
-        generator = None if plan.greedy else self._generator_for(device)
-        eos = torch.tensor(plan.eos_token_ids, dtype=torch.int64, device=device)
-        check_every = self.stop_check_interval or (8 if device.type == "cuda" else 1)
-        tokens = self.workspace.tokens(logits.shape[0], plan.max_new_tokens, plan.pad_token_id, device)
-        position = prompt_mask.long().sum(dim=1, keepdim=True)  # [N, 1]: next token's position
-        token = sample(logits, plan, generator)
-        tokens[:, 0] = token
-        running = ~torch.isin(token, eos)
-        steps = 1
-        while steps < plan.max_new_tokens:
-            if steps % check_every == 0 and not plan.ignore_eos and self._all_done(running, lockstep):
-                break
-            mask = masks.step(prompt_length + steps)  # the token fed now sits at prompt_length + steps - 1
-            logits = self._decode_step(model, token.unsqueeze(1), position, mask, cache, keyword)
-            token = sample(logits, plan, generator)
-            tokens[:, steps] = token
-            running &= ~torch.isin(token, eos)
-            position += 1
-            steps += 1
-        return tokens[:, :steps].clone()
+    def compact(self, run: "_Run", order: list[int]) -> None:
+        """Move the batch's rows ``order`` to its front (probed: a profiled rollout times it as compaction)."""
+        run.compact(order)
 
-    @staticmethod
-    def _all_done(running: torch.Tensor, lockstep: bool) -> bool:
-        """One host read; with several ranks, all agree (a rank that is done keeps stepping with the rest)."""
-        done = (~running.any()).to(torch.int32)
-        if lockstep:
-            dist.all_reduce(done, op=dist.ReduceOp.MIN)
-        return bool(done.item())
+    def probe_points(self) -> list[tuple[Any, str, str]]:
+        return [(self.workspace, "allocate", "workspace_alloc"), (self, "compact", "compaction")]
+
+
+class _Run:
+    """One rollout's decode loop: the per-slot tensors, the scheduler, and the steps."""
+
+    def __init__(self, strategy: StaticDecode, target: RolloutTarget, prompt_ids: torch.Tensor,
+                 prompt_mask: torch.Tensor, plan: RolloutPlan, cache: Any, front: CacheFront, slots: int):
+        self.strategy, self.target, self.plan, self.cache, self.front = strategy, target, plan, cache, front
+        self.model, self.keyword = target.model, target.cache_keyword
+        self.prompt_ids, self.prompt_mask = prompt_ids, prompt_mask
+        device = prompt_ids.device
+        rows, self.P = prompt_ids.shape
+        self.rows, self.max_new = rows, plan.max_new_tokens
+        group = plan.samples_per_prompt if strategy.shared_prefill else 1
+        self.group = group
+        self.scheduler = RowScheduler(rows, group, slots)
+        self.sdpa = target.spec.attention == "sdpa"
+        self.continuous = slots < rows
+        # masks: none at all when every row started together over unpadded prompts (attention reads only what
+        # was written); else each slot's own row of what it may see
+        self.masked = self.continuous or front.whole or not bool(prompt_mask.all())
+        self.mask = strategy.workspace.mask(slots, front.length, device) if self.masked else None
+        self.greedy = plan.greedy
+        self.key = strategy._key() if not plan.greedy else 0
+        self.eos = torch.tensor(plan.eos_token_ids, dtype=torch.int64, device=device)
+        self.lockstep = plan.lockstep
+        self.check_every = strategy.stop_check_interval or (8 if device.type == "cuda" else 1)
+        self.checks = self.continuous or not plan.ignore_eos
+        self.sink = rows  # finished or empty slots write their tokens to this extra row and column
+        self.out = strategy.workspace.tokens(rows + 1, self.max_new + 1, plan.pad_token_id, device)
+        self.slot_row = torch.full((slots,), self.sink, dtype=torch.int64, device=device)
+        self.gen = torch.zeros(slots, dtype=torch.int64, device=device)
+        self.position = torch.zeros(slots, 1, dtype=torch.int64, device=device)
+        self.token = torch.zeros(slots, dtype=torch.int64, device=device)
+        self.running = torch.zeros(slots, dtype=torch.bool, device=device)
+        self.finish = torch.full((rows + 1,), -1, dtype=torch.int64, device=device)
+        self.prompt_logits: dict[int, torch.Tensor] = {}
+        self.prefill_source: Any = None
+        self.stats = DecodeStats(slots=slots)
+        self.step_count = 0
+
+    # ---- the loop ------------------------------------------------------------------------------------------
+
+    def loop(self) -> torch.Tensor:
+        """Returns the generated tokens [N, R']."""
+        self.admit(self.scheduler.admit(0), first=True)
+        while True:
+            if self.checks and (self.step_count + 1) % self.check_every == 0 and self.check():  # every k tokens
+                break
+            if not self.continuous and self.step_count >= self.max_new - 1:
+                break
+            self.step()
+        self.stats.finish_forward = self.finish[:self.rows]
+        width = self.step_count + 1 if not self.continuous else self.max_new
+        return self.out[:self.rows, :min(width, self.max_new)].clone()
+
+    def check(self) -> bool:
+        """One host read of which rows still run (an all-reduce with several ranks); retire, admit, compact.
+        Returns whether the rollout is done (on every rank)."""
+        scheduler = self.scheduler
+        live = self.running[:scheduler.active].tolist()
+        scheduler.retire(live)
+        admissions = scheduler.admit(self.step_count) if scheduler.pending else []
+        done = scheduler.done and not admissions
+        if self.lockstep:
+            done, anyone_admits = self._agree(done, bool(admissions))
+        else:
+            anyone_admits = bool(admissions)
+        if done:
+            return True
+        if anyone_admits:
+            self.admit(admissions)
+        elif self.strategy.compact_rows:
+            order = scheduler.compaction(live)
+            if order is not None:
+                self.strategy.compact(self, order)
+        return False
+
+    def _agree(self, done: bool, admits: bool) -> tuple[bool, bool]:
+        """Ranks stop together (all done) and admit together (any admits: the others run a prefill of their
+        own when forwards gather parameters collectively)."""
+        flags = torch.tensor([int(not done), int(admits)], device=self.running.device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        return not bool(flags[0]), bool(flags[1])
+
+    # ---- admission -----------------------------------------------------------------------------------------
+
+    def admit(self, admissions: list[Admission], first: bool = False) -> None:
+        """Prefill the admitted rows' new prompts (once each), give each row its prompt's keys/values in its slot,
+        and sample its first token."""
+        if not admissions:
+            if self.plan.collective_forwards:  # the other ranks prefill: join their collectives
+                self._prefill(self.prompt_ids[:1], self.prompt_mask[:1], into_slots=False)
+            return
+        prompts = self.scheduler.new_prompts(admissions)
+        representatives = torch.tensor([p * self.group for p in prompts], dtype=torch.int64,
+                                       device=self.prompt_ids.device)
+        direct = first and self.group == 1 and not self.continuous  # row i into slot i: prefill in place
+        if prompts:
+            logits = self._prefill(self.prompt_ids[representatives], self.prompt_mask[representatives],
+                                   into_slots=direct)
+            self.prompt_logits.update(zip(prompts, logits))
+        if first and not direct and len(admissions) == self.rows and self.group > 1:
+            self._replicate_prompts()  # every row of every prompt, in order: one broadcast copy
+        elif not direct:
+            self._copy_prompts(admissions)
+        if first:
+            self.front.reset(self.P)  # every row's next key/value goes right after the prompts
+        else:
+            self.stats.admission_rounds += 1
+            self.front.aligned = False  # admitted rows start behind the others: each slot its own column
+        self._start_rows(admissions)
+        # rows are admitted in request order: only the prompt of the next pending row still needs its logits
+        waiting = self.scheduler.pending[0] // self.group if self.scheduler.pending else None
+        self.prompt_logits = {p: v for p, v in self.prompt_logits.items() if p == waiting}
+
+    def _prefill(self, ids: torch.Tensor, mask: torch.Tensor, *, into_slots: bool) -> torch.Tensor:
+        """One prefill forward of ``ids`` [k, P], into the decode cache's first rows (``into_slots``) or the
+        prefill cache; returns the last logits [k, V]."""
+        config, device = self.target.forward_module.config, ids.device
+        dtype = self.target.dtype if self.target.dtype.is_floating_point else torch.float32
+        if into_slots:
+            cache, front = self.cache, self.front
+            width = front.length if front.whole else self.P
+        else:
+            capacity = min(self.scheduler.slots, -(-self.rows // self.group))
+            cache, front = self.strategy.workspace.prefill_cache(config, ids.shape[0], self.P, dtype, device,
+                                                                 capacity=capacity)
+            width = self.P
+        front.begin(self.P)
+        cache_mask = None
+        if self.masked or not bool(mask.all()):
+            cache_mask = mask.new_zeros(ids.shape[0], width, dtype=torch.bool)
+            cache_mask[:, :self.P] = mask.bool()
+        logits = prefill(self.model, ids, mask, cache_mask, cache, self.keyword)
+        front.advance()
+        check_written(cache, self.P, "prefill")
+        self.stats.forwards += 1
+        self.prefill_source = cache
+        return logits
+
+    def _replicate_prompts(self) -> None:
+        """Prefill row ``i`` into slots ``i*n .. i*n+n-1``, for every prompt: a broadcast copy per tensor, no
+        ``[B*n, ...]`` temporary."""
+        for layer, origin in zip(self.cache.layers, self.prefill_source.layers):
+            for target, values in ((layer.keys, origin.keys), (layer.values, origin.values)):
+                prompts, heads, _, dim = values.shape
+                target.view(prompts, self.group, heads, -1, dim)[:, :, :, :self.P].copy_(
+                    values[:, :, :self.P].unsqueeze(1))
+
+    def _copy_prompts(self, admissions: list[Admission]) -> None:
+        """Each admitted row's prompt keys/values into its slot's first ``P`` columns."""
+        device = self.slot_row.device
+        from_prefill = [(a.slot, a.source[1]) for a in admissions if a.source[0] == "prefill"]
+        from_slots = [(a.slot, a.source[1]) for a in admissions if a.source[0] == "slot" and a.source[1] != a.slot]
+        # prefilled prompts first: a later sample of the same prompt copies them from its sibling's slot
+        for pairs, source in ((from_prefill, self.prefill_source), (from_slots, self.cache)):
+            if not pairs:
+                continue
+            dst = torch.tensor([d for d, _ in pairs], dtype=torch.int64, device=device)
+            src = torch.tensor([s for _, s in pairs], dtype=torch.int64, device=device)
+            for layer, origin in zip(self.cache.layers, source.layers):
+                for target, values in ((layer.keys, origin.keys), (layer.values, origin.values)):
+                    target[dst, :, :self.P] = values.index_select(0, src)[:, :, :self.P]
+
+    def _start_rows(self, admissions: list[Admission]) -> None:
+        """Slot state of the admitted rows, and their first tokens from their prompts' logits."""
+        device = self.slot_row.device
+        slots = torch.tensor([a.slot for a in admissions], dtype=torch.int64, device=device)
+        rows = torch.tensor([a.row for a in admissions], dtype=torch.int64, device=device)
+        self.slot_row[slots] = rows
+        self.position[slots] = self.prompt_mask[rows].long().sum(dim=1, keepdim=True)
+        self.front.columns[slots] = self.P
+        if self.mask is not None:
+            self.mask[slots, :self.P] = self.prompt_mask[rows].bool()
+            self.mask[slots, self.P:] = False
+        position = {prompt: i for i, prompt in enumerate(self.prompt_logits)}
+        index = torch.tensor([position[a.prompt] for a in admissions], dtype=torch.int64, device=device)
+        logits = torch.stack(list(self.prompt_logits.values()))[index]  # [prompts, V], then one per row
+        zero = torch.zeros_like(rows)
+        token = self._sample(logits, rows, zero)
+        self.out[rows, 0] = token
+        finished = self._finished(token, zero)
+        self.finish[rows] = torch.where(finished, self.stats.forwards - 1, self.finish[rows])
+        self.token[slots], self.gen[slots], self.running[slots] = token, 1, ~finished
+        self.stats.row_steps += len(admissions)
+
+    # ---- one decode step -----------------------------------------------------------------------------------
+
+    def step(self) -> None:
+        active, front = self.scheduler.active, self.front
+        front.active = active
+        if not front.aligned:
+            front.width = self.scheduler.width(self.P, self.step_count)
+        front.begin(1)
+        mask = self._step_mask(active)
+        logits = self.strategy._decode_step(self.model, self.token[:active, None], self.position[:active], mask,
+                                            self.cache, self.keyword)
+        front.advance()
+        self.stats.forwards += 1
+        self.stats.row_steps += active
+        live, rows, gen = self.running[:active], self.slot_row[:active], self.gen[:active]
+        token = self._sample(logits, rows, gen)
+        self.out[torch.where(live, rows, self.sink), torch.where(live, gen, self.max_new)] = token
+        finished = live & self._finished(token, gen)
+        sink_or_row = torch.where(finished, rows, self.sink)
+        self.finish[sink_or_row] = self.stats.forwards - 1
+        self.running[:active] = live & ~finished
+        self.token[:active] = token
+        self.position[:active] += 1
+        self.gen[:active] += 1
+        self.step_count += 1
+
+    def _step_mask(self, active: int) -> torch.Tensor | None:
+        """The mask of this decode forward: the fed token's column switched on for each row, then the columns
+        attention reads (4-D and ready for SDPA; 2-D for transformers to expand otherwise)."""
+        if self.mask is None:
+            return None
+        front = self.front
+        if front.aligned:
+            self.mask[:active, front.column] = True
+        else:
+            self.mask[front.rows[:active], front.columns[:active]] = True
+        view = self.mask[:active, :front.view_width]
+        return view[:, None, None, :] if self.sdpa else view
+
+    def _sample(self, logits: torch.Tensor, rows: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+        uniform = None if self.greedy else uniforms(self.key, rows, steps, precise_dtype(logits.device))
+        return sample(logits, self.plan, uniform)
+
+    def _finished(self, token: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+        """Whether the token at index ``steps`` ends its row: an EOS, or the last token allowed."""
+        last = steps >= self.max_new - 1
+        return last if self.plan.ignore_eos else last | torch.isin(token, self.eos)
+
+    # ---- compaction ----------------------------------------------------------------------------------------
+
+    def compact(self, order: list[int]) -> None:
+        """Rows ``order`` become the batch's first ``len(order)`` slots: their keys/values (the columns written so
+        far), masks and state move in place."""
+        device = self.slot_row.device
+        index = torch.tensor(order, dtype=torch.int64, device=device)
+        size = len(order)
+        width = self.front.length if self.front.whole else min(
+            self.front.length, self.scheduler.width(self.P, self.step_count) + 1)
+        for layer in self.cache.layers:
+            for buffer in (layer.keys, layer.values):
+                buffer[:size, :, :width] = buffer.index_select(0, index)[:, :, :width]
+        for state in (self.slot_row, self.gen, self.position, self.token, self.running, self.front.columns):
+            state[:size] = state.index_select(0, index)
+        if self.mask is not None:
+            self.mask[:size] = self.mask.index_select(0, index)
+        self.stats.compactions += 1

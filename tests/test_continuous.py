@@ -1,0 +1,141 @@
+"""Long-tailed rollouts: rows that finish leave the decode batch (compaction) and pending prompts take their
+slots (continuous batching), and the returned batch is exactly the plain path's: same rows, order, trimming,
+padding and masks; greedy tokens equal transformers' generate; sampled tokens do not depend on scheduling."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from conftest import (TINY_PRESETS, assert_batch_contract, chain_table, left_padded, make_tokenizer,
+                      prompts_with_padding_and_holes, reference_rollout, transition_model)
+from opsd_rollout import HybridEngineRollout, HybridEngineRolloutConfig, SamplingConfig
+from opsd_rollout.models import PAD_ID, byte_tokenizer
+from opsd_rollout.rollout.scheduler import batch_buckets
+
+MODES = {"plain": dict(compact_rows=False), "compacted": dict(compact_rows=True)}
+SLOTS = [None, 1, 2, 5]
+
+
+def rollout(model, tokenizer, **config):
+    return HybridEngineRollout(model, tokenizer, HybridEngineRolloutConfig(enable_profiling=True, **config))
+
+
+def eos_that_stops_some_rows(model, request, n):
+    """A token greedy decoding produces early in some rows and late or never in others: as EOS it gives rows
+    of very different lengths on a random-weight model."""
+    ids, _ = reference_rollout(model, request, n=n, max_new_tokens=12, pad_token_id=PAD_ID, eos_ids=[])
+    return int(ids[0, request.prompt_ids.shape[1] + 2])
+
+
+@pytest.mark.parametrize("name", TINY_PRESETS)
+@pytest.mark.parametrize("n", [1, 3])
+def test_every_mode_returns_the_plain_batch_and_generates_greedy_tokens(tiny_models, name, n):
+    model = copy.deepcopy(tiny_models[name])
+    request = prompts_with_padding_and_holes(byte_tokenizer())
+    eos = eos_that_stops_some_rows(model, request, n)
+    tokenizer = make_tokenizer(PAD_ID, eos)
+    model.generation_config.eos_token_id = None
+    expected_ids, expected_mask = reference_rollout(model, request, n=n, max_new_tokens=12, pad_token_id=PAD_ID,
+                                                    eos_ids=[eos])
+    for mode, config in MODES.items():
+        for slots in SLOTS:
+            got = rollout(model, tokenizer, **config).generate(
+                request, SamplingConfig(max_new_tokens=12, n_samples_per_prompt=n, temperature=0,
+                                        continuous_batch_size=slots))
+            assert torch.equal(got.input_ids, expected_ids), (mode, slots)
+            assert torch.equal(got.attention_mask, expected_mask), (mode, slots)
+            assert_batch_contract(got, request, n=n, max_new_tokens=12, pad_token_id=PAD_ID, eos_ids=[eos])
+
+
+def sampled(slots, n=4, **kwargs):
+    return SamplingConfig(max_new_tokens=10, n_samples_per_prompt=n, temperature=1.0, top_k=6, top_p=0.95,
+                          continuous_batch_size=slots, **kwargs)
+
+
+def soft_transition_model():
+    """Next-token logits are exact (one-hot embeddings, no attention output), so they do not depend on which
+    rows share a batch; soft enough (sharpness 3) that sampling has real choices; token 2 is EOS."""
+    return transition_model(chain_table(24, {5: 2, 9: 2, 13: 2}), eos_token_id=2, sharpness=3.0)
+
+
+def test_sampled_tokens_do_not_depend_on_scheduling():
+    model, tokenizer = soft_transition_model(), make_tokenizer(0, 2)
+    request = left_padded([[4, 5], [8], [12, 13, 14], [3]], 0)
+    batches = {(mode, slots): rollout(model, tokenizer, seed=7, **config).generate(request, sampled(slots))
+               for mode, config in MODES.items() for slots in [None, 1, 3, 16]}
+    first = next(iter(batches.values()))
+    lengths = first.attention_mask[:, request.prompt_ids.shape[1]:].sum(dim=1)
+    assert len(set(lengths.tolist())) > 2, "rows of different lengths, or nothing was scheduled"
+    for key, batch in batches.items():
+        assert torch.equal(batch.input_ids, first.input_ids), key
+        assert torch.equal(batch.attention_mask, first.attention_mask), key
+
+
+def test_the_same_seed_repeats_and_the_next_call_differs():
+    model, tokenizer = soft_transition_model(), make_tokenizer(0, 2)
+    request = left_padded([[4, 5], [8]], 0)
+    a, b = rollout(model, tokenizer, seed=3), rollout(model, tokenizer, seed=3)
+    first_a, first_b = a.generate(request, sampled(None)), b.generate(request, sampled(2))
+    assert torch.equal(first_a.input_ids, first_b.input_ids)
+    assert not torch.equal(a.generate(request, sampled(None)).input_ids, first_a.input_ids)
+
+
+def test_finished_rows_leave_the_batch_in_size_buckets_and_utilisation_counts_what_was_computed():
+    """Rows per decode forward, spied: they shrink to buckets as rows finish, and the profile's row-steps are
+    exactly the rows' first tokens plus those rows, its utilisation the real tokens over them."""
+    from opsd_rollout.rollout.strategies import static as static_module
+
+    model, tokenizer = soft_transition_model(), make_tokenizer(0, 2)
+    request = left_padded([[4, 5], [8], [12, 13, 14], [3], [7], [11], [16], [20]], 0)
+    sizes = []
+    original = static_module.decode_one_token
+
+    def spy(model, token, *args):
+        sizes.append(token.shape[0])
+        return original(model, token, *args)
+
+    engine = rollout(model, tokenizer, seed=5)
+    engine.strategy._decode_step = spy
+    batch = engine.generate(request, sampled(None, n=2))
+    profile = engine.get_last_profile()
+    rows = 16
+    assert sizes == sorted(sizes, reverse=True) and sizes[-1] < rows, sizes
+    assert set(sizes) <= set(batch_buckets(rows)), sizes
+    assert profile.compactions == len(set(sizes)) - 1 and profile.compaction_ms is not None
+    assert profile.row_steps == rows + sum(sizes)
+    assert profile.decode_steps == len(sizes)
+    assert profile.live_row_utilisation == pytest.approx(profile.generated_tokens / (rows + sum(sizes)))
+    lengths = batch.attention_mask[:, request.prompt_ids.shape[1]:].sum(dim=1)
+    assert profile.generated_tokens == int(lengths.sum())
+
+
+def test_continuous_batching_holds_at_most_its_slots_and_prefills_each_prompt_once(monkeypatch):
+    from opsd_rollout.rollout.strategies import static as static_module
+
+    model, tokenizer = soft_transition_model(), make_tokenizer(0, 2)
+    request = left_padded([[4, 5], [8], [12, 13, 14], [3], [7], [11]], 0)
+    decode_rows, prefill_rows = [], []
+    original_decode, original_prefill = static_module.decode_one_token, static_module.prefill
+
+    def spy_decode(model, token, *args):
+        decode_rows.append(token.shape[0])
+        return original_decode(model, token, *args)
+
+    def spy_prefill(model, ids, *args):
+        prefill_rows.append(ids.shape[0])
+        return original_prefill(model, ids, *args)
+
+    monkeypatch.setattr(static_module, "prefill", spy_prefill)
+    engine = rollout(model, tokenizer, seed=2)
+    engine.strategy._decode_step = spy_decode
+    batch = engine.generate(request, sampled(4, n=3))
+    profile = engine.get_last_profile()
+    assert max(decode_rows) <= 4 and profile.decode_slots == 4
+    assert sum(prefill_rows) == 6, "each of the 6 prompts prefilled once, for its 3 samples"
+    assert profile.admission_rounds >= len(prefill_rows) - 1 > 0  # some rounds copy a sibling's prompt: no prefill
+    assert profile.prefill_forwards == len(prefill_rows)
+    assert batch.input_ids.shape[0] == 18
+    assert profile.row_latency_p50_ms <= profile.row_latency_p95_ms <= profile.row_latency_max_ms <= profile.total_ms
