@@ -215,7 +215,7 @@ def _add_bench_flags(bench: argparse.ArgumentParser, scenario: type[Scenario]) -
     runs.add_argument("--fixed-length", action=argparse.BooleanOptionalAction, default=None,
                       help="ignore EOS so every row generates the full response length (default on)")
     runs.add_argument("--temperature", type=float, help=f"sampling temperature (default {defaults.temperature})")
-    runs.add_argument("--top-k", type=int, help=f"sampling top-k, -1 or 0 disables (default {defaults.top_k})")
+    runs.add_argument("--top-k", type=int, help=f"sampling top-k, <= 0 disables (default {defaults.top_k})")
     runs.add_argument("--top-p", type=float, help=f"sampling top-p (default {defaults.top_p})")
     out = bench.add_argument_group("output")
     out.add_argument("--output", metavar="FILE", default=f"bench-results/{scenario.kind}.json",
