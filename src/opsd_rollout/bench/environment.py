@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from opsd_rollout.bench.threads import Threads, share_cores
+from opsd_rollout.bench.threads import Threads
 from opsd_rollout.bench.timing import interleaved_times
 from opsd_rollout.distributed import rank_info
 
@@ -75,11 +75,9 @@ def measure_ceilings(device: torch.device, *, copy_mib: int = 256, matmul_n: int
     }
 
 
-def environment_block(device: torch.device, ceilings: dict[str, Any] | None,
-                      threads: Threads | None = None) -> dict[str, Any]:
-    """The run's environment; ``threads`` is what ``share_cores()`` decided (decided here when not given)."""
+def environment_block(device: torch.device, ceilings: dict[str, Any] | None, threads: Threads) -> dict[str, Any]:
+    """The run's environment; ``threads`` is what ``share_cores()`` decided for this rank."""
     ranks = rank_info()
-    threads = threads or share_cores()
     return {
         "python": platform.python_version(),
         "torch": torch.__version__,
