@@ -68,3 +68,57 @@ def test_every_readme_command_matches_the_parser():
             parser.parse_args(argv)
         except SystemExit as error:  # --help and --version exit 0; a bad flag exits 2
             assert error.code == 0, f"README command does not parse: opsd-rollout {' '.join(argv)}"
+
+
+@pytest.mark.parametrize("argv,local_rank", [
+    (["--local_rank=0", "bench", "--zero-stages", "3"], 0),  # what the DeepSpeed launcher passes
+    (["--local-rank", "1", "step", "--zero-stages", "3"], 1),
+    (["bench", "--local_rank=1", "--zero-stages", "3"], 1),
+    (["bench", "--local-rank=0"], 0),
+    (["--local_rank=0", "step", "--local_rank=1"], 1),  # the subcommand's is the later one
+    (["bench", "--zero-stages", "3"], None),
+])
+def test_local_rank_is_accepted_before_and_after_the_subcommand(argv, local_rank):
+    from opsd_rollout.cli import build_parser
+
+    args = build_parser().parse_args(argv)
+    assert getattr(args, "local_rank", None) == local_rank
+    assert args.command == next(a for a in argv if a in ("bench", "step"))
+
+
+def test_local_rank_fills_in_the_environment_and_must_agree_with_it(monkeypatch, capsys):
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    assert main(["--local_rank=0", "models"]) == 0
+    import os
+
+    assert os.environ["LOCAL_RANK"] == "0"
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert main(["--local_rank=0", "models"]) == 2
+    assert "--local_rank=0 disagrees with LOCAL_RANK=1" in capsys.readouterr().err
+
+
+def test_local_rank_is_not_passed_on_when_nproc_relaunches():
+    from opsd_rollout.cli import _relaunch_argv
+
+    assert _relaunch_argv(["--local_rank=0", "bench", "--nproc", "2", "--local-rank", "3", "--nproc=4",
+                           "--zero-stages", "3"]) == ["bench", "--zero-stages", "3"]
+
+
+def test_the_readme_launcher_commands_parse_as_the_launcher_runs_them():
+    """``deepspeed ... --module opsd_rollout ARGS`` runs ``python -m opsd_rollout --local_rank=N ARGS``."""
+    import re
+    import shlex
+    from pathlib import Path
+
+    from opsd_rollout.cli import build_parser
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    commands = []
+    for block in re.findall(r"```bash\n(.*?)```", readme, flags=re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            words = shlex.split(line.split("#")[0].replace("...", ""))
+            if words[:1] == ["deepspeed"] and "opsd_rollout" in words:
+                commands.append(["--local_rank=0", *words[words.index("opsd_rollout") + 1:]])
+    assert commands, "the README shows the DeepSpeed launcher"
+    for argv in commands:
+        build_parser().parse_args(argv)

@@ -1,5 +1,6 @@
 """``opsd-rollout bench`` on 2 CPU ranks (torchrun, gloo, a free port each time): per-rank profiles gathered
-and merged, only rank 0 writing, and a failing rank stopping the whole run with its error."""
+and merged, only rank 0 writing, and a failing rank stopping the whole run with its error; and the same run
+under DeepSpeed's launcher, which passes ``--local_rank`` and leaves the ranks to share the cores."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import pytest
 
 from conftest import clean_env
 from opsd_rollout.bench.report import load_schema
+from opsd_rollout.distributed import free_port
 
 ARGS = ["--model", "llama-tiny", "--zero-stages", "3", "--batch-sizes", "1,2", "--samples-per-prompt", "1",
         "--prompt-lengths", "8", "--response-lengths", "6", "--warmup", "0", "--iterations", "2",
@@ -96,3 +98,29 @@ def test_two_rank_opsd_step(tmp_path):
     assert merged["response_tokens"] == sum(p["response_tokens"] for p in per)
     assert per[0]["loss"] == per[1]["loss"] == merged["loss"]  # the mean over both ranks' tokens, on each
     assert "backward_ms" in config["skew"]
+
+
+@pytest.mark.slow
+def test_the_deepspeed_launcher_runs_two_ranks_that_share_the_cores(tmp_path):
+    """``deepspeed --num_accelerators 2 --module opsd_rollout bench ...``: the launcher passes ``--local_rank=N``
+    before the subcommand and sets no thread count, so each rank takes its share of the cores, and the title
+    and the JSON say so."""
+    output = tmp_path / "run.json"
+    env = {**clean_env(), "DS_ACCELERATOR": "cpu"}
+    env.pop("OMP_NUM_THREADS", None)  # the launcher's default, as a user gets it
+    bench = ARGS[:ARGS.index("--nproc")]  # the launcher starts the ranks
+    command = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_accelerators", "2", "--master_port",
+               str(free_port()), "--module", "opsd_rollout", "bench", *bench, "--output", str(output)]
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    document = json.loads(output.read_text())
+    jsonschema.validate(document, load_schema())
+    environment = document["environment"]
+    assert "--local_rank=0" in environment["command"], "the launcher's flag reached the command line"
+    cores = os.cpu_count()
+    threads = max(1, cores // 2)
+    assert (environment["world_size"], environment["local_ranks"]) == (2, 2)
+    assert (environment["threads"], environment["threads_source"]) == (threads, "shared")
+    assert f"({threads} thread{'s' * (threads != 1)} per rank: {cores} cores / 2 local ranks)" in result.stdout
+    for config in document["results"]:
+        assert config["status"] == "ok" and [r["rank"] for r in config["per_rank"]] == [0, 1]

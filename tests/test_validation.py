@@ -51,7 +51,7 @@ CASES = [
     ("temperature must be a finite number", None, dict(temperature=math.nan)),
     ("top_p must be in (0, 1]", None, dict(top_p=0.0)),
     ("top_p must be in (0, 1]", None, dict(top_p=1.5)),
-    ("top_k must be an int >= -1", None, dict(top_k=-2)),
+    ("top_k must be an int", None, dict(top_k=2.5)),
     ("continuous_batch_size must be an int >= 1 or None", None, dict(continuous_batch_size=0)),
     ("continuous_batch_size must be an int >= 1 or None", None, dict(continuous_batch_size=2.5)),
 ]

@@ -89,16 +89,34 @@ def _relaunch(argv: Sequence[str], nproc: int) -> int:
     return subprocess.run(command, env=env).returncode
 
 
-def _without_nproc(argv: Sequence[str]) -> list[str]:
+LOCAL_RANK_FLAGS = ("--local_rank", "--local-rank")
+"""What the DeepSpeed launcher (and torch's older launcher) pass every rank: accepted, as DeepSpeed programs do."""
+
+
+def _relaunch_argv(argv: Sequence[str]) -> list[str]:
+    """``argv`` without ``--nproc`` (the ranks must not relaunch) and ``--local_rank`` (each gets its own)."""
     out, skip = [], False
     for item in argv:
         if skip:
             skip = False
-        elif item == "--nproc":
+        elif item in ("--nproc", *LOCAL_RANK_FLAGS):
             skip = True
-        elif not item.startswith("--nproc="):
+        elif not item.startswith(tuple(f"{flag}=" for flag in ("--nproc", *LOCAL_RANK_FLAGS))):
             out.append(item)
     return out
+
+
+def _apply_local_rank(local_rank: int | None) -> None:
+    """``--local_rank=N`` from a launcher: the rank's device index. The environment's ``LOCAL_RANK`` (which
+    torchrun and DeepSpeed's launcher also set) is what the run reads; the flag fills it in when absent."""
+    if local_rank is None:
+        return
+    if local_rank < 0:
+        raise ValueError(f"--local_rank must be >= 0; got {local_rank}")
+    current = os.environ.get("LOCAL_RANK")
+    if current is not None and current != str(local_rank):
+        raise ValueError(f"--local_rank={local_rank} disagrees with LOCAL_RANK={current} in the environment")
+    os.environ["LOCAL_RANK"] = str(local_rank)
 
 
 def _quiet_accelerator_detection() -> None:
@@ -120,7 +138,7 @@ def _run_matrix(args: argparse.Namespace, scenario: type[Scenario]) -> int:
         if args.nproc < 1:
             raise ValueError(f"--nproc must be >= 1; got {args.nproc}")
         if args.nproc > 1 and int(os.environ.get("WORLD_SIZE", "1")) == 1:  # not already under a launcher
-            return _relaunch(_without_nproc(args.argv), args.nproc)
+            return _relaunch(_relaunch_argv(args.argv), args.nproc)
     console = _console()
     existing = None
     if args.resume:
@@ -215,7 +233,7 @@ def _add_bench_flags(bench: argparse.ArgumentParser, scenario: type[Scenario]) -
     runs.add_argument("--fixed-length", action=argparse.BooleanOptionalAction, default=None,
                       help="ignore EOS so every row generates the full response length (default on)")
     runs.add_argument("--temperature", type=float, help=f"sampling temperature (default {defaults.temperature})")
-    runs.add_argument("--top-k", type=int, help=f"sampling top-k, -1 or 0 disables (default {defaults.top_k})")
+    runs.add_argument("--top-k", type=int, help=f"sampling top-k, <= 0 disables (default {defaults.top_k})")
     runs.add_argument("--top-p", type=float, help=f"sampling top-p (default {defaults.top_p})")
     out = bench.add_argument_group("output")
     out.add_argument("--output", metavar="FILE", default=f"bench-results/{scenario.kind}.json",
@@ -240,6 +258,10 @@ def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
                         help="also show what DeepSpeed and the package log (accelerator detection, op builds)")
+    # the DeepSpeed launcher passes --local_rank=N before the subcommand; accepted there and after it, hidden.
+    # SUPPRESS: a subcommand's default must not overwrite a value given before the subcommand.
+    common.add_argument(*LOCAL_RANK_FLAGS, dest="local_rank", type=int, default=argparse.SUPPRESS,
+                        help=argparse.SUPPRESS)
     parser = argparse.ArgumentParser(prog="opsd-rollout", parents=[common], description=(
         "Profiled, fast rollouts for on-policy (self-)distillation on DeepSpeed."))
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
@@ -287,6 +309,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.argv, args.verbose = argv, getattr(args, "verbose", False)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s")
     try:
+        _apply_local_rank(getattr(args, "local_rank", None))
         return int(args.func(args) or 0)
     except ValueError as error:  # bad input: a clear message, no traceback
         print(f"opsd-rollout: error: {error}", file=sys.stderr)

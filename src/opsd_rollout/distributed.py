@@ -25,8 +25,9 @@ def rank_info() -> RankInfo:
     return RankInfo(0, 1)
 
 
-LAUNCHER_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-"""What a launcher (or a one-process group made in this process) puts in the environment."""
+LAUNCHER_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_SIZE",
+                "CROSS_RANK", "CROSS_SIZE")
+"""What a launcher (torchrun, DeepSpeed's, or a one-process group made in this process) puts in the environment."""
 
 
 def environment_without_ranks() -> dict[str, str]:

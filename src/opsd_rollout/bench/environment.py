@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from opsd_rollout.bench.threads import Threads
 from opsd_rollout.bench.timing import interleaved_times
 from opsd_rollout.distributed import rank_info
 
@@ -74,7 +75,8 @@ def measure_ceilings(device: torch.device, *, copy_mib: int = 256, matmul_n: int
     }
 
 
-def environment_block(device: torch.device, ceilings: dict[str, Any] | None) -> dict[str, Any]:
+def environment_block(device: torch.device, ceilings: dict[str, Any] | None, threads: Threads) -> dict[str, Any]:
+    """The run's environment; ``threads`` is what ``share_cores()`` decided for this rank."""
     ranks = rank_info()
     return {
         "python": platform.python_version(),
@@ -87,7 +89,9 @@ def environment_block(device: torch.device, ceilings: dict[str, Any] | None) -> 
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "cpu": _cpu_name(),
         "cpu_count": os.cpu_count(),
-        "threads": torch.get_num_threads(),
+        "threads": threads.per_rank,
+        "threads_source": threads.source,
+        "local_ranks": threads.local_ranks,
         "world_size": ranks.world_size,
         "platform": platform.platform(),
         "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),

@@ -19,20 +19,12 @@ from opsd_rollout.bench.ranks import gather_from_ranks, merge_iterations, stage_
 from opsd_rollout.bench.report import SCHEMA_VERSION, ConfigResult, write_json_atomic
 from opsd_rollout.bench.stability import (Interference, InterferenceMonitor, Warmup, merge_interference,
                                           spread_warning, warm_up)
+from opsd_rollout.bench.threads import share_cores
 from opsd_rollout.deepspeed_engine import DEFAULT_COLLECTIVE_TIMEOUT_S, build_engine, init_distributed
 from opsd_rollout.distributed import rank_info
 from opsd_rollout.modeling import ModelSpec
 from opsd_rollout.models import load_model, parse_dtype
 from opsd_rollout.rollout import HybridEngineRollout, HybridEngineRolloutConfig
-
-
-def share_cores() -> None:
-    """Under a launcher that left every local rank all of the machine's threads (the DeepSpeed launcher does;
-    torchrun gives each one), divide the cores among the local ranks so they do not oversubscribe them."""
-    local = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or 1)  # torchrun's, DeepSpeed's
-    cores = os.cpu_count() or 1
-    if local > 1 and "OMP_NUM_THREADS" not in os.environ and torch.get_num_threads() >= cores:
-        torch.set_num_threads(max(1, cores // local))
 
 
 class RankFailure(RuntimeError):
@@ -135,8 +127,8 @@ class BenchRunner:
         self.environment = (existing or {}).get("environment")
         self._measure_machine = measure_machine
         self.timelines: dict[str, list] = {}
+        self.threads = share_cores()  # under a launcher, the local ranks divide the cores
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # under torchrun / the deepspeed launcher
-            share_cores()
             init_distributed(collective_timeout_s or DEFAULT_COLLECTIVE_TIMEOUT_S)
             if self.device.type == "cuda":
                 self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
@@ -166,7 +158,7 @@ class BenchRunner:
         progress = progress or (lambda *_: None)
         if self.environment is None:
             ceilings = measure_ceilings(self.device) if self._measure_machine else None
-            self.environment = environment_block(self.device, ceilings)
+            self.environment = environment_block(self.device, ceilings, self.threads)
         self._save()
         pool = EnginePool(self.settings.model, self.device, lr=getattr(self.settings, "lr", 1e-4),
                           rank=self.ranks.rank)

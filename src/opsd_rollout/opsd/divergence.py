@@ -3,7 +3,13 @@
 ``generalized_jsd`` follows GKD (Agarwal et al., 2024): with ``M = beta * P_T + (1 - beta) * P_S``,
 ``JSD_beta = beta * KL(P_T || M) + (1 - beta) * KL(P_S || M)``; the endpoints are the two KLs the family
 interpolates: ``beta = 0`` is forward KL ``KL(P_T || P_S)``, ``beta = 1`` is reverse KL ``KL(P_S || P_T)``.
-With a top-k teacher cache, both distributions are renormalized over the teacher's k tokens.
+With a top-k teacher cache, both distributions are renormalized over the teacher's k tokens. A
+``pointwise_clip`` caps each vocabulary entry's contribution before the per-token sum, as DeepSpeed's
+``generalized_jsd_loss`` defines it.
+
+``generalized_jsd_loss`` is DeepSpeed's function of that name (same arguments, defaults, errors and
+``JSDLossOutput``), computed here: chunked over positions with each chunk recomputed in backward, and in
+float32 at least (DeepSpeed computes in the logits' dtype).
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from deepspeed.runtime.rollout.opsd import JSDLossOutput
 from torch.utils.checkpoint import checkpoint
 
 LOSSES = ("forward_kl", "reverse_kl", "jsd")
@@ -30,6 +37,9 @@ class DivergenceConfig:
     """Both distributions are softened by this temperature."""
     chunk_size: int = 128
     """Sequence positions per chunk; each chunk's intermediates are recomputed in backward, not kept."""
+    pointwise_clip: float | None = None
+    """Cap on each vocabulary entry's contribution to a token's divergence, applied before the sum over the
+    vocabulary (DeepSpeed's ``pointwise_clip``); clipped entries pass no gradient. ``None``: no cap."""
 
     def __post_init__(self) -> None:
         if self.loss not in LOSSES:
@@ -37,40 +47,55 @@ class DivergenceConfig:
         if not 0.0 <= self.beta <= 1.0:
             raise ValueError(f"beta must be in [0, 1]; got {self.beta!r}")
         if not self.temperature > 0:
-            raise ValueError(f"temperature must be > 0; got {self.temperature!r}")
+            raise ValueError(f"temperature must be positive; got {self.temperature!r}")
         if self.chunk_size < 1:
             raise ValueError(f"chunk_size must be >= 1; got {self.chunk_size!r}")
+        clip = self.pointwise_clip
+        if clip is not None and (isinstance(clip, bool) or not isinstance(clip, (int, float)) or not clip >= 0):
+            raise ValueError(f"pointwise_clip must be non-negative when specified (a number >= 0 or None); "
+                             f"got {clip!r}")
 
     @property
     def effective_beta(self) -> float:
         return {"forward_kl": 0.0, "reverse_kl": 1.0}.get(self.loss, self.beta)
 
 
-def generalized_jsd(student_logp: torch.Tensor, teacher_logp: torch.Tensor, beta: float) -> torch.Tensor:
-    """student_logp, teacher_logp: [..., V] log-probabilities. Returns the divergence per position [...]."""
+def pointwise_jsd(student_logp: torch.Tensor, teacher_logp: torch.Tensor, beta: float) -> torch.Tensor:
+    """student_logp, teacher_logp: [..., V] log-probabilities. Returns each vocabulary entry's contribution to the
+    generalized JSD [..., V] (what ``pointwise_clip`` caps)."""
     if beta == 0.0:
-        return (teacher_logp.exp() * (teacher_logp - student_logp)).sum(-1)
+        return teacher_logp.exp() * (teacher_logp - student_logp)
     if beta == 1.0:
-        return (student_logp.exp() * (student_logp - teacher_logp)).sum(-1)
-    mixture = torch.logsumexp(torch.stack([teacher_logp + math.log(beta), student_logp + math.log(1 - beta)]), dim=0)
-    kl_teacher = (teacher_logp.exp() * (teacher_logp - mixture)).sum(-1)
-    kl_student = (student_logp.exp() * (student_logp - mixture)).sum(-1)
-    return beta * kl_teacher + (1 - beta) * kl_student
+        return student_logp.exp() * (student_logp - teacher_logp)
+    mixture = torch.logaddexp(teacher_logp + math.log(beta), student_logp + math.log1p(-beta))
+    return (beta * teacher_logp.exp() * (teacher_logp - mixture)
+            + (1 - beta) * student_logp.exp() * (student_logp - mixture))
+
+
+def generalized_jsd(student_logp: torch.Tensor, teacher_logp: torch.Tensor, beta: float,
+                    pointwise_clip: float | None = None) -> torch.Tensor:
+    """student_logp, teacher_logp: [..., V] log-probabilities. Returns the divergence per position [...], each
+    vocabulary entry's contribution capped at ``pointwise_clip`` first when it is given."""
+    pointwise = pointwise_jsd(student_logp, teacher_logp, beta)
+    if pointwise_clip is not None:
+        pointwise = pointwise.clamp(max=pointwise_clip)
+    return pointwise.sum(-1)
 
 
 def token_divergence(student_logits: torch.Tensor, teacher: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
                      config: DivergenceConfig) -> torch.Tensor:
     """student_logits: [..., V]; teacher: logits [..., V] or a top-k pair (values [..., k], indices [..., k]).
-    Returns the per-position divergence [...] in float32."""
-    student = student_logits.float() / config.temperature
+    Returns the per-position divergence [...] in float32 (float64 for float64 logits)."""
+    dtype = torch.promote_types(student_logits.dtype, torch.float32)
+    student = student_logits.to(dtype) / config.temperature
     if isinstance(teacher, tuple):
         values, indices = teacher
         student = student.gather(-1, indices.long())  # the student restricted to the teacher's top-k support
-        teacher_logits = values.float()
+        teacher_logits = values.to(dtype)
     else:
-        teacher_logits = teacher.float()
+        teacher_logits = teacher.to(dtype)
     teacher_logp = F.log_softmax(teacher_logits / config.temperature, dim=-1)
-    return generalized_jsd(F.log_softmax(student, dim=-1), teacher_logp, config.effective_beta)
+    return generalized_jsd(F.log_softmax(student, dim=-1), teacher_logp, config.effective_beta, config.pointwise_clip)
 
 
 def _chunk_sum(student_logits: torch.Tensor, mask: torch.Tensor, teacher_chunk, start: int, stop: int,
@@ -89,8 +114,9 @@ def chunked_divergence(student_logits: torch.Tensor, teacher_chunk, mask: torch.
     With grad, each chunk's intermediates (and its teacher chunk) are recomputed in backward, not kept.
     Returns ``(sum, count)`` separately so ranks can all-reduce both before dividing.
     """
-    total = student_logits.new_zeros((), dtype=torch.float32)
-    mask = mask.to(torch.float32)
+    dtype = torch.promote_types(student_logits.dtype, torch.float32)  # what token_divergence computes in
+    total = student_logits.new_zeros((), dtype=dtype)
+    mask = mask.to(dtype)
     for start in range(0, student_logits.shape[1], config.chunk_size):
         stop = min(start + config.chunk_size, student_logits.shape[1])
         args = (student_logits[:, start:stop], mask[:, start:stop], teacher_chunk, start, stop, config)
@@ -99,3 +125,43 @@ def chunked_divergence(student_logits: torch.Tensor, teacher_chunk, mask: torch.
         else:
             total = total + _chunk_sum(*args)
     return total, mask.sum()
+
+
+def generalized_jsd_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, response_mask: torch.Tensor,
+                         beta: float = 0.5, temperature: float = 1.0, teacher_top_k: int | None = None,
+                         pointwise_clip: float | None = None) -> JSDLossOutput:
+    """DeepSpeed's ``generalized_jsd_loss``, on our divergence: the mean generalized JSD over valid tokens.
+
+    student_logits, teacher_logits: [N, T, V] (e.g. ``ResponseTokenBatch.select_causal_logits``);
+    response_mask: [N, T], true on the tokens to train on. ``beta=0`` is forward KL (teacher to student),
+    ``beta=1`` reverse KL. A positive ``teacher_top_k`` renormalizes both distributions over the teacher's k
+    most likely entries; ``pointwise_clip`` caps each entry's contribution before the per-token sum. Returns
+    ``JSDLossOutput(loss, loss_sum, valid_token_count)``: ``loss_sum / max(count, 1)``, with the sum and count
+    kept for reduction across ranks. The errors are DeepSpeed's, with the value that caused them.
+    """
+    if student_logits.dim() != 3 or student_logits.shape != teacher_logits.shape:
+        raise ValueError(f"student_logits and teacher_logits must have matching 3-D shapes; got "
+                         f"{tuple(student_logits.shape)} and {tuple(teacher_logits.shape)}")
+    if response_mask.shape != student_logits.shape[:2]:
+        raise ValueError(f"response_mask shape must match logits batch and sequence dimensions "
+                         f"{tuple(student_logits.shape[:2])}; got {tuple(response_mask.shape)}")
+    # beta, temperature and pointwise_clip are checked by the config, with DeepSpeed's messages
+    config = DivergenceConfig(loss="jsd", beta=beta, temperature=temperature, pointwise_clip=pointwise_clip)
+    vocab = student_logits.shape[-1]
+    if teacher_top_k is not None and teacher_top_k <= 0:
+        raise ValueError(f"teacher_top_k must be positive when specified; got {teacher_top_k!r}")
+    if teacher_top_k is not None and teacher_top_k > vocab:
+        raise ValueError(f"teacher_top_k must not exceed the vocabulary size {vocab}; got {teacher_top_k!r}")
+    if teacher_top_k is None:
+        def teacher_chunk(start: int, stop: int) -> torch.Tensor:
+            return teacher_logits[:, start:stop]
+    else:
+        top = torch.topk(teacher_logits, teacher_top_k, dim=-1)  # the order temperature scaling keeps
+
+        def teacher_chunk(start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
+            return top.values[:, start:stop], top.indices[:, start:stop]
+    # the mask is used as given, as DeepSpeed does: a 0/1 mask selects tokens, other values weigh them
+    loss_sum, count = chunked_divergence(student_logits, teacher_chunk, response_mask, config)
+    valid_token_count = count.to(torch.long)
+    return JSDLossOutput(loss=loss_sum / valid_token_count.clamp_min(1), loss_sum=loss_sum,
+                         valid_token_count=valid_token_count)

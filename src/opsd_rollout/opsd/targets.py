@@ -1,10 +1,17 @@
-"""Training targets from a rollout: which positions predict a response token, and which token."""
+"""Training targets from a rollout: which positions predict a response token, and which token.
+
+Ours (``ResponseTargets``) keeps only the response window; DeepSpeed's ``ResponseTokenBatch`` keeps every
+shifted position with a mask. Each converts to the other exactly: the positions outside our window are
+never response positions, so a loss over either is the same.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+from deepspeed.runtime.rollout.opsd import ResponseTokenBatch
 
 
 @dataclass(frozen=True)
@@ -19,6 +26,7 @@ class ResponseTargets:
     attention_mask: torch.Tensor
     """[N, P + R]."""
     prompt_length: int
+    """``P``: the first response column (with rows that start later, the earliest row's)."""
     labels: torch.Tensor
     """[N, R] the response tokens (the targets)."""
     mask: torch.Tensor
@@ -33,13 +41,43 @@ class ResponseTargets:
     def tokens(self) -> int:
         return int(self.mask.sum())
 
+    def to_token_batch(self) -> ResponseTokenBatch:
+        """DeepSpeed's ``ResponseTokenBatch`` of the same targets: every shifted position, masked outside the
+        response; equal to ``ResponseTokenBatch.from_rollout`` of the rollout these targets came from."""
+        shifted = self.input_ids.shape[1] - 1
+        response_mask = torch.zeros((self.input_ids.shape[0], shifted), dtype=torch.bool, device=self.mask.device)
+        response_mask[:, self.window] = self.mask
+        return ResponseTokenBatch(input_ids=self.input_ids, attention_mask=self.attention_mask,
+                                  target_ids=self.input_ids[:, 1:], response_mask=response_mask)
 
-def response_targets(batch) -> ResponseTargets:
-    """From a ``RolloutBatch`` (all rows share ``response_start_idx``, as every rollout here returns)."""
+    @classmethod
+    def from_token_batch(cls, batch: ResponseTokenBatch) -> "ResponseTargets":
+        """Ours from DeepSpeed's ``ResponseTokenBatch``: the window starts at the first shifted position any row
+        trains on (rows whose response starts later are masked there, as in ``batch``)."""
+        if batch.target_ids.shape != batch.response_mask.shape or \
+                batch.target_ids.shape[1] != batch.input_ids.shape[1] - 1:
+            raise ValueError(f"batch must be a ResponseTokenBatch: target_ids and response_mask [N, T - 1] for "
+                             f"input_ids [N, T]; got {tuple(batch.target_ids.shape)}, "
+                             f"{tuple(batch.response_mask.shape)} and {tuple(batch.input_ids.shape)}")
+        trained = batch.response_mask.bool().any(dim=0).nonzero()
+        # no position to train on: a one-position window, masked (T - 2 is the last shifted position)
+        first = int(trained[0]) if trained.numel() else max(batch.target_ids.shape[1] - 1, 0)
+        return cls(batch.input_ids, batch.attention_mask, first + 1, batch.target_ids[:, first:],
+                   batch.response_mask[:, first:].bool())
+
+
+def response_targets(batch: Any) -> ResponseTargets:
+    """Targets from a ``RolloutBatch`` (all rows sharing ``response_start_idx``, as every rollout here returns),
+    from DeepSpeed's ``ResponseTokenBatch`` (any starts), or ours as they are."""
+    if isinstance(batch, ResponseTargets):
+        return batch
+    if isinstance(batch, ResponseTokenBatch):
+        return ResponseTargets.from_token_batch(batch)
     starts = batch.response_start_idx
     prompt_length = int(starts[0])
     if not bool((starts == prompt_length).all()):
-        raise ValueError("response_start_idx must be the same for every row (a RolloutBatch from this package)")
+        raise ValueError("response_start_idx must be the same for every row (a RolloutBatch from this package); "
+                         "for rows that start apart, pass ResponseTokenBatch.from_rollout(batch)")
     if prompt_length < 1:
         raise ValueError(f"response_start_idx must be >= 1 (a prompt token predicts the first response token); "
                          f"got {prompt_length}")

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from opsd_rollout.modeling import innermost_model, position_ids, text_config
-from opsd_rollout.opsd.targets import ResponseTargets
+from opsd_rollout.opsd.targets import ResponseTargets, response_targets
 from opsd_rollout.profiling import NULL_RECORDER
 
 CACHE_MODES = ("full", "topk")
@@ -118,12 +118,15 @@ def finalize_logits(config: Any, logits: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def build_teacher_cache(teacher: Any, targets: ResponseTargets, config: TeacherCacheConfig, *,
+def build_teacher_cache(teacher: Any, targets: Any, config: TeacherCacheConfig, *,
                         recorder: Any = NULL_RECORDER, buffers: TeacherCacheBuffers | None = None) -> TeacherCache:
     """Run the teacher over ``targets``' sequences and cache its logits for the response window on the host.
 
-    ``recorder`` (a ``StageRecorder``) gets ``teacher_forward`` (body and LM head) and ``cache_write`` spans;
-    ``buffers`` default to the ones kept for ``teacher`` (see ``buffers_for``)."""
+    ``targets``: our ``ResponseTargets``, DeepSpeed's ``ResponseTokenBatch`` (its window starts at the first
+    position it trains on) or a ``RolloutBatch``. ``recorder`` (a ``StageRecorder``) gets ``teacher_forward``
+    (body and LM head) and ``cache_write`` spans; ``buffers`` default to the ones kept for ``teacher`` (see
+    ``buffers_for``)."""
+    targets = response_targets(targets)
     model = innermost_model(teacher)  # inside DeepSpeed and PEFT wrappers
     body, head = model.base_model, model.get_output_embeddings()
     head_param = next(head.parameters(), None)

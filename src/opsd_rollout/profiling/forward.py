@@ -35,6 +35,12 @@ class ForwardTime:
         return max(0.0, self.ms - self.attributed_ms)
 
 
+def stream_capturing() -> bool:
+    """True while the current CUDA stream is being captured into a CUDA graph (never on a CPU-only torch,
+    whose capture query would raise)."""
+    return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
+
+
 def _input_shape(args: tuple, kwargs: dict) -> tuple[int, int]:
     for value in (kwargs.get("input_ids"), kwargs.get("inputs_embeds"), args[0] if args else None):
         if isinstance(value, torch.Tensor) and value.dim() >= 2:
@@ -48,6 +54,11 @@ class ForwardTimer:
     A forward that feeds several tokens per row is prefill (chunked prefill, and the prefills of prompts
     admitted while others decode, included); one that feeds a single token is decode, unless it is the
     first forward (a one-token prompt's prefill).
+
+    A forward that runs while its stream is being captured into a CUDA graph is not timed (capture records
+    work, it does not run it, and a clock mark inside a capture would become part of the graph); when it is
+    outermost it is counted in ``captured`` instead, because every later replay of that graph runs the forward
+    without any of the hooks.
     """
 
     def __init__(self, module: torch.nn.Module, clock: Clock, *, also: tuple[torch.nn.Module, ...] = ()):
@@ -59,6 +70,8 @@ class ForwardTimer:
         self._records: list[tuple[Any, Any, tuple[int, int]]] = []
         self._open: list[tuple[Any, tuple[int, int]]] = []
         self._handles: list[Any] = []
+        self.captured = 0
+        """Outermost forwards seen while being captured into a CUDA graph: their replays are invisible."""
 
     def attach(self) -> "ForwardTimer":
         if self._handles:
@@ -84,6 +97,12 @@ class ForwardTimer:
     # graph instead of tracing host clocks, and never recompiles for the values they hold.
     @torch.compiler.disable
     def _on_start(self, _module, args, kwargs) -> None:
+        if stream_capturing():
+            # Counted only when outermost: a capture inside a timed wrapper (DeepSpeed's inference engine
+            # capturing its model) is replayed inside the wrapper's own forward, which the hooks do see.
+            self.captured += not self._open
+            self._open.append((None, (0, 0)))  # keeps the nesting balanced; never recorded
+            return
         self._open.append((self.clock.mark(), _input_shape(args, kwargs)))
 
     @torch.compiler.disable
@@ -91,7 +110,7 @@ class ForwardTimer:
         if not self._open:
             return
         start, shape = self._open.pop()
-        if not self._open:  # only outermost forwards count
+        if start is not None and not self._open:  # only outermost forwards that ran count
             self._records.append((start, self.clock.mark(), shape))
 
     def open_index(self) -> int | None:

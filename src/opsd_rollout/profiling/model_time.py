@@ -5,6 +5,12 @@ modules it wraps are all hooked, so the forward that actually runs is timed (onc
 enters the wrapper or, as ``generate`` does, the model inside. On CUDA the times come from events
 recorded in the hooks (no synchronization per forward; resolved when read); elsewhere from a
 synchronized clock.
+
+As DeepSpeed's ``InferenceEngine.model_times()``, a read returns the durations and clears them, so a read
+with no forward since the last one returns ``[]``. DeepSpeed raises when CUDA graphs are on and the list is
+empty, because graph replay runs no hooks; this timer raises (``HiddenForwardsError``) on the same evidence,
+observed rather than configured: one of the timed forwards ran while its stream was being captured into a
+CUDA graph, so the graph's replays cannot be seen and an empty list cannot mean "no forward ran".
 """
 
 from __future__ import annotations
@@ -17,6 +23,12 @@ import torch
 from opsd_rollout.modeling import device_of, wrapped_modules
 from opsd_rollout.profiling.clock import Clock
 from opsd_rollout.profiling.forward import ForwardTimer
+
+
+class HiddenForwardsError(RuntimeError, ValueError):
+    """``model_times()`` found no forward, but the timed module was captured into a CUDA graph, whose replays
+    run no hooks. A ``RuntimeError`` as before, and a ``ValueError`` as DeepSpeed's ``model_times`` raises."""
+
 
 _ACTIVE: "weakref.WeakKeyDictionary[torch.nn.Module, ModelTimeProfiler]" = weakref.WeakKeyDictionary()
 
@@ -45,15 +57,19 @@ class ModelTimeProfiler:
 
     def model_times(self, split: bool = False) -> list[float] | dict[str, list[float]]:
         """Forward durations in ms since the last read, then cleared. ``split=True`` returns
-        ``{"prefill": [...], "decode": [...]}`` (chunked prefill counts as prefill)."""
+        ``{"prefill": [...], "decode": [...]}`` (chunked prefill counts as prefill).
+
+        No forward since the last read gives ``[]`` (``{"prefill": [], "decode": []}``), unless a timed
+        forward was captured into a CUDA graph: then ``HiddenForwardsError``, since replays are invisible."""
         if not self.active:
             raise RuntimeError("this forward timer was removed; enable a new one with profile_model_time()")
         times = self._timer.read(clear=True)
-        if not times:
-            raise RuntimeError(
-                f"no forward pass of {type(self.module).__name__} (or the modules it wraps) ran since timing began "
-                "or since the last read. Under CUDA-graph replay the model's forward hooks do not run: time the "
-                "module whose call replays the graph (e.g. the DeepSpeed inference engine) instead.")
+        if not times and self._timer.captured:
+            raise HiddenForwardsError(
+                f"no forward pass of {type(self.module).__name__} (or the modules it wraps) was seen since the last "
+                f"read, but {self._timer.captured} of its forwards ran inside a CUDA-graph capture, and replaying "
+                "that graph runs no forward hooks: time the module whose call replays the graph (e.g. the "
+                "DeepSpeed inference engine) instead.")
         if split:
             return {"prefill": [t.ms for t in times if t.kind == "prefill"],
                     "decode": [t.ms for t in times if t.kind == "decode"]}

@@ -1,7 +1,7 @@
-"""The rollout engine: config and validation, post-processing, generation strategies.
+"""The rollout engine: config and validation, post-processing, generation strategies, DeepSpeed's factory.
 
-``HybridEngineRollout`` loads on first use (PEP 562): the config module alone is light, and the command line
-reads it for its help."""
+``HybridEngineRollout`` and ``build_rollout`` load on first use (PEP 562): the config module alone is light,
+and the command line reads it for its help."""
 
 from __future__ import annotations
 
@@ -9,13 +9,15 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 _EXPORTS = {"HybridEngineRollout": "opsd_rollout.rollout.engine",
-            "HybridEngineRolloutConfig": "opsd_rollout.rollout.config"}
+            "HybridEngineRolloutConfig": "opsd_rollout.rollout.config",
+            "build_rollout": "opsd_rollout.rollout.factory"}
 
 __all__ = sorted(_EXPORTS)
 
 if TYPE_CHECKING:
     from opsd_rollout.rollout.config import HybridEngineRolloutConfig
     from opsd_rollout.rollout.engine import HybridEngineRollout
+    from opsd_rollout.rollout.factory import build_rollout
 
 
 def __getattr__(name: str) -> Any:

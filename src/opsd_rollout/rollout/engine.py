@@ -76,6 +76,17 @@ class HybridEngineRollout(RolloutEngine):
     def enable_profiling(self) -> bool:
         return self.cfg.enable_profiling
 
+    # DeepSpeed's rollout exposes its options as attributes; these read ours under its names.
+    @property
+    def use_graph_capture(self) -> bool:
+        """DeepSpeed's CUDA-graph decode: here ``compile_decode``."""
+        return self.cfg.compile_decode
+
+    @property
+    def use_shared_prefill(self) -> bool:
+        """Whether prompts are prefilled once for their n samples (``shared_prefill``, with the static strategy)."""
+        return self.cfg.shared_prefill and self.strategy.name == "static"
+
     def get_last_profile(self) -> RolloutProfile | None:
         """The last call's profile; ``None`` before the first profiled call and after a call that raised."""
         return self._last_profile

@@ -87,8 +87,8 @@ def _check_sampling(sampling: Any) -> tuple[float, int, float]:
     if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0.0 < top_p <= 1.0:
         raise ValueError(f"sampling.top_p must be in (0, 1]; got {top_p!r}")
     top_k = sampling.top_k
-    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < -1:
-        raise ValueError(f"sampling.top_k must be an int >= -1 (-1 or 0 disables top-k); got {top_k!r}")
+    if isinstance(top_k, bool) or not isinstance(top_k, int):
+        raise ValueError(f"sampling.top_k must be an int (<= 0 disables top-k); got {top_k!r}")
     return float(temperature), top_k, float(top_p)
 
 

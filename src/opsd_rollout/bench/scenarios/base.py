@@ -36,6 +36,19 @@ def one_of(options: tuple[Any, ...]) -> tuple[Callable[[Any], bool], str]:
     return (lambda v: v in options), f"one of {', '.join(map(str, options))}"
 
 
+def threads_phrase(environment: dict[str, Any], world_size: int) -> str:
+    """How many threads each rank used and why, for a title: ``1 thread per rank: 2 cores / 2 local ranks``.
+    Results written before ``threads_source`` was recorded give the count alone."""
+    threads = environment["threads"]
+    phrase = f"{threads} thread{'s' * (threads != 1)}{' per rank' if world_size > 1 else ''}"
+    source, local = environment.get("threads_source"), environment.get("local_ranks") or 1
+    if source == "shared":
+        return f"{phrase}: {environment['cpu_count']} cores / {local} local ranks"
+    if source == "OMP_NUM_THREADS":
+        return f"{phrase} from OMP_NUM_THREADS" + (f", {local} local ranks" if local > 1 else "")
+    return phrase
+
+
 class Settings:
     """Base of a scenario's settings dataclass: ``rules`` (field -> (test, what a valid value is)) are checked
     together when it is built, every failure listed in one ``ValueError``."""
@@ -105,10 +118,9 @@ class Scenario:
     def title(self, environment: dict[str, Any], world_size: int) -> str:
         """The line above the tables: model, device, threads, iterations."""
         s = self.settings
-        threads = environment["threads"]
         warmup = "warm-up until steady" if s.warmup is None else f"{s.warmup} warm-up call{'s' * (s.warmup != 1)}"
-        title = (f"{s.model} on {environment['device_name']} ({threads} thread{'s' * (threads != 1)}"
-                 f"{' per rank' if world_size > 1 else ''}), {s.iterations} iterations after {warmup}"
+        title = (f"{s.model} on {environment['device_name']} ({threads_phrase(environment, world_size)}), "
+                 f"{s.iterations} iterations after {warmup}"
                  f"{', fixed length' if s.fixed_length else ', real EOS stopping'}")
         if world_size > 1:
             title += (f"; {world_size} ranks: batch sizes are per rank, times are the slowest rank's, "

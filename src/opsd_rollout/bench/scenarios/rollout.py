@@ -85,7 +85,7 @@ class RolloutSettings(Settings):
     temperature: float = 1.0
     """Sampling temperature (decoding=sampling)."""
     top_k: int = 50
-    """Sampling top-k (decoding=sampling; -1 or 0 disables)."""
+    """Sampling top-k (decoding=sampling; <= 0 disables, as in DeepSpeed)."""
     top_p: float = 1.0
     """Sampling top-p (decoding=sampling)."""
 
@@ -101,7 +101,8 @@ class RolloutSettings(Settings):
         "prompts": one_of(PROMPT_KINDS),
         "pad_fraction": number(lambda v: 0 <= v < 1, "in [0, 1)"),
         "temperature": number(lambda v: v > 0, "> 0 for sampling (greedy is decoding=greedy)"),
-        "top_k": integer(-1), "top_p": number(lambda v: 0 < v <= 1, "in (0, 1]")}
+        "top_k": (lambda v: isinstance(v, int) and not isinstance(v, bool), "an integer (<= 0 disables top-k)"),
+        "top_p": number(lambda v: 0 < v <= 1, "in (0, 1]")}
 
 
 class RolloutMeasurement:

@@ -1,0 +1,58 @@
+"""``build_rollout``: DeepSpeed's rollout factory, building ours.
+
+The signature, defaults and errors are those of ``deepspeed.runtime.rollout.build_rollout``, so a trainer that
+calls DeepSpeed's factory runs unchanged on this package. Where DeepSpeed's factory would pass extra keyword
+arguments by in silence, this one reads them as fields of our ``HybridEngineRolloutConfig`` and refuses any
+other name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from opsd_rollout.rollout.config import HybridEngineRolloutConfig
+from opsd_rollout.rollout.engine import HybridEngineRollout
+
+ENGINES = ("hybrid_engine",)
+"""The values of ``RolloutConfig.engine`` the factory builds (DeepSpeed's one name for this rollout)."""
+
+
+def build_rollout(rollout_cfg: Any, student_engine: Any = None, tokenizer: Any = None,
+                  **kwargs: Any) -> HybridEngineRollout:
+    """Build the rollout ``rollout_cfg.engine`` names, as DeepSpeed's factory does.
+
+    Args:
+        rollout_cfg: DeepSpeed's ``RolloutConfig`` (``engine`` must be ``"hybrid_engine"``), or a rollout config
+            without an ``engine`` field (ours, or DeepSpeed's ``HybridEngineRolloutConfig``), which can only
+            mean this engine. DeepSpeed's fields map onto ours as ``HybridEngineRolloutConfig.from_any`` says.
+        student_engine: the DeepSpeed engine (or transformers model) to roll out with.
+        tokenizer: anything with ``pad_token_id`` and ``eos_token_id``.
+        **kwargs: fields of our ``HybridEngineRolloutConfig`` (``enable_profiling=True``, ``seed=0``, ...),
+            applied over what ``rollout_cfg`` says.
+
+    Raises:
+        ValueError: an engine other than ``hybrid_engine`` ("Unknown rollout engine"), or a missing
+            ``student_engine`` or ``tokenizer`` ("needs both"), as DeepSpeed's factory raises.
+        TypeError: ``rollout_cfg`` is ``None``, or a keyword is not a field of our config.
+    """
+    if rollout_cfg is None:
+        raise TypeError("rollout_cfg must be a rollout config (DeepSpeed's RolloutConfig or "
+                        "opsd_rollout.HybridEngineRolloutConfig); got None")
+    engine_name = getattr(rollout_cfg, "engine", "hybrid_engine")
+    if engine_name not in ENGINES:
+        raise ValueError(f"Unknown rollout engine {engine_name!r}; choose from 'hybrid_engine'")
+    if student_engine is None or tokenizer is None:
+        missing = [name for name, value in (("student_engine", student_engine), ("tokenizer", tokenizer))
+                   if value is None]
+        raise ValueError(f"hybrid_engine rollout needs both student_engine and tokenizer; {' and '.join(missing)} "
+                         "is None")
+    fields = {f.name for f in dataclasses.fields(HybridEngineRolloutConfig)}
+    unknown = sorted(set(kwargs) - fields)
+    if unknown:
+        raise TypeError(f"build_rollout() got keyword arguments that are not HybridEngineRolloutConfig fields: "
+                        f"{unknown}; the fields are {sorted(fields)}")
+    cfg = HybridEngineRolloutConfig.from_any(rollout_cfg)
+    if kwargs:
+        cfg = dataclasses.replace(cfg, **kwargs)  # validated again by the dataclass
+    return HybridEngineRollout(student_engine, tokenizer, cfg=cfg)
