@@ -139,3 +139,67 @@ def test_continuous_batching_holds_at_most_its_slots_and_prefills_each_prompt_on
     assert profile.prefill_forwards == len(prefill_rows)
     assert batch.input_ids.shape[0] == 18
     assert profile.row_latency_p50_ms <= profile.row_latency_p95_ms <= profile.row_latency_max_ms <= profile.total_ms
+
+
+def test_a_kv_budget_chooses_the_slots(tiny_models, tokenizer):
+    """kv_budget_bytes bounds the decode cache: the rollout runs continuously within it, same rows."""
+    from opsd_rollout.modeling import ModelSpec
+
+    model = tiny_models["qwen2-tiny"]
+    request = prompts_with_padding_and_holes(tokenizer)
+    sampling = SamplingConfig(max_new_tokens=6, n_samples_per_prompt=2, temperature=0)
+    per_row = ModelSpec.of(model).kv.bytes_per_token(4) * (request.prompt_ids.shape[1] + 6)
+    expected = rollout(model, tokenizer).generate(request, sampling).input_ids
+    budgeted = rollout(model, tokenizer, kv_budget_bytes=int(2.5 * per_row))
+    assert torch.equal(budgeted.generate(request, sampling).input_ids, expected)
+    assert budgeted.get_last_profile().decode_slots == 2
+    with pytest.raises(ValueError, match="kv_budget_bytes .* holds no row"):
+        rollout(model, tokenizer, kv_budget_bytes=per_row - 1).generate(request, sampling)
+
+
+def test_length_models_parse_and_their_hazards_give_their_distribution():
+    from opsd_rollout.rollout.lengths import LengthModel
+
+    model = LengthModel.parse("lognormal:median=48,sigma=1.0")
+    assert model.spec == "lognormal:median=48,sigma=1" and model.synthetic
+    mass = model.probabilities(512)
+    assert sum(mass) == pytest.approx(1.0) and max(range(512), key=mass.__getitem__) < 48  # mode below median
+    survive, rebuilt = 1.0, []
+    for hazard in model.hazards(512):
+        rebuilt.append(survive * hazard)
+        survive *= 1 - hazard
+    rebuilt[-1] += survive
+    assert rebuilt == pytest.approx(mass, abs=1e-9)
+    assert LengthModel.parse("geometric:mean=64").probabilities(4)[0] == pytest.approx(1 / 64)
+    assert not LengthModel.parse("fixed").synthetic and not LengthModel.parse("natural").synthetic
+    for bad in ("uniform:max=3", "lognormal:median=48", "geometric:mean=-1", "geometric:mean=x"):
+        with pytest.raises(ValueError, match="response lengths"):
+            LengthModel.parse(bad)
+
+
+def test_forced_lengths_follow_the_distribution_and_are_the_same_on_every_engine():
+    """Greedy rows force the same lengths in our loop (every schedule) and in transformers' generate (same
+    content, same coins); sampled rows' lengths fit the distribution (chi-square)."""
+    from conftest import assert_chi_square_fit
+    from opsd_rollout.rollout.lengths import LengthModel
+
+    model, tokenizer = soft_transition_model(), make_tokenizer(0, 2)
+    model.lm_head.weight.data[2] = -100.0  # the model itself never ends a row: only the forcing does
+    request = left_padded([[4, 5], [8], [12, 13, 14], [3], [7], [11], [16], [20]], 0)
+    spec, cap = "geometric:mean=6", 16
+
+    def lengths(batch):
+        return batch.attention_mask[:, int(batch.response_start_idx[0]):].sum(dim=1)
+
+    greedy = SamplingConfig(max_new_tokens=cap, n_samples_per_prompt=2, temperature=0)
+    runs = [rollout(model, tokenizer, response_lengths=spec, strategy=strategy).generate(
+        request, SamplingConfig(**{**vars(greedy), "continuous_batch_size": slots}))
+            for strategy, slots in (("static", None), ("static", 3), ("generate", None))]
+    assert len(set(lengths(runs[0]).tolist())) > 2
+    for run in runs[1:]:
+        assert torch.equal(run.input_ids, runs[0].input_ids)
+    many = left_padded([[3 + i % 20, 4 + i % 7] for i in range(60)], 0)
+    batch = rollout(model, tokenizer, response_lengths=spec, seed=4).generate(
+        many, SamplingConfig(max_new_tokens=cap, n_samples_per_prompt=25, temperature=1.0))
+    counts = torch.bincount(lengths(batch), minlength=cap + 1)[1:].double()
+    assert_chi_square_fit(counts, torch.tensor(LengthModel.parse(spec).probabilities(cap), dtype=torch.float64))

@@ -244,35 +244,33 @@ def test_the_readme_tables_every_field_of_deepspeeds_rollout_configs():
 
 
 def test_the_verdicts_the_readme_gives_are_what_the_tests_check():
-    assert readme_field_rows() == {**{f"SamplingConfig.{f.name}": "honoured" for f in dataclasses.fields(SamplingConfig)
-                                      if f.name != "continuous_batch_size"},
-                                   **{name: "refused" for name in REFUSED}, **{name: "mapped" for name in MAPPED},
+    assert readme_field_rows() == {**{f"SamplingConfig.{f.name}": "honoured" for f in dataclasses.fields(SamplingConfig)},
+                                   **{name: "mapped" for name in MAPPED},
                                    "HybridEngineRolloutConfig.enable_profiling": "honoured",
                                    "RolloutConfig.engine": "honoured"}
 
 
-REFUSED = {
-    "HybridEngineRolloutConfig.align_decode_fronts": dict(align_decode_fronts=True),
-    "HybridEngineRolloutConfig.enable_cache_trimming": dict(enable_cache_trimming=True),
-    "HybridEngineRolloutConfig.continuous_cache_capacity": dict(continuous_cache_capacity=64),
-    "SamplingConfig.continuous_batch_size": None,
-}
 MAPPED = ("HybridEngineRolloutConfig.use_graph_capture", "HybridEngineRolloutConfig.use_shared_prefill",
-          "RolloutConfig.use_graph_capture")
+          "RolloutConfig.use_graph_capture", "HybridEngineRolloutConfig.align_decode_fronts",
+          "HybridEngineRolloutConfig.enable_cache_trimming", "HybridEngineRolloutConfig.continuous_cache_capacity")
 
 
-@pytest.mark.parametrize("name", sorted(REFUSED))
-def test_refused_fields_raise_naming_the_field(name, model, tokenizer):
-    field = name.split(".")[1]
-    if name.startswith("SamplingConfig"):
-        with pytest.raises(ValueError, match=field):
-            HybridEngineRollout(model, tokenizer).generate(request_of(tokenizer), SamplingConfig(
-                max_new_tokens=2, continuous_batch_size=2))
-        return
-    with pytest.raises(ValueError, match=field):
-        HybridEngineRollout(model, tokenizer, cfg=DeepSpeedRolloutConfig(**REFUSED[name]))
-    with pytest.raises(ValueError, match=field):
-        build_rollout(DeepSpeedRolloutConfig(**REFUSED[name]), model, tokenizer)
+def test_deepspeeds_continuous_batching_fields_map_onto_ours(model, tokenizer):
+    """Aligned fronts and cache trimming are what our slots already do (same rows either way); the cache capacity
+    bounds a slot's columns, and a rollout that needs more is refused naming it."""
+    request = left_padded([[40, 41, 42], [50, 51]], tokenizer.pad_token_id)
+    sampling = SamplingConfig(max_new_tokens=6, temperature=0, n_samples_per_prompt=2, continuous_batch_size=3)
+    expected = HybridEngineRollout(model, tokenizer).generate(request, SamplingConfig(
+        max_new_tokens=6, temperature=0, n_samples_per_prompt=2)).input_ids
+    for aligned in (False, True):
+        cfg = DeepSpeedRolloutConfig(align_decode_fronts=aligned, enable_cache_trimming=True,
+                                     continuous_cache_capacity=9)
+        ours = HybridEngineRolloutConfig.from_any(cfg)
+        assert ours.compact_rows is True and ours.continuous_cache_capacity == 9
+        assert torch.equal(build_rollout(cfg, model, tokenizer).generate(request, sampling).input_ids, expected)
+    tight = HybridEngineRollout(model, tokenizer, cfg=DeepSpeedRolloutConfig(continuous_cache_capacity=8))
+    with pytest.raises(ValueError, match="continuous_cache_capacity 8"):
+        tight.generate(request, sampling)
 
 
 @pytest.mark.parametrize("cfg_type", [DeepSpeedRolloutConfig, RolloutConfig])

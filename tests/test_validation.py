@@ -109,13 +109,18 @@ def test_engine_must_be_a_model():
         HybridEngineRollout(object(), make_tokenizer(0, 2))
 
 
-def test_unknown_strategy_and_deepspeed_only_options_are_refused():
+def test_unknown_strategy_is_refused_and_deepspeeds_options_map():
     with pytest.raises(ValueError, match="strategy must be one of"):
         HybridEngineRolloutConfig(strategy="vllm")
     from deepspeed.runtime.rollout.hybrid_engine_rollout import HybridEngineRolloutConfig as DSConfig
 
-    with pytest.raises(ValueError, match="align_decode_fronts"):
-        HybridEngineRolloutConfig.from_any(DSConfig(align_decode_fronts=True))
+    assert HybridEngineRolloutConfig.from_any(DSConfig(align_decode_fronts=True)) == HybridEngineRolloutConfig()
+    with pytest.raises(ValueError, match="response_lengths must be a synthetic distribution"):
+        HybridEngineRolloutConfig(response_lengths="natural")
+    with pytest.raises(ValueError, match="cannot go with ignore_eos"):
+        HybridEngineRolloutConfig(response_lengths="geometric:mean=8", ignore_eos=True)
+    with pytest.raises(ValueError, match="kv_budget_bytes must be an int >= 1"):
+        HybridEngineRolloutConfig(kv_budget_bytes=0)
     assert HybridEngineRolloutConfig.from_any(DSConfig(enable_profiling=True)).enable_profiling is True
     graphs = HybridEngineRolloutConfig.from_any(DSConfig(use_graph_capture=True))
     assert graphs.compile_decode and graphs.strategy == "static"

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
+from opsd_rollout.rollout.lengths import LengthModel
+
 STRATEGIES = ("static", "generate")
 ZERO3_GATHER = ("once", "per_layer")
 CACHE_POLICIES = ("retain", "release")
@@ -46,6 +48,13 @@ class HybridEngineRolloutConfig:
     fit a smaller batch size (1, 2, 3, 4, 6, 8, 12, 16, ...: powers of two and 1.5x them), they move to the
     front and the batch shrinks, so a step costs what its live rows cost. Off: every row is computed until the
     last one finishes."""
+    kv_budget_bytes: int | None = None
+    """``static``: most bytes the decode batch's key/value cache may take; the number of rows decoding at once
+    (the slots) is chosen from it, so a long prompt or a large batch runs as continuous batching within the
+    budget instead of running out of memory. ``None``: one slot per row (or ``continuous_batch_size``)."""
+    continuous_cache_capacity: int | None = None
+    """``static``: most key/value columns one slot may hold (DeepSpeed's field of the same name); a rollout whose
+    prompt length plus ``max_new_tokens`` exceeds it is refused. ``None``: no limit."""
     zero3_gather: str = "once"
     """ZeRO-3 without the hybrid engine: ``once`` gathers every parameter once for the whole rollout (when
     it fits ``gather_memory_budget_bytes``), ``per_layer`` leaves DeepSpeed gathering layer by layer at
@@ -63,6 +72,12 @@ class HybridEngineRolloutConfig:
     ignore_eos: bool = False
     """Benchmark mode: generation does not stop at EOS, so every row runs ``max_new_tokens`` steps. The
     returned batch still follows the contract (trimmed and padded after the first EOS)."""
+
+    response_lengths: str | None = None
+    """Benchmark workloads: force a synthetic response-length distribution on the rollout, e.g.
+    ``lognormal:median=48,sigma=1.0`` or ``geometric:mean=64`` (capped at ``max_new_tokens``), decided by a
+    hash of each row's own content so every engine and schedule gets the same lengths (``rollout/lengths.py``).
+    ``None``: the model's own EOS (or none with ``ignore_eos``)."""
 
     merge_adapters: bool = False
     """For a PEFT model: merge the LoRA adapters into the base weights for generation and unmerge them
@@ -83,29 +98,37 @@ class HybridEngineRolloutConfig:
             raise ValueError(f"stop_check_interval must be an int >= 1 or None; got {self.stop_check_interval!r}")
         if self.cache_policy not in CACHE_POLICIES:
             raise ValueError(f"cache_policy must be one of {list(CACHE_POLICIES)}; got {self.cache_policy!r}")
+        if self.response_lengths is not None:
+            if not LengthModel.parse(self.response_lengths).synthetic:
+                raise ValueError(f"response_lengths must be a synthetic distribution (lognormal:..., geometric:...); "
+                                 f"got {self.response_lengths!r}: 'fixed' is ignore_eos=True, 'natural' the default")
+            if self.ignore_eos:
+                raise ValueError("response_lengths forces EOS at each row's length: it cannot go with ignore_eos=True")
+        for name in ("kv_budget_bytes", "continuous_cache_capacity"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be an int >= 1 or None; got {value!r}")
 
     @classmethod
     def from_any(cls, cfg: Any) -> "HybridEngineRolloutConfig":
-        """Ours as is; ``None`` gives the defaults; a DeepSpeed config object is read by field name.
+        """Ours as is; ``None`` gives the defaults; a DeepSpeed config object is read by field name (the README
+        says how each of its fields maps onto ours).
 
-        DeepSpeed options this rollout does not implement are refused rather than ignored.
+        DeepSpeed's continuous-batching layout options need no counterpart here: each slot's decode front is its
+        own column (``align_decode_fronts``: aligned either way), and a slot never holds more than its prompt
+        plus ``max_new_tokens`` columns (nothing to trim); ``enable_cache_trimming=True`` asks for finished rows'
+        memory back, which is our row compaction (``compact_rows``, on by default).
         """
         if cfg is None:
             return cls()
         if isinstance(cfg, cls):
             return cfg
-        unsupported = {
-            name: getattr(cfg, name) for name in ("align_decode_fronts", "enable_cache_trimming",
-                                                  "continuous_cache_capacity")
-            if getattr(cfg, name, None) not in (None, False)
-        }
-        if unsupported:
-            raise ValueError(f"cfg sets DeepSpeed options this rollout does not implement: {unsupported}; "
-                             "leave them at their defaults")
         known = {f.name for f in fields(cls)}
         values = {name: getattr(cfg, name) for name in known if hasattr(cfg, name)}
         if getattr(cfg, "use_graph_capture", False):  # DeepSpeed's CUDA-graph decode is our compiled decode
             values.update(strategy="static", compile_decode=True)
         if getattr(cfg, "use_shared_prefill", False):
             values.update(strategy="static", shared_prefill=True)
+        if getattr(cfg, "enable_cache_trimming", False):
+            values.update(compact_rows=True)
         return cls(**values)

@@ -18,6 +18,7 @@ from opsd_rollout.profiling.profile import build_profile
 from opsd_rollout.rollout import postprocess
 from opsd_rollout.rollout.config import HybridEngineRolloutConfig
 from opsd_rollout.rollout.gather import GatherOnce
+from opsd_rollout.rollout.lengths import LengthModel
 from opsd_rollout.rollout.phases import add_rollout_probes, zero3_offload
 from opsd_rollout.rollout.strategies import TransformersGenerate, make_strategy
 from opsd_rollout.rollout.target import hybrid_engine_problem, resolve_target
@@ -71,6 +72,7 @@ class HybridEngineRollout(RolloutEngine):
         self._last_timeline: list[Span] | None = None
         self._clock = Clock(self.target.device)
         self._closed = False
+        self._warned_slots = False
 
     @property
     def enable_profiling(self) -> bool:
@@ -115,6 +117,15 @@ class HybridEngineRollout(RolloutEngine):
         if self._closed:
             raise RuntimeError("generate() called after shutdown()")
         plan = plan_rollout(request, sampling, self.target, self.tokenizer, ignore_eos=self.cfg.ignore_eos)
+        if self.cfg.response_lengths is not None:
+            if not plan.eos_token_ids:
+                raise ValueError("response_lengths forces an EOS, but neither the tokenizer nor the model has one")
+            plan = dataclasses.replace(plan, response_lengths=LengthModel.parse(self.cfg.response_lengths),
+                                       length_seed=self.cfg.seed or 0)
+        if plan.continuous_batch_size and self.strategy.name == "generate" and not self._warned_slots:
+            self._warned_slots = True
+            logger.warning("strategy 'generate' decodes every row at once: continuous_batch_size=%d bounds nothing "
+                           "(the rows returned are the same); strategy 'static' honours it", plan.continuous_batch_size)
         prompt_ids = request.prompt_ids.to(self.target.device)
         prompt_mask = request.prompt_attention_mask.to(self.target.device)
         if not self.cfg.enable_profiling:

@@ -36,6 +36,10 @@ class RolloutPlan:
     collective_forwards: bool = False
     """Forwards gather parameters collectively (ZeRO-3 per-layer gathering on several ranks): a rank with
     nothing to prefill still runs a prefill when another rank does."""
+    response_lengths: Any = None
+    """A synthetic ``LengthModel`` forced on the rollout (benchmark workloads), or ``None``."""
+    length_seed: int = 0
+    """Seeds the forced lengths' coins."""
 
     @property
     def effective_batch_size(self) -> int:

@@ -22,7 +22,8 @@ def make_strategy(cfg: "HybridEngineRolloutConfig") -> GenerationStrategy:
     if cfg.strategy == StaticDecode.name:
         return StaticDecode(shared_prefill=cfg.shared_prefill, stop_check_interval=cfg.stop_check_interval,
                             seed=cfg.seed, compile_decode=cfg.compile_decode, static_shapes=cfg.static_shapes,
-                            compact_rows=cfg.compact_rows)
+                            compact_rows=cfg.compact_rows, kv_budget_bytes=cfg.kv_budget_bytes,
+                            cache_capacity=cfg.continuous_cache_capacity)
     if cfg.strategy == TransformersGenerate.name:
         return TransformersGenerate()
     raise ValueError(f"unknown strategy {cfg.strategy!r}")

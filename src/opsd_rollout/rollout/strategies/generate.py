@@ -5,8 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from transformers import GenerationConfig
+from transformers import GenerationConfig, LogitsProcessorList
 
+from opsd_rollout.rollout.length_forcing import as_logits_processor
 from opsd_rollout.rollout.strategies.base import DecodeStats
 from opsd_rollout.rollout.target import RolloutTarget
 from opsd_rollout.rollout.validation import RolloutPlan
@@ -39,8 +40,13 @@ class TransformersGenerate:
         stop_ids = never if plan.ignore_eos else (list(plan.eos_token_ids) or never)
         config = GenerationConfig(max_new_tokens=plan.max_new_tokens, do_sample=not plan.greedy, num_beams=1,
                                   eos_token_id=stop_ids, pad_token_id=plan.pad_token_id, use_cache=True, **sampling)
+        processors = LogitsProcessorList()
+        if plan.response_lengths is not None:  # a benchmark workload's synthetic lengths
+            processors.append(as_logits_processor(plan.response_lengths, plan.max_new_tokens, plan.eos_token_ids[0],
+                                                  plan.length_seed, prompt_mask, plan.samples_per_prompt))
         sequences = target.generate_fn(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=config,
-                                       synced_gpus=target.zero_stage == 3 and target.world_size > 1)
+                                       synced_gpus=target.zero_stage == 3 and target.world_size > 1,
+                                       logits_processor=processors)
         rows, steps = prompt_ids.shape[0], sequences.shape[1] - prompt_ids.shape[1]
         # every row is computed at every step until the last one finishes
         self.last_stats = DecodeStats(row_steps=rows * steps, slots=rows, forwards=steps)

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from opsd_rollout.modeling import position_ids
 from opsd_rollout.rollout.compiled import LENGTH_BUCKET_MIN, CompiledStep, bucket
 from opsd_rollout.rollout.counter_rng import rollout_key, uniforms
+from opsd_rollout.rollout.length_forcing import LengthForcing
 from opsd_rollout.rollout.sampling import precise_dtype, sample
 from opsd_rollout.rollout.scheduler import Admission, RowScheduler
 from opsd_rollout.rollout.strategies.base import DecodeStats
@@ -51,7 +52,8 @@ class StaticDecode:
 
     def __init__(self, *, shared_prefill: bool = True, stop_check_interval: int | None = None,
                  seed: int | None = None, compile_decode: bool = False, static_shapes: bool = False,
-                 compact_rows: bool = True, compile_options: dict[str, Any] | None = None):
+                 compact_rows: bool = True, kv_budget_bytes: int | None = None, cache_capacity: int | None = None,
+                 compile_options: dict[str, Any] | None = None):
         self.shared_prefill = shared_prefill
         # A compiled step needs the same shapes every step: the whole cache, masked (``static_shapes``).
         # Eager decoding attends to the filled positions only, which is cheaper.
@@ -62,6 +64,7 @@ class StaticDecode:
         self._decode_step = self.compiled or decode_one_token
         self.stop_check_interval = stop_check_interval
         self.compact_rows = compact_rows
+        self.kv_budget_bytes, self.cache_capacity = kv_budget_bytes, cache_capacity
         self.seed = seed
         self.workspace = KVWorkspace()
         self.last_stats = DecodeStats()
@@ -93,11 +96,14 @@ class StaticDecode:
         """prompt_ids, prompt_mask: [N, P] expanded prompts. Returns [N, P + R'] (a fresh tensor)."""
         config, device = target.forward_module.config, prompt_ids.device
         rows, P = prompt_ids.shape
-        slots = min(rows, plan.continuous_batch_size or rows)
         length = P + plan.max_new_tokens
+        if self.cache_capacity is not None and length > self.cache_capacity:
+            raise ValueError(f"continuous_cache_capacity {self.cache_capacity} is below prompt length {P} + "
+                             f"max_new_tokens {plan.max_new_tokens}: each row's slot needs {length} columns")
         if self.compiled is not None:  # a bounded set of cache lengths: one graph per bucket, not per length
             length = bucket(length, LENGTH_BUCKET_MIN)
         dtype = target.dtype if target.dtype.is_floating_point else torch.float32
+        slots = self.slots(target, rows, length, dtype, plan.continuous_batch_size)
         # flex attention compiles its kernel for each key length: the whole-cache layout keeps one length
         whole = self.static_shapes or target.spec.attention == "flex_attention"
         cache, front = self.workspace.cache(config, slots, length, dtype, device, whole=whole)
@@ -105,6 +111,19 @@ class StaticDecode:
         tokens = run.loop()
         self.last_stats = run.stats
         return torch.cat([prompt_ids, tokens], dim=1)
+
+    def slots(self, target: RolloutTarget, rows: int, length: int, dtype: torch.dtype,
+              continuous_batch_size: int | None) -> int:
+        """Rows decoding at once: every row, or ``continuous_batch_size``, or what ``kv_budget_bytes`` holds."""
+        slots = min(rows, continuous_batch_size or rows)
+        if self.kv_budget_bytes is not None:
+            per_slot = target.spec.kv.bytes_per_token(dtype.itemsize) * length
+            fit = self.kv_budget_bytes // per_slot
+            if fit < 1:
+                raise ValueError(f"kv_budget_bytes {self.kv_budget_bytes} holds no row: one row's keys and values "
+                                 f"over {length} positions take {per_slot} bytes")
+            slots = min(slots, fit)
+        return slots
 
     def compact(self, run: "_Run", order: list[int]) -> None:
         """Move the batch's rows ``order`` to its front (probed: a profiled rollout times it as compaction)."""
@@ -150,6 +169,11 @@ class _Run:
         self.finish = torch.full((rows + 1,), -1, dtype=torch.int64, device=device)
         self.prompt_logits: dict[int, torch.Tensor] = {}
         self.prefill_source: Any = None
+        self.forcing = None
+        if plan.response_lengths is not None:  # a benchmark workload's synthetic lengths
+            self.forcing = LengthForcing(plan.response_lengths, plan.max_new_tokens, plan.eos_token_ids[0],
+                                         plan.length_seed, device)
+            self.forcing.start(prompt_ids, prompt_mask, plan.samples_per_prompt)
         self.stats = DecodeStats(slots=slots)
         self.step_count = 0
 
@@ -339,8 +363,13 @@ class _Run:
         return view[:, None, None, :] if self.sdpa else view
 
     def _sample(self, logits: torch.Tensor, rows: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+        if self.forcing is not None:
+            logits = self.forcing.adjust(logits, rows, steps)
         uniform = None if self.greedy else uniforms(self.key, rows, steps, precise_dtype(logits.device))
-        return sample(logits, self.plan, uniform)
+        token = sample(logits, self.plan, uniform)
+        if self.forcing is not None:
+            self.forcing.observe(rows, token)
+        return token
 
     def _finished(self, token: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
         """Whether the token at index ``steps`` ends its row: an EOS, or the last token allowed."""
