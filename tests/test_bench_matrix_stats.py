@@ -161,3 +161,32 @@ def test_the_example_config_in_the_repository_loads():
     axes, settings_ = split_config(read_config_file(example), RolloutScenario)
     matrix = Matrix.parse(RolloutScenario, axes)
     assert matrix.expand() and RolloutSettings(**settings_).iterations >= 1
+
+
+def test_length_models_are_an_axis_whose_values_keep_their_own_commas():
+    from opsd_rollout.bench.axes import split_specs
+
+    assert split_specs("fixed,lognormal:median=48,sigma=1.0,natural,geometric:mean=8") == [
+        "fixed", "lognormal:median=48,sigma=1.0", "natural", "geometric:mean=8"]
+    matrix = Matrix.parse(RolloutScenario, {"batch_sizes": [1], "samples_per_prompt": [1],
+                                            "length_models": split_specs("fixed,lognormal:median=48,sigma=1.0")})
+    fixed, lognormal = matrix.expand()
+    assert fixed.lengths == "fixed" and fixed.key.endswith("fwdon")  # fixed-length keys are as before
+    assert lognormal.lengths == "lognormal:median=48,sigma=1" and lognormal.key.endswith("-lenlognormal:median=48,sigma=1")
+    with pytest.raises(ValueError, match="length_models: 'uniform' is not fixed, natural"):
+        Matrix.parse(RolloutScenario, {"length_models": ["uniform"]})
+
+
+@pytest.mark.parametrize("fixed_length,lengths", [(True, "fixed"), (False, "natural")])
+def test_older_result_files_upgrade_to_the_lengths_axis(fixed_length, lengths):
+    from opsd_rollout.bench.report import SCHEMA_VERSION, upgrade
+
+    config = {"batch_size": 1, "samples_per_prompt": 1, "prompt_length": 8, "response_length": 4, "dtype": "fp32",
+              "decoding": "greedy", "zero_stage": 0, "strategy": "static", "cache_policy": "retain",
+              "forward_timing": True}
+    old = {"schema_version": 2, "kind": "rollout", "matrix": {"batch_sizes": [1]},
+           "settings": {"model": "llama-tiny", "fixed_length": fixed_length}, "results": [{"config": config}]}
+    new = upgrade(old)
+    assert new["schema_version"] == SCHEMA_VERSION and "fixed_length" not in new["settings"]
+    assert new["matrix"]["length_models"] == [lengths] and new["results"][0]["config"]["lengths"] == lengths
+    RolloutSettings(**new["settings"])

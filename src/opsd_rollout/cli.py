@@ -60,7 +60,7 @@ def _warmup(text: str) -> int | str:
 def _bench_inputs(args: argparse.Namespace, scenario: type[Scenario]) -> tuple[Matrix, Any]:
     """The matrix and settings of a run: the scenario's defaults, then the config file, then the flags."""
     file_axes, file_settings = split_config(read_config_file(args.config), scenario) if args.config else ({}, {})
-    flag_axes = {axis.name: getattr(args, axis.name).split(",") for axis in scenario.axes
+    flag_axes = {axis.name: axis.split(getattr(args, axis.name)) for axis in scenario.axes
                  if getattr(args, axis.name) is not None}
     matrix = Matrix.parse(scenario, {**file_axes, **flag_axes})
     flag_settings = {f.name: getattr(args, f.name) for f in fields(scenario.settings_type)
@@ -230,8 +230,6 @@ def _add_bench_flags(bench: argparse.ArgumentParser, scenario: type[Scenario]) -
                       "variable: left-padded prompts of varying length")
     runs.add_argument("--pad-fraction", type=float, help=f"mean padding fraction with --prompts variable (default "
                       f"{defaults.pad_fraction})")
-    runs.add_argument("--fixed-length", action=argparse.BooleanOptionalAction, default=None,
-                      help="ignore EOS so every row generates the full response length (default on)")
     runs.add_argument("--temperature", type=float, help=f"sampling temperature (default {defaults.temperature})")
     runs.add_argument("--top-k", type=int, help=f"sampling top-k, <= 0 disables (default {defaults.top_k})")
     runs.add_argument("--top-p", type=float, help=f"sampling top-p (default {defaults.top_p})")

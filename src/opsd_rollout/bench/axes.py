@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from opsd_rollout.rollout.config import CACHE_POLICIES, STRATEGIES
+from opsd_rollout.rollout.lengths import KINDS, LengthModel
 
 DTYPES = ("fp32", "fp16", "bf16")
 DECODINGS = ("greedy", "sampling")
@@ -50,6 +51,23 @@ def teacher_cache(value: Any) -> str:
     raise ValueError
 
 
+def length_model(value: Any) -> str:
+    """A response-length model's spec, normalized (``lognormal:median=48,sigma=1``)."""
+    return LengthModel.parse(str(value)).spec
+
+
+def split_specs(text: str) -> list[str]:
+    """A comma list whose items may hold commas of their own (``fixed,lognormal:median=48,sigma=1.0``): a piece
+    that names no kind continues the item before it."""
+    items: list[str] = []
+    for piece in text.split(","):
+        if items and piece.strip().split(":")[0].strip().lower() not in KINDS:
+            items[-1] += "," + piece
+        else:
+            items.append(piece)
+    return items
+
+
 def on_off(value: Any) -> bool:
     text = str(value).strip().lower()
     if text in ("on", "true", "1", "yes"):
@@ -70,6 +88,8 @@ class Axis:
     """What a valid value is, for error messages."""
     help: str
     """The flag's help."""
+    split: Callable[[str], list[str]] = lambda text: text.split(",")
+    """How a flag's comma list splits into values."""
 
     @property
     def flag(self) -> str:
@@ -94,6 +114,11 @@ ROLLOUT_AXES = (
          "retain (keep inference workspaces between calls) or release (free after each call)"),
     Axis("forward_timing", "forward_timing", on_off, "on or off", "on, off: time every forward pass "
          "(prefill/decode split)"),
+    Axis("length_models", "lengths", length_model,
+         "fixed, natural, lognormal:median=M,sigma=S or geometric:mean=M",
+         "response lengths: fixed (EOS ignored: every row runs to the cap), natural (the model's EOS), or a synthetic "
+         "distribution forced alike on every engine, e.g. lognormal:median=48,sigma=1.0 or geometric:mean=64 (capped "
+         "at the response length)", split_specs),
 )
 STEP_AXES = ROLLOUT_AXES + (
     Axis("losses", "loss", choice(LOSSES), f"one of {', '.join(LOSSES)}", "forward_kl, reverse_kl, jsd"),

@@ -63,14 +63,15 @@ def split_config(data: dict[str, Any], scenario: type[Scenario]) -> tuple[dict[s
     if unknown:
         raise ValueError(f"--config: unknown keys {unknown}; axes are {sorted(axis_names)}, settings are "
                          f"{sorted(setting_names)}")
-    axes = {k: _as_list(v) for k, v in data.items() if k in axis_names}
+    splitters = {axis.name: axis.split for axis in scenario.axes}
+    axes = {k: _as_list(v, splitters[k]) for k, v in data.items() if k in axis_names}
     settings = {k: v for k, v in data.items() if k in setting_names}
     return axes, settings
 
 
-def _as_list(value: Any) -> list[Any]:
+def _as_list(value: Any, split: Any) -> list[Any]:
     if isinstance(value, (list, tuple)):
         return list(value)
     if isinstance(value, str):
-        return [part for part in value.split(",") if part.strip()]
+        return [part for part in split(value) if part.strip()]
     return [value]

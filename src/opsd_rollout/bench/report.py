@@ -18,9 +18,11 @@ from rich.table import Table
 
 from opsd_rollout.bench.stats import Stats, is_number
 
-SCHEMA_VERSION = 2
-"""2: a rollout config has only rollout axes (1 carried the OPSD step's as ``null``); a step's part starts are
-``part_start_ms`` (1: ``phase_start_ms``). Version 1 files are read and upgraded in memory."""
+SCHEMA_VERSION = 3
+"""3: the response-length model is an axis (``length_models``, config ``lengths``) instead of the setting
+``fixed_length`` (true: ``fixed``, false: ``natural``). 2: a rollout config has only rollout axes (1 carried the
+OPSD step's as ``null``); a step's part starts are ``part_start_ms`` (1: ``phase_start_ms``). Older files are
+read and upgraded in memory."""
 
 
 @dataclass(kw_only=True)
@@ -125,36 +127,43 @@ STEP_ONLY_AXES = {"losses": "loss", "betas": "beta", "teacher_caches": "teacher_
 
 
 def upgrade(document: dict[str, Any]) -> dict[str, Any]:
-    """A version 1 document as version 2 (see ``SCHEMA_VERSION``)."""
-    if document.get("schema_version") != 1:
+    """An older document as the current version (see ``SCHEMA_VERSION``); keys are unchanged."""
+    version = document.get("schema_version")
+    if version == SCHEMA_VERSION:
         return document
     document = dict(document, schema_version=SCHEMA_VERSION)
     kind = document.setdefault("kind", "rollout")
+    settings = dict(document.get("settings") or {})
+    lengths = "fixed" if settings.pop("fixed_length", True) else "natural"
+    document["settings"] = settings
+    document["matrix"] = {**document.get("matrix", {}), "length_models": [lengths]}
+    if version == 1 and kind == "rollout":
+        document["matrix"] = {k: v for k, v in document["matrix"].items() if k not in STEP_ONLY_AXES}
     results = []
     for result in document.get("results", []):
         result = dict(result)
-        if kind == "rollout":
-            result["config"] = {k: v for k, v in result["config"].items() if k not in STEP_ONLY_AXES.values()}
-        else:
+        config = {**result["config"], "lengths": lengths}
+        if version == 1 and kind == "rollout":
+            config = {k: v for k, v in config.items() if k not in STEP_ONLY_AXES.values()}
+        if version == 1 and kind == "step":
             result["iterations"] = [{("part_start_ms" if k == "phase_start_ms" else k): v for k, v in it.items()}
                                     for it in result.get("iterations", [])]
+        result["config"] = config
         results.append(result)
     document["results"] = results
-    if kind == "rollout":
-        document["matrix"] = {k: v for k, v in document.get("matrix", {}).items() if k not in STEP_ONLY_AXES}
     return document
 
 
 def load_document(path: str | os.PathLike) -> dict[str, Any]:
-    """Read and validate a result file (version 1 is upgraded); ``ValueError`` says what is wrong with it."""
+    """Read and validate a result file (older versions are upgraded); ``ValueError`` says what is wrong with it."""
     try:
         document = json.loads(Path(path).read_text())
     except FileNotFoundError:
         raise ValueError(f"result file {str(path)!r} does not exist") from None
     except json.JSONDecodeError as error:
         raise ValueError(f"result file {str(path)!r} is not valid JSON: {error}") from None
-    if not isinstance(document, dict) or document.get("schema_version") not in (1, SCHEMA_VERSION):
-        raise ValueError(f"result file {str(path)!r} is not an opsd-rollout result (schema_version 1 or "
+    if not isinstance(document, dict) or document.get("schema_version") not in range(1, SCHEMA_VERSION + 1):
+        raise ValueError(f"result file {str(path)!r} is not an opsd-rollout result (schema_version 1 to "
                          f"{SCHEMA_VERSION} expected)")
     return upgrade(document)
 
@@ -166,7 +175,7 @@ def results_of(document: dict[str, Any], config_type: type) -> list[ConfigResult
 # ---- tables for people -------------------------------------------------------------------------------------
 
 VARIANT_AXES = {"dtype": "", "decoding": "", "zero_stage": "zero", "strategy": "", "cache_policy": "",
-                "forward_timing": "fwd "}
+                "forward_timing": "fwd ", "lengths": ""}
 """Axes outside a config's ``label`` that a display label adds when they vary, with their prefix."""
 
 

@@ -25,6 +25,7 @@ from opsd_rollout.distributed import rank_info
 from opsd_rollout.modeling import ModelSpec
 from opsd_rollout.models import load_model, parse_dtype
 from opsd_rollout.rollout import HybridEngineRollout, HybridEngineRolloutConfig
+from opsd_rollout.rollout.lengths import LengthModel
 
 
 class RankFailure(RuntimeError):
@@ -83,13 +84,15 @@ class EnginePool:
             self._key, self._current = config.engine_key, BuiltEngine(engine, tokenizer, spec)
         return self._current
 
-    def rollout(self, config: Any, fixed_length: bool) -> tuple[HybridEngineRollout, BuiltEngine]:
+    def rollout(self, config: Any) -> tuple[HybridEngineRollout, BuiltEngine]:
         built = self.get(config)
-        key = (config.strategy, config.cache_policy, config.forward_timing)
+        key = (config.strategy, config.cache_policy, config.forward_timing, config.lengths)
         if key not in built.rollouts:
+            lengths = LengthModel.parse(config.lengths)
             cfg = HybridEngineRolloutConfig(enable_profiling=True, strategy=config.strategy,
                                             cache_policy=config.cache_policy, profile_forwards=config.forward_timing,
-                                            ignore_eos=fixed_length)
+                                            ignore_eos=lengths.kind == "fixed",
+                                            response_lengths=lengths.spec if lengths.synthetic else None)
             built.rollouts[key] = HybridEngineRollout(built.engine, built.tokenizer, cfg)
         return built.rollouts[key], built
 

@@ -120,8 +120,7 @@ class Scenario:
         s = self.settings
         warmup = "warm-up until steady" if s.warmup is None else f"{s.warmup} warm-up call{'s' * (s.warmup != 1)}"
         title = (f"{s.model} on {environment['device_name']} ({threads_phrase(environment, world_size)}), "
-                 f"{s.iterations} iterations after {warmup}"
-                 f"{', fixed length' if s.fixed_length else ', real EOS stopping'}")
+                 f"{s.iterations} iterations after {warmup}")
         if world_size > 1:
             title += (f"; {world_size} ranks: batch sizes are per rank, times are the slowest rank's, "
                       "tokens/s the sum over ranks")

@@ -33,6 +33,8 @@ class RolloutConfig:
     strategy: str
     cache_policy: str
     forward_timing: bool
+    lengths: str = "fixed"
+    """The response-length model (``fixed``, ``natural``, or a synthetic distribution's spec)."""
 
     @property
     def effective_batch_size(self) -> int:
@@ -48,7 +50,7 @@ class RolloutConfig:
         """Stable identity, used to match results across runs (``--resume``, ``compare``)."""
         return (f"B{self.batch_size}-n{self.samples_per_prompt}-P{self.prompt_length}-R{self.response_length}-"
                 f"{self.dtype}-{self.decoding}-zero{self.zero_stage}-{self.strategy}-{self.cache_policy}-"
-                f"fwd{'on' if self.forward_timing else 'off'}")
+                f"fwd{'on' if self.forward_timing else 'off'}" + (f"-len{self.lengths}" if self.lengths != "fixed" else ""))
 
     @property
     def label(self) -> str:
@@ -79,9 +81,6 @@ class RolloutSettings(Settings):
     """``synthetic``: every prompt exactly ``prompt_length`` tokens; ``variable``: left-padded, lengths vary."""
     pad_fraction: float = 0.25
     """With ``prompts=variable``, the mean fraction of the prompt grid that is padding."""
-    fixed_length: bool = True
-    """EOS ignored during generation so every row generates ``response_length`` tokens (as benchmark tools
-    do); off: real stopping, with response lengths reported."""
     temperature: float = 1.0
     """Sampling temperature (decoding=sampling)."""
     top_k: int = 50
@@ -139,6 +138,10 @@ def derived_figures(result: ConfigResult, spec: Any, ceilings: dict[str, Any] | 
     out: dict[str, Any] = {"time_to_first_token_ms": med["ttft_ms"], "time_per_output_token_ms": med["tpot_ms"],
                            "prefill_tokens_per_second": med["prefill_tokens_per_second"],
                            "decode_tokens_per_second": med["decode_tokens_per_second"],
+                           "real_tokens_per_second": result.p50("tokens_per_second"),
+                           "live_row_utilisation": result.p50("live_row_utilisation"),
+                           "row_latency_p50_ms": result.p50("row_latency_p50_ms"),
+                           "row_latency_p95_ms": result.p50("row_latency_p95_ms"),
                            "decode_bandwidth_utilisation": None, "prefill_compute_utilisation": None}
     if ceilings and med["tpot_ms"]:
         context = c.prompt_length + (med["response_length"] or c.response_length) / 2
@@ -161,7 +164,7 @@ class RolloutScenario(Scenario):
     defaults: ClassVar[dict[str, list[Any]]] = {
         "batch_sizes": [1, 4], "samples_per_prompt": [1, 4], "prompt_lengths": [128], "response_lengths": [32],
         "dtypes": ["fp32"], "decoding": ["greedy"], "zero_stages": [0], "strategies": ["static"],
-        "cache_policies": ["retain"], "forward_timing": [True]}
+        "cache_policies": ["retain"], "forward_timing": [True], "length_models": ["fixed"]}
     stages = ROLLOUT_STAGES
     what = "rollout"
     throughput_label = "generated tokens/s (p50)"
@@ -169,7 +172,7 @@ class RolloutScenario(Scenario):
     def prepare(self, pool: Any, config: RolloutConfig) -> RolloutMeasurement:
         from opsd_rollout.bench.prompts import rollout_inputs  # heavy: see scenarios/base.py
 
-        rollout, built = pool.rollout(config, self.settings.fixed_length)
+        rollout, built = pool.rollout(config)
         request, sampling = rollout_inputs(config, self.settings, built.tokenizer, built.spec.vocab_size,
                                            pool.rank, pool.device)
         return RolloutMeasurement(rollout, request, sampling)
@@ -187,10 +190,19 @@ class RolloutScenario(Scenario):
                     fmt(result.p50("tpot_ms"), 2), fmt(result.p50("tokens_per_second")),
                     mib(result.p50("peak_memory_bytes"))]
 
+        def rows(result: ConfigResult) -> list[str]:
+            utilisation = result.p50("live_row_utilisation")
+            return [f"{100 * utilisation:.0f}" if utilisation is not None else "-", fmt(result.p50("row_steps"), 0),
+                    fmt(result.p50("row_latency_p50_ms")), fmt(result.p50("row_latency_p95_ms")),
+                    fmt(result.p50("row_latency_max_ms"))]
+
         shares = {r.config.key: median_shares(r) for r in results if r.status == "ok"}
         stages = [k for k in self.stages if any(s.get(k, 0) >= 0.005 for s in shares.values())]
-        return [config_table(results, "latency and throughput (medians over the iterations)",
-                             ["p50 ms", "p95 ms", "TTFT ms", "TPOT ms", "tok/s", "peak MiB"], figures),
-                config_table(results, "where the time goes (% of the median iteration)", [label(k) for k in stages],
-                             lambda r: [f"{100 * shares[r.config.key].get(k, 0.0):.0f}" for k in stages]),
-                stability_table(results)]
+        tables = [config_table(results, "latency and throughput (medians over the iterations; tok/s: real tokens)",
+                               ["p50 ms", "p95 ms", "TTFT ms", "TPOT ms", "tok/s", "peak MiB"], figures),
+                  config_table(results, "where the time goes (% of the median iteration)", [label(k) for k in stages],
+                               lambda r: [f"{100 * shares[r.config.key].get(k, 0.0):.0f}" for k in stages])]
+        if any(r.config.lengths != "fixed" for r in results):  # rows end at different times: how they were served
+            tables.append(config_table(results, "rows (medians; live rows: real tokens / row-steps computed)",
+                                       ["live rows %", "row-steps", "row p50 ms", "row p95 ms", "row max ms"], rows))
+        return tables + [stability_table(results)]

@@ -111,7 +111,8 @@ class StepScenario(Scenario):
     defaults: ClassVar[dict[str, list[Any]]] = {
         "batch_sizes": [2], "samples_per_prompt": [2], "prompt_lengths": [32], "response_lengths": [32],
         "dtypes": ["fp32"], "decoding": ["greedy"], "zero_stages": [0, 3], "strategies": ["static"],
-        "cache_policies": ["retain"], "forward_timing": [True], "losses": ["jsd"], "betas": [0.5],
+        "cache_policies": ["retain"], "forward_timing": [True], "length_models": ["fixed"], "losses": ["jsd"],
+        "betas": [0.5],
         "teacher_caches": ["full"]}
     stages = STEP_STAGES
     what = "step"
@@ -134,7 +135,7 @@ class StepScenario(Scenario):
     def prepare(self, pool: Any, config: StepConfig) -> StepMeasurement:
         from opsd_rollout.bench.prompts import rollout_inputs  # heavy: see scenarios/base.py
 
-        rollout, built = pool.rollout(config, self.settings.fixed_length)
+        rollout, built = pool.rollout(config)
         request, sampling = rollout_inputs(config, self.settings, built.tokenizer, built.spec.vocab_size,
                                            pool.rank, pool.device)
         return StepMeasurement(built.engine, pool.frozen(self.settings.teacher, config.dtype), rollout, request,
