@@ -16,15 +16,18 @@ from opsd_rollout.distributed import free_port
 HERE = Path(__file__).parent
 
 
-@pytest.mark.slow
-def test_zero3_ranks_finishing_at_different_steps(tmp_path):
+def run_two_ranks(worker: str, out: Path) -> list[dict]:
     env = {**clean_env(), "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr",
-               "127.0.0.1", "--master_port", str(free_port()), str(HERE / "multirank" / "rollout_worker.py"),
-               str(tmp_path)]
+               "127.0.0.1", "--master_port", str(free_port()), str(HERE / "multirank" / worker), str(out)]
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-4000:]
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+
+
+@pytest.mark.slow
+def test_zero3_ranks_finishing_at_different_steps(tmp_path):
+    ranks = run_two_ranks("rollout_worker.py", tmp_path)
     for variant in ("generate-per_layer", "static-per_layer", "static-once"):
         rank0, rank1 = ranks[0][variant], ranks[1][variant]
         # rank 0 stopped at its first token: its batch is trimmed to one response column
@@ -46,3 +49,24 @@ def test_zero3_ranks_finishing_at_different_steps(tmp_path):
     for rank in ranks:
         once, per_layer = rank["static-once"]["profile"], rank["static-per_layer"]["profile"]
         assert once["param_gather_bytes"] <= per_layer["param_gather_bytes"], (once, per_layer)
+
+
+@pytest.mark.slow
+def test_zero3_ranks_with_different_length_distributions_and_schedules_stay_in_lockstep(tmp_path):
+    """Rank 0 compacts and admits pending rows round after round (continuous batching, short long-tailed rows);
+    rank 1 runs two rows to the cap and never admits. No hang; both run the same decode steps (and, where
+    forwards gather parameters collectively, the same forwards: rank 1 joins rank 0's admission prefills); each
+    rank's batch is the one its rows give alone on an unpartitioned copy of the model."""
+    ranks = run_two_ranks("continuous_worker.py", tmp_path)
+    for variant in ranks[0]:
+        rank0, rank1 = ranks[0][variant], ranks[1][variant]
+        assert rank0["decode_forwards"] == rank1["decode_forwards"] >= 7, variant
+        if "per-layer" in variant:
+            assert rank0["forwards"] == rank1["forwards"], variant
+        for rank in (rank0, rank1):
+            assert rank["input_ids"] == rank["reference_ids"], variant
+        assert len(rank0["input_ids"]) == 12 and len(rank1["input_ids"]) == 2
+        assert [sum(row[2:]) for row in rank1["attention_mask"]] == [8, 8], variant
+    # greedy on rank 0: each row ends where its chain reaches 7 (then EOS), the last at the cap
+    lengths = [sum(row[2:]) for row in ranks[0]["continuous-greedy"]["attention_mask"]]
+    assert lengths == [2, 2, 4, 4, 4, 4, 2, 2, 3, 3, 8, 8]

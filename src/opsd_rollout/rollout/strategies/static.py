@@ -21,6 +21,8 @@ from opsd_rollout.rollout.counter_rng import rollout_key, uniforms
 from opsd_rollout.rollout.length_forcing import LengthForcing
 from opsd_rollout.rollout.sampling import precise_dtype, sample
 from opsd_rollout.rollout.scheduler import Admission, RowScheduler
+
+UNBOUNDED = 2**62  # a step budget no rollout reaches: rows wait for slots, the checks end the loop
 from opsd_rollout.rollout.strategies.base import DecodeStats
 from opsd_rollout.rollout.target import RolloutTarget
 from opsd_rollout.rollout.validation import RolloutPlan
@@ -159,6 +161,10 @@ class _Run:
         self.lockstep = plan.lockstep
         self.check_every = strategy.stop_check_interval or (8 if device.type == "cuda" else 1)
         self.checks = self.continuous or not plan.ignore_eos
+        # steps after which every row has finished: a fixed budget, unless rows wait for slots
+        self.budget = self.own_budget = UNBOUNDED if self.continuous else self.max_new - 1
+        if self.lockstep:  # ranks may differ in both: they leave the loop and check on one schedule
+            self.budget, self.checks = self._agree_on_schedule()
         self.sink = rows  # finished or empty slots write their tokens to this extra row and column
         self.out = strategy.workspace.tokens(rows + 1, self.max_new + 1, plan.pad_token_id, device)
         self.slot_row = torch.full((slots,), self.sink, dtype=torch.int64, device=device)
@@ -185,7 +191,7 @@ class _Run:
         while True:
             if self.checks and (self.step_count + 1) % self.check_every == 0 and self.check():  # every k tokens
                 break
-            if not self.continuous and self.step_count >= self.max_new - 1:
+            if self.step_count >= self.budget:
                 break
             self.step()
         self.stats.finish_forward = self.finish[:self.rows]
@@ -213,6 +219,13 @@ class _Run:
             if order is not None:
                 self.strategy.compact(self, order)
         return False
+
+    def _agree_on_schedule(self) -> tuple[int, bool]:
+        """With several ranks: the largest step budget and whether any rank checks. A rank whose rows are done
+        earlier keeps stepping (``idle``) until all leave together."""
+        flags = torch.tensor([self.budget, int(self.checks)], dtype=torch.int64, device=self.prompt_ids.device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        return int(flags[0]), bool(flags[1])
 
     def _agree(self, done: bool, admits: bool) -> tuple[bool, bool]:
         """Ranks stop together (all done) and admit together (any admits: the others run a prefill of their
@@ -325,8 +338,21 @@ class _Run:
 
     # ---- one decode step -----------------------------------------------------------------------------------
 
+    @property
+    def idle(self) -> bool:
+        """Every row of this rank has finished while other ranks still step (ZeRO-3 lockstep)."""
+        return self.step_count >= self.own_budget or self.scheduler.done
+
     def step(self) -> None:
         active, front = self.scheduler.active, self.front
+        if self.idle:  # join the other ranks' forward; rewrite the same columns, move nothing
+            front.begin(1)
+            self.strategy._decode_step(self.model, self.token[:active, None], self.position[:active],
+                                       self._step_mask(active), self.cache, self.keyword)
+            self.stats.forwards += 1
+            self.stats.row_steps += active
+            self.step_count += 1
+            return
         front.active = active
         if not front.aligned:
             front.width = self.scheduler.width(self.P, self.step_count)
