@@ -171,8 +171,10 @@ def test_length_models_parse_and_their_hazards_give_their_distribution():
     rebuilt[-1] += survive
     assert rebuilt == pytest.approx(mass, abs=1e-9)
     assert LengthModel.parse("geometric:mean=64").probabilities(4)[0] == pytest.approx(1 / 64)
+    assert LengthModel.parse("uniform:low=2,high=5").probabilities(8) == pytest.approx([0, .25, .25, .25, .25, 0, 0, 0])
+    assert LengthModel.parse("uniform:low=2,high=20").probabilities(4)[-1] == pytest.approx(17 / 19)  # capped
     assert not LengthModel.parse("fixed").synthetic and not LengthModel.parse("natural").synthetic
-    for bad in ("uniform:max=3", "lognormal:median=48", "geometric:mean=-1", "geometric:mean=x"):
+    for bad in ("uniform:max=3", "uniform:low=5,high=2", "uniform:low=1.5,high=3", "lognormal:median=48", "geometric:mean=-1", "geometric:mean=x"):
         with pytest.raises(ValueError, match="response lengths"):
             LengthModel.parse(bad)
 

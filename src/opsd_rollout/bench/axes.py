@@ -115,7 +115,7 @@ ROLLOUT_AXES = (
     Axis("forward_timing", "forward_timing", on_off, "on or off", "on, off: time every forward pass "
          "(prefill/decode split)"),
     Axis("length_models", "lengths", length_model,
-         "fixed, natural, lognormal:median=M,sigma=S or geometric:mean=M",
+         "fixed, natural, lognormal:median=M,sigma=S, geometric:mean=M or uniform:low=L,high=H",
          "response lengths: fixed (EOS ignored: every row runs to the cap), natural (the model's EOS), or a synthetic "
          "distribution forced alike on every engine, e.g. lognormal:median=48,sigma=1.0 or geometric:mean=64 (capped "
          "at the response length)", split_specs),

@@ -100,7 +100,8 @@ class HybridEngineRolloutConfig:
             raise ValueError(f"cache_policy must be one of {list(CACHE_POLICIES)}; got {self.cache_policy!r}")
         if self.response_lengths is not None:
             if not LengthModel.parse(self.response_lengths).synthetic:
-                raise ValueError(f"response_lengths must be a synthetic distribution (lognormal:..., geometric:...); "
+                raise ValueError(f"response_lengths must be a synthetic distribution "
+                                 f"(lognormal:..., geometric:..., uniform:...); "
                                  f"got {self.response_lengths!r}: 'fixed' is ignore_eos=True, 'natural' the default")
             if self.ignore_eos:
                 raise ValueError("response_lengths forces EOS at each row's length: it cannot go with ignore_eos=True")

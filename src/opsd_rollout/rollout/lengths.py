@@ -1,6 +1,6 @@
 """Response lengths of a benchmark workload: ``fixed`` (EOS ignored: every row runs to the cap), ``natural``
 (the model's own EOS), or a synthetic distribution forced on any engine, e.g. ``lognormal:median=48,sigma=1.0``
-or ``geometric:mean=64``, capped at ``max_new_tokens``.
+``geometric:mean=64`` or ``uniform:low=8,high=256`` (integers, both ends included), capped at ``max_new_tokens``.
 
 A synthetic length is forced token by token: before each token a row stops (its logits become "EOS only")
 with the distribution's hazard at that length, else EOS is forbidden. The coin is a hash of the row's own
@@ -17,7 +17,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-KINDS = {"fixed": (), "natural": (), "lognormal": ("median", "sigma"), "geometric": ("mean",)}
+KINDS = {"fixed": (), "natural": (), "lognormal": ("median", "sigma"), "geometric": ("mean",),
+         "uniform": ("low", "high")}
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,9 @@ class LengthModel:
             raise ValueError(f"response lengths {spec!r}: {kind} takes {list(KINDS[kind]) or 'no parameters'}")
         if any(value <= 0 for value in params.values()):
             raise ValueError(f"response lengths {spec!r}: parameters must be > 0")
+        if kind == "uniform" and not (params["low"] == int(params["low"]) and params["high"] == int(params["high"])
+                                      and params["low"] <= params["high"]):
+            raise ValueError(f"response lengths {spec!r}: uniform takes integers low <= high")
         return cls(kind, tuple(sorted(params.items())))
 
     @property
@@ -59,6 +63,9 @@ class LengthModel:
         if self.kind == "geometric":
             stop = 1.0 / max(p["mean"], 1.0)
             mass = [stop * (1 - stop) ** (length - 1) for length in range(1, cap + 1)]
+        elif self.kind == "uniform":
+            low, high = int(p["low"]), int(p["high"])
+            mass = [1.0 / (high - low + 1) if low <= length <= high else 0.0 for length in range(1, cap + 1)]
         else:  # lognormal, rounded to the nearest length
             def cdf(x: float) -> float:
                 return 0.5 * (1 + math.erf((math.log(x) - math.log(p["median"])) / (p["sigma"] * math.sqrt(2))))
