@@ -180,6 +180,51 @@ def check_zero3(ctx: Context) -> str:
 
 # ---- CUDA only ---------------------------------------------------------------------------------------------
 
+def check_long_tail(ctx: Context) -> str:
+    """Row compaction and continuous batching on a long-tailed sampled workload: the same tokens for every
+    ``continuous_batch_size`` and without compaction (scheduling-independent random numbers), utilisation exact;
+    on CUDA the compiled step too, its CUDA graphs one per batch bucket, none recorded again on a second call."""
+    request = ctx.request(batch=6, length=24)
+    lengths = dict(response_lengths="geometric:mean=6", seed=3)
+    runs = {}
+    for name, config, slots in (("plain", dict(compact_rows=False), None), ("compacted", {}, None),
+                                ("continuous 4", {}, 4), ("continuous 1", {}, 1)):
+        rollout = ctx.rollout(ctx.fp32, enable_profiling=True, **lengths, **config)
+        batch = rollout.generate(request, SamplingConfig(**{**vars(sampled(48, 2)), "continuous_batch_size": slots}))
+        profile = rollout.get_last_profile()
+        real = int(batch.attention_mask[:, int(batch.response_start_idx[0]):].sum())
+        assert profile.live_row_utilisation == real / profile.row_steps, (name, profile.live_row_utilisation)
+        runs[name] = (batch.input_ids, profile)
+    for name, (ids, _) in runs.items():
+        assert torch.equal(ids, runs["plain"][0]), f"{name}: other tokens than without compaction"
+    detail = [f"same tokens for {len(runs)} schedules; utilisation " + ", ".join(
+        f"{name} {profile.live_row_utilisation:.2f}" for name, (_, profile) in runs.items()),
+        f"{runs['compacted'][1].compactions} compactions"]
+    if ctx.device.type == "cuda":
+        from torch._inductor import cudagraph_trees
+
+        compiled = ctx.rollout(ctx.fp32, compile_decode=True, **lengths)
+        with counting(cudagraph_trees.CUDAGraphNode, "_record") as recordings:
+            for slots in (None, 4):
+                got = compiled.generate(request, SamplingConfig(**{**vars(sampled(48, 2)), "continuous_batch_size": slots}))
+                assert agreement(got.input_ids, runs["plain"][0]) > 0.95, "compiled long-tail tokens differ"
+            first = len(recordings)
+            for slots in (None, 4):
+                compiled.generate(request, SamplingConfig(**{**vars(sampled(48, 2)), "continuous_batch_size": slots}))
+        assert len(recordings) == first, f"re-recorded {len(recordings) - first} graphs on the second calls"
+        detail.append(f"compiled: {first} CUDA-graph recordings ({compiled.strategy.compiled.graphs} shapes), "
+                      "none on the second calls")
+    fast = ctx.rollout(ctx.model, response_lengths="lognormal:median=12,sigma=1.0", seed=0)
+    plain = ctx.rollout(ctx.model, response_lengths="lognormal:median=12,sigma=1.0", seed=0, compact_rows=False)
+    batch, n, cap = (16, 4, 128) if ctx.device.type == "cuda" else (4, 2, 64)  # the CPU rehearsal: smaller
+    wide = ctx.request(batch=batch, length=64)
+    medians = interleaved_medians({"compacted": lambda: fast.generate(wide, sampled(cap, n)),
+                                   "plain": lambda: plain.generate(wide, sampled(cap, n))}, rounds=3, device=ctx.device)
+    detail.append(f"lognormal B{batch} n{n} P64 R<={cap}: compacted {medians['compacted']:.0f} ms vs "
+                  f"{medians['plain']:.0f} ms ({medians['plain'] / medians['compacted']:.2f}x)")
+    return "; ".join(detail)
+
+
 def check_cuda_graphs(ctx: Context) -> str:
     """The compiled step replays CUDA graphs: none skipped, and no new recording once every bucket was seen,
     across prompt lengths within a bucket, training steps between rollouts and profiled calls."""
@@ -305,6 +350,7 @@ def check_hybrid_engine(ctx: Context) -> str:
 CHECKS: list[tuple[str, Callable[[Context], str], bool]] = [  # (name, check, needs CUDA)
     ("strategies: equal tokens, seeds, speed", check_strategies, False),
     ("profile metadata", check_profile_metadata, False),
+    ("long tail: compaction, continuous batching", check_long_tail, False),
     ("compiled step replays CUDA graphs", check_cuda_graphs, True),
     ("no host sync in the decode loop", check_no_host_sync, True),
     ("forward timer (CUDA events)", check_forward_timer, True),
