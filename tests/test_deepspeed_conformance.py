@@ -274,11 +274,10 @@ def test_deepspeeds_continuous_batching_fields_map_onto_ours(model, tokenizer):
 
 
 @pytest.mark.parametrize("cfg_type", [DeepSpeedRolloutConfig, RolloutConfig])
-def test_graph_capture_maps_to_compiled_decode_which_needs_cuda(cfg_type, model, tokenizer):
+def test_graph_capture_maps_to_compiled_decode(cfg_type, model, tokenizer):
     cfg = HybridEngineRolloutConfig.from_any(cfg_type(use_graph_capture=True))
     assert cfg.compile_decode is True and cfg.strategy == "static"
-    with pytest.raises(ValueError, match="compile_decode=True needs a CUDA device"):
-        build_rollout(cfg_type(use_graph_capture=True), model, tokenizer)
+    assert build_rollout(cfg_type(use_graph_capture=True), model, tokenizer).use_graph_capture is True
 
 
 @pytest.mark.parametrize("use_shared_prefill", [False, True])

@@ -95,14 +95,21 @@ def test_prompt_lengths_within_a_bucket_share_one_compiled_graph(tiny_models, to
     assert rollout.strategy.compiled.graphs - before <= 1
 
 
-def test_running_past_the_recompile_limit_is_a_warning(monkeypatch, caplog):
+def test_reaching_the_recompile_limit_is_a_warning(monkeypatch, caplog):
+    torch._dynamo.reset()
     monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 2)
-    step = CompiledStep(lambda x: x + 1, {"backend": "eager"})
+
+    def step(x):
+        return x + 1
+
+    compiled = CompiledStep(step, {"backend": "eager", "dynamic": False})
+    compiled.prepare(torch.device("cpu"))
     with caplog.at_level(logging.WARNING, logger="opsd_rollout.rollout.compiled"):
-        assert step.note_shape(("a", 1)) and step.note_shape(("a", 2)) and not step.note_shape(("a", 1))
+        assert compiled.note_shape(("a", 1)) and compiled.note_shape(("a", 2)) and not compiled.note_shape(("a", 1))
+        assert compiled.first_call(torch.zeros(1)) == 1
         assert not caplog.records
-        step.note_shape(("a", 3))
-    assert step.graphs == 3
+        assert compiled.first_call(torch.zeros(2)) == 1
+    assert compiled.graphs == 2 and compiled.shapes == 2
     assert any("recompile limit of 2" in r.getMessage() for r in caplog.records)
 
 

@@ -56,6 +56,8 @@ METRICS: dict[str, Metric] = {m.name: m for m in [
     _ms("empty_cache_ms", "empty_cache"),
     _ms("workspace_alloc_ms", "alloc"),
     _ms("compaction_ms", "compact"),
+    _ms("compile_ms", "compile"),
+    Metric("compiled_graphs", "graphs", "count", merge="sum", lower_is_better=None),
     Metric("param_gather_count", "gathers", "count", merge="sum", lower_is_better=None),
     Metric("param_gather_bytes", "gathered", "bytes", merge="sum", lower_is_better=None),
     # throughput and counts
@@ -96,7 +98,7 @@ METRICS: dict[str, Metric] = {m.name: m for m in [
 ]}
 
 ATTRIBUTED_PHASES = ("param_gather", "inference_cache", "lora_fuse", "lora_unfuse", "gc", "empty_cache",
-                     "workspace_alloc", "compaction")
+                     "workspace_alloc", "compaction", "compile")
 """The attributed phases a rollout profile reports, each as ``<phase>_ms``."""
 ROLLOUT_STAGES = ("prompt_expansion_ms", "prefill_ms", "decode_ms", *(f"{p}_ms" for p in ATTRIBUTED_PHASES),
                   "generation_overhead_ms", "post_processing_ms")

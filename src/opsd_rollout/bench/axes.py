@@ -114,6 +114,8 @@ ROLLOUT_AXES = (
          "retain (keep inference workspaces between calls) or release (free after each call)"),
     Axis("forward_timing", "forward_timing", on_off, "on or off", "on, off: time every forward pass "
          "(prefill/decode split)"),
+    Axis("compile_decode", "compile_decode", on_off, "on or off", "off (default), on: the compiled decode step "
+         "(strategy static; inductor, CUDA graphs on CUDA), compiled during warm-up (warmup_compile_ms)"),
     Axis("length_models", "lengths", length_model,
          "fixed, natural, lognormal:median=M,sigma=S, geometric:mean=M or uniform:low=L,high=H",
          "response lengths: fixed (EOS ignored: every row runs to the cap), natural (the model's EOS), or a synthetic "

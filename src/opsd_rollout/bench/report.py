@@ -175,7 +175,7 @@ def results_of(document: dict[str, Any], config_type: type) -> list[ConfigResult
 # ---- tables for people -------------------------------------------------------------------------------------
 
 VARIANT_AXES = {"dtype": "", "decoding": "", "zero_stage": "zero", "strategy": "", "cache_policy": "",
-                "forward_timing": "fwd ", "lengths": ""}
+                "forward_timing": "fwd ", "lengths": "", "compile_decode": ""}
 """Axes outside a config's ``label`` that a display label adds when they vary, with their prefix."""
 
 
@@ -190,6 +190,8 @@ def display_labels(configs: Sequence[Any]) -> dict[str, str]:
             value = getattr(config, axis)
             if axis == "forward_timing":
                 value = "on" if value else "off"
+            elif axis == "compile_decode":
+                value = "compiled" if value else "eager"
             parts.append(f"{VARIANT_AXES[axis]}{value}")
         return (" " + "/".join(parts)) if parts else ""
 

@@ -86,11 +86,12 @@ class EnginePool:
 
     def rollout(self, config: Any) -> tuple[HybridEngineRollout, BuiltEngine]:
         built = self.get(config)
-        key = (config.strategy, config.cache_policy, config.forward_timing, config.lengths)
+        key = (config.strategy, config.cache_policy, config.forward_timing, config.lengths, config.compile_decode)
         if key not in built.rollouts:
             lengths = LengthModel.parse(config.lengths)
             cfg = HybridEngineRolloutConfig(enable_profiling=True, strategy=config.strategy,
                                             cache_policy=config.cache_policy, profile_forwards=config.forward_timing,
+                                            compile_decode=config.compile_decode,
                                             ignore_eos=lengths.kind == "fixed",
                                             response_lengths=lengths.spec if lengths.synthetic else None)
             built.rollouts[key] = HybridEngineRollout(built.engine, built.tokenizer, cfg)
@@ -130,6 +131,7 @@ class BenchRunner:
         self.environment = (existing or {}).get("environment")
         self._measure_machine = measure_machine
         self.timelines: dict[str, list] = {}
+        self._compile_ms: dict[str, float | None] = {}
         self.threads = share_cores()  # under a launcher, the local ranks divide the cores
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # under torchrun / the deepspeed launcher
             init_distributed(collective_timeout_s or DEFAULT_COLLECTIVE_TIMEOUT_S)
@@ -190,11 +192,11 @@ class BenchRunner:
             s = self.settings
 
             def warmup_call() -> None:
-                measurement.run()
+                figures = measurement.run()
                 progress("warmup", config, len(warmup_times) + 1)
-                warmup_times.append(None)
+                warmup_times.append(figures.get("compile_ms"))
 
-            warmup_times: list[None] = []
+            warmup_times: list[float | None] = []
             warmup = warm_up(warmup_call, fixed=s.warmup, max_iterations=s.warmup_max_iterations,
                              max_seconds=s.warmup_max_seconds, tolerance=s.steady_tolerance, all_ranks=self._all_ranks)
             monitor = InterferenceMonitor()
@@ -204,6 +206,8 @@ class BenchRunner:
                 progress("iteration", config, index + 1)
             interference = monitor.stop()
             result.warmup, result.interference = warmup.to_dict(), interference.to_dict()
+            compiles = [ms for ms in warmup_times if ms is not None]
+            self._compile_ms[config.key] = sum(compiles) if compiles else None
             self.timelines[config.key] = measurement.timeline()
             result.status = "ok"
             if self.ranks.world_size == 1:
@@ -232,6 +236,8 @@ class BenchRunner:
         result.derived = self.scenario.derive(result, self._spec, self.environment.get("ceilings"), world_size)
         result.derived.update(warmup_iterations=(result.warmup or {}).get("iterations"),
                               first_call_ms=(result.warmup or {}).get("first_call_ms"))
+        if self._compile_ms.get(result.config.key) is not None:  # compile_decode: compiling, during warm-up
+            result.derived["warmup_compile_ms"] = self._compile_ms[result.config.key]
         warmup = Warmup(**result.warmup) if result.warmup else None
         interference = Interference.from_dict(result.interference) if result.interference else None
         warning = spread_warning(result.metric("total_ms"), warmup, interference, self.settings.steady_tolerance)

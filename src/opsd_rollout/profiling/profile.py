@@ -86,6 +86,9 @@ class RolloutProfile(Mapping):
     """Allocating the static strategy's KV workspace (``None`` when it was reused or not used)."""
     compaction_ms: float | None = None
     """Moving the live rows to the front of a shrunken decode batch (``None`` when no row left the batch)."""
+    compile_ms: float | None = None
+    """``compile_decode``: the compiled step's first calls for shapes new to the process (compiling them, when
+    torch had to), apart from ``decode_ms`` (``None`` when every shape was seen before)."""
     workspace: str | None = None
     """Static strategy: ``reused`` or ``allocated`` KV workspace for this call (``None`` for ``generate``)."""
     # throughput
@@ -107,6 +110,8 @@ class RolloutProfile(Mapping):
     """``generated_tokens / row_steps``: the share of computed row-steps that produced a real token."""
     compactions: int | None = None
     """Times finished rows left the decode batch (it shrank to a smaller size)."""
+    compiled_graphs: int | None = None
+    """``compile_decode``: graphs torch compiled during this call (0 once every shape was seen)."""
     admission_rounds: int | None = None
     """Prefill rounds that admitted pending prompts into freed slots (``continuous_batch_size``)."""
     decode_slots: int | None = None
@@ -231,7 +236,7 @@ def build_profile(*, stages: dict[str, float], forwards: list | None, phases: di
                           param_gather_bytes=phases["param_gather"].bytes)
     if decode_stats is not None:
         stats = decode_stats
-        attributed.update(row_steps=stats.row_steps, compactions=stats.compactions,
+        attributed.update(row_steps=stats.row_steps, compactions=stats.compactions, compiled_graphs=stats.compiled_graphs,
                           admission_rounds=stats.admission_rounds, decode_slots=stats.slots,
                           live_row_utilisation=generated_tokens / stats.row_steps if stats.row_steps else None,
                           **_row_latencies(forwards, stats, lengths))

@@ -18,6 +18,8 @@ from opsd_rollout.profiling.forward import ForwardTime, ForwardTimer
 from opsd_rollout.profiling.probes import PhaseProbes, PhaseTotal
 
 ROOT = "total"
+OWN_FORWARDS = ("compile",)
+"""Phases whose forwards are theirs (a compiled step's first call for a shape), not prefill or decode steps."""
 
 
 @dataclass(frozen=True)
@@ -90,15 +92,20 @@ class StageRecorder:
             spans.append(Span(name, max(0.0, self.clock.elapsed_ms(origin, start)), ms, parent))
         phases: dict[str, PhaseTotal] = self._probes.totals() if self._probes is not None else {}
         inside: dict[int, float] = {}
+        owned: list[tuple[float, float]] = []
         for record in self._probes.records if self._probes is not None else []:
             ms = max(0.0, self.clock.elapsed_ms(record.start, record.end))
-            spans.append(Span(record.phase, max(0.0, self.clock.elapsed_ms(origin, record.start)), ms, "generation"))
+            start_ms = max(0.0, self.clock.elapsed_ms(origin, record.start))
+            spans.append(Span(record.phase, start_ms, ms, "generation"))
             if record.forward_index is not None:
                 inside[record.forward_index] = inside.get(record.forward_index, 0.0) + ms
+            if record.phase in OWN_FORWARDS:
+                owned.append((start_ms, start_ms + ms))
         forwards = None
         if self._forward_timer is not None:
             forwards = [dataclasses.replace(f, attributed_ms=inside.get(i, 0.0))
                         for i, f in enumerate(self._forward_timer.read(origin=origin))]
+            forwards = [f for f in forwards if not any(start <= f.offset_ms <= end for start, end in owned)]
             spans += [Span(f"{f.kind} forward", max(0.0, f.offset_ms), f.ms, self._forward_parent) for f in forwards]
         elif self.time_forwards:
             forwards = []

@@ -1,6 +1,13 @@
-"""The compiled one-token decode step: shapes bucketed so a training run compiles a bounded number of graphs,
-and every graph counted, so running past torch's recompile limit (after which torch silently runs the step
-eagerly for the rest of the process) is a warning, not a surprise."""
+"""The compiled one-token decode step: inductor on every device (CUDA graphs on CUDA), shapes bucketed so a
+training run compiles a bounded number of graphs, every graph counted, and the time spent compiling kept out of
+the decode figures.
+
+Shapes: the cache length rounds up to a power of two (``bucket``) and the batch moves through row compaction's
+buckets (``scheduler.batch_buckets``). torch's automatic dynamic shapes compile the first batch size as it is
+and, when a second one comes, one graph with a symbolic batch that serves every later size; on CUDA each size
+still gets its own recorded CUDA graph (cheap: a recording, not a compile). Running past torch's recompile
+limit (after which torch silently runs the step eagerly for the rest of the process) is a warning.
+"""
 
 from __future__ import annotations
 
@@ -27,37 +34,80 @@ def recompile_limit() -> int:
     return int(getattr(config, "recompile_limit", None) or getattr(config, "cache_size_limit", 8))
 
 
+def default_options(device: torch.device) -> dict[str, Any]:
+    """``torch.compile`` options of the decode step on ``device``: inductor with CUDA graphs on CUDA
+    (``reduce-overhead``), inductor's default mode elsewhere (CPU: C++/OpenMP kernels, no graphs to replay)."""
+    return {"mode": "reduce-overhead"} if device.type == "cuda" else {}
+
+
+def compiled_graphs() -> int:
+    """Graphs dynamo has compiled in this process so far (all functions)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
 class CompiledStep:
-    """``torch.compile(fn, **options)`` plus a count of the shapes it has been called with.
+    """``torch.compile(fn)``, compiled with ``options`` (or ``default_options`` of the device it first runs on),
+    plus a count of the shapes it has been called with and of the graphs compiling them took.
 
     torch keeps compiled graphs per code object, so every instance compiling the same function shares one
-    budget of ``recompile_limit()`` graphs; the count is shared the same way (per process)."""
+    budget of ``recompile_limit()`` graphs; the counts are shared the same way (per process)."""
 
     _shapes: ClassVar[dict[Callable, set[Hashable]]] = {}
+    _graphs: ClassVar[dict[Callable, int]] = {}
 
-    def __init__(self, fn: Callable[..., Any], options: dict[str, Any]):
+    def __init__(self, fn: Callable[..., Any], options: dict[str, Any] | None = None):
         self.fn = fn
-        self._compiled = torch.compile(fn, **options)
+        self.options = options
+        self._compiled: Callable[..., Any] | None = None
         self._warned = False
+
+    def prepare(self, device: torch.device) -> None:
+        """Compile lazily for ``device`` (the options depend on it) unless options were given."""
+        if self._compiled is None:
+            self._compiled = torch.compile(self.fn, **(self.options if self.options is not None
+                                                       else default_options(device)))
 
     @property
     def graphs(self) -> int:
-        """Distinct shapes this function has been compiled for in this process."""
+        """Graphs compiled for this function in this process (a shape that reuses a dynamic graph adds none)."""
+        return self._graphs.get(self.fn, 0)
+
+    @property
+    def shapes(self) -> int:
+        """Distinct shapes this function has been called with in this process."""
         return len(self._shapes.get(self.fn, ()))
 
     def note_shape(self, key: Hashable) -> bool:
-        """Record that the next calls use shape ``key``; True when it is new (a compile follows)."""
+        """Record that the next calls use shape ``key``; True when it is new (a compile may follow)."""
         seen = self._shapes.setdefault(self.fn, set())
         if key in seen:
             return False
         seen.add(key)
-        if len(seen) > recompile_limit() and not self._warned:
-            self._warned = True
-            logger.warning("the compiled decode step has now been called with %d shapes, over torch's recompile "
-                           "limit of %d: torch runs it eagerly for the rest of the process. Keep prompt + "
-                           "max_new_tokens and the batch within fewer buckets (powers of two), or raise "
-                           "torch._dynamo.config.recompile_limit.", len(seen), recompile_limit())
         return True
 
+    def first_call(self, *args: Any, **kwargs: Any) -> int:
+        """Run the step once for a new shape (compiling it if torch must) and return the graphs compiled. The
+        decode loop calls it before the step it is about to take, with the same inputs: a decode step only
+        writes the keys/values of the columns it is given, so the real call that follows does the same again."""
+        before = compiled_graphs()
+        # dynamo does not guard on module hooks by default: a step compiled unprofiled would then never run the
+        # forward timer's hooks added later (its decode forwards invisible). Compiled with hook guards, a call with
+        # other hooks misses this graph (the shape key includes the hooks, so that call is a first call too)
+        with torch._dynamo.config.patch(skip_nnmodule_hook_guards=False):
+            self(*args, **kwargs)
+        added = compiled_graphs() - before
+        self._graphs[self.fn] = self.graphs + added
+        if self.graphs >= recompile_limit() and not self._warned:
+            self._warned = True
+            logger.warning("the compiled decode step has now compiled %d graphs, torch's recompile limit of %d: torch "
+                           "runs any new shape eagerly for the rest of the process. Keep prompt + max_new_tokens "
+                           "within fewer length buckets (powers of two), or raise "
+                           "torch._dynamo.config.recompile_limit.", self.graphs, recompile_limit())
+        return added
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self._compiled is None:
+            raise RuntimeError("CompiledStep.prepare(device) must run before the compiled step is called")
         return self._compiled(*args, **kwargs)

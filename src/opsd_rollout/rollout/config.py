@@ -36,9 +36,13 @@ class HybridEngineRolloutConfig:
     """``static`` sampling: seed of the rollout's generator (same seed, same tokens). ``None`` draws each
     call's seed from torch's global RNG, so ``torch.manual_seed`` makes runs repeatable."""
     compile_decode: bool = False
-    """``static`` on CUDA: compile the one-token decode step with ``torch.compile(mode="reduce-overhead")``
-    (CUDA graphs), greedy and sampling alike, over cache lengths rounded up to powers of two (one graph per
-    bucket). Refused on CPU. DeepSpeed's ``use_graph_capture`` maps here."""
+    """``static``: compile the one-token decode step with ``torch.compile``: inductor with CUDA graphs on CUDA
+    (``mode="reduce-overhead"``), inductor's C++ kernels on CPU (a C++ compiler is needed). Cache lengths round up
+    to powers of two (at least 64) and the batch moves through compaction's size buckets, so a training run
+    compiles a few graphs, each once per process (its time is the profile's ``compile_ms``, never in
+    ``decode_ms``); inductor's on-disk cache spares most of it in the next process. Greedy tokens and seeded
+    samples equal the eager loop's. Under ZeRO-3 with per-layer gathering the step stays eager. DeepSpeed's
+    ``use_graph_capture`` maps here."""
     static_shapes: bool = False
     """``static``: every decode step sees the whole preallocated cache, masked (the same shapes at every step,
     what a CUDA graph needs; implied by ``compile_decode``). Off, each step attends only to the positions

@@ -56,9 +56,6 @@ class HybridEngineRollout(RolloutEngine):
             raise ValueError(f"merge_adapters=True needs a PEFT model (with merge_adapter/unmerge_adapter); "
                              f"got {type(self.target.model).__name__}")
         self.strategy = make_strategy(self.cfg)
-        if self.cfg.compile_decode and self.target.device.type != "cuda":
-            raise ValueError(f"compile_decode=True needs a CUDA device (CUDA graphs capture GPU kernels); the model "
-                             f"is on {self.target.device}. Leave it off on CPU: the eager decode loop is used.")
         reason = self.strategy.unsupported_reason(self.target)
         if reason:
             logger.warning("strategy %r cannot run %s (%s); using 'generate'", self.cfg.strategy,
@@ -183,7 +180,9 @@ class HybridEngineRollout(RolloutEngine):
         with recorder.stage("generation"), recorder.forwards(self.target.forward_module), recorder.probes(probes):
             with self._params_gathered() as gathered, self._adapters_merged():
                 # per-layer ZeRO-3 gathering makes every forward a collective: ranks must prefill together
-                plan = dataclasses.replace(plan, collective_forwards=plan.lockstep and not gathered)
+                layerwise = self.target.zero_stage == 3 and not gathered
+                plan = dataclasses.replace(plan, layerwise_gather=layerwise,
+                                           collective_forwards=plan.lockstep and layerwise)
                 sequences = self.strategy.generate(self.target, ids, mask, plan)  # [N, P + R']
             if self.cfg.cache_policy == "release":
                 self.release_workspace()

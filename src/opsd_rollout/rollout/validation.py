@@ -33,6 +33,9 @@ class RolloutPlan:
     """At most this many rows decode at once; pending prompts take the slots finished rows free."""
     lockstep: bool = False
     """Several ZeRO-3 ranks: every rank runs the same number of forwards and stops at the same step."""
+    layerwise_gather: bool = False
+    """ZeRO-3 gathers parameters layer by layer inside every forward (DeepSpeed's hooks): the decode step stays
+    eager even with ``compile_decode``."""
     collective_forwards: bool = False
     """Forwards gather parameters collectively (ZeRO-3 per-layer gathering on several ranks): a rank with
     nothing to prefill still runs a prefill when another rank does."""

@@ -35,6 +35,8 @@ class RolloutConfig:
     forward_timing: bool
     lengths: str = "fixed"
     """The response-length model (``fixed``, ``natural``, or a synthetic distribution's spec)."""
+    compile_decode: bool = False
+    """The compiled decode step (strategy ``static``); compiling happens during warm-up."""
 
     @property
     def effective_batch_size(self) -> int:
@@ -50,7 +52,8 @@ class RolloutConfig:
         """Stable identity, used to match results across runs (``--resume``, ``compare``)."""
         return (f"B{self.batch_size}-n{self.samples_per_prompt}-P{self.prompt_length}-R{self.response_length}-"
                 f"{self.dtype}-{self.decoding}-zero{self.zero_stage}-{self.strategy}-{self.cache_policy}-"
-                f"fwd{'on' if self.forward_timing else 'off'}" + (f"-len{self.lengths}" if self.lengths != "fixed" else ""))
+                f"fwd{'on' if self.forward_timing else 'off'}" + (f"-len{self.lengths}" if self.lengths != "fixed" else "")
+                + ("-compiled" if self.compile_decode else ""))
 
     @property
     def label(self) -> str:
@@ -164,7 +167,7 @@ class RolloutScenario(Scenario):
     defaults: ClassVar[dict[str, list[Any]]] = {
         "batch_sizes": [1, 4], "samples_per_prompt": [1, 4], "prompt_lengths": [128], "response_lengths": [32],
         "dtypes": ["fp32"], "decoding": ["greedy"], "zero_stages": [0], "strategies": ["static"],
-        "cache_policies": ["retain"], "forward_timing": [True], "length_models": ["fixed"]}
+        "cache_policies": ["retain"], "forward_timing": [True], "length_models": ["fixed"], "compile_decode": [False]}
     stages = ROLLOUT_STAGES
     what = "rollout"
     throughput_label = "generated tokens/s (p50)"

@@ -111,7 +111,8 @@ class StepScenario(Scenario):
     defaults: ClassVar[dict[str, list[Any]]] = {
         "batch_sizes": [2], "samples_per_prompt": [2], "prompt_lengths": [32], "response_lengths": [32],
         "dtypes": ["fp32"], "decoding": ["greedy"], "zero_stages": [0, 3], "strategies": ["static"],
-        "cache_policies": ["retain"], "forward_timing": [True], "length_models": ["fixed"], "losses": ["jsd"],
+        "cache_policies": ["retain"], "forward_timing": [True], "length_models": ["fixed"], "compile_decode": [False],
+        "losses": ["jsd"],
         "betas": [0.5],
         "teacher_caches": ["full"]}
     stages = STEP_STAGES

@@ -25,6 +25,8 @@ class DecodeStats:
     slots: int = 0
     """Rows the decode batch could hold (``continuous_batch_size``, or every row)."""
     forwards: int = 0
+    compiled_graphs: int = 0
+    """Graphs the compiled decode step compiled during this rollout (new shapes; 0 once every bucket was seen)."""
     finish_forward: torch.Tensor | None = None
     """[N] per request row, the index (among the rollout's forwards) of the forward that produced its last token;
     ``None`` when every row started at the first forward (its length then says it)."""

@@ -61,8 +61,7 @@ class StaticDecode:
         # Eager decoding attends to the filled positions only, which is cheaper.
         self.static_shapes = static_shapes or compile_decode
         # only the one-token step is compiled (CUDA-graph friendly); prefill stays eager
-        options = compile_options or {"mode": "reduce-overhead", "dynamic": False}
-        self.compiled = CompiledStep(decode_one_token, options) if compile_decode else None
+        self.compiled = CompiledStep(decode_one_token, compile_options) if compile_decode else None
         self._decode_step = self.compiled or decode_one_token
         self.stop_check_interval = stop_check_interval
         self.compact_rows = compact_rows
@@ -104,14 +103,15 @@ class StaticDecode:
                              f"max_new_tokens {plan.max_new_tokens}: each row's slot needs {length} columns")
         if self.compiled is not None:  # a bounded set of cache lengths: one graph per bucket, not per length
             length = bucket(length, LENGTH_BUCKET_MIN)
+            self.compiled.prepare(device)
         dtype = target.dtype if target.dtype.is_floating_point else torch.float32
         slots = self.slots(target, rows, length, dtype, plan.continuous_batch_size)
         # flex attention compiles its kernel for each key length: the whole-cache layout keeps one length
         whole = self.static_shapes or target.spec.attention == "flex_attention"
         cache, front = self.workspace.cache(config, slots, length, dtype, device, whole=whole)
         run = _Run(self, target, prompt_ids, prompt_mask, plan, cache, front, slots)
-        tokens = run.loop()
         self.last_stats = run.stats
+        tokens = run.loop()
         return torch.cat([prompt_ids, tokens], dim=1)
 
     def slots(self, target: RolloutTarget, rows: int, length: int, dtype: torch.dtype,
@@ -127,12 +127,18 @@ class StaticDecode:
             slots = min(slots, fit)
         return slots
 
+    def compile_step(self, *args: Any) -> None:
+        """The compiled step's first call for a new shape, apart from the decode steps (probed: a profiled
+        rollout times it as ``compile_ms``, and the forward inside is not a decode step)."""
+        self.last_stats.compiled_graphs += self.compiled.first_call(*args)
+
     def compact(self, run: "_Run", order: list[int]) -> None:
         """Move the batch's rows ``order`` to its front (probed: a profiled rollout times it as compaction)."""
         run.compact(order)
 
     def probe_points(self) -> list[tuple[Any, str, str]]:
-        return [(self.workspace, "allocate", "workspace_alloc"), (self, "compact", "compaction")]
+        return [(self.workspace, "allocate", "workspace_alloc"), (self, "compact", "compaction"),
+                (self, "compile_step", "compile")]
 
 
 class _Run:
@@ -181,6 +187,8 @@ class _Run:
                                          plan.length_seed, device)
             self.forcing.start(prompt_ids, prompt_mask, plan.samples_per_prompt)
         self.stats = DecodeStats(slots=slots)
+        module = target.forward_module  # a compiled step's graphs differ by model and hooks (the forward timer's)
+        self.hooks = (id(module), len(module._forward_pre_hooks), len(module._forward_hooks))
         self.step_count = 0
 
     # ---- the loop ------------------------------------------------------------------------------------------
@@ -347,8 +355,7 @@ class _Run:
         active, front = self.scheduler.active, self.front
         if self.idle:  # join the other ranks' forward; rewrite the same columns, move nothing
             front.begin(1)
-            self.strategy._decode_step(self.model, self.token[:active, None], self.position[:active],
-                                       self._step_mask(active), self.cache, self.keyword)
+            self._forward(active, self._step_mask(active))
             self.stats.forwards += 1
             self.stats.row_steps += active
             self.step_count += 1
@@ -358,8 +365,7 @@ class _Run:
             front.width = self.scheduler.width(self.P, self.step_count)
         front.begin(1)
         mask = self._step_mask(active)
-        logits = self.strategy._decode_step(self.model, self.token[:active, None], self.position[:active], mask,
-                                            self.cache, self.keyword)
+        logits = self._forward(active, mask)
         front.advance()
         self.stats.forwards += 1
         self.stats.row_steps += active
@@ -374,6 +380,18 @@ class _Run:
         self.position[:active] += 1
         self.gen[:active] += 1
         self.step_count += 1
+
+    def _forward(self, active: int, mask: torch.Tensor | None) -> torch.Tensor:
+        """One decode forward of the first ``active`` slots; a compiled step's first call for a shape apart."""
+        inputs = (self.model, self.token[:active, None], self.position[:active], mask, self.cache, self.keyword)
+        step, compiled = self.strategy._decode_step, self.strategy.compiled
+        if compiled is not None and step is compiled:
+            if self.plan.layerwise_gather:  # DeepSpeed's hooks gather inside every forward: they stay eager
+                step = decode_one_token
+            elif compiled.note_shape((active, self.front.length, self.target.dtype, None if mask is None else mask.dim(),
+                                      self.hooks)):
+                self.strategy.compile_step(*inputs)
+        return step(*inputs)
 
     def _step_mask(self, active: int) -> torch.Tensor | None:
         """The mask of this decode forward: the fed token's column switched on for each row, then the columns

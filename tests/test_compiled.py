@@ -1,0 +1,91 @@
+"""``compile_decode`` on the CPU for real (inductor's C++ kernels, not a tracing backend): greedy tokens equal
+transformers' generate, seeded samples equal the eager loop's, repeated calls and compaction buckets never
+compile again, and a compile's time stays out of the decode figures. The compiles take tens of seconds each:
+slow tests, except the profile's accounting, checked with a tracing backend."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import TINY_PRESETS, prompts_with_padding_and_holes, reference_rollout
+from opsd_rollout import HybridEngineRollout, HybridEngineRolloutConfig, RolloutRequest, SamplingConfig
+from opsd_rollout.models import EOS_ID, PAD_ID
+from opsd_rollout.rollout.compiled import compiled_graphs
+from opsd_rollout.rollout.strategies.static import StaticDecode
+
+
+def unpadded(tokenizer) -> RolloutRequest:
+    enc = tokenizer(["The student", "writes a bc", "on policy!!"], return_tensors="pt")
+    return RolloutRequest(enc.input_ids, enc.attention_mask)
+
+
+def greedy(max_new_tokens=10, n=2):
+    return SamplingConfig(max_new_tokens=max_new_tokens, n_samples_per_prompt=n, temperature=0)
+
+
+def sampled(max_new_tokens=10, n=2):
+    return SamplingConfig(max_new_tokens=max_new_tokens, n_samples_per_prompt=n, temperature=1.0, top_k=20, top_p=0.9)
+
+
+def test_a_compile_is_its_own_figure_and_its_forward_no_decode_step(tiny_models, tokenizer):
+    """The first call for a shape runs the compiled step once apart (timed as ``compile_ms``, counted in
+    ``compiled_graphs``); ``decode_steps``/``decode_ms`` hold the real steps only, in that call and the next."""
+    torch._dynamo.reset()
+    rollout = HybridEngineRollout(tiny_models["llama-tiny"], tokenizer, HybridEngineRolloutConfig(
+        enable_profiling=True, ignore_eos=True))
+    rollout.strategy = StaticDecode(compile_decode=True, compact_rows=False, compile_options={"backend": "aot_eager"})
+    request = prompts_with_padding_and_holes(tokenizer)
+    first = rollout.generate(request, greedy(8, 1))
+    profile = rollout.get_last_profile()
+    assert profile.compile_ms > 0 and profile.compiled_graphs >= 1
+    assert profile.decode_steps == 7 and profile.prefill_forwards == 1
+    again = rollout.generate(request, greedy(8, 1))
+    repeat = rollout.get_last_profile()
+    assert repeat.compile_ms is None and repeat.compiled_graphs == 0 and repeat.decode_steps == 7
+    assert torch.equal(first.input_ids, again.input_ids)
+    expected, _ = reference_rollout(tiny_models["llama-tiny"], request, n=1, max_new_tokens=8, pad_token_id=PAD_ID,
+                                    eos_ids=[])
+    assert torch.equal(first.input_ids, expected)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", TINY_PRESETS)
+def test_inductor_compiled_step_equals_generate_and_the_eager_loop(tiny_models, tokenizer, name):
+    torch._dynamo.reset()
+    model = tiny_models[name]
+    compiled = HybridEngineRollout(model, tokenizer, HybridEngineRolloutConfig(compile_decode=True, seed=11))
+    eager = HybridEngineRollout(model, tokenizer, HybridEngineRolloutConfig(seed=11))
+    for prompts in (prompts_with_padding_and_holes, unpadded):
+        request = prompts(tokenizer)
+        got = compiled.generate(request, greedy())
+        expected, mask = reference_rollout(model, request, n=2, max_new_tokens=10, pad_token_id=PAD_ID,
+                                           eos_ids=[EOS_ID])
+        assert torch.equal(got.input_ids, expected) and torch.equal(got.attention_mask, mask), prompts.__name__
+        assert torch.equal(compiled.generate(request, sampled()).input_ids, eager.generate(request, sampled()).input_ids)
+    compiled.cfg = HybridEngineRolloutConfig(compile_decode=True, seed=11, enable_profiling=True)
+    compiled.generate(prompts_with_padding_and_holes(tokenizer), greedy())  # profiled: hooks break the graph
+    assert compiled.get_last_profile().decode_steps > 0
+    assert compiled.strategy.compiled.graphs >= 1
+
+
+@pytest.mark.slow
+def test_repeated_calls_and_compaction_buckets_compile_a_bounded_number_of_graphs(tiny_models, tokenizer):
+    """Long-tailed rows shrink the batch through several size buckets: the first call compiles (a static graph,
+    then one with a symbolic batch), and no later call or bucket compiles again, profiled or not."""
+    torch._dynamo.reset()
+    model = tiny_models["qwen2-tiny"]
+    rollout = HybridEngineRollout(model, tokenizer, HybridEngineRolloutConfig(
+        compile_decode=True, enable_profiling=True, seed=3, response_lengths="geometric:mean=4"))
+    request = prompts_with_padding_and_holes(tokenizer)
+    rollout.generate(request, sampled(24, 4))
+    first = rollout.get_last_profile()
+    assert first.compactions >= 2 and 1 <= first.compiled_graphs <= 4, first
+    before = compiled_graphs()
+    for profiled in (True, False, True):
+        rollout.cfg = HybridEngineRolloutConfig(compile_decode=True, enable_profiling=profiled, seed=3,
+                                                response_lengths="geometric:mean=4")
+        rollout.generate(request, sampled(24, 4))
+        if profiled:
+            assert rollout.get_last_profile().compiled_graphs == 0  # a new bucket size reuses the symbolic graph
+    assert compiled_graphs() == before
