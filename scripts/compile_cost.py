@@ -26,7 +26,8 @@ import time
 SHORT, LONG = 8, 40
 
 
-def per_token(args: argparse.Namespace) -> list[dict]:
+def per_token(args: argparse.Namespace, device: str = "cpu", dtype: str = "fp32") -> list[dict]:
+    """Per batch size: eager and compiled ms per decode token, the speed-up, equal tokens, bandwidth shares."""
     import torch
 
     from opsd_rollout import HybridEngineRollout, HybridEngineRolloutConfig, SamplingConfig
@@ -37,14 +38,16 @@ def per_token(args: argparse.Namespace) -> list[dict]:
     from opsd_rollout.modeling import ModelSpec
     from opsd_rollout.models import load_model
 
-    model, tokenizer = load_model(args.model)
+    device = torch.device(device)
+    model, tokenizer = load_model(args.model, dtype=dtype, device=device)
     spec = ModelSpec.of(model)
-    bandwidth = measure_ceilings(torch.device("cpu"))["memory_bandwidth_bytes_per_s"]
+    bandwidth = measure_ceilings(device)["memory_bandwidth_bytes_per_s"]
     rollouts = {name: HybridEngineRollout(model, tokenizer, HybridEngineRolloutConfig(
         ignore_eos=True, compile_decode=name == "compiled", seed=0)) for name in ("eager", "compiled")}
     rows = []
     for batch in args.batch_sizes:
         request = synthetic_prompts(batch, args.prompt_length, vocab_size=model.config.vocab_size, seed=batch)
+        request = type(request)(request.prompt_ids.to(device), request.prompt_attention_mask.to(device))
         tokens = {}
         for name, rollout in rollouts.items():  # compiles happen here, untimed; equal tokens checked
             start = time.perf_counter()
@@ -55,7 +58,7 @@ def per_token(args: argparse.Namespace) -> list[dict]:
         calls = {f"{name} {r}": (lambda ro=rollout, r=r: ro.generate(request, SamplingConfig(max_new_tokens=r,
                                                                                             temperature=0)))
                  for name, rollout in rollouts.items() for r in (SHORT, LONG)}
-        times = interleaved_times(calls, args.rounds)
+        times = interleaved_times(calls, args.rounds, device=device)
         ms = {name: (statistics.median(times[f"{name} {LONG}"]) - statistics.median(times[f"{name} {SHORT}"]))
               / (LONG - SHORT) for name in rollouts}
         read = decode_bytes_per_step(spec, batch, args.prompt_length + (SHORT + LONG) / 2)

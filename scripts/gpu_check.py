@@ -33,7 +33,7 @@ class Context:
     """What every check gets: the model in the speed dtype, an fp32 copy for equality, the tokenizer, device."""
 
     def __init__(self, name: str, dtype: str, device: torch.device):
-        self.device = device
+        self.device, self.name, self.dtype_name = device, name, dtype
         self.model, self.tokenizer = load_model(name, dtype=dtype, device=device)
         self.fp32 = self.model if dtype == "fp32" else load_model(name, dtype="fp32", device=device)[0]
         self.dtype = parse_dtype(dtype)
@@ -225,6 +225,25 @@ def check_long_tail(ctx: Context) -> str:
     return "; ".join(detail)
 
 
+def check_compiled_speed(ctx: Context) -> str:
+    """``scripts/compile_cost.py``'s per-token comparison on the GPU: eager vs compiled (CUDA graphs) at B = 1, 4,
+    16, 32, equal tokens asserted, the speed-up and each side's share of the measured copy bandwidth reported."""
+    import argparse
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("compile_cost", Path(__file__).with_name("compile_cost.py"))
+    compile_cost = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(compile_cost)
+    args = argparse.Namespace(model=ctx.name, batch_sizes=[1, 4, 16, 32], prompt_length=64, rounds=5)
+    rows = compile_cost.per_token(args, device=str(ctx.device), dtype=ctx.dtype_name)
+    assert all(row["equal_tokens"] for row in rows) or ctx.dtype_name != "fp32", "compiled tokens differ"
+    return "; ".join(f"B{row['batch_size']}: {row['eager_ms_per_token']:.2f} -> {row['compiled_ms_per_token']:.2f} "
+                     f"ms/token ({row['speedup']:.2f}x), bandwidth {row['eager_bandwidth_utilisation']:.0%} -> "
+                     f"{row['compiled_bandwidth_utilisation']:.0%}, tokens {'equal' if row['equal_tokens'] else 'differ'}"
+                     for row in rows)
+
+
 def check_cuda_graphs(ctx: Context) -> str:
     """The compiled step replays CUDA graphs: none skipped, and no new recording once every bucket was seen,
     across prompt lengths within a bucket, training steps between rollouts and profiled calls."""
@@ -354,6 +373,7 @@ CHECKS: list[tuple[str, Callable[[Context], str], bool]] = [  # (name, check, ne
     ("compiled step replays CUDA graphs", check_cuda_graphs, True),
     ("no host sync in the decode loop", check_no_host_sync, True),
     ("forward timer (CUDA events)", check_forward_timer, True),
+    ("compiled step: speed and bandwidth per batch", check_compiled_speed, True),
     ("OPSD step and teacher cache", check_opsd_step, False),
     ("PEFT merge_adapters", check_peft_merge, False),
     ("ZeRO-3 gather: attribution, once vs per layer", check_zero3, False),

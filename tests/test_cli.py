@@ -39,6 +39,16 @@ def test_python_dash_m_help_works():
     assert result.returncode == 0 and "bench" in result.stdout and "models" in result.stdout
 
 
+@pytest.mark.parametrize("command", [[], ["bench"], ["step"], ["compare"], ["models"]])
+def test_every_help_page_prints(command, capsys):
+    """argparse formats help lazily: a stray ``%`` in a help text only fails when someone asks for --help."""
+    from opsd_rollout.cli import build_parser
+
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser().parse_args([*command, "--help"])
+    assert exit_info.value.code == 0 and "usage: opsd-rollout" in capsys.readouterr().out
+
+
 def test_unknown_subcommand_exits_2():
     with pytest.raises(SystemExit) as exit_info:
         main(["frobnicate"])

@@ -219,7 +219,7 @@ def _add_bench_flags(bench: argparse.ArgumentParser, scenario: type[Scenario]) -
                           f"directory (default {defaults.model})")
     runs.add_argument("--warmup", type=_warmup, metavar="auto|N", help="unmeasured calls per config before "
                       "measuring: auto (default) warms up until two consecutive calls agree within "
-                      f"{defaults.steady_tolerance:.0%}, N makes exactly N")
+                      f"{defaults.steady_tolerance:.0%}%, N makes exactly N")
     runs.add_argument("--warmup-max-iterations", type=int, metavar="N", help="most warm-up calls per config with "
                       f"--warmup auto (default {defaults.warmup_max_iterations})")
     runs.add_argument("--warmup-max-seconds", type=float, metavar="S", help="most seconds of warm-up per config "
