@@ -60,8 +60,9 @@ _TINY = torch.finfo(torch.float32).tiny  # the mixture's floor: log(0) would tur
 
 def _divergence_and_grad(student_logp: torch.Tensor, teacher_logp: torch.Tensor, beta: float,
                          clip: float | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """[c, W] log-probabilities -> the per-token divergence [c] and its gradient with respect to the student's
-    logits (before the temperature) [c, W], per unit of token weight. Overwrites ``teacher_logp``."""
+    """[c, W] log-probabilities -> the per-token divergence [c] and its gradient [c, W] with respect to what the
+    student's ``log_softmax`` took (its logits over the temperature), per unit of token weight. Overwrites
+    ``teacher_logp``."""
     probs = student_logp.exp()
     if beta == 0.0:
         teacher_probs = teacher_logp.exp()
@@ -138,23 +139,57 @@ def _rows(tensor: torch.Tensor, tokens: torch.Tensor, device: torch.device) -> t
     return part.to(device, non_blocking=True)
 
 
+@dataclass
+class _Grads:
+    """The gradients the forward pass accumulates (``None`` where not needed), in ``_Options.dtype``."""
+
+    hidden: torch.Tensor | None
+    weight: torch.Tensor | None
+    bias: torch.Tensor | None
+
+    def add_full(self, tokens: torch.Tensor, states: torch.Tensor, grad: torch.Tensor, coef: torch.Tensor,
+                 weight: torch.Tensor) -> None:
+        """A chunk's share over the whole vocabulary: ``grad`` dL/dz [c, V] per unit of ``coef`` [c], which
+        scales the [c, H] factors (cheaper than a pass over [c, V])."""
+        if self.hidden is not None:
+            part = (grad.to(weight.dtype) @ weight).to(grad.dtype) * coef.unsqueeze(-1)  # [c, H]
+            self.hidden.index_add_(0, tokens, part.to(self.hidden.dtype))
+        if self.weight is not None:
+            self.weight.addmm_(grad.t(), states.to(grad.dtype) * coef.unsqueeze(-1))
+        if self.bias is not None:
+            self.bias += coef @ grad
+
+    def add_top_k(self, tokens: torch.Tensor, states: torch.Tensor, grad: torch.Tensor, coef: torch.Tensor,
+                  indices: torch.Tensor, rows: torch.Tensor) -> None:
+        """A chunk's share over the teacher's k entries: ``grad`` [c, k], ``indices`` [c, k], the gathered head
+        rows [c, k, H]; each entry's gradient goes back to its row of the head."""
+        grad = grad * coef.unsqueeze(-1)
+        if self.hidden is not None:
+            part = torch.bmm(grad.to(rows.dtype).unsqueeze(1), rows).squeeze(1)  # [c, H]
+            self.hidden.index_add_(0, tokens, part.to(self.hidden.dtype))
+        if self.weight is not None:
+            outer = grad.unsqueeze(-1) * states.to(grad.dtype).unsqueeze(1)  # [c, k, H]
+            self.weight.index_add_(0, indices.flatten(), outer.flatten(0, 1))
+        if self.bias is not None:
+            self.bias.index_add_(0, indices.flatten(), grad.flatten())
+
+
 class FusedHeadDivergence(torch.autograd.Function):
     """``apply(hidden [M, H], weight [V, H], bias [V] | None, teacher_values [M, W], teacher_indices [M, W] | None,
-    token_weights [M], options)`` -> the weighted divergence sum (a float32 scalar;
-    float64 for a float64 head). The teacher's tensors may stay
-    on the host: each chunk's rows are copied to ``hidden``'s device."""
+    token_weights [M], options)`` -> the weighted divergence sum (float32; float64 for a float64 head). The
+    teacher's tensors may stay on the host: each chunk's rows are copied to ``hidden``'s device."""
 
     @staticmethod
     def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 teacher_values: torch.Tensor, teacher_indices: torch.Tensor | None, token_weights: torch.Tensor,
                 options: _Options) -> torch.Tensor:
+        device, dtype = hidden.device, options.dtype
         need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
-        device = hidden.device
-        grad_hidden = torch.zeros_like(hidden) if need_hidden else None
-        grad_weight = torch.zeros(weight.shape, dtype=options.dtype, device=device) if need_weight else None
-        grad_bias = torch.zeros(bias.shape, dtype=options.dtype, device=device) if need_bias else None
+        grads = _Grads(torch.zeros_like(hidden) if need_hidden else None,
+                       torch.zeros(weight.shape, dtype=dtype, device=device) if need_weight else None,
+                       torch.zeros(bias.shape, dtype=dtype, device=device) if need_bias else None)
         need_grad = need_hidden or need_weight or need_bias
-        total = torch.zeros((), dtype=options.dtype, device=device)
+        total = torch.zeros((), dtype=dtype, device=device)
         trained = token_weights.nonzero().squeeze(1)  # one host sync: which tokens to compute
         on_host = trained.to(teacher_values.device)
         for start in range(0, trained.numel(), options.chunk_tokens):
@@ -164,32 +199,15 @@ class FusedHeadDivergence(torch.autograd.Function):
             indices = None if teacher_indices is None else _rows(teacher_indices, host_tokens, device).long()
             states = hidden.index_select(0, tokens)  # [c, H]
             per_token, grad, rows = _chunk(states, weight, bias, teacher, indices, options, need_grad)
-            # each token's weight, with the temperature's 1/T, scales [c]- and [c, H]-sized things only
-            coef = token_weights.index_select(0, tokens).to(options.dtype)
+            coef = token_weights.index_select(0, tokens).to(dtype)  # each token's weight
             total += per_token @ coef
-            if not need_grad:
-                continue
-            coef = coef * (options.scale / options.temperature)
-            if rows is not None:  # top-k: [c, k], small
-                grad.mul_(coef.unsqueeze(-1))
-                coef = torch.ones_like(coef)
-            low = grad.to(weight.dtype)
-            if grad_hidden is not None:
-                part = low @ weight if rows is None else torch.bmm(low.unsqueeze(1), rows).squeeze(1)
-                grad_hidden.index_add_(0, tokens, (part.to(options.dtype) * coef.unsqueeze(-1)).to(hidden.dtype))
-            if grad_weight is not None:
-                scaled_states = states.to(options.dtype) * coef.unsqueeze(-1)
+            if need_grad:
+                coef = coef * (options.scale / options.temperature)  # and the temperature's 1/T, the scale
                 if indices is None:
-                    grad_weight.addmm_(grad.t(), scaled_states)
+                    grads.add_full(tokens, states, grad, coef, weight)
                 else:
-                    outer = (grad.unsqueeze(-1) * scaled_states.unsqueeze(1)).flatten(0, 1)  # [c * k, H]
-                    grad_weight.index_add_(0, indices.flatten(), outer)
-            if grad_bias is not None:
-                if indices is None:
-                    grad_bias += coef @ grad
-                else:
-                    grad_bias.index_add_(0, indices.flatten(), grad.flatten())
-        ctx.save_for_backward(grad_hidden, grad_weight, grad_bias)
+                    grads.add_top_k(tokens, states, grad, coef, indices, rows)
+        ctx.save_for_backward(grads.hidden, grads.weight, grads.bias)
         ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
         return total
 
