@@ -13,8 +13,10 @@ from opsd_rollout.cli import main
 def test_models_lists_every_preset(capsys):
     assert main(["models"]) == 0
     out = capsys.readouterr().out
-    for name in ("llama-tiny", "llama-small", "qwen2-small", "gpt2-tiny"):
+    for name in ("llama-tiny", "llama-small", "qwen2-small", "gpt2-tiny", "qwen2-0.5b", "llama-1b"):
         assert name in out
+    for count in ("494.03M", "1.24B", "151,936", "128,256"):  # parameter counts and vocabularies
+        assert count in out
 
 
 def test_bench_prints_a_stage_table_for_a_tiny_model(capsys, tmp_path):

@@ -10,8 +10,26 @@ from opsd_rollout.models import DEFAULT_MODEL, PRESETS, VOCAB_SIZE, byte_tokeniz
 
 
 def test_presets_cover_every_architecture_and_size():
-    assert set(PRESETS) == {f"{a}-{s}" for a in ("llama", "qwen2", "gpt2") for s in ("tiny", "small")}
+    assert set(PRESETS) == {f"{a}-{s}" for a in ("llama", "qwen2", "gpt2") for s in ("tiny", "small")} | {
+        "qwen2-0.5b", "llama-1b"}
     assert DEFAULT_MODEL == "llama-small"
+
+
+@pytest.mark.parametrize("name,params,vocab,hidden,layers,kv_heads", [
+    ("qwen2-0.5b", 494_032_768, 151_936, 896, 24, 2),      # Qwen2.5-0.5B's config.json and parameter count
+    ("llama-1b", 1_235_814_400, 128_256, 2048, 16, 8),     # Llama-3.2-1B's
+])
+def test_realistic_presets_have_the_real_models_shapes_on_the_meta_device(name, params, vocab, hidden, layers,
+                                                                          kv_heads):
+    preset = PRESETS[name]
+    model = preset.build(device="meta")  # shapes only: nothing allocated
+    assert all(p.device.type == "meta" for p in model.parameters())
+    assert preset.num_parameters() == params and preset.vocab_size == vocab
+    config = model.config
+    assert (config.vocab_size, config.hidden_size, config.num_hidden_layers, config.num_key_value_heads) == (
+        vocab, hidden, layers, kv_heads)
+    assert model.lm_head.weight is model.model.embed_tokens.weight, "tied embeddings, as the real models"
+    assert tuple(model.lm_head.weight.shape) == (vocab, hidden)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt2"])

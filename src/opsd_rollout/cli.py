@@ -24,10 +24,12 @@ from opsd_rollout import __version__
 from opsd_rollout.bench.compare import (EXIT_NOTHING_COMPARED, EXIT_PARTIAL, EXIT_REGRESSION, TEST_NAME,
                                         compare_documents, comparison_markdown, comparison_notes, comparison_table)
 from opsd_rollout.bench.configfile import read_config_file, split_config
+from opsd_rollout.bench.axes import on_off
 from opsd_rollout.bench.matrix import Matrix
 from opsd_rollout.bench.report import load_document, write_text_atomic
 from opsd_rollout.bench.scenarios import RolloutScenario, Scenario, StepScenario
 from opsd_rollout.bench.scenarios.rollout import PROMPT_KINDS
+from opsd_rollout.bench.scenarios.step import OVER_BUDGET
 from opsd_rollout.presets import DEFAULT_MODEL, PRESETS
 
 
@@ -38,11 +40,13 @@ def _console() -> Console:
 
 def _cmd_models(_args: argparse.Namespace) -> int:
     table = Table(title="Built-in model presets (random weights, byte tokenizer; nothing downloads)")
-    for column in ("name", "architecture", "parameters", "description"):
+    for column in ("name", "architecture", "parameters", "vocabulary", "description"):
         table.add_column(column)
     for preset in PRESETS.values():
         default = " (default)" if preset.name == DEFAULT_MODEL else ""
-        table.add_row(preset.name + default, preset.arch, f"{preset.num_parameters() / 1e6:.2f}M", preset.description)
+        count = preset.num_parameters()
+        size = f"{count / 1e9:.2f}B" if count >= 1e9 else f"{count / 1e6:.2f}M"
+        table.add_row(preset.name + default, preset.arch, size, f"{preset.vocab_size:,}", preset.description)
     _console().print(table)
     return 0
 
@@ -55,6 +59,31 @@ def _warmup(text: str) -> int | str:
         return int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected auto or a whole number, got {text!r}") from None
+
+
+def _on_off(text: str) -> bool:
+    """argparse type of on/off flags."""
+    try:
+        return on_off(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected on or off, got {text!r}") from None
+
+
+_UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def _bytes(text: str) -> int:
+    """argparse type of sizes: bytes, or a number with KiB, MiB, GiB or TiB (``8GiB``, ``1.5GiB``)."""
+    number = text.strip().lower().rstrip("kmgtib")
+    unit = text.strip().lower()[len(number):]
+    try:
+        size = int(float(number) * _UNITS[unit])
+    except (KeyError, ValueError):
+        raise argparse.ArgumentTypeError(f"expected a size such as 8GiB, 512MiB or 1000000 (bytes), got {text!r}") \
+            from None
+    if size < 1:
+        raise argparse.ArgumentTypeError(f"expected a size of at least 1 byte, got {text!r}")
+    return size
 
 
 def _bench_inputs(args: argparse.Namespace, scenario: type[Scenario]) -> tuple[Matrix, Any]:
@@ -214,6 +243,15 @@ def _add_bench_flags(bench: argparse.ArgumentParser, scenario: type[Scenario]) -
                           f"{defaults.model})")
         runs.add_argument("--teacher", help=f"teacher of the same vocabulary (default {defaults.teacher})")
         runs.add_argument("--lr", type=float, help=f"student AdamW learning rate (default {defaults.lr:g})")
+        runs.add_argument("--fused-loss", dest="fused_loss", type=_on_off, metavar="on|off", help="on (default): "
+                          "the student's LM head computed inside the loss, a chunk of tokens at a time, its logits "
+                          "never whole; off: the model's logits [N, R, V], then the chunked divergence")
+        runs.add_argument("--teacher-cache-budget", dest="teacher_cache_budget_bytes", type=_bytes, metavar="SIZE",
+                          help="host memory the teacher cache may take, e.g. 8GiB (default: half of the memory "
+                          "available when it is built); checked before the teacher runs")
+        runs.add_argument("--teacher-cache-over-budget", dest="teacher_cache_over_budget", choices=OVER_BUDGET,
+                          help="a teacher cache over its budget: error (default: refuse, naming the fixes) or topk "
+                          "(cache the top-k logits instead)")
     else:
         runs.add_argument("--model", help="preset name (see `opsd-rollout models`) or a local checkpoint "
                           f"directory (default {defaults.model})")

@@ -25,6 +25,19 @@ def text_config(config: Any) -> Any:
     return config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
 
 
+def logit_transform(config: Any) -> tuple[float, float | None]:
+    """What a model's ``forward`` does to its LM head's output, as ``(scale, cap)``: logits times ``scale``, then
+    ``cap * tanh(logits / cap)`` when ``cap`` is set. Cohere's ``logit_scale``, Granite's ``logits_scaling``,
+    Gemma 2/3's ``final_logit_softcapping``; ``(1.0, None)`` for most models."""
+    config = text_config(config)
+    scale = 1.0
+    if getattr(config, "logit_scale", None):
+        scale *= config.logit_scale
+    if getattr(config, "logits_scaling", None):
+        scale /= config.logits_scaling
+    return scale, getattr(config, "final_logit_softcapping", None) or None
+
+
 def wrapped_modules(module: torch.nn.Module) -> list[torch.nn.Module]:
     """``module`` and what it wraps: ``.module`` of DeepSpeed engines, ``get_base_model()`` of PEFT."""
     chain = [module]

@@ -1,6 +1,9 @@
 """The built-in model presets: real transformers architectures (Llama, Qwen2, GPT-2) at named sizes, with random
 weights drawn from a fixed seed; ``tiny`` presets run in milliseconds for tests, ``small`` ones have tens of
-millions of parameters for benchmarks. Nothing here downloads.
+millions of parameters for benchmarks, and the realistic ones (``qwen2-0.5b``, ``llama-1b``) have the shapes and
+vocabularies of real small models, to show what a real vocabulary does to sampling, the LM head and the loss.
+Nothing here downloads. Every preset's tokenizer is the byte tokenizer: its 259 ids are valid in every preset,
+and the realistic presets' other ids are tokens the model can sample (without text).
 
 A light module (no torch or transformers at import: the command line reads it for its help); a preset imports
 them when it builds its model. ``opsd_rollout.models`` loads presets and local checkpoints.
@@ -32,11 +35,15 @@ class ModelPreset:
     config_kwargs: dict[str, Any]
     """Keyword arguments of the architecture's config class."""
 
+    @property
+    def vocab_size(self) -> int:
+        return self.config_kwargs.get("vocab_size", VOCAB_SIZE)
+
     def make_config(self):
         from transformers import AutoConfig  # heavy: see the module docstring
 
         common = dict(vocab_size=VOCAB_SIZE, pad_token_id=PAD_ID, bos_token_id=BOS_ID, eos_token_id=EOS_ID)
-        return AutoConfig.for_model(self.arch, **common, **self.config_kwargs)
+        return AutoConfig.for_model(self.arch, **{**common, **self.config_kwargs})
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.build(device="meta").parameters())
@@ -69,6 +76,15 @@ def _gpt2(hidden: int, layers: int, heads: int, positions: int) -> dict[str, Any
                 resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
 
 
+QWEN25_05B = dict(_llama_like(896, 24, 14, 2, 4864, 32768), vocab_size=151936, tie_word_embeddings=True,
+                  rope_theta=1e6, rms_norm_eps=1e-6)
+"""Qwen2.5-0.5B's shapes (its config.json): 494,032,768 parameters, 136 million of them the tied embedding."""
+LLAMA32_1B = dict(_llama_like(2048, 16, 32, 8, 8192, 131072), vocab_size=128256, tie_word_embeddings=True,
+                  head_dim=64, rms_norm_eps=1e-5, rope_theta=5e5,
+                  rope_scaling=dict(rope_type="llama3", factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                    original_max_position_embeddings=8192))
+"""Llama-3.2-1B's shapes (its config.json): 1,235,814,400 parameters, 263 million of them the tied embedding."""
+
 PRESETS: dict[str, ModelPreset] = {
     p.name: p for p in [
         ModelPreset(name="llama-tiny", arch="llama", description="Llama, 2 layers, d=64 (tests)",
@@ -83,5 +99,9 @@ PRESETS: dict[str, ModelPreset] = {
                     config_kwargs=_gpt2(64, 2, 4, 1024)),
         ModelPreset(name="gpt2-small", arch="gpt2", description="GPT-2, 8 layers, d=512 (bench)",
                     config_kwargs=_gpt2(512, 8, 8, 1024)),
+        ModelPreset(name="qwen2-0.5b", arch="qwen2", description="Qwen2.5-0.5B's shapes: 24 layers, d=896, GQA 14/2, "
+                    "V=151,936, tied embeddings (realistic)", config_kwargs=QWEN25_05B),
+        ModelPreset(name="llama-1b", arch="llama", description="Llama-3.2-1B's shapes: 16 layers, d=2048, GQA 32/8, "
+                    "V=128,256, tied embeddings (realistic)", config_kwargs=LLAMA32_1B),
     ]
 }

@@ -40,6 +40,14 @@ class DivergenceConfig:
     pointwise_clip: float | None = None
     """Cap on each vocabulary entry's contribution to a token's divergence, applied before the sum over the
     vocabulary (DeepSpeed's ``pointwise_clip``); clipped entries pass no gradient. ``None``: no cap."""
+    fused: bool = True
+    """``opsd_step``: the student's LM head computed inside the loss, a chunk of response tokens at a time, with
+    its gradients in the same pass (``opsd/fused.py``): the logits [N, R, V] are never whole. ``False``: the
+    model's logits, then ``chunked_divergence`` (the reference). A student whose head cannot be fused (not a
+    plain ``nn.Linear``, or a forward without ``logits_to_keep``) runs the reference, with a warning."""
+    fused_chunk_tokens: int | None = None
+    """Response tokens per chunk of the fused loss; ``None`` sizes chunks so that one float32 intermediate of a
+    chunk (``[tokens, V]``, or the gathered top-k head rows) takes about 32 MiB."""
 
     def __post_init__(self) -> None:
         if self.loss not in LOSSES:
@@ -50,6 +58,9 @@ class DivergenceConfig:
             raise ValueError(f"temperature must be positive; got {self.temperature!r}")
         if self.chunk_size < 1:
             raise ValueError(f"chunk_size must be >= 1; got {self.chunk_size!r}")
+        chunk = self.fused_chunk_tokens
+        if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
+            raise ValueError(f"fused_chunk_tokens must be an int >= 1 or None; got {chunk!r}")
         clip = self.pointwise_clip
         if clip is not None and (isinstance(clip, bool) or not isinstance(clip, (int, float)) or not clip >= 0):
             raise ValueError(f"pointwise_clip must be non-negative when specified (a number >= 0 or None); "

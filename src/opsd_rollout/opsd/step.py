@@ -4,6 +4,8 @@ backward -> optimizer step, with the eval/train switches around the rollout time
 from __future__ import annotations
 
 import dataclasses
+import logging
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -11,11 +13,15 @@ import torch
 import torch.distributed as dist
 
 from opsd_rollout.metrics import STEP_PARTS
-from opsd_rollout.modeling import position_ids
+from opsd_rollout.modeling import innermost_model, position_ids
 from opsd_rollout.opsd.divergence import DivergenceConfig, chunked_divergence
+from opsd_rollout.opsd.fused import fusion_problem, head_divergence
 from opsd_rollout.opsd.targets import response_targets
 from opsd_rollout.opsd.teacher import TeacherCacheConfig, build_teacher_cache
 from opsd_rollout.profiling import Clock, PeakMemory, RolloutProfile, StageRecorder, timed_eval
+
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -46,6 +52,12 @@ class StepProfile:
     """Per step part: its start, from the start of the step (for traces)."""
     response_tokens: int = 0
     teacher_cache_bytes: int = 0
+    teacher_cache_budget_bytes: int = 0
+    """The host-memory budget the teacher cache was checked against."""
+    teacher_cache_mode: str = "full"
+    """The cache that was built: ``full`` or ``topk`` (also when ``over_budget="topk"`` switched to it)."""
+    fused_loss: bool = False
+    """Whether the loss ran fused with the student's LM head (``DivergenceConfig.fused``)."""
     loss: float = 0.0
 
     @property
@@ -87,6 +99,40 @@ def _student_logits(engine: Any, targets) -> torch.Tensor:
     return out.logits[:, targets.window]  # [N, R, V]
 
 
+def _student_hidden(engine: Any, targets) -> torch.Tensor:
+    """The student's final hidden states over the response window [N, R, H]: its forward with the LM head run on
+    one position only (the fused loss runs the head itself)."""
+    out = engine(input_ids=targets.input_ids, attention_mask=targets.attention_mask,
+                 position_ids=position_ids(targets.attention_mask), output_hidden_states=True, logits_to_keep=1)
+    return out.hidden_states[-1][:, targets.window]
+
+
+_WARNED: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
+
+
+def _fuses(model: torch.nn.Module, divergence: DivergenceConfig) -> bool:
+    """Whether the loss runs fused on ``model``; a model that cannot is said once, and runs the reference."""
+    if not divergence.fused:
+        return False
+    problem = fusion_problem(model)
+    if problem is not None and model not in _WARNED:
+        _WARNED.add(model)
+        logger.warning("the fused loss cannot run on this student (%s): computing its logits whole instead", problem)
+    return problem is None
+
+
+def _student_loss(parts: "_Parts", engine: Any, targets, cache, divergence: DivergenceConfig,
+                  fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The student forward and the divergence's sum and count: fused with the LM head, or over whole logits."""
+    if fused:
+        hidden = parts.run("student_forward", _student_hidden, engine, targets)
+        return parts.run("loss", head_divergence, innermost_model(engine), hidden, cache.stored,
+                         targets.mask.to(hidden.device), divergence)
+    logits = parts.run("student_forward", _student_logits, engine, targets)
+    return parts.run("loss", chunked_divergence, logits, lambda s, e: cache.chunk(s, e, logits.device),
+                     targets.mask.to(logits.device), divergence)
+
+
 def _token_mean(total: torch.Tensor, count: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The loss to backpropagate and the value to report (a device scalar, read after the step): the mean over
     every rank's valid tokens.
@@ -108,6 +154,7 @@ def opsd_step(student_engine: Any, teacher: Any, rollout: Any, request: Any, sam
     """Run one step on ``student_engine`` (a DeepSpeed engine, ZeRO 0-3) and return its profile."""
     divergence = divergence or DivergenceConfig()
     teacher_cache = teacher_cache or TeacherCacheConfig()
+    fused = _fuses(innermost_model(student_engine), divergence)
     device = torch.device(student_engine.device)
     recorder = StageRecorder(Clock(device), time_forwards=False)
     parts = _Parts(recorder, device)
@@ -116,10 +163,7 @@ def opsd_step(student_engine: Any, teacher: Any, rollout: Any, request: Any, sam
             batch = parts.run("rollout", rollout.generate, request, sampling)
         targets = response_targets(batch)
         cache = parts.run("teacher", build_teacher_cache, teacher, targets, teacher_cache, recorder=recorder)
-        logits = parts.run("student_forward", _student_logits, student_engine, targets)
-        total, count = parts.run("loss", chunked_divergence, logits,
-                                  lambda s, e: cache.chunk(s, e, logits.device), targets.mask.to(logits.device),
-                                  divergence)
+        total, count = _student_loss(parts, student_engine, targets, cache, divergence, fused)
         loss, reported = _token_mean(total, count)
         parts.run("backward", student_engine.backward, loss)
         parts.run("optimizer", student_engine.step)
@@ -134,4 +178,5 @@ def opsd_step(student_engine: Any, teacher: Any, rollout: Any, request: Any, sam
         backward_ms=ms["backward"], optimizer_ms=ms["optimizer"], total_ms=ms["total"],
         rollout_share=producing / ms["total"] if ms["total"] > 0 else 0.0,
         peak_memory_bytes=dict(parts.peaks), part_start_ms=starts, response_tokens=targets.tokens,
-        teacher_cache_bytes=cache.nbytes, loss=float(reported))
+        teacher_cache_bytes=cache.nbytes, teacher_cache_budget_bytes=cache.budget_bytes,
+        teacher_cache_mode=cache.mode, fused_loss=fused, loss=float(reported))

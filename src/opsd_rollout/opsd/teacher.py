@@ -11,17 +11,20 @@ times are recorded as deferred marks (no synchronization per chunk), read once a
 
 from __future__ import annotations
 
+import warnings
 import weakref
 from dataclasses import dataclass
 from typing import Any
 
+import psutil
 import torch
 
-from opsd_rollout.modeling import innermost_model, position_ids, text_config
+from opsd_rollout.modeling import innermost_model, logit_transform, position_ids, text_config
 from opsd_rollout.opsd.targets import ResponseTargets, response_targets
 from opsd_rollout.profiling import NULL_RECORDER
 
 CACHE_MODES = ("full", "topk")
+OVER_BUDGET = ("error", "topk")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -37,6 +40,14 @@ class TeacherCacheConfig:
     most ``chunk_size x V`` teacher logits at a time."""
     dtype: torch.dtype | None = None
     """Storage dtype on the host; ``None`` keeps the teacher's."""
+    host_budget_bytes: int | None = None
+    """Most host memory the cache may take, checked before the teacher runs; ``None``: ``host_budget_fraction``
+    of the memory available at that moment (psutil), counting the buffers this teacher's last cache holds."""
+    host_budget_fraction: float = 0.5
+    """The share of available host memory the default budget allows, in (0, 1]."""
+    over_budget: str = "error"
+    """A cache over the budget: ``error`` refuses before the teacher runs, naming the fixes; ``topk`` builds a
+    ``full`` cache as the ``top_k`` cache instead (with a warning), and refuses if even that does not fit."""
 
     def __post_init__(self) -> None:
         if self.mode not in CACHE_MODES:
@@ -45,6 +56,22 @@ class TeacherCacheConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"teacher cache {name} must be an int >= 1; got {value!r}")
+        budget = self.host_budget_bytes
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
+            raise ValueError(f"teacher cache host_budget_bytes must be an int >= 1 or None; got {budget!r}")
+        fraction = self.host_budget_fraction
+        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
+            raise ValueError(f"teacher cache host_budget_fraction must be in (0, 1]; got {fraction!r}")
+        if self.over_budget not in OVER_BUDGET:
+            raise ValueError(f"teacher cache over_budget must be one of {list(OVER_BUDGET)}; got "
+                             f"{self.over_budget!r}")
+
+    def budget(self, reusable_bytes: int = 0) -> int:
+        """The host-memory budget in bytes: ``host_budget_bytes``, or ``host_budget_fraction`` of what is
+        available now plus ``reusable_bytes`` (buffers the cache would reuse or free)."""
+        if self.host_budget_bytes is not None:
+            return self.host_budget_bytes
+        return int(self.host_budget_fraction * (psutil.virtual_memory().available + reusable_bytes))
 
 
 @dataclass
@@ -53,10 +80,21 @@ class TeacherCache:
 
     values: torch.Tensor
     indices: torch.Tensor | None
+    budget_bytes: int = 0
+    """The host-memory budget the cache was checked against (0: not checked)."""
 
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.values, self.indices) if t is not None)
+
+    @property
+    def mode(self) -> str:
+        return "full" if self.indices is None else "topk"
+
+    @property
+    def stored(self) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """What the cache holds: logits [N, R, V], or the top-k pair (values [N, R, k], indices [N, R, k])."""
+        return self.values if self.indices is None else (self.values, self.indices)
 
     def chunk(self, start: int, stop: int, device: torch.device):
         """Window positions ``start:stop`` on ``device`` (logits, or a (values, indices) pair)."""
@@ -105,16 +143,60 @@ def buffers_for(teacher: torch.nn.Module) -> TeacherCacheBuffers:
 
 
 def finalize_logits(config: Any, logits: torch.Tensor) -> torch.Tensor:
-    """What some models' ``forward`` does after the LM head, applied here because the cache calls the LM head
-    itself: Cohere's ``logit_scale``, Granite's ``logits_scaling``, Gemma 2/3's ``final_logit_softcapping``."""
-    config = text_config(config)
-    if getattr(config, "logit_scale", None):
-        logits = logits * config.logit_scale
-    if getattr(config, "logits_scaling", None):
-        logits = logits / config.logits_scaling
-    if getattr(config, "final_logit_softcapping", None):
-        logits = torch.tanh(logits / config.final_logit_softcapping) * config.final_logit_softcapping
+    """What some models' ``forward`` does after the LM head (``logit_transform``), applied here because the cache
+    calls the LM head itself."""
+    scale, cap = logit_transform(config)
+    if scale != 1.0:
+        logits = logits * scale
+    if cap:
+        logits = torch.tanh(logits / cap) * cap
     return logits
+
+
+def cache_bytes(rows: int, window: int, width: int, dtype: torch.dtype, topk: bool) -> int:
+    """Host bytes of a cache of ``rows x window`` positions, ``width`` entries each (int32 indices with top-k)."""
+    return rows * window * width * (torch.empty((), dtype=dtype).element_size() + 4 * topk)
+
+
+def _size(nbytes: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.{2 if unit == 'GiB' else 1}f} {unit}"
+    return f"{nbytes} bytes"
+
+
+def plan_mode(config: TeacherCacheConfig, rows: int, window: int, vocab: int, dtype: torch.dtype,
+              budget: int) -> str:
+    """The mode the cache is built in: ``config.mode`` if it fits ``budget`` bytes; ``topk`` for a full cache
+    over it when ``over_budget="topk"``; otherwise a ``ValueError`` naming the fixes, before any work."""
+    top_k, full = min(config.top_k, vocab), config.mode == "full"
+    needed = cache_bytes(rows, window, vocab if full else top_k, dtype, not full)
+    if needed <= budget:
+        return config.mode
+    what = "full" if full else f"top-{top_k}"
+    if full and config.over_budget == "topk":
+        switched = cache_bytes(rows, window, top_k, dtype, True)
+        if switched <= budget:
+            warnings.warn(f"the full teacher cache ({_size(needed)}) is over its host-memory budget "
+                          f"({_size(budget)}): caching the teacher's top-{top_k} logits instead "
+                          f"({_size(switched)})", stacklevel=3)
+            return "topk"
+        full, needed, what = False, switched, f"top-{top_k} (over_budget='topk': the full one needs {_size(needed)})"
+    width = vocab if full else top_k
+    fixes = [f"cache the teacher's top-k (TeacherCacheConfig(mode='topk', top_k={top_k}): "
+             f"{_size(cache_bytes(rows, window, top_k, dtype, True))} here; over_budget='topk' switches when needed)"
+             if full else "a smaller top_k"]
+    if torch.empty((), dtype=dtype).element_size() > 2:
+        fixes.append(f"store it in bfloat16 (dtype=torch.bfloat16: "
+                     f"{_size(cache_bytes(rows, window, width, torch.bfloat16, not full))})")
+    fixes.append("train on fewer rows or shorter responses per step (the cache grows with rows x response length)")
+    source = ("host_budget_bytes" if config.host_budget_bytes is not None
+              else f"{config.host_budget_fraction:.0%} of the host memory available")
+    entries = f"{vocab} logits" if full else f"{top_k} (value, index) pairs"
+    raise ValueError(f"the {what} teacher cache needs {_size(needed)} of host memory ({rows} rows x {window} "
+                     f"response positions x {entries}, {dtype}) but its budget is {_size(budget)} ({source}; "
+                     f"TeacherCacheConfig.host_budget_bytes / host_budget_fraction). Fixes: " + "; or ".join(fixes)
+                     + ".")
 
 
 @torch.no_grad()
@@ -135,10 +217,12 @@ def build_teacher_cache(teacher: Any, targets: Any, config: TeacherCacheConfig, 
     vocab = text_config(model.config).vocab_size
     dtype = config.dtype or next(model.parameters()).dtype
     pin = device.type == "cuda"
-    width = vocab if config.mode == "full" else min(config.top_k, vocab)
     buffers = buffers if buffers is not None else buffers_for(model)
+    budget = config.budget(buffers.nbytes)
+    mode = plan_mode(config, rows, window, vocab, dtype, budget)  # before the teacher runs
+    width = vocab if mode == "full" else min(config.top_k, vocab)
     values = buffers.take("values", (rows * window, width), dtype, pin)  # flat: [N * R, width]
-    indices = None if config.mode == "full" else buffers.take("indices", (rows * window, width), torch.int32, pin)
+    indices = None if mode == "full" else buffers.take("indices", (rows * window, width), torch.int32, pin)
     for row in range(0, rows, config.micro_batch_size):
         ids = targets.input_ids[row:row + config.micro_batch_size].to(device)
         mask = targets.attention_mask[row:row + config.micro_batch_size].to(device)
@@ -151,7 +235,7 @@ def build_teacher_cache(teacher: Any, targets: Any, config: TeacherCacheConfig, 
             with recorder.stage("teacher_forward"):
                 logits = finalize_logits(model.config, head(hidden[start:stop]))  # [c, V]
                 chosen = None
-                if config.mode == "topk":
+                if mode == "topk":
                     logits, chosen = torch.topk(logits, width, dim=-1)
             with recorder.stage("cache_write"):
                 values[base + start:base + stop].copy_(logits.to(dtype), non_blocking=pin)
@@ -160,4 +244,4 @@ def build_teacher_cache(teacher: Any, targets: Any, config: TeacherCacheConfig, 
     if pin:  # the host copies must land before anyone reads the cache
         torch.cuda.current_stream(device).synchronize()
     shape = (rows, window, width)
-    return TeacherCache(values.view(shape), None if indices is None else indices.view(shape))
+    return TeacherCache(values.view(shape), None if indices is None else indices.view(shape), budget_bytes=budget)

@@ -10,9 +10,12 @@ from rich.table import Table
 
 from opsd_rollout.bench.axes import STEP_AXES
 from opsd_rollout.bench.report import ConfigResult, config_table, fmt, mib, stability_table
-from opsd_rollout.bench.scenarios.base import Scenario, number
+from opsd_rollout.bench.scenarios.base import Scenario, integer, number, one_of, optional
 from opsd_rollout.bench.scenarios.rollout import RolloutConfig, RolloutSettings
 from opsd_rollout.metrics import STEP_STAGES, label
+
+OVER_BUDGET = ("error", "topk")
+"""``TeacherCacheConfig.over_budget``'s values (this module imports no torch: see scenarios/base.py)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -56,22 +59,36 @@ class StepSettings(RolloutSettings):
     """The teacher (preset or local checkpoint; the student's vocabulary)."""
     lr: float = 1e-3
     """The student's AdamW learning rate."""
+    fused_loss: bool = True
+    """The loss fused with the student's LM head (``DivergenceConfig.fused``); ``False``: whole logits."""
+    teacher_cache_budget_bytes: int | None = None
+    """The teacher cache's host-memory budget (``TeacherCacheConfig.host_budget_bytes``); ``None``: half of the
+    memory available when it is built."""
+    teacher_cache_over_budget: str = "error"
+    """A teacher cache over its budget: ``error`` or ``topk`` (``TeacherCacheConfig.over_budget``)."""
 
     rules: ClassVar = {**RolloutSettings.rules, "lr": number(lambda v: v > 0, "a number > 0"),
-                       "teacher": (lambda v: isinstance(v, str) and bool(v), "a preset name or a checkpoint directory")}
+                       "teacher": (lambda v: isinstance(v, str) and bool(v), "a preset name or a checkpoint directory"),
+                       "fused_loss": (lambda v: isinstance(v, bool), "true or false"),
+                       "teacher_cache_budget_bytes": optional(integer(1)),
+                       "teacher_cache_over_budget": one_of(OVER_BUDGET)}
 
 
 class StepMeasurement:
     """One config's OPSD step, built: each ``run()`` is one step."""
 
-    def __init__(self, engine: Any, teacher: Any, rollout: Any, request: Any, sampling: Any, config: StepConfig):
+    def __init__(self, engine: Any, teacher: Any, rollout: Any, request: Any, sampling: Any, config: StepConfig,
+                 settings: StepSettings):
         from opsd_rollout.opsd import DivergenceConfig, TeacherCacheConfig, opsd_step  # heavy: see scenarios/base.py
 
         self._step = opsd_step
         self.engine, self.teacher, self.rollout = engine, teacher, rollout
         self.request, self.sampling = request, sampling
-        self.divergence = DivergenceConfig(loss=config.loss, beta=config.beta if config.beta is not None else 0.5)
-        self.cache = TeacherCacheConfig(**config.teacher_cache_options)
+        self.divergence = DivergenceConfig(loss=config.loss, beta=config.beta if config.beta is not None else 0.5,
+                                           fused=settings.fused_loss)
+        self.cache = TeacherCacheConfig(**config.teacher_cache_options,
+                                        host_budget_bytes=settings.teacher_cache_budget_bytes,
+                                        over_budget=settings.teacher_cache_over_budget)
         self._last = None
 
     def run(self) -> dict[str, Any]:
@@ -99,6 +116,7 @@ def step_figures(result: ConfigResult) -> dict[str, Any]:
     step_ms, rollout_ms = result.p50("total_ms"), result.p50("rollout_ms")
     return {"rollout_share": result.p50("rollout_share"), "loss": result.p50("loss"), "step_ms": step_ms,
             "rollout_ms": rollout_ms, "teacher_cache_bytes": result.p50("teacher_cache_bytes"),
+            "teacher_cache_budget_bytes": result.p50("teacher_cache_budget_bytes"),
             "trained_tokens_per_second": result.p50("tokens_per_second"),
             "step_ms_without_rollout": (step_ms - rollout_ms) if step_ms and rollout_ms is not None else None}
 
@@ -140,7 +158,7 @@ class StepScenario(Scenario):
         request, sampling = rollout_inputs(config, self.settings, built.tokenizer, built.spec.vocab_size,
                                            pool.rank, pool.device)
         return StepMeasurement(built.engine, pool.frozen(self.settings.teacher, config.dtype), rollout, request,
-                               sampling, config)
+                               sampling, config, self.settings)
 
     def derive(self, result: ConfigResult, spec: Any, ceilings: dict[str, Any] | None,
                world_size: int) -> dict[str, Any]:

@@ -1,0 +1,319 @@
+"""The student's side of the OPSD loss fused with its LM head: logits a chunk of response tokens at a time,
+never whole, and their gradients computed in the same pass.
+
+For the response tokens' final hidden states ``h`` [M, H] and the LM head ``W`` [V, H] (bias ``b``), each chunk of
+trained tokens gets its logits ``z = h W^T + b`` (in the model's dtype, as the model's head computes them), the
+model's own logit transform (scale, soft cap), then in float32 the divergence against the teacher cache's rows and
+its gradient with respect to ``z``; two matmuls turn that into the chunk's share of dL/dh and dL/dW. Backward
+only scales the stored gradients by the incoming one. Memory: one chunk's float32 intermediates and a float32
+[V, H] gradient of ``W``, never [M, V]. Tokens with mask 0 (prompt, padding after EOS) are skipped, not computed.
+
+With a top-k teacher cache both distributions live on the teacher's k entries (DeepSpeed's definition), so only
+those k student logits are computed: each token's k rows of ``W`` are gathered, c x k x H work instead of
+c x V x H.
+
+The gradient of one token's divergence with respect to the student's log-probabilities ``lp`` (teacher ``lq``,
+``p = exp(lp)``, ``q = exp(lq)``), entry by entry:
+
+- forward KL, ``e = q (lq - lp)``: ``de/dlp = -q``;
+- reverse KL, ``e = p (lp - lq)``: ``de/dlp = p (lp - lq + 1)``;
+- generalized JSD, ``m = log(beta q + (1 - beta) p)``, ``e = beta q (lq - m) + (1 - beta) p (lp - m)``:
+  ``de/dlp = (1 - beta) p (lp - m)`` (the terms through ``m`` cancel);
+- ``pointwise_clip``: ``min(e, clip)`` passes the gradient where ``e <= clip``, as ``torch.clamp`` does;
+
+then through ``log_softmax``: ``g_s = g - p * sum(g)``, and through the temperature and the transform to ``z``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from opsd_rollout.modeling import logit_transform
+from opsd_rollout.opsd.divergence import DivergenceConfig
+
+CHUNK_BYTES = 32 << 20
+"""Default size of one float32 intermediate of a chunk (see ``DivergenceConfig.fused_chunk_tokens``)."""
+
+
+@dataclass(frozen=True)
+class _Options:
+    beta: float
+    temperature: float
+    clip: float | None
+    scale: float
+    cap: float | None
+    chunk_tokens: int
+    dtype: torch.dtype
+    """What the divergence computes in: float32, or float64 for a float64 head (as ``token_divergence``)."""
+
+
+_TINY = torch.finfo(torch.float32).tiny  # the mixture's floor: log(0) would turn 0 * (-inf) into NaN
+
+
+def _divergence_and_grad(student_logp: torch.Tensor, teacher_logp: torch.Tensor, beta: float,
+                         clip: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """[c, W] log-probabilities -> the per-token divergence [c] and its gradient [c, W] with respect to what the
+    student's ``log_softmax`` took (its logits over the temperature), per unit of token weight. Overwrites
+    ``teacher_logp``."""
+    probs = student_logp.exp()
+    if beta == 0.0:
+        teacher_probs = teacher_logp.exp()
+        entries = (teacher_logp - student_logp).mul_(teacher_probs)
+        grad = teacher_probs.neg_()
+    elif beta == 1.0:
+        entries = (student_logp - teacher_logp).mul_(probs)
+        grad = None  # p (lp - lq + 1) = entries + p, formed below once the clip has read the entries
+    else:
+        scaled_teacher = teacher_logp.exp().mul_(beta)  # beta q
+        mixture = torch.add(scaled_teacher, probs, alpha=1.0 - beta).clamp_min_(_TINY).log_()  # m
+        grad = (student_logp - mixture).mul_(probs).mul_(1.0 - beta)  # (1 - beta) p (lp - m)
+        entries = teacher_logp.sub_(mixture).mul_(scaled_teacher)  # beta q (lq - m)
+        del mixture, scaled_teacher
+        if clip is None:  # the student's half of the divergence is the gradient's own sum
+            grad_sum = grad.sum(-1, keepdim=True)
+            per_token = entries.sum(-1) + grad_sum.squeeze(-1)
+            return per_token, grad.addcmul_(probs, grad_sum, value=-1.0)
+        entries.add_(grad)
+    keep = None if clip is None else entries <= clip
+    per_token = (entries if clip is None else entries.clamp(max=clip)).sum(-1)
+    if grad is None:
+        grad = entries.add_(probs)
+    if keep is not None:
+        grad.masked_fill_(~keep, 0.0)
+    # through log_softmax: g - p * sum(g)
+    return per_token, grad.addcmul_(probs, grad.sum(-1, keepdim=True), value=-1.0)
+
+
+def _student_logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                    indices: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """hidden [c, H] -> logits [c, V] (``indices`` None) or at the teacher's entries [c, k], in the model's dtype,
+    with the gathered head rows [c, k, H] the gradients reuse."""
+    if indices is None:
+        return F.linear(hidden, weight, bias), None
+    rows = F.embedding(indices, weight)  # [c, k, H]
+    logits = torch.bmm(rows, hidden.unsqueeze(-1)).squeeze(-1)  # [c, k]
+    return (logits if bias is None else logits + bias[indices]), rows
+
+
+def _chunk(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, teacher: torch.Tensor,
+           indices: torch.Tensor | None, options: _Options,
+           need_grad: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """One chunk of c trained tokens: the divergence per token [c], dL/dz [c, W] per unit of token weight (in
+    ``options.dtype``; ``None`` without ``need_grad``) and the gathered head rows (top-k)."""
+    logits, rows = _student_logits(hidden, weight, bias, indices)
+    logits = logits.to(options.dtype)
+    factor = options.scale / options.temperature
+    squashed = None
+    if options.cap:
+        squashed = torch.tanh(logits.mul_(options.scale / options.cap))
+        student = squashed * (options.cap / options.temperature)
+    elif factor != 1.0:
+        student = logits.mul_(factor)
+    else:
+        student = logits
+    student_logp = F.log_softmax(student, dim=-1)
+    del student, logits
+    teacher = teacher.to(options.dtype)
+    teacher_logp = F.log_softmax(teacher if options.temperature == 1.0 else teacher / options.temperature, dim=-1)
+    del teacher
+    per_token, grad = _divergence_and_grad(student_logp, teacher_logp, options.beta, options.clip)
+    if not need_grad:
+        return per_token, None, rows
+    if squashed is not None:  # d(cap tanh(scale z / cap))/dz = scale (1 - tanh^2)
+        grad.mul_(squashed.square_().neg_().add_(1.0))
+    return per_token, grad, rows
+
+
+def _rows(tensor: torch.Tensor, tokens: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``tensor[tokens]`` on ``device``; a slice (no gather, one contiguous copy) when the tokens are a run."""
+    first, last = int(tokens[0]), int(tokens[-1])
+    part = tensor[first:last + 1] if last - first + 1 == tokens.numel() else tensor.index_select(0, tokens)
+    return part.to(device, non_blocking=True)
+
+
+@dataclass
+class _Grads:
+    """The gradients the forward pass accumulates (``None`` where not needed), in ``_Options.dtype``."""
+
+    hidden: torch.Tensor | None
+    weight: torch.Tensor | None
+    bias: torch.Tensor | None
+
+    def add_full(self, tokens: torch.Tensor, states: torch.Tensor, grad: torch.Tensor, coef: torch.Tensor,
+                 weight: torch.Tensor) -> None:
+        """A chunk's share over the whole vocabulary: ``grad`` dL/dz [c, V] per unit of ``coef`` [c], which
+        scales the [c, H] factors (cheaper than a pass over [c, V])."""
+        if self.hidden is not None:
+            part = (grad.to(weight.dtype) @ weight).to(grad.dtype) * coef.unsqueeze(-1)  # [c, H]
+            self.hidden.index_add_(0, tokens, part.to(self.hidden.dtype))
+        if self.weight is not None:
+            self.weight.addmm_(grad.t(), states.to(grad.dtype) * coef.unsqueeze(-1))
+        if self.bias is not None:
+            self.bias += coef @ grad
+
+    def add_top_k(self, tokens: torch.Tensor, states: torch.Tensor, grad: torch.Tensor, coef: torch.Tensor,
+                  indices: torch.Tensor, rows: torch.Tensor) -> None:
+        """A chunk's share over the teacher's k entries: ``grad`` [c, k], ``indices`` [c, k], the gathered head
+        rows [c, k, H]; each entry's gradient goes back to its row of the head."""
+        grad = grad * coef.unsqueeze(-1)
+        if self.hidden is not None:
+            part = torch.bmm(grad.to(rows.dtype).unsqueeze(1), rows).squeeze(1)  # [c, H]
+            self.hidden.index_add_(0, tokens, part.to(self.hidden.dtype))
+        if self.weight is not None:
+            outer = grad.unsqueeze(-1) * states.to(grad.dtype).unsqueeze(1)  # [c, k, H]
+            self.weight.index_add_(0, indices.flatten(), outer.flatten(0, 1))
+        if self.bias is not None:
+            self.bias.index_add_(0, indices.flatten(), grad.flatten())
+
+
+class FusedHeadDivergence(torch.autograd.Function):
+    """``apply(hidden [M, H], weight [V, H], bias [V] | None, teacher_values [M, W], teacher_indices [M, W] | None,
+    token_weights [M], options)`` -> the weighted divergence sum (float32; float64 for a float64 head). The
+    teacher's tensors may stay on the host: each chunk's rows are copied to ``hidden``'s device."""
+
+    @staticmethod
+    def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                teacher_values: torch.Tensor, teacher_indices: torch.Tensor | None, token_weights: torch.Tensor,
+                options: _Options) -> torch.Tensor:
+        device, dtype = hidden.device, options.dtype
+        need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
+        grads = _Grads(torch.zeros_like(hidden) if need_hidden else None,
+                       torch.zeros(weight.shape, dtype=dtype, device=device) if need_weight else None,
+                       torch.zeros(bias.shape, dtype=dtype, device=device) if need_bias else None)
+        need_grad = need_hidden or need_weight or need_bias
+        total = torch.zeros((), dtype=dtype, device=device)
+        trained = token_weights.nonzero().squeeze(1)  # one host sync: which tokens to compute
+        on_host = trained.to(teacher_values.device)
+        for start in range(0, trained.numel(), options.chunk_tokens):
+            tokens = trained[start:start + options.chunk_tokens]
+            host_tokens = on_host[start:start + options.chunk_tokens]
+            teacher = _rows(teacher_values, host_tokens, device)
+            indices = None if teacher_indices is None else _rows(teacher_indices, host_tokens, device).long()
+            states = hidden.index_select(0, tokens)  # [c, H]
+            per_token, grad, rows = _chunk(states, weight, bias, teacher, indices, options, need_grad)
+            coef = token_weights.index_select(0, tokens).to(dtype)  # each token's weight
+            total += per_token @ coef
+            if need_grad:
+                coef = coef * (options.scale / options.temperature)  # and the temperature's 1/T, the scale
+                if indices is None:
+                    grads.add_full(tokens, states, grad, coef, weight)
+                else:
+                    grads.add_top_k(tokens, states, grad, coef, indices, rows)
+        ctx.save_for_backward(grads.hidden, grads.weight, grads.bias)
+        ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
+        return total
+
+    @staticmethod
+    def backward(ctx: Any, grad_total: torch.Tensor):
+        grad_hidden, grad_weight, grad_bias = ctx.saved_tensors
+        weight_dtype, bias_dtype = ctx.dtypes
+        if grad_hidden is not None:
+            grad_hidden = grad_hidden * grad_total.to(grad_hidden.dtype)
+        if grad_weight is not None:
+            grad_weight = (grad_weight * grad_total).to(weight_dtype)
+        if grad_bias is not None:
+            grad_bias = (grad_bias * grad_total).to(bias_dtype)
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None
+
+
+def chunk_tokens(config: DivergenceConfig, vocab: int, hidden_size: int, top_k: int | None) -> int:
+    """Tokens per chunk: the config's, or as many as keep one float32 intermediate near ``CHUNK_BYTES``."""
+    if config.fused_chunk_tokens is not None:
+        return config.fused_chunk_tokens
+    per_token = 4 * (vocab if top_k is None else top_k * hidden_size)
+    return max(1, CHUNK_BYTES // per_token)
+
+
+def fused_divergence(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, teacher: Any,
+                     mask: torch.Tensor, config: DivergenceConfig, *, logit_scale: float = 1.0,
+                     softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sum and count of the divergence over the response tokens, the student's logits computed here.
+
+    hidden: [N, R, H] the student's final hidden states over the response window (what its LM head takes);
+    weight: [V, H] and bias: [V] or ``None``, the LM head's (whole: under ZeRO-3 call this where they are
+    gathered, e.g. through ``head_divergence``); teacher: the teacher's cache over the same window, logits
+    [N, R, V] or a top-k pair (values [N, R, k], indices [N, R, k]), on any device (a ``TeacherCache``'s
+    ``values``/``indices``); mask: [N, R], 0 where a position is not trained on, other values weigh the token.
+    ``logit_scale``/``softcap``: the model's own transform of its logits (``modeling.logit_transform``).
+    Returns ``(sum, count)`` as ``chunked_divergence`` does: the same values, and the same gradients with respect
+    to ``hidden``, ``weight`` and ``bias``.
+    """
+    values, indices = teacher if isinstance(teacher, tuple) else (teacher, None)
+    rows, window, size = hidden.shape
+    if weight.dim() != 2 or weight.shape[1] != size:
+        raise ValueError(f"weight must be [V, {size}] for hidden states [N, R, {size}]; got {tuple(weight.shape)}")
+    if bias is not None and tuple(bias.shape) != (weight.shape[0], ):
+        raise ValueError(f"bias must be [{weight.shape[0]}] (the LM head's vocabulary); got {tuple(bias.shape)}")
+    width = weight.shape[0] if indices is None else values.shape[-1]
+    if tuple(values.shape) != (rows, window, width) or (indices is not None and indices.shape != values.shape):
+        expected = f"[{rows}, {window}, {weight.shape[0]}]" if indices is None else f"two [{rows}, {window}, k]"
+        raise ValueError(f"teacher must be {expected} for hidden states {tuple(hidden.shape)}; got "
+                         f"{[tuple(t.shape) for t in (values, indices) if t is not None]}")
+    if tuple(mask.shape) != (rows, window):
+        raise ValueError(f"mask must be [{rows}, {window}] like the hidden states; got {tuple(mask.shape)}")
+    options = _Options(beta=config.effective_beta, temperature=config.temperature, clip=config.pointwise_clip,
+                       scale=logit_scale, cap=softcap,
+                       chunk_tokens=chunk_tokens(config, weight.shape[0], size, None if indices is None else width),
+                       dtype=torch.promote_types(weight.dtype, torch.float32))
+    weights = mask.reshape(-1).to(device=hidden.device, dtype=options.dtype)
+    flat_indices = None if indices is None else indices.reshape(rows * window, width)
+    total = FusedHeadDivergence.apply(hidden.reshape(rows * window, size), weight, bias,
+                                      values.reshape(rows * window, width), flat_indices, weights, options)
+    return total, weights.sum()
+
+
+def fusion_problem(model: torch.nn.Module) -> str | None:
+    """Why the fused loss cannot run on ``model`` (a transformers causal LM), or ``None``: it needs the final
+    hidden states without the logits (``logits_to_keep``) and an LM head that is a plain ``nn.Linear``."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if type(head) is not torch.nn.Linear:  # a subclass (LoRA, quantized) computes something else
+        return f"its LM head is {type(head).__name__}, not a plain torch.nn.Linear"
+    try:
+        takes = "logits_to_keep" in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        takes = False
+    return None if takes else f"{type(model).__name__}.forward takes no logits_to_keep"
+
+
+@contextmanager
+def _forward_replaced(module: torch.nn.Module, forward: Callable[..., Any]) -> Iterator[None]:
+    """Calls of ``module`` run ``forward`` instead, inside every hook the module has: ZeRO-3's gather its
+    parameters before the call and again before its backward, and release them after each."""
+    own = module.__dict__.get("forward")
+    module.forward = forward
+    try:
+        yield
+    finally:
+        if own is None:
+            del module.forward
+        else:
+            module.forward = own
+
+
+def head_divergence(model: torch.nn.Module, hidden: torch.Tensor, teacher: Any, mask: torch.Tensor,
+                    config: DivergenceConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """``fused_divergence`` with ``model``'s own LM head (weight, bias, logit transform), computed inside a call
+    of the head module so that DeepSpeed gathers its weight as for any forward (ZeRO-3, tied embeddings
+    included). ``model``: the transformers model (inside any DeepSpeed wrapper); the rest as for
+    ``fused_divergence``. See ``fusion_problem`` for the models it takes."""
+    problem = fusion_problem(model)
+    if problem is not None:
+        raise ValueError(f"the fused loss cannot use this model: {problem}; use DivergenceConfig(fused=False)")
+    head = model.get_output_embeddings()
+    scale, cap = logit_transform(model.config)
+
+    def fused_forward(states: torch.Tensor) -> torch.Tensor:
+        return fused_divergence(states, head.weight, head.bias, teacher, mask, config, logit_scale=scale,
+                                softcap=cap)[0]
+
+    with _forward_replaced(head, fused_forward):
+        total = head(hidden)
+    return total, mask.to(device=total.device, dtype=total.dtype).sum()
