@@ -296,6 +296,8 @@ class _Run:
             logits = self._prefill(self.prompt_ids[representatives], self.prompt_mask[representatives],
                                    into_slots=direct, prompts=prompts)
             self.prompt_logits.update(zip(prompts, logits))
+        elif self.plan.collective_forwards:  # every prompt already prefilled here; other ranks may prefill
+            self._prefill(self.prompt_ids[:1], self.prompt_mask[:1], into_slots=False)
         if self.prefix is None and first and not direct and len(admissions) == self.rows and self.group > 1:
             self._replicate_prompts()  # every row of every prompt, in order: one broadcast copy
         elif self.prefix is None and not direct:
