@@ -15,7 +15,8 @@ from conftest import (TINY_PRESETS, assert_batch_contract, left_padded, make_tok
 from opsd_rollout import HybridEngineRollout, HybridEngineRolloutConfig, SamplingConfig
 from opsd_rollout.modeling import ModelSpec
 from opsd_rollout.models import EOS_ID, PAD_ID
-from opsd_rollout.rollout.shared_prefix import merge, partial_attention, slots_within
+from opsd_rollout.rollout.shared_prefix import (additive_mask, matmul_attention, merge, partial_attention,
+                                                slots_within)
 
 SHARED = dict(shared_prefix=True, shared_prefix_min_prompt=1)
 
@@ -38,7 +39,8 @@ def reference_attention(q, k, v, visible, scale):
     return scores.softmax(dim=-1) @ v.double()
 
 
-def test_two_partial_attentions_merged_equal_attention_over_both_key_sets():
+@pytest.mark.parametrize("attention", [partial_attention, matmul_attention], ids=["fused_on_cpu", "matmul"])
+def test_two_partial_attentions_merged_equal_attention_over_both_key_sets(attention):
     generator = torch.Generator().manual_seed(0)
     q = torch.randn(3, 2, 4, 8, generator=generator)  # [rows, heads, queries, dim]
     k, v = torch.randn(3, 2, 6, 8, generator=generator), torch.randn(3, 2, 6, 8, generator=generator)
@@ -47,21 +49,22 @@ def test_two_partial_attentions_merged_equal_attention_over_both_key_sets():
     visible[..., 0] = True  # every row sees some position of each part
     visible2 = torch.rand(3, 1, 1, 5, generator=generator) > 0.3
     visible2[..., -1] = True
-    out_a, lse_a = partial_attention(q, k, v, visible, 0.3)
-    out_b, lse_b = partial_attention(q, k2, v2, visible2, 0.3)
+    out_a, lse_a = attention(q, k, v, additive_mask(visible, torch.float32), 0.3)
+    out_b, lse_b = attention(q, k2, v2, additive_mask(visible2, torch.float32), 0.3)
     expected = reference_attention(q, torch.cat([k, k2], 2), torch.cat([v, v2], 2),
                                    torch.cat([visible, visible2], -1), 0.3)
     torch.testing.assert_close(merge(out_a, lse_a, out_b, lse_b).double(), expected, rtol=1e-5, atol=1e-6)
     # the log-sum-exp is the scaled scores' own
     scores = ((q @ k.transpose(-1, -2)) * 0.3).masked_fill(~visible, float("-inf"))
-    torch.testing.assert_close(lse_a, torch.logsumexp(scores, -1, keepdim=True))
+    torch.testing.assert_close(lse_a, torch.logsumexp(scores, -1))
 
 
-def test_a_part_that_sees_nothing_stays_finite_and_bf16_merges_in_float32():
+@pytest.mark.parametrize("attention", [partial_attention, matmul_attention], ids=["fused_on_cpu", "matmul"])
+def test_a_part_that_sees_nothing_stays_finite_and_bf16_merges_in_float32(attention):
     q, k, v = torch.randn(1, 1, 2, 4), torch.randn(1, 1, 3, 4), torch.randn(1, 1, 3, 4)
-    out, lse = partial_attention(q, k, v, torch.zeros(1, 1, 1, 3, dtype=torch.bool), 1.0)
+    out, lse = attention(q, k, v, additive_mask(torch.zeros(1, 1, 1, 3, dtype=torch.bool), torch.float32), 1.0)
     assert torch.isfinite(out).all() and torch.isfinite(lse).all()
-    out16, lse16 = partial_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), None, 1.0)
+    out16, lse16 = attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), None, 1.0)
     assert out16.dtype == torch.bfloat16 and lse16.dtype == torch.float32
     assert merge(out16, lse16, out16, lse16).dtype == torch.float32
 
@@ -107,6 +110,19 @@ def test_eager_attention_and_whole_cache_steps_equal_generate(tiny_models, token
         assert torch.equal(batch.input_ids, ref_ids)
         assert engine.get_last_profile().kv_layout == "shared_prefix"
     assert model.config._attn_implementation == "eager"  # put back after every decode forward
+
+
+def test_the_matmul_path_other_devices_take_equals_generate(tiny_models, tokenizer, monkeypatch):
+    """Off the CPU the two parts are plain matmuls: the same tokens, here forced on the CPU."""
+    from opsd_rollout.rollout import shared_prefix
+
+    monkeypatch.setattr(shared_prefix, "_FUSED_CPU", None)
+    model = tiny_models["qwen2-tiny"]
+    request = prompts_with_padding_and_holes(tokenizer)
+    ref_ids, _ = reference_rollout(model, request, n=3, max_new_tokens=8, pad_token_id=PAD_ID, eos_ids=[EOS_ID])
+    for slots in (None, 4):
+        batch = rollout(model, tokenizer, **SHARED).generate(request, greedy(3, continuous_batch_size=slots))
+        assert torch.equal(batch.input_ids, ref_ids), slots
 
 
 # ---- logits and sampling equal the copied layout's ----------------------------------------------------------------
@@ -277,3 +293,13 @@ def test_a_model_whose_attention_ignores_the_interface_fails_loudly(tiny_models,
     with pytest.raises(RuntimeError, match="shared-prefix attention in 0 of 2 layers"):
         rollout(model, tokenizer, **SHARED).generate(prompts_with_padding_and_holes(tokenizer), greedy(2))
     assert model.config._attn_implementation == "sdpa"
+
+
+def test_the_benchmarks_roofline_reads_each_shared_prompt_once(tiny_models):
+    from opsd_rollout.bench.facts import decode_bytes_per_step
+
+    spec = ModelSpec.of(tiny_models["llama-tiny"])
+    weights, per_position = spec.parameters * 4, spec.kv.bytes_per_token(4)
+    assert decode_bytes_per_step(spec, 16, 100 + 4) == weights + per_position * 16 * 104
+    assert decode_bytes_per_step(spec, 16, 4, shared_prompts=2, prompt_length=100) == weights + per_position * (
+        16 * 4 + 2 * 100)

@@ -51,27 +51,45 @@ def shared_prefix_problem(spec: ModelSpec) -> str | None:
     return None
 
 
-def partial_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor | None,
+def additive_mask(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A bool mask (True: may be seen) as the additive mask attention kernels take: 0, or ``dtype``'s lowest value
+    (not -inf: a row that sees nothing attends uniformly, finite, as transformers' eager attention does)."""
+    return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(~visible,
+                                                                                       torch.finfo(dtype).min)
+
+
+def matmul_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor | None,
+                     scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``partial_attention`` from matmuls: any device."""
+    scores = torch.matmul(query * scale, keys.transpose(-1, -2))
+    if scores.dtype not in (torch.float32, torch.float64):
+        scores = scores.float()
+    if bias is not None:
+        scores = scores + bias
+    lse = torch.logsumexp(scores, dim=-1)
+    return torch.matmul(torch.softmax(scores, dim=-1).to(values.dtype), values), lse
+
+
+_FUSED_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+"""torch's CPU flash-attention kernel, which also returns the log-sum-exp (one kernel instead of five)."""
+
+
+def partial_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor | None,
                       scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of ``query`` [..., M, D] over ``keys``/``values`` [..., N, D] (``visible``: bool, broadcast to
-    [..., M, N], or ``None``), and its log-sum-exp. Returns the output [..., M, D] (values' dtype) and the
-    log-sum-exp of the scaled scores [..., M, 1] (float32 at least). A row that sees nothing attends uniformly
-    (finite, like transformers' eager attention), never NaN."""
-    scores = torch.matmul(query * scale, keys.transpose(-1, -2)).to(torch.promote_types(query.dtype, torch.float32))
-    if visible is not None:
-        scores.masked_fill_(~visible, torch.finfo(scores.dtype).min)
-    peak = scores.amax(dim=-1, keepdim=True)
-    weights = scores.sub_(peak).exp_()  # in place: the scores are not needed again
-    total = weights.sum(dim=-1, keepdim=True)
-    output = torch.matmul(weights.to(values.dtype), values)  # normalized below, on the smaller tensor
-    return output.div_(total.to(output.dtype)), peak.add_(total.log_())
+    """Attention of ``query`` [B, H, M, D] over ``keys``/``values`` [B, H, N, D] (``bias``: additive mask in the
+    query's dtype, broadcast to [B, H, M, N], or ``None``), and its log-sum-exp. Returns the output [B, H, M, D]
+    (values' dtype) and the log-sum-exp of the scaled, masked scores [B, H, M] (float32 at least)."""
+    if query.device.type == "cpu" and _FUSED_CPU is not None:
+        return _FUSED_CPU(query, keys, values, 0.0, False, attn_mask=bias, scale=scale)
+    return matmul_attention(query, keys, values, bias, scale)
 
 
 def merge(output_a: torch.Tensor, lse_a: torch.Tensor, output_b: torch.Tensor,
           lse_b: torch.Tensor) -> torch.Tensor:
-    """The attention over the union of two disjoint key sets, from each part's output and log-sum-exp (in the
-    log-sum-exps' precision, float32 at least): part a's weight is exp(lse_a) / (exp(lse_a) + exp(lse_b))."""
-    share_a = torch.sigmoid(lse_a - lse_b)
+    """The attention over the union of two disjoint key sets, from each part's output [..., D] and log-sum-exp
+    [...] (in the log-sum-exps' precision, float32 at least): part a's weight is
+    exp(lse_a) / (exp(lse_a) + exp(lse_b))."""
+    share_a = torch.sigmoid(lse_a - lse_b).unsqueeze(-1)
     return torch.lerp(output_b.to(share_a.dtype), output_a.to(share_a.dtype), share_a)
 
 
@@ -113,6 +131,10 @@ class SharedPrefix:
         self.identity = not continuous
         """Decode slot s holds row s, of prefix slot s // n (no compaction yet): queries group by a view."""
         self.padded = padded
+        self._bias: torch.Tensor | None = None
+        """[G, 1, 1, P] additive: the prefix positions each prompt must not see (its padding and holes)."""
+        self._suffix_visible: torch.Tensor | None = None
+        self._suffix_bias: torch.Tensor | None = None
         self.layers = len(store.keys)
         self._read = self._write = self.slot_index
         self._calls = 0
@@ -134,6 +156,7 @@ class SharedPrefix:
             self.prompt_of[slot], self.slot_of[prompt] = prompt, slot
         dest = torch.tensor(free[:len(prompts)], dtype=torch.int64, device=masks.device)
         self.store.mask[dest] = masks.bool()
+        self._bias = additive_mask(self.store.mask[:, None, None, :], self.store.keys[0].dtype)
         front = self.store.front
         front.reset()
         front.dest = dest
@@ -161,6 +184,7 @@ class SharedPrefix:
         self._read = self.slot_index[:active]
         self._write = torch.where(running[:active], self._read, self.sink) if self.continuous else self._read
         self._calls = 0
+        self._suffix_visible = None
         implementation = self.config._attn_implementation
         self.config._attn_implementation, _active = ATTENTION, self
         try:
@@ -183,7 +207,10 @@ class SharedPrefix:
         # query head h reads key/value head h // per_kv, as transformers' repeat_kv pairs them
         q = query.reshape(rows, kv_heads, heads // kv_heads, dim)
         prefix_out, prefix_lse = self._prefix_part(layer, q, scale)
-        suffix_out, suffix_lse = partial_attention(q, keys, values, visible, scale)
+        if visible is not None and visible is not self._suffix_visible:  # the same mask for every layer of a step
+            self._suffix_visible, self._suffix_bias = visible, additive_mask(visible, query.dtype)
+        suffix_out, suffix_lse = partial_attention(q, keys, values, None if visible is None else self._suffix_bias,
+                                                   scale)
         self._calls += 1
         out = merge(prefix_out, prefix_lse, suffix_out, suffix_lse)
         return out.to(query.dtype).reshape(rows, 1, heads, dim)
@@ -199,10 +226,10 @@ class SharedPrefix:
             grouped = q.new_zeros(groups * n + 1, kv_heads, per_kv, dim).index_copy_(0, self._write, q)
             grouped = grouped[:groups * n].view(groups, n, kv_heads, per_kv, dim)
         grouped = grouped.transpose(1, 2).reshape(groups, kv_heads, n * per_kv, dim)
-        visible = self.store.mask[:, None, None, :] if self.padded else None
-        out, lse = partial_attention(grouped, self.store.keys[layer], self.store.values[layer], visible, scale)
+        bias = self._bias if self.padded else None
+        out, lse = partial_attention(grouped, self.store.keys[layer], self.store.values[layer], bias, scale)
         out = out.view(groups, kv_heads, n, per_kv, dim).transpose(1, 2).reshape(groups * n, kv_heads, per_kv, dim)
-        lse = lse.view(groups, kv_heads, n, per_kv, 1).transpose(1, 2).reshape(groups * n, kv_heads, per_kv, 1)
+        lse = lse.view(groups, kv_heads, n, per_kv).transpose(1, 2).reshape(groups * n, kv_heads, per_kv)
         if self.identity:
             return out, lse
         return out.index_select(0, self._read), lse.index_select(0, self._read)
