@@ -411,8 +411,7 @@ class _Run:
             front.width = self.scheduler.width(self.start, self.step_count)
         front.begin(1)
         mask = self._step_mask(active)
-        with self.prefix.decoding(active, self.running) if self.prefix is not None else contextlib.nullcontext():
-            logits = self._forward(active, mask)
+        logits = self._forward(active, mask)
         front.advance()
         self.stats.forwards += 1
         self.stats.row_steps += active
@@ -438,7 +437,8 @@ class _Run:
             elif compiled.note_shape((active, self.front.length, self.target.dtype, None if mask is None else mask.dim(),
                                       self.hooks)):
                 self.strategy.compile_step(*inputs)
-        return step(*inputs)
+        with self.prefix.decoding(active, self.running) if self.prefix is not None else contextlib.nullcontext():
+            return step(*inputs)
 
     def _step_mask(self, active: int) -> torch.Tensor | None:
         """The mask of this decode forward: the fed token's column switched on for each row, then the columns
