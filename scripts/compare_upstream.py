@@ -37,8 +37,8 @@ from opsd_rollout.models import load_model
 from opsd_rollout.rollout.length_forcing import as_logits_processor
 from opsd_rollout.rollout.lengths import LengthModel
 
-CONTENDERS = ("static", "static-no-compaction", "static-no-shared-prefill", "static-whole-cache", "static-release",
-              "per-layer-gather", "generate", "deepspeed", "transformers")
+CONTENDERS = ("static", "static-no-compaction", "static-copied-prompts", "static-no-shared-prefill",
+              "static-whole-cache", "static-release", "per-layer-gather", "generate", "deepspeed", "transformers")
 LENGTH_SEED = 0  # our rollouts' seed=None forces lengths with seed 0; the processors use the same
 
 
@@ -165,6 +165,8 @@ def contenders_for(engine, tokenizer, args) -> dict:
     table = {
         "static": ("opsd static", lambda: static()),
         "static-no-compaction": ("opsd static, no row compaction", lambda: static(compact_rows=False)),
+        "static-copied-prompts": ("opsd static, prompt keys/values copied to every row",
+                                  lambda: static(shared_prefix=False)),
         "static-no-shared-prefill": ("opsd static, no shared prefill", lambda: static(shared_prefill=False)),
         "static-whole-cache": ("opsd static, whole cache every step", lambda: static(static_shapes=True)),
         "static-release": ("opsd static, release workspace", lambda: static(cache_policy="release")),

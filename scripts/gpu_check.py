@@ -324,6 +324,33 @@ def check_forward_timer(ctx: Context) -> str:
     return f"{n} forwards timed, median decode {sorted(split['decode'])[len(split['decode']) // 2]:.2f} ms"
 
 
+def check_shared_prefix(ctx: Context) -> str:
+    """Shared-prefix attention on the device: greedy tokens equal the copied layout's and generate's (fp32), also
+    compacted and under continuous batching; same-seed samples agree in the speed dtype; decode speed and
+    KV bytes side by side."""
+    request, shared = ctx.request(length=160), dict(shared_prefix_min_prompt=1, enable_profiling=True)
+    expected = ctx.rollout(strategy="generate").generate(request, greedy(16, 4)).input_ids
+    for slots in (None, 3):
+        rollout = ctx.rollout(**shared)
+        got = rollout.generate(request, SamplingConfig(**{**vars(greedy(16, 4)), "continuous_batch_size": slots}))
+        assert rollout.get_last_profile().kv_layout == "shared_prefix"
+        assert agreement(got.input_ids, expected) > 0.99, f"slots {slots}: {agreement(got.input_ids, expected):.3f}"
+    samples = [ctx.rollout(ctx.model, seed=3, shared_prefix=on).generate(request, sampled(16, 4)).input_ids
+               for on in (False, True)]
+    detail = [f"fp32 greedy equal; {ctx.dtype} same-seed samples agree on {agreement(*samples):.3f}"]
+    assert agreement(*samples) > 0.9, detail[-1]
+    long = ctx.request(length=1024 if ctx.device.type == "cuda" else 256, padded=False)
+    rollouts = {name: ctx.rollout(ctx.model, ignore_eos=True, shared_prefix=on, enable_profiling=True)
+                for name, on in (("copied", False), ("shared", True))}
+    medians = interleaved_medians({name: (lambda r=r: r.generate(long, greedy(32, 8))) for name, r in rollouts.items()},
+                                  rounds=3, warmup=1, device=ctx.device)
+    kv = {name: r.get_last_profile().kv_workspace_bytes / 2**20 for name, r in rollouts.items()}
+    detail.append(f"B2 n8 P{long.prompt_ids.shape[1]} R32 ms: copied {medians['copied']:.1f}, shared "
+                  f"{medians['shared']:.1f} ({medians['copied'] / medians['shared']:.2f}x); KV MiB {kv['copied']:.1f} "
+                  f"vs {kv['shared']:.1f}")
+    return "; ".join(detail)
+
+
 def check_flex_attention(ctx: Context) -> str:
     """Flex attention: the static strategy keeps whole-cache shapes so its kernel compiles once."""
     flex = copy.deepcopy(ctx.fp32)
@@ -377,6 +404,7 @@ CHECKS: list[tuple[str, Callable[[Context], str], bool]] = [  # (name, check, ne
     ("OPSD step and teacher cache", check_opsd_step, False),
     ("PEFT merge_adapters", check_peft_merge, False),
     ("ZeRO-3 gather: attribution, once vs per layer", check_zero3, False),
+    ("shared-prefix attention: tokens, samples, speed", check_shared_prefix, False),
     ("flex attention", check_flex_attention, True),
     ("hybrid engine refused with its reason", check_hybrid_engine, True),
 ]

@@ -30,21 +30,23 @@ def engines(tiny_models):
 
 
 @pytest.mark.parametrize("zero_stage,gather", [(0, "once"), (3, "once"), (3, "per_layer")])
-@pytest.mark.parametrize("strategy", ["generate", "static"])
+@pytest.mark.parametrize("strategy,layout", [("generate", None), ("static", "copied"), ("static", "shared_prefix")])
 @pytest.mark.parametrize("name", ["llama-tiny", "gpt2-tiny"])
-def test_deepspeed_engine_matches_bare_model(tiny_models, tokenizer, engines, zero_stage, gather, strategy, name):
+def test_deepspeed_engine_matches_bare_model(tiny_models, tokenizer, engines, zero_stage, gather, strategy, layout,
+                                             name):
     model = tiny_models[name]
     request = request_for(tokenizer)
     sampling = SamplingConfig(max_new_tokens=5, n_samples_per_prompt=2, temperature=0.0)
     expected = HybridEngineRollout(model, tokenizer, HybridEngineRolloutConfig(strategy="generate")).generate(
         request, sampling)
-    config = HybridEngineRolloutConfig(enable_profiling=True, strategy=strategy, zero3_gather=gather)
+    config = HybridEngineRolloutConfig(enable_profiling=True, strategy=strategy, zero3_gather=gather,
+                                       shared_prefix_min_prompt=1 if layout == "shared_prefix" else 4096)
     rollout = HybridEngineRollout(engines[name, zero_stage], tokenizer, config)
     batch = rollout.generate(request, sampling)
     assert torch.equal(batch.input_ids, expected.input_ids)
     assert torch.equal(batch.attention_mask, expected.attention_mask)
     profile = rollout.get_last_profile()
-    assert (profile.zero_stage, profile.strategy) == (zero_stage, strategy)
+    assert (profile.zero_stage, profile.strategy, profile.kv_layout) == (zero_stage, strategy, layout)
     if zero_stage == 3:
         assert profile.param_gather_ms > 0 and profile.param_gather_count > 0
     assert profile.prefill_forwards == 1 and profile.decode_steps == batch.seq_len - request.prompt_ids.shape[1] - 1

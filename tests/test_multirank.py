@@ -44,6 +44,15 @@ def test_zero3_ranks_finishing_at_different_steps(tmp_path):
             assert profile["param_gather_ms"] > 0 and profile["param_gather_count"] == rank["gathers"] > 0, variant
             assert profile["param_gather_bytes"] > 0
         assert {rank0["profile"]["rank"], rank1["profile"]["rank"]} == {0, 1}
+    # two samples per prompt: the same rows, each twice; ranks in lockstep whatever their admission schedules
+    for variant, layout in (("shared-per_layer-1", "shared_prefix"), ("shared-once-None", "shared_prefix"),
+                            ("copied-per_layer-1", "copied")):
+        rank0, rank1 = ranks[0][variant], ranks[1][variant]
+        assert [row[2:] for row in rank0["input_ids"]] == [[2]] * 4, variant
+        assert [row[2:] for row in rank1["input_ids"]] == [[10, 11, 12, 13, 14, 15]] * 2 + [
+            [12, 13, 14, 15, 3, 4]] * 2, variant
+        assert rank0["forwards"] == rank1["forwards"], variant
+        assert rank0["profile"]["kv_layout"] == rank1["profile"]["kv_layout"] == layout, variant
     # gathering once never moves more than per-layer gathering (on this one-layer model DeepSpeed keeps
     # everything live anyway; benchmarks/RESULTS.md has the large difference on llama-small)
     for rank in ranks:

@@ -63,6 +63,17 @@ def main(out_dir: str) -> None:
         results[f"{strategy}-{gather}"] = {
             "input_ids": batch.input_ids.tolist(), "attention_mask": batch.attention_mask.tolist(),
             "forwards": len(forwards), "gathers": len(gathers), "profile": rollout.get_last_profile().to_dict()}
+    # 2 samples per prompt, each rank admitting on its own schedule (one slot, or every row at once): a rank whose
+    # admitted rows need no prefill (their prompt is already held) still joins the others' prefill collectives
+    for layout, gather, slots in (("shared", "per_layer", 1), ("shared", "once", None), ("copied", "per_layer", 1)):
+        forwards.clear()
+        config = HybridEngineRolloutConfig(enable_profiling=True, zero3_gather=gather, shared_prefix_min_prompt=1,
+                                           shared_prefix=layout == "shared")
+        rollout = HybridEngineRollout(engine, make_tokenizer(0, 2), config)
+        batch = rollout.generate(left_padded(prompts, 0), SamplingConfig(
+            max_new_tokens=6, temperature=0.0, n_samples_per_prompt=2, continuous_batch_size=slots))
+        results[f"{layout}-{gather}-{slots}"] = {"input_ids": batch.input_ids.tolist(), "forwards": len(forwards),
+                                                 "profile": rollout.get_last_profile().to_dict()}
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as handle:
         json.dump(results, handle)
 

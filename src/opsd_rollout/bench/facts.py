@@ -13,9 +13,13 @@ def dtype_bytes(spec: ModelSpec) -> int:
     return spec.dtype.itemsize
 
 
-def decode_bytes_per_step(spec: ModelSpec, rows: int, context: float) -> float:
-    """Weights read once per step plus the KV cache of ``rows`` rows at ``context`` positions."""
-    kv = spec.kv.bytes_per_token(dtype_bytes(spec)) * rows * context if spec.kv is not None else 0.0
+def decode_bytes_per_step(spec: ModelSpec, rows: int, context: float, *, shared_prompts: int = 0,
+                          prompt_length: int = 0) -> float:
+    """Weights read once per step plus the KV cache of ``rows`` rows at ``context`` positions each; with
+    ``shared_prompts`` (the shared-prefix layout) those prompts' ``prompt_length`` positions are read once each
+    and ``context`` counts each row's own response positions only."""
+    positions = rows * context + shared_prompts * prompt_length
+    kv = spec.kv.bytes_per_token(dtype_bytes(spec)) * positions if spec.kv is not None else 0.0
     return spec.parameters * dtype_bytes(spec) + kv
 
 

@@ -121,7 +121,10 @@ class RolloutProfile(Mapping):
     row_latency_p95_ms: float | None = None
     row_latency_max_ms: float | None = None
     kv_workspace_bytes: int | None = None
-    """The static strategy's key/value buffers (decode and prefill caches), kept between calls."""
+    """The static strategy's key/value buffers (decode cache, prefill cache, prefix store), kept between calls."""
+    kv_layout: str | None = None
+    """Static strategy: ``shared_prefix`` (each prompt's keys/values once, each row's response in its slot) or
+    ``copied`` (each row's slot holds its prompt's keys/values too); ``None`` for ``generate``."""
     # memory
     peak_memory_bytes: int
     """Accelerator peak allocated on CUDA; peak process RSS on CPU."""
@@ -238,6 +241,7 @@ def build_profile(*, stages: dict[str, float], forwards: list | None, phases: di
         stats = decode_stats
         attributed.update(row_steps=stats.row_steps, compactions=stats.compactions, compiled_graphs=stats.compiled_graphs,
                           admission_rounds=stats.admission_rounds, decode_slots=stats.slots,
+                          kv_layout=stats.kv_layout,
                           live_row_utilisation=generated_tokens / stats.row_steps if stats.row_steps else None,
                           **_row_latencies(forwards, stats, lengths))
     return RolloutProfile(

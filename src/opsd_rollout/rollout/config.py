@@ -10,6 +10,9 @@ from opsd_rollout.rollout.lengths import LengthModel
 STRATEGIES = ("static", "generate")
 ZERO3_GATHER = ("once", "per_layer")
 CACHE_POLICIES = ("retain", "release")
+SHARED_PREFIX_MIN_PROMPT = 128
+"""The shortest prompt (columns, padding included) for which ``shared_prefix`` is used by default: measured on
+``llama-small`` (benchmarks/RESULTS.md, "Shared-prefix attention")."""
 
 
 @dataclass(kw_only=True)
@@ -29,6 +32,16 @@ class HybridEngineRolloutConfig:
     shared_prefill: bool = True
     """``static``: with ``n_samples_per_prompt > 1``, prefill each prompt once and copy its KV cache into its
     n sample rows, instead of prefilling B*n identical rows."""
+    shared_prefix: bool = True
+    """``static``, with ``n_samples_per_prompt > 1`` and ``shared_prefill``: store each prompt's keys/values once for
+    its n samples and attend to them once per step for all n (shared-prefix attention: the prompt part and each
+    row's own response part merged exactly by their log-sum-exps), when the prompt is at least
+    ``shared_prefix_min_prompt`` columns long. Off, or below that length, or with ``compile_decode``, or for an
+    attention other than ``sdpa``/``eager``: each row's slot holds a copy of its prompt's keys/values. The tokens
+    are the same either way (up to the dtype's rounding); the profile's ``kv_layout`` says which ran."""
+    shared_prefix_min_prompt: int = SHARED_PREFIX_MIN_PROMPT
+    """The shortest prompt (columns of the prompt batch, padding included) that uses ``shared_prefix``; below it
+    the copied layout is as fast (measured on ``llama-small``). 1 uses it for every prompt."""
     stop_check_interval: int | None = None
     """``static``: check for "every row finished" every k decode steps (one host read; an all-reduce under
     ZeRO-3 with several ranks). ``None``: every step on CPU, every 8 on CUDA."""
@@ -90,7 +103,7 @@ class HybridEngineRolloutConfig:
 
     def __post_init__(self) -> None:
         for name in ("enable_profiling", "profile_forwards", "ignore_eos", "merge_adapters", "shared_prefill",
-                     "compile_decode", "static_shapes", "compact_rows"):
+                     "compile_decode", "static_shapes", "compact_rows", "shared_prefix"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool; got {getattr(self, name)!r}")
         if self.strategy not in STRATEGIES:
@@ -113,6 +126,9 @@ class HybridEngineRolloutConfig:
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be an int >= 1 or None; got {value!r}")
+        value = self.shared_prefix_min_prompt
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"shared_prefix_min_prompt must be an int >= 1; got {value!r}")
 
     @classmethod
     def from_any(cls, cfg: Any) -> "HybridEngineRolloutConfig":

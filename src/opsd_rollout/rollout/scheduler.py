@@ -119,6 +119,13 @@ class RowScheduler:
         self.active = size
         return order
 
+    def prompts_in_use(self) -> set[int]:
+        """Prompts whose keys/values are still needed: those with a row in a slot or a row pending."""
+        used = {row // self.n for row in self.row_of if row is not None}
+        if self.pending:  # rows are admitted in request order: the pending ones are a range of prompts
+            used.update(range(self.pending[0] // self.n, self.pending[-1] // self.n + 1))
+        return used
+
     @property
     def done(self) -> bool:
         """No row pending and none in a slot."""

@@ -10,6 +10,10 @@ leave it: compaction moves live rows to the front). Where a row writes its next 
 Attention reads the columns in use (``width``), or with ``whole`` the entire ``L`` columns at every step, the
 fixed shapes a compiled step (CUDA graph) needs; a mask hides what a row must not see. Every tensor a
 compiled step reads (buffers, views, per-slot columns) keeps its address from call to call.
+
+The shared-prefix layout (``rollout/shared_prefix.py``) adds a ``PrefixStore``: each prompt's keys/values once,
+``[G, H, P, D]`` per layer (G prefix slots), written by the prompts' prefill through ``PrefixLayer``s; the
+decode cache then holds only the responses' columns.
 """
 
 from __future__ import annotations
@@ -95,6 +99,43 @@ class SlotLayer(StaticLayer):
         return self.front.length - 1 if self.front.whole and torch.compiler.is_compiling() else self.front.width
 
 
+class PrefixFront(CacheFront):
+    """The prefix store's front: which prefix slots the next prefill writes (``dest``, one per prompt)."""
+
+    def __init__(self, slots: int, length: int, device: torch.device):
+        super().__init__(slots, length, device, whole=False)
+        self.dest = torch.zeros(0, dtype=torch.int64, device=device)
+
+
+class PrefixLayer(SlotLayer):
+    """A prefill layer of the prefix store: the prompts' keys/values go to their prefix slots (``front.dest``),
+    and the prefill attends to the prompts' own keys/values (nothing else is in their context)."""
+
+    front: PrefixFront
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        self.written += key_states.shape[-2]
+        self.keys.index_copy_(0, self.front.dest, key_states)
+        self.values.index_copy_(0, self.front.dest, value_states)
+        return key_states, value_states
+
+
+class PrefixStore:
+    """Each prompt's keys/values once, for all of its samples: per layer ``[G, H, P, D]`` (``keys``, ``values``)
+    and which positions of each prompt are real (``mask``, [G, P]). ``cache`` is what a prefill writes through
+    (``front.dest`` picks the slots)."""
+
+    def __init__(self, cache: StaticCache, front: PrefixFront, mask: torch.Tensor):
+        self.cache, self.front, self.mask = cache, front, mask
+        self.keys = [layer.keys for layer in cache.layers]
+        self.values = [layer.values for layer in cache.layers]
+
+    @property
+    def slots(self) -> int:
+        return self.mask.shape[0]
+
+
 def check_written(cache: Any, expected: int, what: str) -> None:
     """Raise if a forward did not write ``expected`` positions into every layer of ``cache``: the model then ran
     without its cache (e.g. a transformers release that takes the cache under another keyword), and every
@@ -137,6 +178,8 @@ class KVWorkspace:
     def __init__(self) -> None:
         self._kv = _Buffers()
         self._prefill = _Buffers()
+        self._prefix = _Buffers()
+        self._prefix_mask: torch.Tensor | None = None
         self._tokens: torch.Tensor | None = None
         self._mask: torch.Tensor | None = None
         self.last_event: str | None = None
@@ -144,18 +187,20 @@ class KVWorkspace:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the key/value buffers (the decode cache and the shared prefill's)."""
-        return self._kv.nbytes + self._prefill.nbytes
+        """Bytes of the key/value buffers: the decode cache, the shared prefill's and the prefix store."""
+        return self._kv.nbytes + self._prefill.nbytes + self._prefix.nbytes
 
     def release(self) -> None:
         self._kv.release()
         self._prefill.release()
-        self._tokens = self._mask = None
+        self._prefix.release()
+        self._tokens = self._mask = self._prefix_mask = None
 
     def allocate(self, part: str, shape: KVShape, elements: int, dtype: torch.dtype, device: torch.device) -> None:
-        """(Re)allocate ``part``'s key/value buffers (``kv`` or ``prefill``), ``elements`` per layer; a profiled
-        rollout times this call as ``workspace_alloc_ms``."""
-        (self._kv if part == "kv" else self._prefill).allocate(shape, elements, dtype, device)
+        """(Re)allocate ``part``'s key/value buffers (``kv``, ``prefill`` or ``prefix``), ``elements`` per layer; a
+        profiled rollout times this call as ``workspace_alloc_ms``."""
+        {"kv": self._kv, "prefill": self._prefill, "prefix": self._prefix}[part].allocate(shape, elements, dtype,
+                                                                                           device)
 
     def cache(self, config: Any, slots: int, length: int, dtype: torch.dtype, device: torch.device, *,
               whole: bool = False) -> tuple[StaticCache, CacheFront]:
@@ -176,6 +221,15 @@ class KVWorkspace:
             self.last_event = "allocated"
         return self._cache("prefill", self._prefill, config, rows, length, dtype, device, False)
 
+    def prefix_store(self, config: Any, slots: int, length: int, dtype: torch.dtype,
+                     device: torch.device) -> PrefixStore:
+        """The shared-prefix layout's store of ``slots`` prompts x ``length`` positions (contents undefined; every
+        position masked off), kept between calls like the decode cache."""
+        cache, front = self._cache("prefix", self._prefix, config, slots, length, dtype, device, False)
+        self._prefix_mask = _buffer(self._prefix_mask, slots * length, torch.bool, device)
+        mask = self._prefix_mask[:slots * length].view(slots, length).fill_(False)
+        return PrefixStore(cache, front, mask)
+
     def _cache(self, part: str, buffers: _Buffers, config: Any, rows: int, length: int, dtype: torch.dtype,
                device: torch.device, whole: bool) -> tuple[StaticCache, CacheFront]:
         shape = KVShape.of(config)
@@ -187,7 +241,8 @@ class KVWorkspace:
             self.last_event = "allocated"
         key = (rows, length, whole)
         if key not in buffers.caches:
-            buffers.caches[key] = self._view_cache(buffers, shape, config, rows, length, device, whole)
+            buffers.caches[key] = self._view_cache(buffers, shape, config, rows, length, device, whole,
+                                                   prefix=buffers is self._prefix)
         cache, front = buffers.caches[key]
         front.reset()
         front.active = rows
@@ -197,12 +252,13 @@ class KVWorkspace:
 
     @staticmethod
     def _view_cache(buffers: _Buffers, shape: KVShape, config: Any, rows: int, length: int, device: torch.device,
-                    whole: bool) -> tuple[StaticCache, CacheFront]:
+                    whole: bool, prefix: bool = False) -> tuple[StaticCache, CacheFront]:
         cache = StaticCache(config=config, max_cache_len=length)  # only full-attention layers: ModelSpec checked
-        front = CacheFront(rows, length, device, whole)
+        front = PrefixFront(rows, length, device) if prefix else CacheFront(rows, length, device, whole)
         view = (rows, shape.kv_heads, length, shape.head_dim)
         elements = rows * shape.kv_heads * length * shape.head_dim
-        cache.layers = [SlotLayer(length, front) for _ in cache.layers]
+        layer_type = PrefixLayer if prefix else SlotLayer
+        cache.layers = [layer_type(length, front) for _ in cache.layers]
         for layer, keys, values in zip(cache.layers, buffers.keys, buffers.values):
             layer.keys, layer.values = keys[:elements].view(view), values[:elements].view(view)
             layer.device, layer.batch_size, layer.num_heads = device, rows, shape.kv_heads

@@ -147,8 +147,12 @@ def derived_figures(result: ConfigResult, spec: Any, ceilings: dict[str, Any] | 
                            "row_latency_p95_ms": result.p50("row_latency_p95_ms"),
                            "decode_bandwidth_utilisation": None, "prefill_compute_utilisation": None}
     if ceilings and med["tpot_ms"]:
-        context = c.prompt_length + (med["response_length"] or c.response_length) / 2
-        bytes_per_step = decode_bytes_per_step(spec, c.effective_batch_size, context)
+        response = (med["response_length"] or c.response_length) / 2
+        if any(it.get("kv_layout") == "shared_prefix" for it in result.iterations):  # each prompt read once
+            bytes_per_step = decode_bytes_per_step(spec, c.effective_batch_size, response,
+                                                   shared_prompts=c.batch_size, prompt_length=c.prompt_length)
+        else:
+            bytes_per_step = decode_bytes_per_step(spec, c.effective_batch_size, c.prompt_length + response)
         out["decode_bandwidth_utilisation"] = bytes_per_step / (med["tpot_ms"] / 1e3) / ceilings[
             "memory_bandwidth_bytes_per_s"]
     if ceilings and med["prefill_ms"] and med["prefill_tokens"]:

@@ -23,7 +23,8 @@ def make_strategy(cfg: "HybridEngineRolloutConfig") -> GenerationStrategy:
         return StaticDecode(shared_prefill=cfg.shared_prefill, stop_check_interval=cfg.stop_check_interval,
                             seed=cfg.seed, compile_decode=cfg.compile_decode, static_shapes=cfg.static_shapes,
                             compact_rows=cfg.compact_rows, kv_budget_bytes=cfg.kv_budget_bytes,
-                            cache_capacity=cfg.continuous_cache_capacity)
+                            cache_capacity=cfg.continuous_cache_capacity, shared_prefix=cfg.shared_prefix,
+                            shared_prefix_min_prompt=cfg.shared_prefix_min_prompt)
     if cfg.strategy == TransformersGenerate.name:
         return TransformersGenerate()
     raise ValueError(f"unknown strategy {cfg.strategy!r}")

@@ -27,6 +27,8 @@ class DecodeStats:
     forwards: int = 0
     compiled_graphs: int = 0
     """Graphs the compiled decode step compiled during this rollout (new shapes; 0 once every bucket was seen)."""
+    kv_layout: str | None = None
+    """``copied`` (each row's slot holds its prompt's keys/values) or ``shared_prefix`` (each prompt's once)."""
     finish_forward: torch.Tensor | None = None
     """[N] per request row, the index (among the rollout's forwards) of the forward that produced its last token;
     ``None`` when every row started at the first forward (its length then says it)."""

@@ -6,10 +6,15 @@ steps (one host read; under ZeRO-3 with several ranks, an all-reduce so every ra
 retire: pending rows take their slots (continuous batching), or once none is pending the live rows move to
 the front and the batch shrinks to a smaller size bucket (compaction). A row's random numbers depend only on
 the seed, its index in the request and its step, so none of this changes a sampled token.
+
+With ``shared_prefix`` (n > 1, prompts long enough) each prompt's keys/values live once in a prefix store and
+the decode cache holds only the responses (``rollout/shared_prefix.py``): responses start at column 0 of a slot
+(``_Run.start``) instead of after the prompt's ``P`` columns, and nothing is copied to a row's slot.
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -17,10 +22,12 @@ import torch.distributed as dist
 
 from opsd_rollout.modeling import position_ids
 from opsd_rollout.rollout.compiled import LENGTH_BUCKET_MIN, CompiledStep, bucket
+from opsd_rollout.rollout.config import SHARED_PREFIX_MIN_PROMPT
 from opsd_rollout.rollout.counter_rng import rollout_key, uniforms
 from opsd_rollout.rollout.length_forcing import LengthForcing
 from opsd_rollout.rollout.sampling import precise_dtype, sample
 from opsd_rollout.rollout.scheduler import Admission, RowScheduler
+from opsd_rollout.rollout.shared_prefix import SharedPrefix, prefix_slots, shared_prefix_problem, slots_within
 
 UNBOUNDED = 2**62  # a step budget no rollout reaches: rows wait for slots, the checks end the loop
 from opsd_rollout.rollout.strategies.base import DecodeStats
@@ -55,8 +62,10 @@ class StaticDecode:
     def __init__(self, *, shared_prefill: bool = True, stop_check_interval: int | None = None,
                  seed: int | None = None, compile_decode: bool = False, static_shapes: bool = False,
                  compact_rows: bool = True, kv_budget_bytes: int | None = None, cache_capacity: int | None = None,
+                 shared_prefix: bool = True, shared_prefix_min_prompt: int = SHARED_PREFIX_MIN_PROMPT,
                  compile_options: dict[str, Any] | None = None):
         self.shared_prefill = shared_prefill
+        self.shared_prefix, self.shared_prefix_min_prompt = shared_prefix, shared_prefix_min_prompt
         # A compiled step needs the same shapes every step: the whole cache, masked (``static_shapes``).
         # Eager decoding attends to the filled positions only, which is cheaper.
         self.static_shapes = static_shapes or compile_decode
@@ -101,30 +110,51 @@ class StaticDecode:
         if self.cache_capacity is not None and length > self.cache_capacity:
             raise ValueError(f"continuous_cache_capacity {self.cache_capacity} is below prompt length {P} + "
                              f"max_new_tokens {plan.max_new_tokens}: each row's slot needs {length} columns")
+        shared = self.shared_prefix_applies(target, plan.samples_per_prompt, P)
+        if shared:
+            length -= P  # a slot holds its response only: the prompt is in the prefix store, once
         if self.compiled is not None:  # a bounded set of cache lengths: one graph per bucket, not per length
             length = bucket(length, LENGTH_BUCKET_MIN)
             self.compiled.prepare(device)
         dtype = target.dtype if target.dtype.is_floating_point else torch.float32
-        slots = self.slots(target, rows, length, dtype, plan.continuous_batch_size)
+        slots = self.slots(target, rows, length, dtype, plan.continuous_batch_size,
+                           prompt_length=P if shared else 0, prompts=rows // plan.samples_per_prompt)
         # flex attention compiles its kernel for each key length: the whole-cache layout keeps one length
         whole = self.static_shapes or target.spec.attention == "flex_attention"
         cache, front = self.workspace.cache(config, slots, length, dtype, device, whole=whole)
-        run = _Run(self, target, prompt_ids, prompt_mask, plan, cache, front, slots)
+        prefix = None
+        if shared:
+            store = self.workspace.prefix_store(config, prefix_slots(rows // plan.samples_per_prompt, slots), P,
+                                                dtype, device)
+            prefix = SharedPrefix(store, target.spec.config, plan.samples_per_prompt, slots,
+                                  continuous=slots < rows, padded=not bool(prompt_mask.all()))
+        run = _Run(self, target, prompt_ids, prompt_mask, plan, cache, front, slots, prefix)
         self.last_stats = run.stats
         tokens = run.loop()
         return torch.cat([prompt_ids, tokens], dim=1)
 
+    def shared_prefix_applies(self, target: RolloutTarget, samples_per_prompt: int, prompt_length: int) -> bool:
+        """Whether this rollout stores each prompt's keys/values once (``shared_prefix``): n > 1 samples share a
+        prompt of at least ``shared_prefix_min_prompt`` columns, prefilled once, decoded eagerly (the compiled
+        step keeps the copied layout) by an attention the layout can replace."""
+        return (self.shared_prefix and self.shared_prefill and samples_per_prompt > 1
+                and prompt_length >= self.shared_prefix_min_prompt and self.compiled is None
+                and shared_prefix_problem(target.spec) is None)
+
     def slots(self, target: RolloutTarget, rows: int, length: int, dtype: torch.dtype,
-              continuous_batch_size: int | None) -> int:
-        """Rows decoding at once: every row, or ``continuous_batch_size``, or what ``kv_budget_bytes`` holds."""
+              continuous_batch_size: int | None, *, prompt_length: int = 0, prompts: int = 1) -> int:
+        """Rows decoding at once: every row, or ``continuous_batch_size``, or what ``kv_budget_bytes`` holds
+        (``length`` columns per slot, plus ``prompt_length`` per prefix slot in the shared-prefix layout)."""
         slots = min(rows, continuous_batch_size or rows)
         if self.kv_budget_bytes is not None:
-            per_slot = target.spec.kv.bytes_per_token(dtype.itemsize) * length
-            fit = self.kv_budget_bytes // per_slot
+            per_position = target.spec.kv.bytes_per_token(dtype.itemsize)
+            fit = slots_within(self.kv_budget_bytes, per_position, slots, prompts, prompt_length, length,
+                               shared=prompt_length > 0)
             if fit < 1:
+                need = per_position * (length + prompt_length)
                 raise ValueError(f"kv_budget_bytes {self.kv_budget_bytes} holds no row: one row's keys and values "
-                                 f"over {length} positions take {per_slot} bytes")
-            slots = min(slots, fit)
+                                 f"over {length + prompt_length} positions take {need} bytes")
+            slots = fit
         return slots
 
     def compile_step(self, *args: Any) -> None:
@@ -145,8 +175,12 @@ class _Run:
     """One rollout's decode loop: the per-slot tensors, the scheduler, and the steps."""
 
     def __init__(self, strategy: StaticDecode, target: RolloutTarget, prompt_ids: torch.Tensor,
-                 prompt_mask: torch.Tensor, plan: RolloutPlan, cache: Any, front: CacheFront, slots: int):
+                 prompt_mask: torch.Tensor, plan: RolloutPlan, cache: Any, front: CacheFront, slots: int,
+                 prefix: SharedPrefix | None = None):
         self.strategy, self.target, self.plan, self.cache, self.front = strategy, target, plan, cache, front
+        self.prefix = prefix
+        self.start = 0 if prefix is not None else prompt_ids.shape[1]
+        """The decode cache's column where responses begin: after the prompt, or 0 when prompts are shared."""
         self.model, self.keyword = target.model, target.cache_keyword
         self.prompt_ids, self.prompt_mask = prompt_ids, prompt_mask
         device = prompt_ids.device
@@ -159,7 +193,7 @@ class _Run:
         self.continuous = slots < rows
         # masks: none at all when every row started together over unpadded prompts (attention reads only what
         # was written); else each slot's own row of what it may see
-        self.masked = self.continuous or front.whole or not bool(prompt_mask.all())
+        self.masked = self.continuous or front.whole or (prefix is None and not bool(prompt_mask.all()))
         self.mask = strategy.workspace.mask(slots, front.length, device) if self.masked else None
         self.greedy = plan.greedy
         self.key = strategy._key() if not plan.greedy else 0
@@ -186,7 +220,7 @@ class _Run:
             self.forcing = LengthForcing(plan.response_lengths, plan.max_new_tokens, plan.eos_token_ids[0],
                                          plan.length_seed, device)
             self.forcing.start(prompt_ids, prompt_mask, plan.samples_per_prompt)
-        self.stats = DecodeStats(slots=slots)
+        self.stats = DecodeStats(slots=slots, kv_layout="copied" if prefix is None else "shared_prefix")
         module = target.forward_module  # a compiled step's graphs differ by model and hooks (the forward timer's)
         self.hooks = (id(module), len(module._forward_pre_hooks), len(module._forward_hooks))
         self.step_count = 0
@@ -251,20 +285,25 @@ class _Run:
             if self.plan.collective_forwards:  # the other ranks prefill: join their collectives
                 self._prefill(self.prompt_ids[:1], self.prompt_mask[:1], into_slots=False)
             return
-        prompts = self.scheduler.new_prompts(admissions)
+        if self.prefix is None:
+            prompts = self.scheduler.new_prompts(admissions)
+        else:  # the rows read their prompts from the store: prefill those not in it yet
+            prompts = [p for p in dict.fromkeys(a.prompt for a in admissions) if p not in self.prefix]
         representatives = torch.tensor([p * self.group for p in prompts], dtype=torch.int64,
                                        device=self.prompt_ids.device)
         direct = first and self.group == 1 and not self.continuous  # row i into slot i: prefill in place
         if prompts:
             logits = self._prefill(self.prompt_ids[representatives], self.prompt_mask[representatives],
-                                   into_slots=direct)
+                                   into_slots=direct, prompts=prompts)
             self.prompt_logits.update(zip(prompts, logits))
-        if first and not direct and len(admissions) == self.rows and self.group > 1:
+        elif self.plan.collective_forwards:  # every prompt already prefilled here; other ranks may prefill
+            self._prefill(self.prompt_ids[:1], self.prompt_mask[:1], into_slots=False)
+        if self.prefix is None and first and not direct and len(admissions) == self.rows and self.group > 1:
             self._replicate_prompts()  # every row of every prompt, in order: one broadcast copy
-        elif not direct:
+        elif self.prefix is None and not direct:
             self._copy_prompts(admissions)
         if first:
-            self.front.reset(self.P)  # every row's next key/value goes right after the prompts
+            self.front.reset(self.start)  # every row's next key/value goes right after its prompt
         else:
             self.stats.admission_rounds += 1
             self.front.aligned = False  # admitted rows start behind the others: each slot its own column
@@ -273,12 +312,17 @@ class _Run:
         waiting = self.scheduler.pending[0] // self.group if self.scheduler.pending else None
         self.prompt_logits = {p: v for p, v in self.prompt_logits.items() if p == waiting}
 
-    def _prefill(self, ids: torch.Tensor, mask: torch.Tensor, *, into_slots: bool) -> torch.Tensor:
-        """One prefill forward of ``ids`` [k, P], into the decode cache's first rows (``into_slots``) or the
-        prefill cache; returns the last logits [k, V]."""
+    def _prefill(self, ids: torch.Tensor, mask: torch.Tensor, *, into_slots: bool,
+                 prompts: list[int] | None = None) -> torch.Tensor:
+        """One prefill forward of ``ids`` [k, P], into the decode cache's first rows (``into_slots``), the prefix
+        store (shared prefix: the request's ``prompts``) or the prefill cache; returns the last logits [k, V]."""
         config, device = self.target.forward_module.config, ids.device
         dtype = self.target.dtype if self.target.dtype.is_floating_point else torch.float32
-        if into_slots:
+        masked = self.masked
+        if self.prefix is not None and prompts is not None:
+            cache = self.prefix.assign(prompts, mask, self.scheduler.prompts_in_use())
+            front, width, masked = self.prefix.store.front, self.P, False  # attends to its own prompt only
+        elif into_slots:
             cache, front = self.cache, self.front
             width = front.length if front.whole else self.P
         else:
@@ -288,7 +332,7 @@ class _Run:
             width = self.P
         front.begin(self.P)
         cache_mask = None
-        if self.masked or not bool(mask.all()):
+        if masked or not bool(mask.all()):
             cache_mask = mask.new_zeros(ids.shape[0], width, dtype=torch.bool)
             cache_mask[:, :self.P] = mask.bool()
         logits = prefill(self.model, ids, mask, cache_mask, cache, self.keyword)
@@ -329,10 +373,12 @@ class _Run:
         rows = torch.tensor([a.row for a in admissions], dtype=torch.int64, device=device)
         self.slot_row[slots] = rows
         self.position[slots] = self.prompt_mask[rows].long().sum(dim=1, keepdim=True)
-        self.front.columns[slots] = self.P
+        self.front.columns[slots] = self.start
         if self.mask is not None:
-            self.mask[slots, :self.P] = self.prompt_mask[rows].bool()
-            self.mask[slots, self.P:] = False
+            self.mask[slots, :self.start] = self.prompt_mask[rows, :self.start].bool()
+            self.mask[slots, self.start:] = False
+        if self.prefix is not None:
+            self.prefix.place(slots, [a.row for a in admissions])
         position = {prompt: i for i, prompt in enumerate(self.prompt_logits)}
         index = torch.tensor([position[a.prompt] for a in admissions], dtype=torch.int64, device=device)
         logits = torch.stack(list(self.prompt_logits.values()))[index]  # [prompts, V], then one per row
@@ -362,7 +408,7 @@ class _Run:
             return
         front.active = active
         if not front.aligned:
-            front.width = self.scheduler.width(self.P, self.step_count)
+            front.width = self.scheduler.width(self.start, self.step_count)
         front.begin(1)
         mask = self._step_mask(active)
         logits = self._forward(active, mask)
@@ -391,7 +437,8 @@ class _Run:
             elif compiled.note_shape((active, self.front.length, self.target.dtype, None if mask is None else mask.dim(),
                                       self.hooks)):
                 self.strategy.compile_step(*inputs)
-        return step(*inputs)
+        with self.prefix.decoding(active, self.running) if self.prefix is not None else contextlib.nullcontext():
+            return step(*inputs)
 
     def _step_mask(self, active: int) -> torch.Tensor | None:
         """The mask of this decode forward: the fed token's column switched on for each row, then the columns
@@ -404,7 +451,8 @@ class _Run:
         else:
             self.mask[front.rows[:active], front.columns[:active]] = True
         view = self.mask[:active, :front.view_width]
-        return view[:, None, None, :] if self.sdpa else view
+        # 4-D masks reach the attention function as they are (shared-prefix attention reads this one)
+        return view[:, None, None, :] if self.sdpa or self.prefix is not None else view
 
     def _sample(self, logits: torch.Tensor, rows: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
         if self.forcing is not None:
@@ -429,7 +477,7 @@ class _Run:
         index = torch.tensor(order, dtype=torch.int64, device=device)
         size = len(order)
         width = self.front.length if self.front.whole else min(
-            self.front.length, self.scheduler.width(self.P, self.step_count) + 1)
+            self.front.length, self.scheduler.width(self.start, self.step_count) + 1)
         for layer in self.cache.layers:
             for buffer in (layer.keys, layer.values):
                 buffer[:size, :, :width] = buffer.index_select(0, index)[:, :, :width]
@@ -437,4 +485,6 @@ class _Run:
             state[:size] = state.index_select(0, index)
         if self.mask is not None:
             self.mask[:size] = self.mask.index_select(0, index)
+        if self.prefix is not None:
+            self.prefix.compact(index)
         self.stats.compactions += 1

@@ -1,0 +1,255 @@
+"""Shared-prefix attention: each prompt's keys/values stored once for its n samples, and read once per step.
+
+The layout: a ``PrefixStore`` holds every prompt's keys/values once (``[G, H, P, D]`` per layer, G prefix slots)
+and the decode cache holds each row's response only (``[S, H, R, D]``). A decode step's attention over a row's
+whole context is two attentions merged exactly by their log-sum-exps (the decomposition of Hydragen, Juravsky
+et al. 2024, and of FlashInfer's cascade attention):
+
+    softmax over [prefix; suffix] @ [V_prefix; V_suffix]
+        = w_p * attention(q, prefix) + w_s * attention(q, suffix),   w_x = exp(lse_x - logaddexp(lse_p, lse_s))
+
+The prefix part runs for the n queries of a prompt together against its one copy of the prompt (a matmul of
+``n * heads_per_kv_head`` queries per key/value head instead of n reads of the prompt); the suffix part is each
+row's own response. It plugs into transformers models through their attention-function interface: for the
+decode forwards only, the model's config names ``ATTENTION`` (registered in ``AttentionInterface``), so every
+model whose attention goes through that interface (Llama, Qwen2, GPT-2, ...) needs no code of its own; the
+prefill keeps the model's own attention.
+
+Rows come and go (continuous batching, compaction): each decode slot knows its row's prefix slot and sample
+index (``slot_index = prefix_slot * n + sample``), so a prompt group with fewer live rows than n simply has
+empty query places. Prefix slots are reused once every row of their prompt has finished.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from transformers import AttentionInterface
+
+from opsd_rollout.modeling import ModelSpec
+from opsd_rollout.rollout.workspace import PrefixStore
+
+ATTENTION = "opsd_shared_prefix"
+"""The name decode forwards select through ``config._attn_implementation``."""
+
+SUPPORTED_ATTENTION = ("sdpa", "eager")
+"""Implementations whose decode forwards the shared-prefix attention replaces (it computes what they compute)."""
+
+_active: "SharedPrefix | None" = None
+"""The rollout whose decode forward is running (set by ``SharedPrefix.decoding``)."""
+
+
+def shared_prefix_problem(spec: ModelSpec) -> str | None:
+    """Why the shared-prefix layout cannot serve this model (it then uses the copied layout), or ``None``."""
+    if spec.attention not in SUPPORTED_ATTENTION:
+        return f"attention implementation {spec.attention!r} (shared-prefix attention replaces sdpa or eager)"
+    if spec.attention == "eager" and getattr(spec.config, "reorder_and_upcast_attn", False):
+        return "GPT-2's reorder_and_upcast_attn computes its eager attention its own way"
+    return None
+
+
+def additive_mask(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A bool mask (True: may be seen) as the additive mask attention kernels take: 0, or ``dtype``'s lowest value
+    (not -inf: a row that sees nothing attends uniformly, finite, as transformers' eager attention does)."""
+    return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(~visible,
+                                                                                       torch.finfo(dtype).min)
+
+
+def matmul_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor | None,
+                     scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``partial_attention`` from matmuls: any device."""
+    scores = torch.matmul(query * scale, keys.transpose(-1, -2))
+    if scores.dtype not in (torch.float32, torch.float64):
+        scores = scores.float()
+    if bias is not None:
+        scores = scores + bias
+    lse = torch.logsumexp(scores, dim=-1)
+    return torch.matmul(torch.softmax(scores, dim=-1).to(values.dtype), values), lse
+
+
+_FUSED_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+"""torch's CPU flash-attention kernel, which also returns the log-sum-exp (one kernel instead of five)."""
+
+
+def partial_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor | None,
+                      scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of ``query`` [B, H, M, D] over ``keys``/``values`` [B, H, N, D] (``bias``: additive mask in the
+    query's dtype, broadcast to [B, H, M, N], or ``None``), and its log-sum-exp. Returns the output [B, H, M, D]
+    (values' dtype) and the log-sum-exp of the scaled, masked scores [B, H, M] (float32 at least)."""
+    if query.device.type == "cpu" and _FUSED_CPU is not None:
+        return _FUSED_CPU(query, keys, values, 0.0, False, attn_mask=bias, scale=scale)
+    return matmul_attention(query, keys, values, bias, scale)
+
+
+def merge(output_a: torch.Tensor, lse_a: torch.Tensor, output_b: torch.Tensor,
+          lse_b: torch.Tensor) -> torch.Tensor:
+    """The attention over the union of two disjoint key sets, from each part's output [..., D] and log-sum-exp
+    [...] (in the log-sum-exps' precision, float32 at least): part a's weight is
+    exp(lse_a) / (exp(lse_a) + exp(lse_b))."""
+    share_a = torch.sigmoid(lse_a - lse_b).unsqueeze(-1)
+    return torch.lerp(output_b.to(share_a.dtype), output_a.to(share_a.dtype), share_a)
+
+
+def shared_prefix_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                            attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
+                            **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function signature. query [A, Hq, 1, D]; key, value [A, Hkv, W, D]: the rows'
+    response columns (the decode cache's view); attention_mask [A, 1, 1, W] bool or ``None`` (all visible).
+    Returns [A, 1, Hq, D], as every transformers attention function does."""
+    if _active is None:
+        raise RuntimeError(f"attention {ATTENTION!r} runs only inside a shared-prefix decode step")
+    if dropout:
+        raise RuntimeError(f"shared-prefix attention applies no dropout, and the model asks for {dropout}: put the "
+                           "model in eval mode for rollouts, or set shared_prefix=False")
+    return _active.attend(module.layer_idx, query, key, value, attention_mask, scaling), None
+
+
+AttentionInterface.register(ATTENTION, shared_prefix_attention)
+
+
+class SharedPrefix:
+    """One rollout's shared-prefix state: the store, which prompt each prefix slot holds, and each decode slot's
+    place among its prompt's queries (``slot_index``)."""
+
+    def __init__(self, store: PrefixStore, config: Any, samples_per_prompt: int, slots: int, *,
+                 continuous: bool, padded: bool):
+        self.store, self.config, self.n = store, config, samples_per_prompt
+        self.groups = store.slots
+        device = store.mask.device
+        self.prompt_of: list[int | None] = [None] * self.groups
+        self.slot_of: dict[int, int] = {}
+        """Prompt -> its prefix slot, while any of its rows is live or pending."""
+        self.slot_index = torch.zeros(slots, dtype=torch.int64, device=device)
+        """Per decode slot, its row's place among the grouped queries: ``prefix_slot * n + sample``."""
+        self.continuous = continuous
+        # prefix slots are reassigned only under continuous batching: there a finished row still in the batch
+        # could share its place with a new prompt's row, so it writes its query to a sink place instead
+        self.sink = self.groups * samples_per_prompt
+        self.identity = not continuous
+        """Decode slot s holds row s, of prefix slot s // n (no compaction yet): queries group by a view."""
+        self.padded = padded
+        self._bias: torch.Tensor | None = None
+        """[G, 1, 1, P] additive: the prefix positions each prompt must not see (its padding and holes)."""
+        self._suffix_visible: torch.Tensor | None = None
+        self._suffix_bias: torch.Tensor | None = None
+        self.layers = len(store.keys)
+        self._read = self._write = self.slot_index
+        self._calls = 0
+
+    def __contains__(self, prompt: int) -> bool:
+        return prompt in self.slot_of
+
+    # ---- admission --------------------------------------------------------------------------------------------
+
+    def assign(self, prompts: list[int], masks: torch.Tensor, in_use: set[int]) -> Any:
+        """Give each prompt of ``prompts`` (masks [k, P]) a prefix slot, reusing those whose prompt is no longer
+        ``in_use``; returns the cache their prefill writes through."""
+        free = [g for g in range(self.groups) if self.prompt_of[g] is None or self.prompt_of[g] not in in_use]
+        if len(free) < len(prompts):
+            raise RuntimeError(f"{len(prompts)} prompts to prefill and {len(free)} free prefix slots: the store "
+                               f"was sized too small ({self.groups})")
+        for prompt, slot in zip(prompts, free):
+            self.slot_of.pop(self.prompt_of[slot], None)
+            self.prompt_of[slot], self.slot_of[prompt] = prompt, slot
+        dest = torch.tensor(free[:len(prompts)], dtype=torch.int64, device=masks.device)
+        self.store.mask[dest] = masks.bool()
+        self._bias = additive_mask(self.store.mask[:, None, None, :], self.store.keys[0].dtype)
+        front = self.store.front
+        front.reset()
+        front.dest = dest
+        for layer in self.store.cache.layers:
+            layer.written = 0
+        return self.store.cache
+
+    def place(self, slots: torch.Tensor, rows: list[int]) -> None:
+        """Decode slots ``slots`` now hold request rows ``rows`` (their prompts assigned)."""
+        self.slot_index[slots] = torch.tensor([self.slot_of[row // self.n] * self.n + row % self.n for row in rows],
+                                              dtype=torch.int64, device=self.slot_index.device)
+
+    def compact(self, index: torch.Tensor) -> None:
+        """Decode slots ``index`` moved to the front."""
+        self.slot_index[:len(index)] = self.slot_index.index_select(0, index)
+        self.identity = False
+
+    # ---- decoding ---------------------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def decoding(self, active: int, running: torch.Tensor) -> Iterator[None]:
+        """Around one decode forward of the first ``active`` slots (``running``: which still produce tokens): the
+        model's attention is this layout's, and every layer must have used it."""
+        global _active
+        self._read = self.slot_index[:active]
+        self._write = torch.where(running[:active], self._read, self.sink) if self.continuous else self._read
+        self._calls = 0
+        self._suffix_visible = None
+        implementation = self.config._attn_implementation
+        self.config._attn_implementation, _active = ATTENTION, self
+        try:
+            yield
+        finally:
+            self.config._attn_implementation, _active = implementation, None
+        if self._calls != self.layers:
+            raise RuntimeError(f"the decode forward ran the shared-prefix attention in {self._calls} of {self.layers} "
+                               "layers: this model's attention does not go through transformers' attention "
+                               "interface, so its tokens would be wrong. Set shared_prefix=False.")
+
+    def attend(self, layer: int, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+               visible: torch.Tensor | None, scaling: float | None) -> torch.Tensor:
+        """One layer's decode attention: prefix part (grouped) merged with the suffix part (per row)."""
+        rows, heads, tokens, dim = query.shape
+        kv_heads = keys.shape[1]
+        if tokens != 1:
+            raise RuntimeError(f"shared-prefix attention decodes one token per row; got {tokens}")
+        scale = scaling if scaling is not None else dim ** -0.5
+        # query head h reads key/value head h // per_kv, as transformers' repeat_kv pairs them
+        q = query.reshape(rows, kv_heads, heads // kv_heads, dim)
+        prefix_out, prefix_lse = self._prefix_part(layer, q, scale)
+        if visible is not None and visible is not self._suffix_visible:  # the same mask for every layer of a step
+            self._suffix_visible, self._suffix_bias = visible, additive_mask(visible, query.dtype)
+        suffix_out, suffix_lse = partial_attention(q, keys, values, None if visible is None else self._suffix_bias,
+                                                   scale)
+        self._calls += 1
+        out = merge(prefix_out, prefix_lse, suffix_out, suffix_lse)
+        return out.to(query.dtype).reshape(rows, 1, heads, dim)
+
+    def _prefix_part(self, layer: int, q: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [A, Hkv, r, D] -> the rows' attention over their prompts and its log-sum-exp, each prompt's n queries
+        in one matmul against its one copy: [G, Hkv, n*r, D] x [G, Hkv, P, D]."""
+        groups, n = self.groups, self.n
+        rows, kv_heads, per_kv, dim = q.shape
+        if self.identity:
+            grouped = q.view(groups, n, kv_heads, per_kv, dim)
+        else:  # a zero query where a prompt has no live row (finite, never read)
+            grouped = q.new_zeros(groups * n + 1, kv_heads, per_kv, dim).index_copy_(0, self._write, q)
+            grouped = grouped[:groups * n].view(groups, n, kv_heads, per_kv, dim)
+        grouped = grouped.transpose(1, 2).reshape(groups, kv_heads, n * per_kv, dim)
+        bias = self._bias if self.padded else None
+        out, lse = partial_attention(grouped, self.store.keys[layer], self.store.values[layer], bias, scale)
+        out = out.view(groups, kv_heads, n, per_kv, dim).transpose(1, 2).reshape(groups * n, kv_heads, per_kv, dim)
+        lse = lse.view(groups, kv_heads, n, per_kv).transpose(1, 2).reshape(groups * n, kv_heads, per_kv)
+        if self.identity:
+            return out, lse
+        return out.index_select(0, self._read), lse.index_select(0, self._read)
+
+
+def prefix_slots(prompts: int, decode_slots: int) -> int:
+    """Prefix slots a rollout needs: one per prompt with a live row (at most one per decode slot) plus the prompt
+    whose first rows finished while its later ones still wait."""
+    return min(prompts, decode_slots + 1)
+
+
+def slots_within(budget: int, bytes_per_position: int, rows: int, prompts: int, prompt_length: int,
+                 row_length: int, shared: bool) -> int:
+    """The most decode slots (at most ``rows``) whose key/value cache fits ``budget`` bytes: ``row_length``
+    positions per slot, plus (``shared``) ``prompt_length`` per prefix slot. 0 when not even one fits."""
+    def cost(slots: int) -> int:
+        prefix = prefix_slots(prompts, slots) * prompt_length if shared else 0
+        return bytes_per_position * (slots * row_length + prefix)
+
+    fit = 0
+    while fit < rows and cost(fit + 1) <= budget:
+        fit += 1
+    return fit
