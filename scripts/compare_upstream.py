@@ -37,8 +37,11 @@ from opsd_rollout.models import load_model
 from opsd_rollout.rollout.length_forcing import as_logits_processor
 from opsd_rollout.rollout.lengths import LengthModel
 
-CONTENDERS = ("static", "static-no-compaction", "static-copied-prompts", "static-no-shared-prefill",
+CONTENDERS = ("static", "static-compiled", "static-no-compaction", "static-copied-prompts", "static-no-shared-prefill",
               "static-whole-cache", "static-release", "per-layer-gather", "generate", "deepspeed", "transformers")
+OPT_IN = ("static-compiled", "static-no-compaction")
+"""Contenders run only when named: the compiled step's first call compiles (tens of seconds on a CPU, in the
+warm-up round), and no compaction is the baseline of the long-tail comparison."""
 LENGTH_SEED = 0  # our rollouts' seed=None forces lengths with seed 0; the processors use the same
 
 
@@ -164,6 +167,7 @@ def contenders_for(engine, tokenizer, args) -> dict:
 
     table = {
         "static": ("opsd static", lambda: static()),
+        "static-compiled": ("opsd static, compiled step", lambda: static(compile_decode=True)),
         "static-no-compaction": ("opsd static, no row compaction", lambda: static(compact_rows=False)),
         "static-copied-prompts": ("opsd static, prompt keys/values copied to every row",
                                   lambda: static(shared_prefix=False)),
@@ -195,7 +199,7 @@ def main() -> None:
                              "geometric:mean=M or uniform:low=L,high=H")
     parser.add_argument("--contenders", type=lambda text: text.split(","), default=None,
                         help=f"comma list of: {', '.join(CONTENDERS)} (per-layer-gather: ZeRO-3 only); default: "
-                             "all but static-no-compaction (and per-layer-gather below ZeRO-3)")
+                             f"all but {' and '.join(OPT_IN)} (and per-layer-gather below ZeRO-3)")
     parser.add_argument("--continuous", type=int, default=None, metavar="ROWS",
                         help="also run ours with continuous_batch_size=ROWS against calls of ROWS rows one after "
                              "another")
@@ -204,7 +208,7 @@ def main() -> None:
     if args.rounds < 1:
         parser.error(f"--rounds must be at least 1, got {args.rounds}")
     if args.contenders is None:
-        args.contenders = [key for key in CONTENDERS if key != "static-no-compaction"
+        args.contenders = [key for key in CONTENDERS if key not in OPT_IN
                            and (key != "per-layer-gather" or args.zero_stage == 3)]
     unknown = [key for key in args.contenders if key not in CONTENDERS]
     if unknown:

@@ -326,28 +326,34 @@ def check_forward_timer(ctx: Context) -> str:
 
 def check_shared_prefix(ctx: Context) -> str:
     """Shared-prefix attention on the device: greedy tokens equal the copied layout's and generate's (fp32), also
-    compacted and under continuous batching; same-seed samples agree in the speed dtype; decode speed and
-    KV bytes side by side."""
+    compacted, under continuous batching and compiled (CUDA graphs); same-seed samples agree in the speed dtype;
+    decode speed (eager and compiled) and KV bytes side by side."""
     request, shared = ctx.request(length=160), dict(shared_prefix_min_prompt=1, enable_profiling=True)
     expected = ctx.rollout(strategy="generate").generate(request, greedy(16, 4)).input_ids
-    for slots in (None, 3):
-        rollout = ctx.rollout(**shared)
+    variants = ((None, False), (3, False), (None, True), (3, True))
+    if ctx.device.type != "cuda":  # the CPU rehearsal compiles once (inductor takes tens of seconds a graph)
+        variants = variants[:2] + variants[3:]
+    for slots, compiled in variants:
+        rollout = ctx.rollout(compile_decode=compiled, **shared)
         got = rollout.generate(request, SamplingConfig(**{**vars(greedy(16, 4)), "continuous_batch_size": slots}))
         assert rollout.get_last_profile().kv_layout == "shared_prefix"
-        assert agreement(got.input_ids, expected) > 0.99, f"slots {slots}: {agreement(got.input_ids, expected):.3f}"
+        assert agreement(got.input_ids, expected) > 0.99, \
+            f"slots {slots}, compiled {compiled}: {agreement(got.input_ids, expected):.3f}"
     samples = [ctx.rollout(ctx.model, seed=3, shared_prefix=on).generate(request, sampled(16, 4)).input_ids
                for on in (False, True)]
     detail = [f"fp32 greedy equal; {ctx.dtype} same-seed samples agree on {agreement(*samples):.3f}"]
     assert agreement(*samples) > 0.9, detail[-1]
     long = ctx.request(length=1024 if ctx.device.type == "cuda" else 256, padded=False)
-    rollouts = {name: ctx.rollout(ctx.model, ignore_eos=True, shared_prefix=on, enable_profiling=True)
-                for name, on in (("copied", False), ("shared", True))}
+    rollouts = {name: ctx.rollout(ctx.model, ignore_eos=True, shared_prefix=on, compile_decode=compiled,
+                                  enable_profiling=True)
+                for name, on, compiled in (("copied", False, False), ("shared", True, False),
+                                           ("shared compiled", True, True))}
     medians = interleaved_medians({name: (lambda r=r: r.generate(long, greedy(32, 8))) for name, r in rollouts.items()},
                                   rounds=3, warmup=1, device=ctx.device)
     kv = {name: r.get_last_profile().kv_workspace_bytes / 2**20 for name, r in rollouts.items()}
     detail.append(f"B2 n8 P{long.prompt_ids.shape[1]} R32 ms: copied {medians['copied']:.1f}, shared "
-                  f"{medians['shared']:.1f} ({medians['copied'] / medians['shared']:.2f}x); KV MiB {kv['copied']:.1f} "
-                  f"vs {kv['shared']:.1f}")
+                  f"{medians['shared']:.1f} ({medians['copied'] / medians['shared']:.2f}x), shared compiled "
+                  f"{medians['shared compiled']:.1f}; KV MiB {kv['copied']:.1f} vs {kv['shared']:.1f}")
     return "; ".join(detail)
 
 

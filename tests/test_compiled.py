@@ -89,3 +89,24 @@ def test_repeated_calls_and_compaction_buckets_compile_a_bounded_number_of_graph
         if profiled:
             assert rollout.get_last_profile().compiled_graphs == 0  # a new bucket size reuses the symbolic graph
     assert compiled_graphs() == before
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["llama-tiny", "gpt2-tiny"])
+def test_inductor_compiled_step_over_the_shared_prefix_layout(tiny_models, tokenizer, name):
+    """Each prompt stored once under the compiled step: greedy tokens equal generate's (padded prompts, rows
+    leaving the batch, continuous batching reusing prefix slots), seeded samples the eager shared layout's."""
+    torch._dynamo.reset()
+    model = tiny_models[name]
+    shared = dict(shared_prefix_min_prompt=1, seed=5)
+    compiled = HybridEngineRollout(model, tokenizer, HybridEngineRolloutConfig(compile_decode=True, **shared))
+    eager = HybridEngineRollout(model, tokenizer, HybridEngineRolloutConfig(**shared))
+    request = prompts_with_padding_and_holes(tokenizer)
+    expected, _ = reference_rollout(model, request, n=3, max_new_tokens=10, pad_token_id=PAD_ID, eos_ids=[EOS_ID])
+    for sampling in (greedy(10, 3), SamplingConfig(max_new_tokens=10, n_samples_per_prompt=3, temperature=0,
+                                                   continuous_batch_size=4)):
+        assert torch.equal(compiled.generate(request, sampling).input_ids, expected)
+        assert compiled.strategy.last_stats.kv_layout == "shared_prefix"
+    assert torch.equal(compiled.generate(request, sampled(10, 3)).input_ids,
+                       eager.generate(request, sampled(10, 3)).input_ids)
+

@@ -233,23 +233,29 @@ def test_when_the_shared_prefix_layout_is_used(tiny_models, tokenizer, config, n
     assert engine.get_last_profile().kv_layout == layout
 
 
-def test_the_compiled_step_and_flex_attention_keep_the_copied_layout(tiny_models, tokenizer):
-    """compile_decode falls back to the copied layout (its graphs are bucketed over that layout's shapes);
-    tested with the aot_eager backend, at the batch size test_static compiles (graphs are counted per process).
-    So does an attention other than sdpa/eager."""
+def test_the_compiled_step_decodes_over_the_shared_prefix_layout(tiny_models, tokenizer):
+    """compile_decode keeps each prompt once: the store's columns round up to the compiled length bucket (masked),
+    rows finishing early move through compaction (queries grouped by index), tokens equal generate's, and a
+    repeated call compiles nothing. Traced with aot_eager here (inductor: test_compiled, slow). An attention other
+    than sdpa/eager keeps the copied layout."""
     from opsd_rollout.rollout.shared_prefix import shared_prefix_problem
     from opsd_rollout.rollout.strategies.static import StaticDecode
 
     torch._dynamo.reset()
-    model = tiny_models["llama-tiny"]
-    engine = rollout(model, tokenizer, **SHARED)
-    engine.strategy = StaticDecode(compile_decode=True, shared_prefix_min_prompt=1, compact_rows=False,
-                                   compile_options={"backend": "aot_eager", "dynamic": False})
+    model = copy.deepcopy(tiny_models["llama-tiny"])
     request = prompts_with_padding_and_holes(tokenizer)
-    batch = engine.generate(request, greedy(2))
-    ref_ids, _ = reference_rollout(model, request, n=2, max_new_tokens=8, pad_token_id=PAD_ID, eos_ids=[EOS_ID])
-    assert torch.equal(batch.input_ids, ref_ids)
-    assert engine.get_last_profile().kv_layout == "copied"
+    eos = eos_that_stops_some_rows(model, request, 3)
+    model.generation_config.eos_token_id = None
+    engine = rollout(model, make_tokenizer(PAD_ID, eos), **SHARED)
+    engine.strategy = StaticDecode(compile_decode=True, shared_prefix_min_prompt=1,
+                                   compile_options={"backend": "aot_eager"})
+    ref_ids, _ = reference_rollout(model, request, n=3, max_new_tokens=12, pad_token_id=PAD_ID, eos_ids=[eos])
+    for call in range(2):
+        batch = engine.generate(request, greedy(3, 12))
+        profile = engine.get_last_profile()
+        assert torch.equal(batch.input_ids, ref_ids), call
+        assert profile.kv_layout == "shared_prefix" and profile.compactions >= 1, profile
+        assert (profile.compiled_graphs >= 1) if call == 0 else (profile.compiled_graphs == 0), profile
     flex = copy.deepcopy(model)
     flex.config._attn_implementation = "flex_attention"
     assert "flex_attention" in shared_prefix_problem(ModelSpec.of(flex))

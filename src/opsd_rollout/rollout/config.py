@@ -36,7 +36,7 @@ class HybridEngineRolloutConfig:
     """``static``, with ``n_samples_per_prompt > 1`` and ``shared_prefill``: store each prompt's keys/values once for
     its n samples and attend to them once per step for all n (shared-prefix attention: the prompt part and each
     row's own response part merged exactly by their log-sum-exps), when the prompt is at least
-    ``shared_prefix_min_prompt`` columns long. Off, or below that length, or with ``compile_decode``, or for an
+    ``shared_prefix_min_prompt`` columns long (eager or compiled). Off, or below that length, or for an
     attention other than ``sdpa``/``eager``: each row's slot holds a copy of its prompt's keys/values. The tokens
     are the same either way (up to the dtype's rounding); the profile's ``kv_layout`` says which ran."""
     shared_prefix_min_prompt: int = SHARED_PREFIX_MIN_PROMPT

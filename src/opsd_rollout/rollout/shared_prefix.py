@@ -139,6 +139,11 @@ class SharedPrefix:
         self._read = self._write = self.slot_index
         self._calls = 0
 
+    def shape_key(self) -> tuple:
+        """What a compiled decode step's graph depends on besides the decode batch: the store's shape, how queries
+        group (a view, or an index copy once rows moved) and which masks apply."""
+        return (self.groups, self.store.mask.shape[1], self.n, self.identity, self.padded, self.continuous)
+
     def __contains__(self, prompt: int) -> bool:
         return prompt in self.slot_of
 
@@ -155,7 +160,7 @@ class SharedPrefix:
             self.slot_of.pop(self.prompt_of[slot], None)
             self.prompt_of[slot], self.slot_of[prompt] = prompt, slot
         dest = torch.tensor(free[:len(prompts)], dtype=torch.int64, device=masks.device)
-        self.store.mask[dest] = masks.bool()
+        self.store.mask[dest, :masks.shape[1]] = masks.bool()  # a compiled step's store has masked columns after
         self._bias = additive_mask(self.store.mask[:, None, None, :], self.store.keys[0].dtype)
         front = self.store.front
         front.reset()

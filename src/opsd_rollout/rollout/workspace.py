@@ -115,9 +115,10 @@ class PrefixLayer(SlotLayer):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        self.written += key_states.shape[-2]
-        self.keys.index_copy_(0, self.front.dest, key_states)
-        self.values.index_copy_(0, self.front.dest, value_states)
+        width = key_states.shape[-2]  # the store may have more columns (a compiled step's bucket), masked
+        self.written += width
+        self.keys[:, :, :width].index_copy_(0, self.front.dest, key_states)
+        self.values[:, :, :width].index_copy_(0, self.front.dest, value_states)
         return key_states, value_states
 
 
@@ -264,7 +265,7 @@ class KVWorkspace:
             layer.device, layer.batch_size, layer.num_heads = device, rows, shape.kv_heads
             layer.k_head_dim = layer.v_head_dim = shape.head_dim
             layer.is_initialized = True
-            if whole and device.type == "cuda":  # fixed addresses: the compiled step replays as a graph
+            if (whole or prefix) and device.type == "cuda":  # fixed addresses: the compiled step replays as a graph
                 for tensor in (layer.keys, layer.values):
                     torch._dynamo.mark_static_address(tensor)
         if whole and device.type == "cuda":

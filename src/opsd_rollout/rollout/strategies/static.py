@@ -111,10 +111,12 @@ class StaticDecode:
             raise ValueError(f"continuous_cache_capacity {self.cache_capacity} is below prompt length {P} + "
                              f"max_new_tokens {plan.max_new_tokens}: each row's slot needs {length} columns")
         shared = self.shared_prefix_applies(target, plan.samples_per_prompt, P)
+        stored = P  # the prefix store's columns
         if shared:
             length -= P  # a slot holds its response only: the prompt is in the prefix store, once
         if self.compiled is not None:  # a bounded set of cache lengths: one graph per bucket, not per length
             length = bucket(length, LENGTH_BUCKET_MIN)
+            stored = bucket(P, LENGTH_BUCKET_MIN)  # the columns past the prompt stay masked
             self.compiled.prepare(device)
         dtype = target.dtype if target.dtype.is_floating_point else torch.float32
         slots = self.slots(target, rows, length, dtype, plan.continuous_batch_size,
@@ -124,10 +126,10 @@ class StaticDecode:
         cache, front = self.workspace.cache(config, slots, length, dtype, device, whole=whole)
         prefix = None
         if shared:
-            store = self.workspace.prefix_store(config, prefix_slots(rows // plan.samples_per_prompt, slots), P,
-                                                dtype, device)
+            store = self.workspace.prefix_store(config, prefix_slots(rows // plan.samples_per_prompt, slots),
+                                                stored, dtype, device)
             prefix = SharedPrefix(store, target.spec.config, plan.samples_per_prompt, slots,
-                                  continuous=slots < rows, padded=not bool(prompt_mask.all()))
+                                  continuous=slots < rows, padded=stored > P or not bool(prompt_mask.all()))
         run = _Run(self, target, prompt_ids, prompt_mask, plan, cache, front, slots, prefix)
         self.last_stats = run.stats
         tokens = run.loop()
@@ -135,10 +137,10 @@ class StaticDecode:
 
     def shared_prefix_applies(self, target: RolloutTarget, samples_per_prompt: int, prompt_length: int) -> bool:
         """Whether this rollout stores each prompt's keys/values once (``shared_prefix``): n > 1 samples share a
-        prompt of at least ``shared_prefix_min_prompt`` columns, prefilled once, decoded eagerly (the compiled
-        step keeps the copied layout) by an attention the layout can replace."""
+        prompt of at least ``shared_prefix_min_prompt`` columns, prefilled once, decoded by an attention the layout
+        can replace (eager or compiled)."""
         return (self.shared_prefix and self.shared_prefill and samples_per_prompt > 1
-                and prompt_length >= self.shared_prefix_min_prompt and self.compiled is None
+                and prompt_length >= self.shared_prefix_min_prompt
                 and shared_prefix_problem(target.spec) is None)
 
     def slots(self, target: RolloutTarget, rows: int, length: int, dtype: torch.dtype,
@@ -435,10 +437,15 @@ class _Run:
             if self.plan.layerwise_gather:  # DeepSpeed's hooks gather inside every forward: they stay eager
                 step = decode_one_token
             elif compiled.note_shape((active, self.front.length, self.target.dtype, None if mask is None else mask.dim(),
-                                      self.hooks)):
-                self.strategy.compile_step(*inputs)
-        with self.prefix.decoding(active, self.running) if self.prefix is not None else contextlib.nullcontext():
+                                      self.hooks, None if self.prefix is None else self.prefix.shape_key())):
+                with self._attention(active):
+                    self.strategy.compile_step(*inputs)
+        with self._attention(active):
             return step(*inputs)
+
+    def _attention(self, active: int) -> contextlib.AbstractContextManager:
+        """Around a decode forward: the shared-prefix layout's attention, or the model's own."""
+        return self.prefix.decoding(active, self.running) if self.prefix is not None else contextlib.nullcontext()
 
     def _step_mask(self, active: int) -> torch.Tensor | None:
         """The mask of this decode forward: the fed token's column switched on for each row, then the columns
