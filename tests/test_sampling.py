@@ -10,7 +10,7 @@ import torch
 
 from conftest import assert_chi_square_fit
 from opsd_rollout.rollout.counter_rng import rollout_key, uniforms
-from opsd_rollout.rollout.sampling import _top_k_candidates, draw, sample
+from opsd_rollout.rollout.sampling import _tied_candidates, _top_k_candidates, draw, sample
 
 
 def assert_follows(counts: torch.Tensor, probs: torch.Tensor) -> None:
@@ -74,7 +74,7 @@ def test_sampling_equals_transformers_warpers_with_ties_at_the_kth_logit(top_k, 
     six ties, so must we (they join the CPU path's candidates; with k = 9 top-p cuts through them)."""
     logits = torch.tensor([[5.0, 4.0, 3.0] + [2.0] * 6 + [1.0, 0.5, 0.0, -1.0] * 4])
     temperature = 0.9
-    candidates = _top_k_candidates(logits / temperature, top_k)
+    candidates = _top_k_candidates(logits, temperature, top_k)
     assert (candidates is None) == (top_k == 0)
     if top_k in (4, 8):
         assert torch.isfinite(candidates[0]).sum() == 9, "all six ties are candidates"
@@ -89,7 +89,7 @@ def test_sampling_equals_transformers_warpers_with_ties_at_the_kth_logit(top_k, 
 def test_bf16_logits_with_rows_of_different_tie_counts_keep_each_rows_ties():
     """bf16 logits tie often; each row keeps its own k-th's ties and nothing below its k-th."""
     logits = torch.tensor([[3.0, 2.0, 2.0, 2.0, 1.0, 0.0], [3.0, 2.5, 2.0, 1.0, 1.0, 0.0]], dtype=torch.bfloat16)
-    values, ids = _top_k_candidates(logits.float(), 2)
+    values, ids = _top_k_candidates(logits, 1.0, 2)
     kept = [sorted(i for v, i in zip(vs, row) if v > float("-inf")) for vs, row in zip(values.tolist(), ids.tolist())]
     assert kept == [[0, 1, 2, 3], [0, 1]]
     plan = SimpleNamespace(greedy=False, temperature=1.0, top_k=2, top_p=1.0)
@@ -102,8 +102,24 @@ def test_bf16_logits_with_rows_of_different_tie_counts_keep_each_rows_ties():
 def test_candidate_path_equals_transformers_without_ties():
     logits = torch.randn(1, 300, generator=torch.Generator().manual_seed(1)) * 3
     for top_k, top_p in [(10, 1.0), (40, 0.9)]:
-        assert _top_k_candidates(logits / 1.2, top_k)[1].shape == (1, top_k)
+        assert _top_k_candidates(logits, 1.2, top_k)[1].shape == (1, top_k)
         probs = transformers_probs(logits, 1.2, top_k, top_p)
         plan = SimpleNamespace(greedy=False, temperature=1.2, top_k=top_k, top_p=top_p)
         picks = sample(logits.expand(10000, -1), plan, counter_uniforms(10000, seed=top_k))
         assert_follows(torch.bincount(picks, minlength=logits.shape[1]).double(), probs)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_pass_candidates_equal_the_whole_vocabularys(dtype):
+    """The k + 1 largest raw logits, scaled alone, give the candidates that scaling and counting ties over the whole
+    vocabulary gives: fp32 rows without ties take the one pass, bf16 rows (ties everywhere) the counted path."""
+    generator = torch.Generator().manual_seed(7)
+    logits = (torch.randn(16, 5000, generator=generator) * 4).to(dtype)
+    for temperature, top_k in [(1.0, 50), (0.7, 1), (1.3, 10)]:
+        got = _top_k_candidates(logits, temperature, top_k)
+        expected = _tied_candidates(logits.float() / temperature, top_k)
+        width = got[0].shape[1]
+        assert width >= top_k and (width == top_k) == (dtype == torch.float32)
+        assert torch.equal(got[1], expected[1][:, :width]) and torch.equal(got[0], expected[0][:, :width])
+        assert torch.isinf(expected[0][:, width:]).all()
+

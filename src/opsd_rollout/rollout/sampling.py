@@ -3,9 +3,10 @@ top-p filtering as transformers' warpers do, then an inverse-CDF draw with one u
 ``counter_rng``: a function of the seed, the row and the step, so scheduling never changes a token), not one
 per vocabulary entry, and no ``multinomial``.
 
-On CPU with top-k, filtering and the draw run over the k candidates only: sorting a 150k vocabulary for
-top-p costs more than a small model's forward there. Logits tied with the k-th stay candidates, as
-transformers keeps them; how many there are is one host read (free on CPU). On CUDA the whole-vocabulary
+On CPU with top-k, filtering and the draw run over the k candidates only, found in one pass over the raw logits
+(scaling, sorting or counting a 150k vocabulary costs more than a small model's forward there). Logits tied
+with the k-th stay candidates, as transformers keeps them; whether there are any is one host read (free on
+CPU). On CUDA the whole-vocabulary
 path always runs (sorting is cheap there, and a host read is not). Which path runs depends on the sampling
 knobs and the device, never on the batch, and each row's token depends on its own logits and uniform only.
 """
@@ -66,20 +67,41 @@ def draw(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     return torch.searchsorted(cdf, u, right=True).squeeze(-1).clamp_(max=probs.shape[-1] - 1)
 
 
-def _top_k_candidates(scaled: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """On CPU, each row's top-k scaled logits and every logit tied with its k-th (transformers keeps those
-    too), with their ids: [N, W] each, W = k plus the most ties any row has, slots a row does not need at
-    ``-inf``; in ``sort_descending``'s order. ``None`` on other devices (one host read here) or without
-    top-k: the whole vocabulary is filtered then."""
-    if scaled.device.type != "cpu" or not 0 < top_k < scaled.shape[-1]:
+def _top_k_candidates(logits: torch.Tensor, temperature: float,
+                      top_k: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """On CPU, each row's top-k temperature-scaled logits and every logit tied with its k-th (transformers keeps
+    those too), with their ids: [N, W] each, W = k plus the most ties any row has, slots a row does not need at
+    ``-inf``; in ``sort_descending``'s order. ``None`` on other devices or without top-k: the whole vocabulary is
+    filtered then.
+
+    One pass over the vocabulary: the k + 1 largest raw logits (dividing by a temperature > 0 keeps the order, so
+    they are the largest scaled ones too), scaled alone. Only when the (k+1)-th then ties with the k-th (one host
+    read, free on CPU), which fp32 logits almost never do, are the ties counted over the whole scaled
+    vocabulary."""
+    vocab = logits.shape[-1]
+    if logits.device.type != "cpu" or not 0 < top_k < vocab:
         return None
+    values, ids = torch.topk(logits, top_k + 1, dim=-1)  # descending
+    values = values.float() / temperature
+    if bool((values[:, top_k] >= values[:, top_k - 1]).any()):
+        return _tied_candidates(logits.float() / temperature, top_k)
+    return _descending_by_id(values[:, :top_k], ids[:, :top_k])
+
+
+def _tied_candidates(scaled: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``_top_k_candidates`` when some row has logits tied with its k-th: counted over the scaled vocabulary."""
     values, ids = torch.topk(scaled, top_k, dim=-1, sorted=False)
     kth = values.min(dim=-1, keepdim=True).values
     width = int((scaled >= kth).sum(dim=-1).max())  # ties with the k-th: common with bf16/fp16 logits
     if width > top_k:
         values, ids = torch.topk(scaled, width, dim=-1, sorted=False)
         values = values.masked_fill(values < kth, float("-inf"))
-    ids, by_id = ids.sort(dim=-1)  # so that ties end up in ascending id, as on the whole vocabulary
+    return _descending_by_id(values, ids)
+
+
+def _descending_by_id(values: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Candidates in ``sort_descending``'s order: by value, ties in ascending id, as on the whole vocabulary."""
+    ids, by_id = ids.sort(dim=-1)
     values, order = sort_descending(values.gather(1, by_id))
     return values, ids.gather(1, order)
 
@@ -89,9 +111,9 @@ def sample(logits: torch.Tensor, plan: RolloutPlan, uniform: torch.Tensor | None
     logits' device, without a host sync on CUDA."""
     if plan.greedy:
         return logits.argmax(dim=-1)
-    scaled = logits.float() / plan.temperature
-    candidates = _top_k_candidates(scaled, plan.top_k)
+    candidates = _top_k_candidates(logits, plan.temperature, plan.top_k)
     if candidates is None:
+        scaled = logits.float() / plan.temperature
         return draw(filter_logits(scaled, top_k=plan.top_k, top_p=plan.top_p).softmax(dim=-1), uniform)
     values, ids = candidates  # [N, k], descending
     if plan.top_p < 1.0:
