@@ -233,8 +233,11 @@ def _add_bench_flags(bench: argparse.ArgumentParser, scenario: type[Scenario]) -
     axes = bench.add_argument_group("matrix axes (comma lists; override --config)")
     for axis in scenario.axes:
         names = [axis.flag] + ([SINGULAR[axis.name]] if axis.name in SINGULAR else [])
-        default = ",".join(str(v).lower() if isinstance(v, bool) else str(v) for v in scenario.defaults[axis.name])
-        axes.add_argument(*names, dest=axis.name, metavar="LIST", help=f"{axis.help} (default {default})")
+        default = ",".join(("on" if v else "off") if isinstance(v, bool) else str(v)
+                           for v in scenario.defaults[axis.name])
+        said = "(default)" in axis.help  # the help names its default already
+        axes.add_argument(*names, dest=axis.name, metavar="LIST",
+                          help=axis.help if said else f"{axis.help} (default {default})")
     defaults = scenario.settings_type()
     runs = bench.add_argument_group("settings (override --config)")
     runs.add_argument("--config", metavar="FILE", help="TOML, JSON or YAML file with axes and settings")
