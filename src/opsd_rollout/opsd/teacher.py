@@ -155,7 +155,7 @@ def finalize_logits(config: Any, logits: torch.Tensor) -> torch.Tensor:
 
 def cache_bytes(rows: int, window: int, width: int, dtype: torch.dtype, topk: bool) -> int:
     """Host bytes of a cache of ``rows x window`` positions, ``width`` entries each (int32 indices with top-k)."""
-    return rows * window * width * (torch.empty((), dtype=dtype).element_size() + 4 * topk)
+    return rows * window * width * (dtype.itemsize + 4 * topk)
 
 
 def _size(nbytes: int) -> str:
@@ -186,7 +186,7 @@ def plan_mode(config: TeacherCacheConfig, rows: int, window: int, vocab: int, dt
     fixes = [f"cache the teacher's top-k (TeacherCacheConfig(mode='topk', top_k={top_k}): "
              f"{_size(cache_bytes(rows, window, top_k, dtype, True))} here; over_budget='topk' switches when needed)"
              if full else "a smaller top_k"]
-    if torch.empty((), dtype=dtype).element_size() > 2:
+    if dtype.itemsize > 2:
         fixes.append(f"store it in bfloat16 (dtype=torch.bfloat16: "
                      f"{_size(cache_bytes(rows, window, width, torch.bfloat16, not full))})")
     fixes.append("train on fewer rows or shorter responses per step (the cache grows with rows x response length)")

@@ -6,9 +6,9 @@ per vocabulary entry, and no ``multinomial``.
 On CPU with top-k, filtering and the draw run over the k candidates only, found in one pass over the raw logits
 (scaling, sorting or counting a 150k vocabulary costs more than a small model's forward there). Logits tied
 with the k-th stay candidates, as transformers keeps them; whether there are any is one host read (free on
-CPU). On CUDA the whole-vocabulary
-path always runs (sorting is cheap there, and a host read is not). Which path runs depends on the sampling
-knobs and the device, never on the batch, and each row's token depends on its own logits and uniform only.
+CPU). On CUDA the whole-vocabulary path always runs (sorting is cheap there, and a host read is not). Which
+path runs depends on the sampling knobs and the device, never on the batch, and each row's token depends on its
+own logits and uniform only.
 """
 
 from __future__ import annotations

@@ -42,6 +42,11 @@ class RolloutTarget:
         return self.spec.dtype
 
     @property
+    def cache_dtype(self) -> torch.dtype:
+        """The dtype of its keys/values: the model's, or float32 for a model whose weights are integers."""
+        return self.dtype if self.dtype.is_floating_point else torch.float32
+
+    @property
     def vocab_size(self) -> int | None:
         return self.spec.vocab_size
 

@@ -28,12 +28,12 @@ from opsd_rollout.rollout.length_forcing import LengthForcing
 from opsd_rollout.rollout.sampling import precise_dtype, sample
 from opsd_rollout.rollout.scheduler import Admission, RowScheduler
 from opsd_rollout.rollout.shared_prefix import SharedPrefix, prefix_slots, shared_prefix_problem, slots_within
-
-UNBOUNDED = 2**62  # a step budget no rollout reaches: rows wait for slots, the checks end the loop
 from opsd_rollout.rollout.strategies.base import DecodeStats
 from opsd_rollout.rollout.target import RolloutTarget
 from opsd_rollout.rollout.validation import RolloutPlan
 from opsd_rollout.rollout.workspace import CacheFront, KVWorkspace, check_written
+
+UNBOUNDED = 2**62  # a step budget no rollout reaches: rows wait for slots, the checks end the loop
 
 
 def prefill(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, cache_mask: torch.Tensor | None,
@@ -118,7 +118,7 @@ class StaticDecode:
             length = bucket(length, LENGTH_BUCKET_MIN)
             stored = bucket(P, LENGTH_BUCKET_MIN)  # the columns past the prompt stay masked
             self.compiled.prepare(device)
-        dtype = target.dtype if target.dtype.is_floating_point else torch.float32
+        dtype = target.cache_dtype
         slots = self.slots(target, rows, length, dtype, plan.continuous_batch_size,
                            prompt_length=P if shared else 0, prompts=rows // plan.samples_per_prompt)
         # flex attention compiles its kernel for each key length: the whole-cache layout keeps one length
@@ -284,8 +284,7 @@ class _Run:
         """Prefill the admitted rows' new prompts (once each), give each row its prompt's keys/values in its slot,
         and sample its first token."""
         if not admissions:
-            if self.plan.collective_forwards:  # the other ranks prefill: join their collectives
-                self._prefill(self.prompt_ids[:1], self.prompt_mask[:1], into_slots=False)
+            self._join_prefill()  # the other ranks prefill
             return
         if self.prefix is None:
             prompts = self.scheduler.new_prompts(admissions)
@@ -298,8 +297,8 @@ class _Run:
             logits = self._prefill(self.prompt_ids[representatives], self.prompt_mask[representatives],
                                    into_slots=direct, prompts=prompts)
             self.prompt_logits.update(zip(prompts, logits))
-        elif self.plan.collective_forwards:  # every prompt already prefilled here; other ranks may prefill
-            self._prefill(self.prompt_ids[:1], self.prompt_mask[:1], into_slots=False)
+        else:  # every prompt already prefilled here; other ranks may prefill
+            self._join_prefill()
         if self.prefix is None and first and not direct and len(admissions) == self.rows and self.group > 1:
             self._replicate_prompts()  # every row of every prompt, in order: one broadcast copy
         elif self.prefix is None and not direct:
@@ -314,12 +313,17 @@ class _Run:
         waiting = self.scheduler.pending[0] // self.group if self.scheduler.pending else None
         self.prompt_logits = {p: v for p, v in self.prompt_logits.items() if p == waiting}
 
+    def _join_prefill(self) -> None:
+        """When forwards gather parameters collectively, a placeholder prefill joins the other ranks' prefill."""
+        if self.plan.collective_forwards:
+            self._prefill(self.prompt_ids[:1], self.prompt_mask[:1], into_slots=False)
+
     def _prefill(self, ids: torch.Tensor, mask: torch.Tensor, *, into_slots: bool,
                  prompts: list[int] | None = None) -> torch.Tensor:
         """One prefill forward of ``ids`` [k, P], into the decode cache's first rows (``into_slots``), the prefix
         store (shared prefix: the request's ``prompts``) or the prefill cache; returns the last logits [k, V]."""
         config, device = self.target.forward_module.config, ids.device
-        dtype = self.target.dtype if self.target.dtype.is_floating_point else torch.float32
+        dtype = self.target.cache_dtype
         masked = self.masked
         if self.prefix is not None and prompts is not None:
             cache = self.prefix.assign(prompts, mask, self.scheduler.prompts_in_use())
