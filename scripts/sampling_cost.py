@@ -17,6 +17,7 @@ from types import SimpleNamespace
 import torch
 
 from opsd_rollout import HybridEngineRollout, HybridEngineRolloutConfig, SamplingConfig
+from opsd_rollout.bench.argtypes import positive_int, positive_ints
 from opsd_rollout.bench.prompts import synthetic_prompts
 from opsd_rollout.bench.timing import interleaved_medians
 from opsd_rollout.models import load_model
@@ -48,25 +49,6 @@ def selection_table(vocab_sizes: list[int], rows: int, rounds: int) -> None:
             theirs, ours = medians["transformers"], medians["ours"]
             print(f"| {vocab:,} | {str(dtype).removeprefix('torch.')} | {theirs:.3f} | {ours:.3f} | "
                   f"{theirs / ours:.1f}x |")
-
-
-def positive_int(text: str) -> int:
-    """argparse type: a positive integer."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
-
-
-def positive_ints(text: str) -> list[int]:
-    """argparse type: a comma list of positive integers."""
-    try:
-        return [positive_int(part) for part in text.split(",")]
-    except argparse.ArgumentTypeError:
-        raise argparse.ArgumentTypeError(f"expected a comma list of positive integers, got {text!r}") from None
 
 
 def main() -> None:

@@ -18,29 +18,12 @@ import statistics
 import torch
 
 from opsd_rollout import HybridEngineRollout, HybridEngineRolloutConfig, SamplingConfig
+from opsd_rollout.bench.argtypes import positive_int, positive_ints
 from opsd_rollout.bench.prompts import synthetic_prompts
 from opsd_rollout.bench.timing import interleaved_times
 from opsd_rollout.models import load_model
 
 LAYOUTS = {"copied": dict(shared_prefix=False), "shared": dict(shared_prefix=True, shared_prefix_min_prompt=1)}
-
-
-def positive_ints(text: str, separator: str = ",") -> list[int]:
-    """argparse type: positive integers separated by ``separator``."""
-    try:
-        values = [int(part) for part in text.split(separator)]
-    except ValueError:
-        values = [0]
-    if min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive integers separated by {separator!r}, got {text!r}")
-    return values
-
-
-def positive_int(text: str) -> int:
-    """argparse type: one positive integer."""
-    if not text.isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return int(text)
 
 
 def batch_shape(text: str) -> list[int]:
