@@ -95,9 +95,15 @@ def test_prompt_lengths_within_a_bucket_share_one_compiled_graph(tiny_models, to
     assert rollout.strategy.compiled.graphs - before <= 1
 
 
-def test_reaching_the_recompile_limit_is_a_warning(monkeypatch, caplog):
+def test_reaching_the_recompile_limit_is_a_warning(caplog):
     torch._dynamo.reset()
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 2)
+    # torch's own patch: pytest's monkeypatch deletes the attribute on undo, which hides the setting for every
+    # later compile in the process ("torch._dynamo.config.recompile_limit does not exist")
+    with torch._dynamo.config.patch(recompile_limit=2):
+        check_recompile_warning(caplog)
+
+
+def check_recompile_warning(caplog):
 
     def step(x):
         return x + 1
