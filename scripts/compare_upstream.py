@@ -37,11 +37,12 @@ from opsd_rollout.models import load_model
 from opsd_rollout.rollout.length_forcing import as_logits_processor
 from opsd_rollout.rollout.lengths import LengthModel
 
-CONTENDERS = ("static", "static-compiled", "static-no-compaction", "static-copied-prompts", "static-no-shared-prefill",
-              "static-whole-cache", "static-release", "per-layer-gather", "generate", "deepspeed", "transformers")
-OPT_IN = ("static-compiled", "static-no-compaction")
+CONTENDERS = ("static", "static-compiled", "static-no-compaction", "static-model-weights", "static-copied-prompts",
+              "static-no-shared-prefill", "static-whole-cache", "static-release", "per-layer-gather", "generate", "deepspeed", "transformers")
+OPT_IN = ("static-compiled", "static-no-compaction", "static-model-weights")
 """Contenders run only when named: the compiled step's first call compiles (tens of seconds on a CPU, in the
-warm-up round), and no compaction is the baseline of the long-tail comparison."""
+warm-up round), no compaction is the baseline of the long-tail comparison, and the model's own weight layout
+the baseline of the CPU weight copies."""
 LENGTH_SEED = 0  # our rollouts' seed=None forces lengths with seed 0; the processors use the same
 
 
@@ -169,6 +170,8 @@ def contenders_for(engine, tokenizer, args) -> dict:
         "static": ("opsd static", lambda: static()),
         "static-compiled": ("opsd static, compiled step", lambda: static(compile_decode=True)),
         "static-no-compaction": ("opsd static, no row compaction", lambda: static(compact_rows=False)),
+        "static-model-weights": ("opsd static, the model's weight layout (CPU)",
+                                 lambda: static(cpu_transposed_weights=False)),
         "static-copied-prompts": ("opsd static, prompt keys/values copied to every row",
                                   lambda: static(shared_prefix=False)),
         "static-no-shared-prefill": ("opsd static, no shared prefill", lambda: static(shared_prefill=False)),

@@ -57,6 +57,7 @@ METRICS: dict[str, Metric] = {m.name: m for m in [
     _ms("workspace_alloc_ms", "alloc"),
     _ms("compaction_ms", "compact"),
     _ms("compile_ms", "compile"),
+    _ms("weight_layout_ms", "weights"),
     Metric("compiled_graphs", "graphs", "count", merge="sum", lower_is_better=None),
     Metric("param_gather_count", "gathers", "count", merge="sum", lower_is_better=None),
     Metric("param_gather_bytes", "gathered", "bytes", merge="sum", lower_is_better=None),
@@ -82,6 +83,7 @@ METRICS: dict[str, Metric] = {m.name: m for m in [
     # memory
     Metric("peak_memory_bytes", "peak", "bytes", compared=True),
     Metric("kv_workspace_bytes", "KV", "bytes"),
+    Metric("weight_layout_bytes", "weight copies", "bytes"),
     # OPSD step parts
     _ms("eval_ms", "eval"),
     _ms("rollout_ms", "rollout", compared=True),
@@ -98,7 +100,7 @@ METRICS: dict[str, Metric] = {m.name: m for m in [
 ]}
 
 ATTRIBUTED_PHASES = ("param_gather", "inference_cache", "lora_fuse", "lora_unfuse", "gc", "empty_cache",
-                     "workspace_alloc", "compaction", "compile")
+                     "workspace_alloc", "compaction", "compile", "weight_layout")
 """The attributed phases a rollout profile reports, each as ``<phase>_ms``."""
 ROLLOUT_STAGES = ("prompt_expansion_ms", "prefill_ms", "decode_ms", *(f"{p}_ms" for p in ATTRIBUTED_PHASES),
                   "generation_overhead_ms", "post_processing_ms")

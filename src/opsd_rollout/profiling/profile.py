@@ -86,6 +86,9 @@ class RolloutProfile(Mapping):
     """Allocating the static strategy's KV workspace (``None`` when it was reused or not used)."""
     compaction_ms: float | None = None
     """Moving the live rows to the front of a shrunken decode batch (``None`` when no row left the batch)."""
+    weight_layout_ms: float | None = None
+    """CPU: writing the linear layers' weights into their transposed copies at the call's start (``weight_layout``
+    ``transposed``; ``None`` otherwise)."""
     compile_ms: float | None = None
     """``compile_decode``: the compiled step's first calls for shapes new to the process (compiling them, when
     torch had to), apart from ``decode_ms`` (``None`` when every shape was seen before)."""
@@ -125,6 +128,12 @@ class RolloutProfile(Mapping):
     kv_layout: str | None = None
     """Static strategy: ``shared_prefix`` (each prompt's keys/values once, each row's response in its slot) or
     ``copied`` (each row's slot holds its prompt's keys/values too); ``None`` for ``generate``."""
+    weight_layout: str | None = None
+    """Static strategy: ``transposed`` (on the CPU, every float32 ``nn.Linear`` multiplied by an ``[in, out]`` copy of
+    its weight: ``cpu_transposed_weights``) or ``model`` (the weights as the model keeps them); ``None`` for
+    ``generate``."""
+    weight_layout_bytes: int | None = None
+    """Bytes of those weight copies, kept between calls (0 with the model's own layout)."""
     # memory
     peak_memory_bytes: int
     """Accelerator peak allocated on CUDA; peak process RSS on CPU."""
@@ -241,7 +250,8 @@ def build_profile(*, stages: dict[str, float], forwards: list | None, phases: di
         stats = decode_stats
         attributed.update(row_steps=stats.row_steps, compactions=stats.compactions, compiled_graphs=stats.compiled_graphs,
                           admission_rounds=stats.admission_rounds, decode_slots=stats.slots,
-                          kv_layout=stats.kv_layout,
+                          kv_layout=stats.kv_layout, weight_layout=stats.weight_layout,
+                          weight_layout_bytes=stats.weight_layout_bytes if stats.weight_layout else None,
                           live_row_utilisation=generated_tokens / stats.row_steps if stats.row_steps else None,
                           **_row_latencies(forwards, stats, lengths))
     return RolloutProfile(

@@ -24,7 +24,8 @@ def make_strategy(cfg: "HybridEngineRolloutConfig") -> GenerationStrategy:
                             seed=cfg.seed, compile_decode=cfg.compile_decode, static_shapes=cfg.static_shapes,
                             compact_rows=cfg.compact_rows, kv_budget_bytes=cfg.kv_budget_bytes,
                             cache_capacity=cfg.continuous_cache_capacity, shared_prefix=cfg.shared_prefix,
-                            shared_prefix_min_prompt=cfg.shared_prefix_min_prompt)
+                            shared_prefix_min_prompt=cfg.shared_prefix_min_prompt,
+                            cpu_transposed_weights=cfg.cpu_transposed_weights)
     if cfg.strategy == TransformersGenerate.name:
         return TransformersGenerate()
     raise ValueError(f"unknown strategy {cfg.strategy!r}")

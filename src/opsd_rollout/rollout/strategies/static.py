@@ -31,6 +31,7 @@ from opsd_rollout.rollout.shared_prefix import SharedPrefix, prefix_slots, share
 from opsd_rollout.rollout.strategies.base import DecodeStats
 from opsd_rollout.rollout.target import RolloutTarget
 from opsd_rollout.rollout.validation import RolloutPlan
+from opsd_rollout.rollout.weight_layout import TransposedLinears
 from opsd_rollout.rollout.workspace import CacheFront, KVWorkspace, check_written
 
 UNBOUNDED = 2**62  # a step budget no rollout reaches: rows wait for slots, the checks end the loop
@@ -63,7 +64,7 @@ class StaticDecode:
                  seed: int | None = None, compile_decode: bool = False, static_shapes: bool = False,
                  compact_rows: bool = True, kv_budget_bytes: int | None = None, cache_capacity: int | None = None,
                  shared_prefix: bool = True, shared_prefix_min_prompt: int = SHARED_PREFIX_MIN_PROMPT,
-                 compile_options: dict[str, Any] | None = None):
+                 cpu_transposed_weights: bool = True, compile_options: dict[str, Any] | None = None):
         self.shared_prefill = shared_prefill
         self.shared_prefix, self.shared_prefix_min_prompt = shared_prefix, shared_prefix_min_prompt
         # A compiled step needs the same shapes every step: the whole cache, masked (``static_shapes``).
@@ -77,11 +78,15 @@ class StaticDecode:
         self.kv_budget_bytes, self.cache_capacity = kv_budget_bytes, cache_capacity
         self.seed = seed
         self.workspace = KVWorkspace()
+        self.cpu_transposed_weights = cpu_transposed_weights
+        self.linears = TransposedLinears()
+        """CPU: the linear layers' weights in the layout oneMKL multiplies fast (``rollout/weight_layout.py``)."""
         self.last_stats = DecodeStats()
         self._calls = 0
 
     def release_workspace(self) -> None:
         self.workspace.release()
+        self.linears.release()
 
     def unsupported_reason(self, target: RolloutTarget) -> str | None:
         """Why this strategy cannot run ``target`` (the rollout then uses ``generate``), or ``None``."""
@@ -130,9 +135,14 @@ class StaticDecode:
                                                 stored, dtype, device)
             prefix = SharedPrefix(store, target.spec.config, plan.samples_per_prompt, slots,
                                   continuous=slots < rows, padded=stored > P or not bool(prompt_mask.all()))
-        run = _Run(self, target, prompt_ids, prompt_mask, plan, cache, front, slots, prefix)
+        transposed = self.cpu_transposed_weights and not plan.layerwise_gather and self.linears.applies(
+            target.model, device, slots)
+        if transposed:  # the weights may have changed since the last call (training): copied again
+            self.copy_weights(target.model)
+        run = _Run(self, target, prompt_ids, prompt_mask, plan, cache, front, slots, prefix, transposed)
         self.last_stats = run.stats
-        tokens = run.loop()
+        with self.linears.decoding() if transposed else contextlib.nullcontext():
+            tokens = run.loop()
         return torch.cat([prompt_ids, tokens], dim=1)
 
     def shared_prefix_applies(self, target: RolloutTarget, samples_per_prompt: int, prompt_length: int) -> bool:
@@ -164,13 +174,18 @@ class StaticDecode:
         rollout times it as ``compile_ms``, and the forward inside is not a decode step)."""
         self.last_stats.compiled_graphs += self.compiled.first_call(*args)
 
+    def copy_weights(self, model: torch.nn.Module) -> None:
+        """The linear layers' weights into their transposed copies (probed: a profiled rollout times it as
+        ``weight_layout_ms``)."""
+        self.linears.refresh(model)
+
     def compact(self, run: "_Run", order: list[int]) -> None:
         """Move the batch's rows ``order`` to its front (probed: a profiled rollout times it as compaction)."""
         run.compact(order)
 
     def probe_points(self) -> list[tuple[Any, str, str]]:
         return [(self.workspace, "allocate", "workspace_alloc"), (self, "compact", "compaction"),
-                (self, "compile_step", "compile")]
+                (self, "compile_step", "compile"), (self, "copy_weights", "weight_layout")]
 
 
 class _Run:
@@ -178,7 +193,7 @@ class _Run:
 
     def __init__(self, strategy: StaticDecode, target: RolloutTarget, prompt_ids: torch.Tensor,
                  prompt_mask: torch.Tensor, plan: RolloutPlan, cache: Any, front: CacheFront, slots: int,
-                 prefix: SharedPrefix | None = None):
+                 prefix: SharedPrefix | None = None, transposed: bool = False):
         self.strategy, self.target, self.plan, self.cache, self.front = strategy, target, plan, cache, front
         self.prefix = prefix
         self.start = 0 if prefix is not None else prompt_ids.shape[1]
@@ -222,9 +237,11 @@ class _Run:
             self.forcing = LengthForcing(plan.response_lengths, plan.max_new_tokens, plan.eos_token_ids[0],
                                          plan.length_seed, device)
             self.forcing.start(prompt_ids, prompt_mask, plan.samples_per_prompt)
-        self.stats = DecodeStats(slots=slots, kv_layout="copied" if prefix is None else "shared_prefix")
-        module = target.forward_module  # a compiled step's graphs differ by model and hooks (the forward timer's)
-        self.hooks = (id(module), len(module._forward_pre_hooks), len(module._forward_hooks))
+        self.stats = DecodeStats(slots=slots, kv_layout="copied" if prefix is None else "shared_prefix",
+                                 weight_layout="transposed" if transposed else "model",
+                                 weight_layout_bytes=strategy.linears.nbytes if transposed else 0)
+        module = target.forward_module  # a compiled step's graphs differ by model, hooks (the forward timer's)
+        self.hooks = (id(module), len(module._forward_pre_hooks), len(module._forward_hooks), transposed)
         self.step_count = 0
 
     # ---- the loop ------------------------------------------------------------------------------------------

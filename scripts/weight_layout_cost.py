@@ -1,0 +1,124 @@
+"""What the CPU weight layout (``cpu_transposed_weights``) costs and buys: the model's linear layers multiplied at
+several row counts with the weights as the model keeps them (``[out, in]``) and as ``[in, out]`` copies; the
+per-token decode time of whole rollouts both ways; and the per-call copy.
+
+    python scripts/weight_layout_cost.py                                   # llama-small, B = 1,4,8,16,32,64
+    python scripts/weight_layout_cost.py --model qwen2-0.5b --batch-sizes 1,16,64 --rounds 3
+
+Per-token decode time is the difference of two calls, ``max_new_tokens`` = SHORT and LONG (EOS ignored), over
+LONG - SHORT: prefill, the per-call weight copy and other per-call work cancel. Both layouts interleaved,
+medians; the tokens of the two are compared.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+from opsd_rollout.bench.argtypes import positive_int, positive_ints
+
+SHORT, LONG = 8, 40
+
+
+def matmuls(model, rows_list: list[int], repeats: int) -> list[dict]:
+    """Per row count: ms of one pass over every eligible linear layer, model layout against ``[in, out]``."""
+    import torch
+    import torch.nn.functional as F
+
+    from opsd_rollout.rollout.weight_layout import _eligible
+
+    layers = [m for m in model.modules() if _eligible(m)]
+    copies = [m.weight.detach().t().contiguous() for m in layers]
+    out = []
+    for rows in rows_list:
+        inputs = [torch.randn(rows, 1, m.in_features) for m in layers]
+
+        def model_layout():
+            for m, x in zip(layers, inputs):
+                F.linear(x, m.weight, m.bias)
+
+        def transposed():
+            for m, c, x in zip(layers, copies, inputs):
+                F.linear(x, c.t(), m.bias)
+
+        ms = {}
+        for name, fn in (("model", model_layout), ("transposed", transposed)) * 2:  # second pass is kept
+            fn()
+            start = time.perf_counter()
+            for _ in range(repeats):
+                fn()
+            ms[name] = (time.perf_counter() - start) / repeats * 1e3
+        out.append({"rows": rows, "model_ms": ms["model"], "transposed_ms": ms["transposed"],
+                    "speedup": ms["model"] / ms["transposed"]})
+        print(json.dumps(out[-1]), file=sys.stderr, flush=True)
+    return out
+
+
+def per_token(model, tokenizer, args: argparse.Namespace) -> list[dict]:
+    """Per batch size: ms per decode token with each layout (interleaved medians), and equal tokens."""
+    import torch
+
+    from opsd_rollout import HybridEngineRollout, HybridEngineRolloutConfig, SamplingConfig
+    from opsd_rollout.bench.prompts import synthetic_prompts
+    from opsd_rollout.bench.timing import interleaved_times
+
+    rollouts = {name: HybridEngineRollout(model, tokenizer, HybridEngineRolloutConfig(
+        ignore_eos=True, cpu_transposed_weights=name == "transposed", compile_decode=args.compile, seed=0))
+        for name in ("model", "transposed")}
+    rows = []
+    for batch in args.batch_sizes:
+        request = synthetic_prompts(batch, args.prompt_length, vocab_size=model.config.vocab_size, seed=batch)
+        sampling = {r: SamplingConfig(max_new_tokens=r, temperature=0) for r in (SHORT, LONG)}
+        tokens = {name: rollout.generate(request, sampling[LONG]).input_ids for name, rollout in rollouts.items()}
+        calls = {f"{name} {r}": (lambda ro=rollout, r=r: ro.generate(request, sampling[r]))
+                 for name, rollout in rollouts.items() for r in (SHORT, LONG)}
+        times = interleaved_times(calls, args.rounds)
+        ms = {name: (statistics.median(times[f"{name} {LONG}"]) - statistics.median(times[f"{name} {SHORT}"]))
+              / (LONG - SHORT) for name in rollouts}
+        profiled = HybridEngineRollout(model, tokenizer, HybridEngineRolloutConfig(
+            ignore_eos=True, enable_profiling=True, profile_forwards=False))
+        profiled.generate(request, sampling[SHORT])
+        profile = profiled.get_last_profile()
+        rows.append({"batch_size": batch, "model_ms_per_token": ms["model"],
+                     "transposed_ms_per_token": ms["transposed"], "speedup": ms["model"] / ms["transposed"],
+                     "equal_tokens": torch.equal(tokens["model"], tokens["transposed"]),
+                     "weight_layout": profile.weight_layout, "weight_layout_ms": profile.weight_layout_ms,
+                     "weight_layout_bytes": profile.weight_layout_bytes})
+        print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="llama-small")
+    parser.add_argument("--batch-sizes", type=positive_ints, default=[1, 4, 8, 16, 32, 64])
+    parser.add_argument("--prompt-length", type=positive_int, default=64)
+    parser.add_argument("--rounds", type=positive_int, default=5)
+    parser.add_argument("--repeats", type=positive_int, default=50, help="matmul passes timed per row count")
+    parser.add_argument("--compile", action="store_true", help="both sides with compile_decode=True")
+    parser.add_argument("--output", help="write the figures as JSON here")
+    args = parser.parse_args()
+    import torch
+
+    from opsd_rollout.models import load_model
+
+    model, tokenizer = load_model(args.model)
+    figures = {"model": args.model, "threads": torch.get_num_threads(), "torch": torch.__version__,
+               "prompt_length": args.prompt_length, "rounds": args.rounds, "compile": args.compile,
+               "matmuls": matmuls(model, args.batch_sizes, args.repeats),
+               "per_token": per_token(model, tokenizer, args)}
+    text = json.dumps(figures, indent=2)
+    if args.output:
+        with open(args.output + ".tmp", "w") as handle:
+            handle.write(text)
+        os.replace(args.output + ".tmp", args.output)
+    print(text)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    main()

@@ -1,0 +1,117 @@
+"""Decode matmuls on the CPU in the weight layout oneMKL multiplies fast.
+
+``nn.Linear`` keeps its weight ``[out, in]`` and computes ``x @ weight.T``. On the CPU, for float32, that
+transposed right operand sends oneMKL's GEMM down a slow path at a few dozen rows, the sizes of a decode step:
+all of ``llama-small``'s projections at 16 rows take 23 ms with the weights as the model keeps them and 4.7 ms
+with each weight stored ``[in, out]`` (torch 2.11 and 2.13, this project's Xeon; equal at 1-4 rows and from 128
+rows, the prefill's sizes; bfloat16 gains nothing and float16 loses badly, so only float32 is changed;
+benchmarks/RESULTS.md, "CPU decode matmuls").
+
+So on the CPU, a rollout of at least ``MIN_ROWS`` decode rows multiplies every float32 ``nn.Linear`` by an
+``[in, out]`` copy of its weight (``F.linear`` over the copy's transposed view: the same op, bias included, on
+the fast path). The copies are kept between calls (a workspace, like the KV cache) and written again at the
+start of every call, because training changes the weights between rollouts (an optimizer step, a LoRA merge,
+a ZeRO-3 gather: none of them reliably visible from the tensor). Writing them costs about one strided read of
+the weights (a profiled rollout times it as ``weight_layout_ms``); a decode step at 16 rows repays it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+
+from opsd_rollout.rollout.gather import available_bytes
+
+logger = logging.getLogger(__name__)
+
+MIN_ROWS = 16
+"""The fewest decode rows (slots) for which a rollout copies the weights: below it the two layouts multiply
+about as fast (oneMKL's slow path starts between 12 and 16 rows) and the copy would not pay. Rows that finish
+leave the batch; a rollout that started with enough keeps the copies to its end (no slower at fewer rows)."""
+TILE = 128
+"""Weight rows transposed per copy: a whole-matrix strided copy runs at half the speed (cache misses)."""
+MEMORY_SHARE = 0.5
+"""The copies are skipped (with a warning) when they would take more than this share of the available RAM."""
+
+
+def _linear(module: torch.nn.Linear, weight_t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``module``'s forward over ``weight_t`` ([in, out]): ``x @ weight_t + bias``."""
+    return F.linear(x, weight_t.t(), module.bias)
+
+
+def _eligible(module: torch.nn.Module) -> bool:
+    """A plain ``nn.Linear`` (not a subclass: quantized or otherwise special layers keep their own forward)
+    whose whole float32 weight is on the CPU (a ZeRO-3 parameter not gathered has no elements here)."""
+    if type(module) is not torch.nn.Linear:
+        return False
+    weight = module.weight
+    return (weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.dim() == 2
+            and weight.numel() == module.in_features * module.out_features)
+
+
+class TransposedLinears:
+    """``[in, out]`` copies of a model's float32 ``nn.Linear`` weights, kept between calls, and the context in
+    which the model's linear layers multiply by them."""
+
+    def __init__(self) -> None:
+        self._copies: dict[torch.nn.Module, torch.Tensor] = {}
+        self._warned = False
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the copies kept."""
+        return sum(copy.nbytes for copy in self._copies.values())
+
+    def release(self) -> None:
+        self._copies = {}
+
+    def applies(self, model: torch.nn.Module, device: torch.device, slots: int) -> bool:
+        """Whether a rollout of ``slots`` decode rows on ``device`` uses the copies: on the CPU, from
+        ``MIN_ROWS`` rows, when the model has such layers and their copies fit ``MEMORY_SHARE`` of the RAM."""
+        if device.type != "cpu" or slots < MIN_ROWS:
+            return False
+        needed = sum(m.weight.nbytes for m in model.modules() if _eligible(m) and m not in self._copies)
+        if needed > MEMORY_SHARE * available_bytes(device):
+            if not self._warned:
+                self._warned = True
+                logger.warning("decoding with the model's own weight layout: transposed copies of its linear weights "
+                               "(%d MiB) would take more than half the available RAM", needed >> 20)
+            return False
+        return any(_eligible(m) for m in model.modules())
+
+    def refresh(self, model: torch.nn.Module) -> None:
+        """Write every eligible layer's weight into its copy, allocating copies for layers new (or reshaped)
+        since the last call and dropping those of layers gone. A profiled rollout times it as ``weight_layout``."""
+        copies = {}
+        for module in model.modules():
+            if not _eligible(module):
+                continue
+            weight = module.weight.detach()
+            copy = self._copies.get(module)
+            if copy is None or copy.shape != weight.t().shape:
+                copy = torch.empty(weight.shape[1], weight.shape[0], dtype=weight.dtype, device=weight.device)
+            for start in range(0, weight.shape[0], TILE):  # [in, out] <- [out, in], a band of rows at a time
+                copy[:, start:start + TILE].copy_(weight[start:start + TILE].t())
+            copies[module] = copy
+        self._copies = copies
+
+    @contextlib.contextmanager
+    def decoding(self) -> Iterator[None]:
+        """Within the block each copied layer's forward multiplies by its copy (hooks run as before: only the
+        instance's ``forward`` is replaced); on leaving, every layer has its own forward back."""
+        replaced = []
+        try:
+            for module, copy in self._copies.items():
+                if "forward" in module.__dict__:  # someone else's instance forward: leave that layer alone
+                    continue
+                module.forward = functools.partial(_linear, module, copy)
+                replaced.append(module)
+            yield
+        finally:
+            for module in replaced:
+                del module.forward
