@@ -1,9 +1,10 @@
 """What the CPU weight layout (``cpu_transposed_weights``) costs and buys: the model's linear layers multiplied at
 several row counts with the weights as the model keeps them (``[out, in]``) and as ``[in, out]`` copies; the
-per-token decode time of whole rollouts both ways; and the per-call copy.
+per-token decode time of whole rollouts both ways; and the per-call copy (into copies already allocated).
 
     python scripts/weight_layout_cost.py                                   # llama-small, B = 1,4,8,16,32,64
-    python scripts/weight_layout_cost.py --model qwen2-0.5b --batch-sizes 1,16,64 --rounds 3
+    python scripts/weight_layout_cost.py --model qwen2-0.5b --batch-sizes 1,16,32 --rounds 3
+    python scripts/weight_layout_cost.py --kernel-sweep                    # one weight per shape, 16 rows
 
 Per-token decode time is the difference of two calls, ``max_new_tokens`` = SHORT and LONG (EOS ignored), over
 LONG - SHORT: prefill, the per-call weight copy and other per-call work cancel. Both layouts interleaved,
@@ -58,6 +59,46 @@ def matmuls(model, rows_list: list[int], repeats: int) -> list[dict]:
     return out
 
 
+def kernel_sweep(rows: int = 16, repeats: int = 30) -> list[dict]:
+    """One random weight per (inputs K, outputs N), ``rows`` rows: median ms in the model layout and over an
+    ``[in, out]`` copy, and the ratio (where oneMKL's slow path lies on this machine)."""
+    import torch
+    import torch.nn.functional as F
+
+    out = []
+    for k in (256, 512, 768, 896, 1024, 1536, 2048):
+        for n in (512, 1408, 4096):
+            weight = torch.randn(n, k)
+            copy, x = weight.t().contiguous(), torch.randn(rows, 1, k)
+            ms = {}
+            for name, fn in (("model", lambda: F.linear(x, weight)), ("transposed", lambda: F.linear(x, copy.t()))):
+                fn()
+                times = []
+                for _ in range(repeats):
+                    start = time.perf_counter()
+                    fn()
+                    times.append((time.perf_counter() - start) * 1e3)
+                ms[name] = statistics.median(times)
+            out.append({"inputs": k, "outputs": n, "rows": rows, "model_ms": ms["model"],
+                        "transposed_ms": ms["transposed"], "speedup": ms["model"] / ms["transposed"]})
+            print(json.dumps(out[-1]), file=sys.stderr, flush=True)
+    return out
+
+
+def copy_cost(model, repeats: int = 5) -> dict:
+    """The per-call copy (``TransposedLinears.refresh``) into copies already allocated: median ms, and bytes."""
+    from opsd_rollout.rollout.weight_layout import TransposedLinears
+
+    linears = TransposedLinears()
+    linears.refresh(model)  # allocates
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        linears.refresh(model)
+        times.append((time.perf_counter() - start) * 1e3)
+    return {"copy_ms": statistics.median(times), "bytes": linears.nbytes}
+
+
 def per_token(model, tokenizer, args: argparse.Namespace) -> list[dict]:
     """Per batch size: ms per decode token with each layout (interleaved medians), and equal tokens."""
     import torch
@@ -81,7 +122,8 @@ def per_token(model, tokenizer, args: argparse.Namespace) -> list[dict]:
               / (LONG - SHORT) for name in rollouts}
         profiled = HybridEngineRollout(model, tokenizer, HybridEngineRolloutConfig(
             ignore_eos=True, enable_profiling=True, profile_forwards=False))
-        profiled.generate(request, sampling[SHORT])
+        for _ in range(2):  # the second call's copy: into copies allocated by the first, as in a training loop
+            profiled.generate(request, sampling[SHORT])
         profile = profiled.get_last_profile()
         rows.append({"batch_size": batch, "model_ms_per_token": ms["model"],
                      "transposed_ms_per_token": ms["transposed"], "speedup": ms["model"] / ms["transposed"],
@@ -100,22 +142,34 @@ def main() -> None:
     parser.add_argument("--rounds", type=positive_int, default=5)
     parser.add_argument("--repeats", type=positive_int, default=50, help="matmul passes timed per row count")
     parser.add_argument("--compile", action="store_true", help="both sides with compile_decode=True")
+    parser.add_argument("--kernel-sweep", action="store_true",
+                        help="only one weight per shape (inputs x outputs), 16 rows, both layouts")
     parser.add_argument("--output", help="write the figures as JSON here")
     args = parser.parse_args()
     import torch
+
+    if args.kernel_sweep:
+        write(args.output, {"threads": torch.get_num_threads(), "torch": torch.__version__,
+                            "sweep": kernel_sweep()})
+        return
 
     from opsd_rollout.models import load_model
 
     model, tokenizer = load_model(args.model)
     figures = {"model": args.model, "threads": torch.get_num_threads(), "torch": torch.__version__,
                "prompt_length": args.prompt_length, "rounds": args.rounds, "compile": args.compile,
-               "matmuls": matmuls(model, args.batch_sizes, args.repeats),
+               "matmuls": matmuls(model, args.batch_sizes, args.repeats), "copy": copy_cost(model),
                "per_token": per_token(model, tokenizer, args)}
+    write(args.output, figures)
+
+
+def write(path: str | None, figures: dict) -> None:
+    """Print ``figures`` as JSON, and write them atomically to ``path`` if given."""
     text = json.dumps(figures, indent=2)
-    if args.output:
-        with open(args.output + ".tmp", "w") as handle:
+    if path:
+        with open(path + ".tmp", "w") as handle:
             handle.write(text)
-        os.replace(args.output + ".tmp", args.output)
+        os.replace(path + ".tmp", path)
     print(text)
 
 

@@ -116,6 +116,18 @@ def test_release_frees_the_copies(tiny_models, tokenizer):
     assert rollout.strategy.linears.nbytes == 0
 
 
+def test_a_model_over_the_byte_limit_keeps_its_layout(tiny_models, tokenizer, monkeypatch):
+    """Large models' decode steps are bound by reading their weights: the copies would only cost."""
+    model = tiny_models["llama-tiny"]
+    monkeypatch.setattr(weight_layout, "MAX_BYTES", linear_bytes(model) - 1)
+    rollout = rollout_of(model, tokenizer)
+    rollout.generate(prompts_with_padding_and_holes(tokenizer), GREEDY_16_ROWS)
+    assert rollout.get_last_profile().weight_layout == "model"
+    monkeypatch.setattr(weight_layout, "MAX_BYTES", linear_bytes(model))
+    rollout.generate(prompts_with_padding_and_holes(tokenizer), GREEDY_16_ROWS)
+    assert rollout.get_last_profile().weight_layout == "transposed"
+
+
 def test_copies_that_do_not_fit_are_skipped_with_a_warning(tiny_models, tokenizer, monkeypatch, caplog):
     monkeypatch.setattr(weight_layout, "available_bytes", lambda device: 1024)
     rollout = rollout_of(tiny_models["llama-tiny"], tokenizer)
@@ -150,7 +162,8 @@ def test_peft_lora_layers_use_the_copies_merged_or_not(tiny_models, tokenizer):
 
 @pytest.mark.parametrize("gather,layout", [("once", "transposed"), ("per_layer", "model")])
 def test_zero3_gathered_once_uses_the_copies(tiny_models, tokenizer, gather, layout):
-    """Gathered once, every weight is whole during the rollout; gathered per layer, none is at its start."""
+    """Gathered once, every weight is whole during the rollout (the copies are dropped after it); gathered per
+    layer, none is at its start."""
     from opsd_rollout.deepspeed_engine import build_engine
 
     model, request = tiny_models["llama-tiny"], prompts_with_padding_and_holes(tokenizer)
@@ -160,6 +173,7 @@ def test_zero3_gathered_once_uses_the_copies(tiny_models, tokenizer, gather, lay
     assert torch.equal(rollout.generate(request, GREEDY_16_ROWS).input_ids, expected.input_ids)
     assert rollout.get_last_profile().weight_layout == layout
     assert replaced_forwards(engine.module) == []
+    assert rollout.strategy.linears.nbytes == 0  # not kept between calls: ZeRO-3 keeps no whole weight
 
 
 def test_config_takes_a_bool_only():

@@ -1,18 +1,19 @@
 """Decode matmuls on the CPU in the weight layout oneMKL multiplies fast.
 
-``nn.Linear`` keeps its weight ``[out, in]`` and computes ``x @ weight.T``. On the CPU, for float32, that
-transposed right operand sends oneMKL's GEMM down a slow path at a few dozen rows, the sizes of a decode step:
-all of ``llama-small``'s projections at 16 rows take 23 ms with the weights as the model keeps them and 4.7 ms
-with each weight stored ``[in, out]`` (torch 2.11 and 2.13, this project's Xeon; equal at 1-4 rows and from 128
-rows, the prefill's sizes; bfloat16 gains nothing and float16 loses badly, so only float32 is changed;
-benchmarks/RESULTS.md, "CPU decode matmuls").
+``nn.Linear`` keeps its weight ``[out, in]`` and computes ``x @ weight.T``. On the CPU, for float32 and small
+matrices, that transposed right operand sends oneMKL's GEMM down a slow path at a few dozen rows, the sizes of a
+decode step: every linear layer of ``llama-small`` at 16 rows takes 25.5 ms with the weights as the model keeps
+them and 11.2 ms with each weight stored ``[in, out]`` (torch 2.11 and 2.13 with oneMKL, an Intel Xeon; about
+equal at 1-8 rows, the gain fading from 64 rows; bfloat16 gains nothing and float16 loses badly, so only float32
+is changed; benchmarks/RESULTS.md, "The CPU's weight layout").
 
-So on the CPU, a rollout of at least ``MIN_ROWS`` decode rows multiplies every float32 ``nn.Linear`` by an
-``[in, out]`` copy of its weight (``F.linear`` over the copy's transposed view: the same op, bias included, on
-the fast path). The copies are kept between calls (a workspace, like the KV cache) and written again at the
-start of every call, because training changes the weights between rollouts (an optimizer step, a LoRA merge,
-a ZeRO-3 gather: none of them reliably visible from the tensor). Writing them costs about one strided read of
-the weights (a profiled rollout times it as ``weight_layout_ms``); a decode step at 16 rows repays it.
+So on the CPU, a rollout of at least ``MIN_ROWS`` decode rows over a model of at most ``MAX_BYTES`` of float32
+linear weights multiplies every such ``nn.Linear`` by an ``[in, out]`` copy of its weight (``F.linear`` over the
+copy's transposed view: the same op, bias included, on the fast path). The copies are kept between calls (a
+workspace, like the KV cache) and written again at the start of every call, because training changes the
+weights between rollouts (an optimizer step, a LoRA merge, a ZeRO-3 gather: none of them reliably visible from
+the tensor). Writing them costs a strided read of the weights (a profiled rollout times it as
+``weight_layout_ms``: 36 ms for ``llama-small``, about one decode step at 16 rows).
 """
 
 from __future__ import annotations
@@ -35,6 +36,12 @@ about as fast (oneMKL's slow path starts between 12 and 16 rows) and the copy wo
 leave the batch; a rollout that started with enough keeps the copies to its end (no slower at fewer rows)."""
 TILE = 128
 """Weight rows transposed per copy: a whole-matrix strided copy runs at half the speed (cache misses)."""
+MAX_BYTES = 256 * 2**20
+"""The most bytes of weights copied: a larger model keeps its layout. oneMKL's slow path is a matter of small
+matrices (at 16 rows, 2.8-5.7x for every shape measured with 512 outputs or at most 512 inputs, 1.0-1.5x for
+the larger ones), and a large model's step is bound by reading its weights: ``qwen2-0.5b`` (1.84 GiB of linear weights) decodes no faster with
+the copies (0.99x at 16 rows, 1.10x at 32) and its copy costs 0.75 s a call, where ``llama-small`` (90 MiB) is
+1.66x faster at 16 rows for a 36 ms copy."""
 MEMORY_SHARE = 0.5
 """The copies are skipped (with a warning) when they would take more than this share of the available RAM."""
 
@@ -72,17 +79,21 @@ class TransposedLinears:
 
     def applies(self, model: torch.nn.Module, device: torch.device, slots: int) -> bool:
         """Whether a rollout of ``slots`` decode rows on ``device`` uses the copies: on the CPU, from
-        ``MIN_ROWS`` rows, when the model has such layers and their copies fit ``MEMORY_SHARE`` of the RAM."""
+        ``MIN_ROWS`` rows, when the model has such layers, at most ``MAX_BYTES`` of them, and their copies fit
+        ``MEMORY_SHARE`` of the RAM."""
         if device.type != "cpu" or slots < MIN_ROWS:
             return False
-        needed = sum(m.weight.nbytes for m in model.modules() if _eligible(m) and m not in self._copies)
+        layers = [m for m in model.modules() if _eligible(m)]
+        if not layers or sum(m.weight.nbytes for m in layers) > MAX_BYTES:
+            return False
+        needed = sum(m.weight.nbytes for m in layers if m not in self._copies)
         if needed > MEMORY_SHARE * available_bytes(device):
             if not self._warned:
                 self._warned = True
                 logger.warning("decoding with the model's own weight layout: transposed copies of its linear weights "
                                "(%d MiB) would take more than half the available RAM", needed >> 20)
             return False
-        return any(_eligible(m) for m in model.modules())
+        return True
 
     def refresh(self, model: torch.nn.Module) -> None:
         """Write every eligible layer's weight into its copy, allocating copies for layers new (or reshaped)

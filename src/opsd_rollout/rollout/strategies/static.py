@@ -143,6 +143,8 @@ class StaticDecode:
         self.last_stats = run.stats
         with self.linears.decoding() if transposed else contextlib.nullcontext():
             tokens = run.loop()
+        if transposed and target.zero_stage == 3:  # whole weights kept between calls would undo ZeRO-3's partitioning
+            self.linears.release()
         return torch.cat([prompt_ids, tokens], dim=1)
 
     def shared_prefix_applies(self, target: RolloutTarget, samples_per_prompt: int, prompt_length: int) -> bool:
