@@ -43,7 +43,10 @@ OPT_IN = ("static-compiled", "static-no-compaction", "static-model-weights")
 """Contenders run only when named: the compiled step's first call compiles (tens of seconds on a CPU, in the
 warm-up round), no compaction is the baseline of the long-tail comparison, and the model's own weight layout
 the baseline of the CPU weight copies."""
-LENGTH_SEED = 0  # our rollouts' seed=None forces lengths with seed 0; the processors use the same
+LENGTH_SEED = 0
+"""Our rollouts' seed: it forces the lengths (the processors use the same) and, sampling, draws the same random
+numbers for a row of a call in every one of our contenders, so they sample the same tokens and do the same work
+(up to the rounding of a layout that changes the logits' last bits)."""
 
 
 def length_processors(lengths: LengthModel, sampling, eos: int, prompt_mask: torch.Tensor) -> dict:
@@ -160,7 +163,7 @@ def parse_lengths(text: str) -> LengthModel:
 
 def contenders_for(engine, tokenizer, args) -> dict:
     lengths = args.lengths
-    ours = dict(enable_profiling=False, ignore_eos=lengths.kind == "fixed",
+    ours = dict(enable_profiling=False, ignore_eos=lengths.kind == "fixed", seed=LENGTH_SEED,
                 response_lengths=lengths.spec if lengths.synthetic else None)
 
     def static(**options):
