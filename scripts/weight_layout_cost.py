@@ -1,6 +1,8 @@
-"""What the CPU weight layout (``cpu_transposed_weights``) costs and buys: the model's linear layers multiplied at
-several row counts with the weights as the model keeps them (``[out, in]``) and as ``[in, out]`` copies; the
-per-token decode time of whole rollouts both ways; and the per-call copy (into copies already allocated).
+"""What the CPU weight layout (cpu_transposed_weights) costs and buys on this machine.
+
+The model's linear layers multiplied at several row counts with the weights as the model keeps them
+(``[out, in]``) and as ``[in, out]`` copies; the per-token decode time of whole rollouts both ways; and the
+per-call copy (into copies already allocated).
 
     python scripts/weight_layout_cost.py                                   # llama-small, B = 1,4,8,16,32,64
     python scripts/weight_layout_cost.py --model qwen2-0.5b --batch-sizes 1,16,32 --rounds 3
@@ -136,10 +138,11 @@ def per_token(model, tokenizer, args: argparse.Namespace) -> list[dict]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="llama-small")
-    parser.add_argument("--batch-sizes", type=positive_ints, default=[1, 4, 8, 16, 32, 64])
+    parser.add_argument("--model", default="llama-small", help="a preset name or a local checkpoint directory")
+    parser.add_argument("--batch-sizes", type=positive_ints, default=[1, 4, 8, 16, 32, 64],
+                        help="comma list of decode rows (default 1,4,8,16,32,64)")
     parser.add_argument("--prompt-length", type=positive_int, default=64)
-    parser.add_argument("--rounds", type=positive_int, default=5)
+    parser.add_argument("--rounds", type=positive_int, default=5, help="interleaved rounds, medians (default 5)")
     parser.add_argument("--repeats", type=positive_int, default=50, help="matmul passes timed per row count")
     parser.add_argument("--compile", action="store_true", help="both sides with compile_decode=True")
     parser.add_argument("--kernel-sweep", action="store_true",
