@@ -164,3 +164,15 @@ def test_the_hybrid_engines_tuple_layers_are_refused_before_generating(tiny_mode
     monkeypatch.setattr(engine_module, "resolve_target", lambda _engine: target)
     with pytest.raises(ValueError, match="returns? tuples"):
         HybridEngineRollout(hybrid, tokenizer)
+
+
+def test_graphs_compiled_inside_the_loop_are_counted_and_warned_once(caplog):
+    """A guard that fails on a shape the loop had seen recompiles inside a decode step: counted, warned once."""
+    compiled = CompiledStep(lambda x: x * 2, {"backend": "eager"})
+    start = compiled.graphs
+    with caplog.at_level(logging.WARNING, logger="opsd_rollout.rollout.compiled"):
+        assert compiled.note_loop_graphs(0) == 0 and not caplog.records
+        assert compiled.note_loop_graphs(2) == 2 and compiled.note_loop_graphs(1) == 1
+    assert compiled.graphs == start + 3
+    assert [r.getMessage() for r in caplog.records if "inside the decode loop" in r.getMessage()] == [
+        caplog.records[0].getMessage()]

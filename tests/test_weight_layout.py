@@ -14,6 +14,7 @@ from conftest import TINY_PRESETS, prompts_with_padding_and_holes, reference_rol
 from opsd_rollout import HybridEngineRollout, HybridEngineRolloutConfig, SamplingConfig
 from opsd_rollout.models import EOS_ID, PAD_ID
 from opsd_rollout.rollout import weight_layout
+from opsd_rollout.rollout.compiled import compiled_graphs
 from opsd_rollout.rollout.strategies.static import StaticDecode
 
 GREEDY_16_ROWS = SamplingConfig(max_new_tokens=8, n_samples_per_prompt=6, temperature=0)  # 3 prompts x 6 = 18 rows
@@ -144,6 +145,13 @@ def test_compiled_step_over_the_transposed_layout(tiny_models, tokenizer):
     rollout.strategy = StaticDecode(compile_decode=True, compile_options={"backend": "aot_eager"})
     assert torch.equal(rollout.generate(request, GREEDY_16_ROWS).input_ids, eager.input_ids)
     assert rollout.get_last_profile().weight_layout == "transposed" and replaced_forwards(model) == []
+    # the next calls (copies written again, forwards replaced again) reuse every graph: none compiled anywhere,
+    # not only in the first calls the profile counts (a guard failing inside the loop would recompile there)
+    before = compiled_graphs()
+    for _ in range(2):
+        assert torch.equal(rollout.generate(request, GREEDY_16_ROWS).input_ids, eager.input_ids)
+        assert rollout.get_last_profile().compiled_graphs == 0
+    assert compiled_graphs() == before
 
 
 def test_peft_lora_layers_use_the_copies_merged_or_not(tiny_models, tokenizer):

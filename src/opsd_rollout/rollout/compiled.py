@@ -61,7 +61,7 @@ class CompiledStep:
         self.fn = fn
         self.options = options
         self._compiled: Callable[..., Any] | None = None
-        self._warned = False
+        self._warned = self._warned_loop = False
 
     def prepare(self, device: torch.device) -> None:
         """Compile lazily for ``device`` (the options depend on it) unless options were given."""
@@ -105,6 +105,19 @@ class CompiledStep:
                            "runs any new shape eagerly for the rest of the process. Keep prompt + max_new_tokens "
                            "within fewer length buckets (powers of two), or raise "
                            "torch._dynamo.config.recompile_limit.", self.graphs, recompile_limit())
+        return added
+
+    def note_loop_graphs(self, added: int) -> int:
+        """Count ``added`` graphs compiled inside a decode loop, outside the first calls: a guard failed where the
+        shape key saw nothing new, so the compile ran in a decode step (its time in ``decode_ms``). Warned once,
+        since it means recompiling where nothing should; returns ``added``."""
+        if added > 0:
+            self._graphs[self.fn] = self.graphs + added
+            if not self._warned_loop:
+                self._warned_loop = True
+                logger.warning("the compiled decode step compiled %d graph(s) inside the decode loop, on a shape it had "
+                               "seen: a guard failed (TORCH_LOGS=recompiles says which); those decode steps include "
+                               "the compile", added)
         return added
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:

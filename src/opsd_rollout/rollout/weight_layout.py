@@ -67,6 +67,9 @@ class TransposedLinears:
 
     def __init__(self) -> None:
         self._copies: dict[torch.nn.Module, torch.Tensor] = {}
+        self._forwards: dict[torch.nn.Module, functools.partial] = {}
+        """Each copied layer's forward, made once with its copy: a compiled step guards on the layers' forwards,
+        so a new callable at every call would recompile it at every call."""
         self._warned = False
 
     @property
@@ -75,7 +78,7 @@ class TransposedLinears:
         return sum(copy.nbytes for copy in self._copies.values())
 
     def release(self) -> None:
-        self._copies = {}
+        self._copies, self._forwards = {}, {}
 
     def applies(self, model: torch.nn.Module, device: torch.device, slots: int) -> bool:
         """Whether a rollout of ``slots`` decode rows on ``device`` uses the copies: on the CPU, from
@@ -98,18 +101,19 @@ class TransposedLinears:
     def refresh(self, model: torch.nn.Module) -> None:
         """Write every eligible layer's weight into its copy, allocating copies for layers new (or reshaped)
         since the last call and dropping those of layers gone. A profiled rollout times it as ``weight_layout``."""
-        copies = {}
+        copies, forwards = {}, {}
         for module in model.modules():
             if not _eligible(module):
                 continue
             weight = module.weight.detach()
-            copy = self._copies.get(module)
+            copy, forward = self._copies.get(module), self._forwards.get(module)
             if copy is None or copy.shape != weight.t().shape:
                 copy = torch.empty(weight.shape[1], weight.shape[0], dtype=weight.dtype, device=weight.device)
+                forward = functools.partial(_linear, module, copy)
             for start in range(0, weight.shape[0], TILE):  # [in, out] <- [out, in], a band of rows at a time
                 copy[:, start:start + TILE].copy_(weight[start:start + TILE].t())
-            copies[module] = copy
-        self._copies = copies
+            copies[module], forwards[module] = copy, forward
+        self._copies, self._forwards = copies, forwards
 
     @contextlib.contextmanager
     def decoding(self) -> Iterator[None]:
@@ -117,10 +121,10 @@ class TransposedLinears:
         instance's ``forward`` is replaced); on leaving, every layer has its own forward back."""
         replaced = []
         try:
-            for module, copy in self._copies.items():
+            for module, forward in self._forwards.items():
                 if "forward" in module.__dict__:  # someone else's instance forward: leave that layer alone
                     continue
-                module.forward = functools.partial(_linear, module, copy)
+                module.forward = forward
                 replaced.append(module)
             yield
         finally:

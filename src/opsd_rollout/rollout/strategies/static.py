@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from opsd_rollout.modeling import position_ids
-from opsd_rollout.rollout.compiled import LENGTH_BUCKET_MIN, CompiledStep, bucket
+from opsd_rollout.rollout.compiled import LENGTH_BUCKET_MIN, CompiledStep, bucket, compiled_graphs
 from opsd_rollout.rollout.config import SHARED_PREFIX_MIN_PROMPT
 from opsd_rollout.rollout.counter_rng import rollout_key, uniforms
 from opsd_rollout.rollout.length_forcing import LengthForcing
@@ -141,8 +141,12 @@ class StaticDecode:
             self.copy_weights(target.model)
         run = _Run(self, target, prompt_ids, prompt_mask, plan, cache, front, slots, prefix, transposed)
         self.last_stats = run.stats
+        graphs = compiled_graphs() if self.compiled is not None else 0
         with self.linears.decoding() if transposed else contextlib.nullcontext():
             tokens = run.loop()
+        if self.compiled is not None:  # graphs compiled anywhere but in the first calls are a failed guard
+            run.stats.compiled_graphs += self.compiled.note_loop_graphs(
+                compiled_graphs() - graphs - run.stats.compiled_graphs)
         if transposed and target.zero_stage == 3:  # whole weights kept between calls would undo ZeRO-3's partitioning
             self.linears.release()
         return torch.cat([prompt_ids, tokens], dim=1)
