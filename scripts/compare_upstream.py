@@ -38,7 +38,8 @@ from opsd_rollout.rollout.length_forcing import as_logits_processor
 from opsd_rollout.rollout.lengths import LengthModel
 
 CONTENDERS = ("static", "static-compiled", "static-no-compaction", "static-model-weights", "static-copied-prompts",
-              "static-no-shared-prefill", "static-whole-cache", "static-release", "per-layer-gather", "generate", "deepspeed", "transformers")
+              "static-no-shared-prefill", "static-whole-cache", "static-release", "per-layer-gather", "generate",
+              "deepspeed", "transformers")
 OPT_IN = ("static-compiled", "static-no-compaction", "static-model-weights")
 """Contenders run only when named: the compiled step's first call compiles (tens of seconds on a CPU, in the
 warm-up round), no compaction is the baseline of the long-tail comparison, and the model's own weight layout

@@ -102,12 +102,19 @@ def copy_cost(model, repeats: int = 5) -> dict:
 
 
 def per_token(model, tokenizer, args: argparse.Namespace) -> list[dict]:
-    """Per batch size: ms per decode token with each layout (interleaved medians), and equal tokens."""
+    """Per batch size: ms per decode token with each layout (interleaved medians), and equal tokens. The copies
+    are made whatever the model's size (a model over ``MAX_BYTES`` would otherwise compare its layout with itself);
+    ``default_applies`` says whether a rollout would use them by default."""
     import torch
 
     from opsd_rollout import HybridEngineRollout, HybridEngineRolloutConfig, SamplingConfig
     from opsd_rollout.bench.prompts import synthetic_prompts
     from opsd_rollout.bench.timing import interleaved_times
+    from opsd_rollout.rollout import weight_layout
+
+    default_applies = sum(m.weight.nbytes for m in model.modules()
+                          if weight_layout._eligible(m)) <= weight_layout.MAX_BYTES
+    weight_layout.MAX_BYTES = float("inf")
 
     rollouts = {name: HybridEngineRollout(model, tokenizer, HybridEngineRolloutConfig(
         ignore_eos=True, cpu_transposed_weights=name == "transposed", compile_decode=args.compile, seed=0))
@@ -127,7 +134,7 @@ def per_token(model, tokenizer, args: argparse.Namespace) -> list[dict]:
         for _ in range(2):  # the second call's copy: into copies allocated by the first, as in a training loop
             profiled.generate(request, sampling[SHORT])
         profile = profiled.get_last_profile()
-        rows.append({"batch_size": batch, "model_ms_per_token": ms["model"],
+        rows.append({"batch_size": batch, "default_applies": default_applies, "model_ms_per_token": ms["model"],
                      "transposed_ms_per_token": ms["transposed"], "speedup": ms["model"] / ms["transposed"],
                      "equal_tokens": torch.equal(tokens["model"], tokens["transposed"]),
                      "weight_layout": profile.weight_layout, "weight_layout_ms": profile.weight_layout_ms,

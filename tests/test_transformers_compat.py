@@ -104,7 +104,6 @@ def test_reaching_the_recompile_limit_is_a_warning(caplog):
 
 
 def check_recompile_warning(caplog):
-
     def step(x):
         return x + 1
 

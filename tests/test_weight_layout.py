@@ -9,6 +9,7 @@ import logging
 
 import pytest
 import torch
+from torch.nn.utils import prune
 
 from conftest import TINY_PRESETS, prompts_with_padding_and_holes, reference_rollout
 from opsd_rollout import HybridEngineRollout, HybridEngineRolloutConfig, SamplingConfig
@@ -32,6 +33,20 @@ def rollout_of(model, tokenizer, **kwargs) -> HybridEngineRollout:
     return HybridEngineRollout(model, tokenizer, HybridEngineRolloutConfig(enable_profiling=True, **kwargs))
 
 
+@pytest.fixture
+def copy_calls(monkeypatch):
+    """Counts the multiplications by a copy (patched before the rollout makes its forwards)."""
+    calls = []
+
+    def counted(module, weight_t, x):
+        calls.append(module)
+        return linear(module, weight_t, x)
+
+    linear = weight_layout._linear
+    monkeypatch.setattr(weight_layout, "_linear", counted)
+    return calls
+
+
 @pytest.mark.parametrize("name", TINY_PRESETS)
 def test_transposed_weights_give_generate_s_tokens(tiny_models, tokenizer, name):
     model = tiny_models[name]
@@ -49,6 +64,34 @@ def test_transposed_weights_give_generate_s_tokens(tiny_models, tokenizer, name)
     assert torch.equal(plain.generate(request, GREEDY_16_ROWS).input_ids, batch.input_ids)
     assert plain.get_last_profile().weight_layout == "model"
     assert plain.get_last_profile().weight_layout_ms is None
+
+
+def test_every_forward_of_the_loop_multiplies_by_the_copies(tiny_models, tokenizer, copy_calls):
+    model = tiny_models["llama-tiny"]
+    rollout = rollout_of(model, tokenizer)
+    rollout.generate(prompts_with_padding_and_holes(tokenizer), GREEDY_16_ROWS)
+    layers = [m for m in model.modules() if type(m) is torch.nn.Linear]
+    forwards = rollout.get_last_profile().prefill_forwards + rollout.get_last_profile().decode_steps
+    assert len(copy_calls) == len(layers) * forwards and set(copy_calls) == set(layers)
+
+
+def test_from_sixteen_rows_on_a_float32_cpu_model(tiny_models):
+    model, linears = tiny_models["llama-tiny"], weight_layout.TransposedLinears()
+    cpu = torch.device("cpu")
+    assert not linears.applies(model, torch.float32, cpu, weight_layout.MIN_ROWS - 1)
+    assert linears.applies(model, torch.float32, cpu, weight_layout.MIN_ROWS)
+    assert not linears.applies(model, torch.bfloat16, cpu, 64)  # e.g. a bf16 model's float32 LoRA adapters
+    assert not linears.applies(model, torch.float32, torch.device("meta"), 64)
+
+
+def test_layers_whose_weight_a_pre_hook_rebuilds_keep_their_forward(tiny_models):
+    """Pruning (and the old weight norm) rebuild ``weight`` before each forward: a copy would miss it."""
+    model = copy.deepcopy(tiny_models["llama-tiny"])
+    pruned = model.model.layers[0].mlp.up_proj
+    prune.l1_unstructured(pruned, "weight", amount=0.5)
+    linears = weight_layout.TransposedLinears()
+    linears.refresh(model)
+    assert pruned not in linears._copies and model.lm_head in linears._copies
 
 
 def test_seeded_samples_equal_in_both_layouts(tiny_models, tokenizer):
@@ -111,9 +154,14 @@ def test_forwards_restored_when_a_decode_step_raises(tiny_models, tokenizer):
 
 
 def test_release_frees_the_copies(tiny_models, tokenizer):
-    rollout = rollout_of(tiny_models["llama-tiny"], tokenizer, cache_policy="release")
+    model = tiny_models["llama-tiny"]
+    kept = rollout_of(model, tokenizer)
+    kept.generate(prompts_with_padding_and_holes(tokenizer), GREEDY_16_ROWS)
+    assert kept.get_last_profile().weight_layout_bytes == linear_bytes(model)  # held for the next call
+    rollout = rollout_of(model, tokenizer, cache_policy="release")
     rollout.generate(prompts_with_padding_and_holes(tokenizer), GREEDY_16_ROWS)
-    assert rollout.get_last_profile().weight_layout_bytes > 0
+    profile = rollout.get_last_profile()
+    assert profile.weight_layout == "transposed" and profile.weight_layout_bytes == 0
     assert rollout.strategy.linears.nbytes == 0
 
 
@@ -138,10 +186,12 @@ def test_copies_that_do_not_fit_are_skipped_with_a_warning(tiny_models, tokenize
     assert "more than half the available RAM" in caplog.text
 
 
-def test_compiled_step_over_the_transposed_layout(tiny_models, tokenizer):
+@pytest.mark.parametrize("cache_policy", ["retain", "release"])
+def test_compiled_step_over_the_transposed_layout(tiny_models, tokenizer, cache_policy):
+    """Released copies come back in the same tensors, with the same forwards: nothing recompiles."""
     model, request = tiny_models["qwen2-tiny"], prompts_with_padding_and_holes(tokenizer)
     eager = rollout_of(model, tokenizer).generate(request, GREEDY_16_ROWS)
-    rollout = rollout_of(model, tokenizer)
+    rollout = rollout_of(model, tokenizer, cache_policy=cache_policy)
     rollout.strategy = StaticDecode(compile_decode=True, compile_options={"backend": "aot_eager"})
     assert torch.equal(rollout.generate(request, GREEDY_16_ROWS).input_ids, eager.input_ids)
     assert rollout.get_last_profile().weight_layout == "transposed" and replaced_forwards(model) == []
@@ -166,6 +216,11 @@ def test_peft_lora_layers_use_the_copies_merged_or_not(tiny_models, tokenizer):
         assert rollout.get_last_profile().weight_layout == "transposed"
         assert torch.equal(batch.input_ids, plain.input_ids)
     assert replaced_forwards(model) == []
+    half = peft.get_peft_model(copy.deepcopy(tiny_models["llama-tiny"]).to(torch.bfloat16), config).eval()
+    assert any(m.weight.dtype == torch.float32 for m in half.modules() if type(m) is torch.nn.Linear)  # adapters
+    rollout = rollout_of(half, tokenizer)
+    rollout.generate(request, GREEDY_16_ROWS)
+    assert rollout.get_last_profile().weight_layout == "model"
 
 
 @pytest.mark.parametrize("gather,layout", [("once", "transposed"), ("per_layer", "model")])
@@ -182,6 +237,7 @@ def test_zero3_gathered_once_uses_the_copies(tiny_models, tokenizer, gather, lay
     assert rollout.get_last_profile().weight_layout == layout
     assert replaced_forwards(engine.module) == []
     assert rollout.strategy.linears.nbytes == 0  # not kept between calls: ZeRO-3 keeps no whole weight
+    assert rollout.get_last_profile().weight_layout_bytes == 0
 
 
 def test_config_takes_a_bool_only():

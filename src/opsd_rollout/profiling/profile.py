@@ -86,12 +86,12 @@ class RolloutProfile(Mapping):
     """Allocating the static strategy's KV workspace (``None`` when it was reused or not used)."""
     compaction_ms: float | None = None
     """Moving the live rows to the front of a shrunken decode batch (``None`` when no row left the batch)."""
-    weight_layout_ms: float | None = None
-    """CPU: writing the linear layers' weights into their transposed copies at the call's start (``weight_layout``
-    ``transposed``; ``None`` otherwise)."""
     compile_ms: float | None = None
     """``compile_decode``: the compiled step's first calls for shapes new to the process (compiling them, when
     torch had to), apart from ``decode_ms`` (``None`` when every shape was seen before)."""
+    weight_layout_ms: float | None = None
+    """CPU: writing the linear layers' weights into their transposed copies at the call's start (``weight_layout``
+    ``transposed``; ``None`` otherwise)."""
     workspace: str | None = None
     """Static strategy: ``reused`` or ``allocated`` KV workspace for this call (``None`` for ``generate``)."""
     # throughput
@@ -133,7 +133,9 @@ class RolloutProfile(Mapping):
     its weight: ``cpu_transposed_weights``) or ``model`` (the weights as the model keeps them); ``None`` for
     ``generate``."""
     weight_layout_bytes: int | None = None
-    """Bytes of those weight copies, kept between calls (0 with the model's own layout)."""
+    """Bytes the static strategy's weight copies hold after the call, kept for the next one like the KV workspace
+    (0 when none are held: never used, ``cache_policy="release"``, or under ZeRO-3, which frees them after each
+    call); ``None`` for ``generate``."""
     # memory
     peak_memory_bytes: int
     """Accelerator peak allocated on CUDA; peak process RSS on CPU."""
@@ -251,7 +253,6 @@ def build_profile(*, stages: dict[str, float], forwards: list | None, phases: di
         attributed.update(row_steps=stats.row_steps, compactions=stats.compactions, compiled_graphs=stats.compiled_graphs,
                           admission_rounds=stats.admission_rounds, decode_slots=stats.slots,
                           kv_layout=stats.kv_layout, weight_layout=stats.weight_layout,
-                          weight_layout_bytes=stats.weight_layout_bytes if stats.weight_layout else None,
                           live_row_utilisation=generated_tokens / stats.row_steps if stats.row_steps else None,
                           **_row_latencies(forwards, stats, lengths))
     return RolloutProfile(

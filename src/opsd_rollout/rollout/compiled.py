@@ -110,14 +110,15 @@ class CompiledStep:
     def note_loop_graphs(self, added: int) -> int:
         """Count ``added`` graphs compiled inside a decode loop, outside the first calls: a guard failed where the
         shape key saw nothing new, so the compile ran in a decode step (its time in ``decode_ms``). Warned once,
-        since it means recompiling where nothing should; returns ``added``."""
+        since it means recompiling where nothing should; returns what it counted."""
+        added = max(0, added)  # dynamo's counters may have been reset meanwhile
         if added > 0:
             self._graphs[self.fn] = self.graphs + added
             if not self._warned_loop:
                 self._warned_loop = True
-                logger.warning("the compiled decode step compiled %d graph(s) inside the decode loop, on a shape it had "
-                               "seen: a guard failed (TORCH_LOGS=recompiles says which); those decode steps include "
-                               "the compile", added)
+                logger.warning("the compiled decode step compiled %d graph(s) inside the decode loop, on a shape it "
+                               "had seen: a guard failed (TORCH_LOGS=recompiles says which); those decode steps "
+                               "include the compile", added)
         return added
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:

@@ -66,13 +66,15 @@ class HybridEngineRolloutConfig:
     front and the batch shrinks, so a step costs what its live rows cost. Off: every row is computed until the
     last one finishes."""
     cpu_transposed_weights: bool = True
-    """``static`` on the CPU, float32, at least 16 decode rows, at most 256 MiB of linear weights: multiply each
-    ``nn.Linear`` by an ``[in, out]`` copy of its weight, written at each call's start (oneMKL multiplies small
-    matrices in the model's own ``[out, in]`` layout several times slower at a few dozen rows: a decode step of
-    ``llama-small`` 1.66x faster at 16 rows, 1.37x at 32, equal at 64; a larger model's step, bound by reading its
-    weights, gains little: ``qwen2-0.5b`` 0.99x at 16 rows). Costs the linear weights' bytes once more, kept between calls (under ZeRO-3 only during the call), and a
-    copy per call (``weight_layout_ms``); the profile's ``weight_layout`` says which ran. Off: the model's own
-    layout."""
+    """``static``, a float32 model on the CPU, at least 16 decode rows, at most 256 MiB of linear weights: multiply
+    each plain ``nn.Linear`` (not a subclass) by an ``[in, out]`` copy of its weight, written at each call's start
+    (oneMKL multiplies small matrices in the model's own ``[out, in]`` layout several times slower at a few dozen
+    rows: a decode step of ``llama-small`` 1.66x faster at 16 rows, 1.37x at 32, equal at 64; a larger model's
+    step, bound by reading its weights, gains little: ``qwen2-0.5b`` 0.99x at 16 rows). Costs the linear weights'
+    bytes once more, kept between calls (freed after each call under ZeRO-3 or ``cache_policy="release"``; skipped
+    with a warning when they would take over half the available RAM; per-layer ZeRO-3 gathering has no whole
+    weight to copy), and a copy per call (``weight_layout_ms``); the profile's ``weight_layout`` says which ran.
+    Off: the model's own layout."""
     kv_budget_bytes: int | None = None
     """``static``: most bytes the decode batch's key/value cache may take; the number of rows decoding at once
     (the slots) is chosen from it, so a long prompt or a large batch runs as continuous batching within the

@@ -145,6 +145,7 @@ class HybridEngineRollout(RolloutEngine):
             zero_stage=self.target.zero_stage, world_size=self.target.world_size, rank=self.target.rank,
             timer=self._clock.kind, decode_stats=self.strategy.last_stats, lengths=lengths,
             kv_workspace_bytes=self.strategy.workspace.nbytes if self.strategy.workspace is not None else None,
+            weight_layout_bytes=self.strategy.linears.nbytes if hasattr(self.strategy, "linears") else None,
             workspace=self.strategy.workspace.last_event if self.strategy.workspace is not None else None)
         return batch
 

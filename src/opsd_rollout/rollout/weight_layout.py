@@ -39,9 +39,9 @@ TILE = 128
 MAX_BYTES = 256 * 2**20
 """The most bytes of weights copied: a larger model keeps its layout. oneMKL's slow path is a matter of small
 matrices (at 16 rows, 2.8-5.7x for every shape measured with 512 outputs or at most 512 inputs, 1.0-1.5x for
-the larger ones), and a large model's step is bound by reading its weights: ``qwen2-0.5b`` (1.84 GiB of linear weights) decodes no faster with
-the copies (0.99x at 16 rows, 1.10x at 32) and its copy costs 0.75 s a call, where ``llama-small`` (90 MiB) is
-1.66x faster at 16 rows for a 36 ms copy."""
+the larger ones), and a large model's step is bound by reading its weights: ``qwen2-0.5b`` (1.84 GiB of linear
+weights) decodes no faster with the copies (0.99x at 16 rows, 1.10x at 32) and its copy costs 0.75 s a call,
+where ``llama-small`` (90 MiB) is 1.66x faster at 16 rows for a 36 ms copy."""
 MEMORY_SHARE = 0.5
 """The copies are skipped (with a warning) when they would take more than this share of the available RAM."""
 
@@ -52,9 +52,11 @@ def _linear(module: torch.nn.Linear, weight_t: torch.Tensor, x: torch.Tensor) ->
 
 
 def _eligible(module: torch.nn.Module) -> bool:
-    """A plain ``nn.Linear`` (not a subclass: quantized or otherwise special layers keep their own forward)
-    whose whole float32 weight is on the CPU (a ZeRO-3 parameter not gathered has no elements here)."""
-    if type(module) is not torch.nn.Linear:
+    """A plain ``nn.Linear`` (not a subclass: quantized or otherwise special layers keep their own forward) whose
+    weight is a parameter (not one that a pre-hook rebuilds before each forward, as pruning and weight norm do:
+    a copy would miss the rebuild) and whole, float32 and on the CPU (a ZeRO-3 parameter not gathered has no
+    elements here)."""
+    if type(module) is not torch.nn.Linear or not isinstance(module._parameters.get("weight"), torch.nn.Parameter):
         return False
     weight = module.weight
     return (weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.dim() == 2
@@ -74,22 +76,26 @@ class TransposedLinears:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the copies kept."""
-        return sum(copy.nbytes for copy in self._copies.values())
+        """Bytes the copies hold now (0 once released)."""
+        return sum(copy.untyped_storage().nbytes() for copy in self._copies.values())
 
     def release(self) -> None:
-        self._copies, self._forwards = {}, {}
+        """Free the copies' memory. The copy tensors and the forwards over them stay (empty until the next
+        ``refresh``): a compiled step guards on the forwards, and new ones would recompile it."""
+        for copy in self._copies.values():
+            copy.untyped_storage().resize_(0)
 
-    def applies(self, model: torch.nn.Module, device: torch.device, slots: int) -> bool:
-        """Whether a rollout of ``slots`` decode rows on ``device`` uses the copies: on the CPU, from
-        ``MIN_ROWS`` rows, when the model has such layers, at most ``MAX_BYTES`` of them, and their copies fit
+    def applies(self, model: torch.nn.Module, dtype: torch.dtype, device: torch.device, slots: int) -> bool:
+        """Whether a rollout of ``slots`` decode rows of a ``dtype`` model on ``device`` uses the copies: a float32
+        model on the CPU (a half-precision model's float32 LoRA adapters alone would not pay for their copies),
+        from ``MIN_ROWS`` rows, with such layers, at most ``MAX_BYTES`` of them, whose copies fit
         ``MEMORY_SHARE`` of the RAM."""
-        if device.type != "cpu" or slots < MIN_ROWS:
+        if device.type != "cpu" or dtype != torch.float32 or slots < MIN_ROWS:
             return False
         layers = [m for m in model.modules() if _eligible(m)]
         if not layers or sum(m.weight.nbytes for m in layers) > MAX_BYTES:
             return False
-        needed = sum(m.weight.nbytes for m in layers if m not in self._copies)
+        needed = sum(m.weight.nbytes for m in layers) - self.nbytes
         if needed > MEMORY_SHARE * available_bytes(device):
             if not self._warned:
                 self._warned = True
@@ -110,6 +116,8 @@ class TransposedLinears:
             if copy is None or copy.shape != weight.t().shape:
                 copy = torch.empty(weight.shape[1], weight.shape[0], dtype=weight.dtype, device=weight.device)
                 forward = functools.partial(_linear, module, copy)
+            elif copy.untyped_storage().nbytes() == 0:  # released: the same tensor gets its memory back
+                copy.untyped_storage().resize_(copy.numel() * copy.element_size())
             for start in range(0, weight.shape[0], TILE):  # [in, out] <- [out, in], a band of rows at a time
                 copy[:, start:start + TILE].copy_(weight[start:start + TILE].t())
             copies[module], forwards[module] = copy, forward
@@ -117,7 +125,8 @@ class TransposedLinears:
 
     @contextlib.contextmanager
     def decoding(self) -> Iterator[None]:
-        """Within the block each copied layer's forward multiplies by its copy (hooks run as before: only the
+        """Within the block (the whole decode loop: the prefills that admit prompts into it too, for which the two
+        layouts multiply alike) each copied layer's forward multiplies by its copy (hooks run as before: only the
         instance's ``forward`` is replaced); on leaving, every layer has its own forward back."""
         replaced = []
         try:

@@ -26,13 +26,12 @@ class DecodeStats:
     """Rows the decode batch could hold (``continuous_batch_size``, or every row)."""
     forwards: int = 0
     compiled_graphs: int = 0
-    """Graphs the compiled decode step compiled during this rollout (new shapes; 0 once every bucket was seen)."""
+    """Graphs the compiled decode step compiled during this rollout (new shapes; 0 once every bucket was seen), and
+    any compiled inside a decode step on a shape seen before (a failing guard, warned)."""
     kv_layout: str | None = None
     """``copied`` (each row's slot holds its prompt's keys/values) or ``shared_prefix`` (each prompt's once)."""
     weight_layout: str | None = None
     """``transposed`` (CPU: the linear layers multiplied by ``[in, out]`` copies of their weights) or ``model``."""
-    weight_layout_bytes: int = 0
-    """Bytes of those copies (0 with the model's own layout)."""
     finish_forward: torch.Tensor | None = None
     """[N] per request row, the index (among the rollout's forwards) of the forward that produced its last token;
     ``None`` when every row started at the first forward (its length then says it)."""

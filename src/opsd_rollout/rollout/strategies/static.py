@@ -136,19 +136,18 @@ class StaticDecode:
             prefix = SharedPrefix(store, target.spec.config, plan.samples_per_prompt, slots,
                                   continuous=slots < rows, padded=stored > P or not bool(prompt_mask.all()))
         transposed = self.cpu_transposed_weights and not plan.layerwise_gather and self.linears.applies(
-            target.model, device, slots)
+            target.model, target.dtype, device, slots)
         if transposed:  # the weights may have changed since the last call (training): copied again
             self.copy_weights(target.model)
-        run = _Run(self, target, prompt_ids, prompt_mask, plan, cache, front, slots, prefix, transposed)
+        run = _Run(self, target, prompt_ids, prompt_mask, plan, cache, front, slots, prefix)
         self.last_stats = run.stats
-        graphs = compiled_graphs() if self.compiled is not None else 0
-        with self.linears.decoding() if transposed else contextlib.nullcontext():
-            tokens = run.loop()
-        if self.compiled is not None:  # graphs compiled anywhere but in the first calls are a failed guard
-            run.stats.compiled_graphs += self.compiled.note_loop_graphs(
-                compiled_graphs() - graphs - run.stats.compiled_graphs)
-        if transposed and target.zero_stage == 3:  # whole weights kept between calls would undo ZeRO-3's partitioning
-            self.linears.release()
+        run.stats.weight_layout = "transposed" if transposed else "model"
+        try:
+            with self.linears.decoding() if transposed else contextlib.nullcontext():
+                tokens = run.loop()
+        finally:
+            if target.zero_stage == 3:  # whole weights kept between calls would undo ZeRO-3's partitioning
+                self.linears.release()
         return torch.cat([prompt_ids, tokens], dim=1)
 
     def shared_prefix_applies(self, target: RolloutTarget, samples_per_prompt: int, prompt_length: int) -> bool:
@@ -199,7 +198,7 @@ class _Run:
 
     def __init__(self, strategy: StaticDecode, target: RolloutTarget, prompt_ids: torch.Tensor,
                  prompt_mask: torch.Tensor, plan: RolloutPlan, cache: Any, front: CacheFront, slots: int,
-                 prefix: SharedPrefix | None = None, transposed: bool = False):
+                 prefix: SharedPrefix | None = None):
         self.strategy, self.target, self.plan, self.cache, self.front = strategy, target, plan, cache, front
         self.prefix = prefix
         self.start = 0 if prefix is not None else prompt_ids.shape[1]
@@ -243,11 +242,9 @@ class _Run:
             self.forcing = LengthForcing(plan.response_lengths, plan.max_new_tokens, plan.eos_token_ids[0],
                                          plan.length_seed, device)
             self.forcing.start(prompt_ids, prompt_mask, plan.samples_per_prompt)
-        self.stats = DecodeStats(slots=slots, kv_layout="copied" if prefix is None else "shared_prefix",
-                                 weight_layout="transposed" if transposed else "model",
-                                 weight_layout_bytes=strategy.linears.nbytes if transposed else 0)
-        module = target.forward_module  # a compiled step's graphs differ by model, hooks (the forward timer's)
-        self.hooks = (id(module), len(module._forward_pre_hooks), len(module._forward_hooks), transposed)
+        self.stats = DecodeStats(slots=slots, kv_layout="copied" if prefix is None else "shared_prefix")
+        module = target.forward_module  # a compiled step's graphs differ by model and hooks (the forward timer's)
+        self.hooks = (id(module), len(module._forward_pre_hooks), len(module._forward_hooks))
         self.step_count = 0
 
     # ---- the loop ------------------------------------------------------------------------------------------
@@ -463,12 +460,19 @@ class _Run:
         if compiled is not None and step is compiled:
             if self.plan.layerwise_gather:  # DeepSpeed's hooks gather inside every forward: they stay eager
                 step = decode_one_token
-            elif compiled.note_shape((active, self.front.length, self.target.dtype, None if mask is None else mask.dim(),
-                                      self.hooks, None if self.prefix is None else self.prefix.shape_key())):
+            elif compiled.note_shape((active, self.front.length, self.target.dtype,
+                                      None if mask is None else mask.dim(), self.hooks, self.stats.weight_layout,
+                                      None if self.prefix is None else self.prefix.shape_key())):
                 with self._attention(active):
                     self.strategy.compile_step(*inputs)
         with self._attention(active):
-            return step(*inputs)
+            if step is not compiled:
+                return step(*inputs)
+            graphs = compiled_graphs()
+            logits = step(*inputs)
+        # a shape seen before compiles nothing, unless a guard failed: then it compiled here, in a decode step
+        self.stats.compiled_graphs += compiled.note_loop_graphs(compiled_graphs() - graphs)
+        return logits
 
     def _attention(self, active: int) -> contextlib.AbstractContextManager:
         """Around a decode forward: the shared-prefix layout's attention, or the model's own."""
