@@ -91,13 +91,11 @@ class CompiledStep:
         """Run the step once for a new shape (compiling it if torch must) and return the graphs compiled. The
         decode loop calls it before the step it is about to take, with the same inputs: a decode step only
         writes the keys/values of the columns it is given, so the real call that follows does the same again."""
-        before = compiled_graphs()
         # dynamo does not guard on module hooks by default: a step compiled unprofiled would then never run the
         # forward timer's hooks added later (its decode forwards invisible). Compiled with hook guards, a call with
         # other hooks misses this graph (the shape key includes the hooks, so that call is a first call too)
         with torch._dynamo.config.patch(skip_nnmodule_hook_guards=False):
-            self(*args, **kwargs)
-        added = compiled_graphs() - before
+            _, added = self._counted(*args, **kwargs)
         self._graphs[self.fn] = self.graphs + added
         if self.graphs >= recompile_limit() and not self._warned:
             self._warned = True
@@ -106,6 +104,18 @@ class CompiledStep:
                            "within fewer length buckets (powers of two), or raise "
                            "torch._dynamo.config.recompile_limit.", self.graphs, recompile_limit())
         return added
+
+    def loop_call(self, *args: Any, **kwargs: Any) -> tuple[Any, int]:
+        """A decode step on a shape seen before: its result, and the graphs it compiled (0 unless a guard failed,
+        counted by ``note_loop_graphs``)."""
+        result, added = self._counted(*args, **kwargs)
+        return result, self.note_loop_graphs(added)
+
+    def _counted(self, *args: Any, **kwargs: Any) -> tuple[Any, int]:
+        """The step's result and the graphs dynamo compiled during it."""
+        before = compiled_graphs()
+        result = self(*args, **kwargs)
+        return result, compiled_graphs() - before
 
     def note_loop_graphs(self, added: int) -> int:
         """Count ``added`` graphs compiled inside a decode loop, outside the first calls: a guard failed where the

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from opsd_rollout.modeling import position_ids
-from opsd_rollout.rollout.compiled import LENGTH_BUCKET_MIN, CompiledStep, bucket, compiled_graphs
+from opsd_rollout.rollout.compiled import LENGTH_BUCKET_MIN, CompiledStep, bucket
 from opsd_rollout.rollout.config import SHARED_PREFIX_MIN_PROMPT
 from opsd_rollout.rollout.counter_rng import rollout_key, uniforms
 from opsd_rollout.rollout.length_forcing import LengthForcing
@@ -138,7 +138,7 @@ class StaticDecode:
         transposed = self.cpu_transposed_weights and not plan.layerwise_gather and self.linears.applies(
             target.model, target.dtype, device, slots)
         if transposed:  # the weights may have changed since the last call (training): copied again
-            self.copy_weights(target.model)
+            self.linears.refresh(target.model)
         run = _Run(self, target, prompt_ids, prompt_mask, plan, cache, front, slots, prefix)
         self.last_stats = run.stats
         run.stats.weight_layout = "transposed" if transposed else "model"
@@ -179,18 +179,13 @@ class StaticDecode:
         rollout times it as ``compile_ms``, and the forward inside is not a decode step)."""
         self.last_stats.compiled_graphs += self.compiled.first_call(*args)
 
-    def copy_weights(self, model: torch.nn.Module) -> None:
-        """The linear layers' weights into their transposed copies (probed: a profiled rollout times it as
-        ``weight_layout_ms``)."""
-        self.linears.refresh(model)
-
     def compact(self, run: "_Run", order: list[int]) -> None:
         """Move the batch's rows ``order`` to its front (probed: a profiled rollout times it as compaction)."""
         run.compact(order)
 
     def probe_points(self) -> list[tuple[Any, str, str]]:
         return [(self.workspace, "allocate", "workspace_alloc"), (self, "compact", "compaction"),
-                (self, "compile_step", "compile"), (self, "copy_weights", "weight_layout")]
+                (self, "compile_step", "compile"), (self.linears, "refresh", "weight_layout")]
 
 
 class _Run:
@@ -468,10 +463,8 @@ class _Run:
         with self._attention(active):
             if step is not compiled:
                 return step(*inputs)
-            graphs = compiled_graphs()
-            logits = step(*inputs)
-        # a shape seen before compiles nothing, unless a guard failed: then it compiled here, in a decode step
-        self.stats.compiled_graphs += compiled.note_loop_graphs(compiled_graphs() - graphs)
+            logits, recompiled = compiled.loop_call(*inputs)
+        self.stats.compiled_graphs += recompiled
         return logits
 
     def _attention(self, active: int) -> contextlib.AbstractContextManager:
