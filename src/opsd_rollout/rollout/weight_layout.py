@@ -92,10 +92,10 @@ class TransposedLinears:
         ``MEMORY_SHARE`` of the RAM."""
         if device.type != "cpu" or dtype != torch.float32 or slots < MIN_ROWS:
             return False
-        layers = [m for m in model.modules() if _eligible(m)]
-        if not layers or sum(m.weight.nbytes for m in layers) > MAX_BYTES:
+        total = sum(m.weight.nbytes for m in model.modules() if _eligible(m))
+        if not total or total > MAX_BYTES:
             return False
-        needed = sum(m.weight.nbytes for m in layers) - self.nbytes
+        needed = total - self.nbytes
         if needed > MEMORY_SHARE * available_bytes(device):
             if not self._warned:
                 self._warned = True
