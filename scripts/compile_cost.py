@@ -23,6 +23,8 @@ import sys
 import tempfile
 import time
 
+from opsd_rollout.bench.report import write_text_atomic
+
 SHORT, LONG = 8, 40
 
 
@@ -129,9 +131,7 @@ def main() -> None:
         figures["per_token"] = per_token(args)
     text = json.dumps(figures, indent=2)
     if args.output:
-        with open(args.output + ".tmp", "w") as handle:
-            handle.write(text)
-        os.replace(args.output + ".tmp", args.output)
+        write_text_atomic(args.output, text)
     print(text)
 
 

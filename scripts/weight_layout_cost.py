@@ -23,6 +23,7 @@ import sys
 import time
 
 from opsd_rollout.bench.argtypes import positive_int, positive_ints
+from opsd_rollout.bench.report import write_text_atomic
 
 SHORT, LONG = 8, 40
 
@@ -177,9 +178,7 @@ def write(path: str | None, figures: dict) -> None:
     """Print ``figures`` as JSON, and write them atomically to ``path`` if given."""
     text = json.dumps(figures, indent=2)
     if path:
-        with open(path + ".tmp", "w") as handle:
-            handle.write(text)
-        os.replace(path + ".tmp", path)
+        write_text_atomic(path, text)
     print(text)
 
 
