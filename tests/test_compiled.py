@@ -11,7 +11,7 @@ import torch
 from conftest import TINY_PRESETS, prompts_with_padding_and_holes, reference_rollout
 from opsd_rollout import HybridEngineRollout, HybridEngineRolloutConfig, RolloutRequest, SamplingConfig
 from opsd_rollout.models import EOS_ID, PAD_ID
-from opsd_rollout.rollout.compiled import compiled_graphs
+from opsd_rollout.rollout.compiled import CompiledStep, compiled_graphs
 from opsd_rollout.rollout.strategies.static import StaticDecode
 
 
@@ -110,3 +110,20 @@ def test_inductor_compiled_step_over_the_shared_prefix_layout(tiny_models, token
     assert torch.equal(compiled.generate(request, sampled(10, 3)).input_ids,
                        eager.generate(request, sampled(10, 3)).input_ids)
 
+
+
+def test_a_dynamo_reset_makes_every_shape_new_again():
+    """``torch._dynamo.reset()`` forgets every graph, as a fresh process would: shapes noted before it are new
+    again, so the next rollout compiles in its first call (``compile_ms``), not inside its decode loop."""
+    def step(x):
+        return x * 2
+
+    compiled = CompiledStep(step, {"backend": "eager"})
+    compiled.prepare(torch.device("cpu"))
+    assert compiled.note_shape(("rows", 2))
+    compiled.first_call(torch.ones(2))
+    assert not compiled.note_shape(("rows", 2))
+    torch._dynamo.reset()
+    assert compiled.note_shape(("rows", 2))
+    assert compiled.first_call(torch.ones(2)) == 1  # compiled again indeed
+    assert not compiled.note_shape(("rows", 2))

@@ -47,6 +47,16 @@ def compiled_graphs() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
+def _forgotten_by_dynamo(fn: Callable) -> bool:
+    """Whether dynamo holds nothing compiled for ``fn`` (``torch._dynamo.reset()`` clears it all, as in a fresh
+    process); False where this torch does not say."""
+    try:
+        from torch._dynamo.convert_frame import input_codes
+        return fn.__code__ not in input_codes
+    except (ImportError, AttributeError, TypeError):
+        return False
+
+
 class CompiledStep:
     """``torch.compile(fn)``, compiled with ``options`` (or ``default_options`` of the device it first runs on),
     plus a count of the shapes it has been called with and of the graphs compiling them took.
@@ -81,6 +91,8 @@ class CompiledStep:
 
     def note_shape(self, key: Hashable) -> bool:
         """Record that the next calls use shape ``key``; True when it is new (a compile may follow)."""
+        if self._shapes.get(self.fn) and _forgotten_by_dynamo(self.fn):  # torch._dynamo.reset() since: all new
+            self._shapes[self.fn] = set()
         seen = self._shapes.setdefault(self.fn, set())
         if key in seen:
             return False
