@@ -509,13 +509,19 @@ class _Run:
         size = len(order)
         width = self.front.length if self.front.whole else min(
             self.front.length, self.scheduler.width(self.start, self.step_count) + 1)
-        for layer in self.cache.layers:
-            for buffer in (layer.keys, layer.values):
-                buffer[:size, :, :width] = buffer.index_select(0, index)[:, :, :width]
+        # keys/values: only live rows that change slot, only the columns written (a filler row's are never read)
+        moves = [(slot, source) for slot, (source, row) in enumerate(zip(order, self.scheduler.row_of))
+                 if row is not None and slot != source]
+        if moves:
+            dst = torch.tensor([d for d, _ in moves], dtype=torch.int64, device=device)
+            src = torch.tensor([s for _, s in moves], dtype=torch.int64, device=device)
+            for layer in self.cache.layers:
+                for buffer in (layer.keys, layer.values):
+                    buffer[dst, :, :width] = buffer[src, :, :width]
         for state in (self.slot_row, self.gen, self.position, self.token, self.running, self.front.columns):
             state[:size] = state.index_select(0, index)
         if self.mask is not None:
             self.mask[:size] = self.mask.index_select(0, index)
         if self.prefix is not None:
-            self.prefix.compact(index)
+            self.prefix.compact(self.scheduler.row_of[:size])
         self.stats.compactions += 1
