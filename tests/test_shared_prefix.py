@@ -98,6 +98,38 @@ def test_greedy_equals_generate_in_every_mode(tiny_models, tokenizer, name):
     assert_batch_contract(got, request, n=3, max_new_tokens=12, pad_token_id=PAD_ID, eos_ids=[eos])
 
 
+def test_the_prefix_part_reads_only_the_prompts_still_decoding(tiny_models, tokenizer, monkeypatch):
+    """Once every row of a prompt has finished, decode steps stop reading its keys/values: a compaction moves the
+    prompts with a live row to the store's first slots, and continuous batching reuses the lowest free slots and
+    reads up to the last one in use. The tokens stay generate's."""
+    from opsd_rollout.rollout.shared_prefix import SharedPrefix
+
+    model = copy.deepcopy(tiny_models["llama-tiny"])
+    request = prompts_with_padding_and_holes(tokenizer)
+    prompts = request.prompt_ids.shape[0]
+    eos = eos_that_stops_some_rows(model, request, 3)  # prompt 0's three (greedy, equal) samples stop early
+    model.generation_config.eos_token_id = None
+    expected, _ = reference_rollout(model, request, n=3, max_new_tokens=12, pad_token_id=PAD_ID, eos_ids=[eos])
+    read: list[tuple[int, int]] = []
+    original = SharedPrefix._prefix_part
+
+    def spy(self, layer, q, scale):
+        read.append((self.groups, self.store.slots))
+        return original(self, layer, q, scale)
+
+    monkeypatch.setattr(SharedPrefix, "_prefix_part", spy)
+    engine = rollout(model, make_tokenizer(PAD_ID, eos), **SHARED)
+    for slots in (None, 2):
+        read.clear()
+        got = engine.generate(request, greedy(3, 12, continuous_batch_size=slots))
+        assert torch.equal(got.input_ids, expected), slots
+        if slots is None:  # every prompt at first, fewer after the compaction
+            assert read[0] == (prompts, prompts) and engine.get_last_profile().compactions >= 1
+            assert read[-1][0] < prompts, read
+        else:  # 2 decode slots hold rows of at most 2 prompts: the store's third slot is never read
+            assert read[0][1] == 3 and max(groups for groups, _ in read) == 2, read
+
+
 @pytest.mark.parametrize("name", ["llama-tiny", "gpt2-tiny"])
 @pytest.mark.parametrize("static_shapes", [False, True])
 def test_eager_attention_and_whole_cache_steps_equal_generate(tiny_models, tokenizer, name, static_shapes):

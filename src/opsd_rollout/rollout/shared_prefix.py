@@ -17,7 +17,10 @@ prefill keeps the model's own attention.
 
 Rows come and go (continuous batching, compaction): each decode slot knows its row's prefix slot and sample
 index (``slot_index = prefix_slot * n + sample``), so a prompt group with fewer live rows than n simply has
-empty query places. Prefix slots are reused once every row of their prompt has finished.
+empty query places. Prefix slots are reused once every row of their prompt has finished. When the batch
+compacts (no row pending any more), the store compacts with it: the prompts that still have a live row move to
+its first prefix slots and the prefix part reads only those (``active``, a size bucket), so a tail of a few
+rows reads a few prompts, not every prompt of the request.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import torch
 from transformers import AttentionInterface
 
 from opsd_rollout.modeling import ModelSpec
+from opsd_rollout.rollout.scheduler import batch_buckets, bucket_at_least
 from opsd_rollout.rollout.workspace import PrefixStore
 
 ATTENTION = "opsd_shared_prefix"
@@ -118,6 +122,8 @@ class SharedPrefix:
                  continuous: bool, padded: bool):
         self.store, self.config, self.n = store, config, samples_per_prompt
         self.groups = store.slots
+        """Prefix slots the prefix part reads (the first ``groups``): all of the store's; under continuous batching
+        those up to the last one in use; after a compaction those of the prompts with a live row (size buckets)."""
         device = store.mask.device
         self.prompt_of: list[int | None] = [None] * self.groups
         self.slot_of: dict[int, int] = {}
@@ -126,8 +132,8 @@ class SharedPrefix:
         """Per decode slot, its row's place among the grouped queries: ``prefix_slot * n + sample``."""
         self.continuous = continuous
         # prefix slots are reassigned only under continuous batching: there a finished row still in the batch
-        # could share its place with a new prompt's row, so it writes its query to a sink place instead
-        self.sink = self.groups * samples_per_prompt
+        # could share its place with a new prompt's row, so it writes its query to a sink place instead (after a
+        # compaction, so do the finished rows kept as filler)
         self.identity = not continuous
         """Decode slot s holds row s, of prefix slot s // n (no compaction yet): queries group by a view."""
         self.padded = padded
@@ -139,9 +145,18 @@ class SharedPrefix:
         self._read = self._write = self.slot_index
         self._calls = 0
 
+    def _bucket(self, groups: int) -> int:
+        """Prefix slots read for ``groups`` in use: a size bucket (a compiled step's graphs stay few)."""
+        return bucket_at_least(max(groups, 1), batch_buckets(self.store.slots))
+
+    @property
+    def sink(self) -> int:
+        """The query place past every prompt's: rows that no longer produce tokens write theirs there."""
+        return self.groups * self.n
+
     def shape_key(self) -> tuple:
-        """What a compiled decode step's graph depends on besides the decode batch: the store's shape, how queries
-        group (a view, or an index copy once rows moved) and which masks apply."""
+        """What a compiled decode step's graph depends on besides the decode batch: the prefix slots read, the
+        store's columns, how queries group (a view, or an index copy once rows moved) and which masks apply."""
         return (self.groups, self.store.mask.shape[1], self.n, self.identity, self.padded, self.continuous)
 
     def __contains__(self, prompt: int) -> bool:
@@ -152,13 +167,16 @@ class SharedPrefix:
     def assign(self, prompts: list[int], masks: torch.Tensor, in_use: set[int]) -> Any:
         """Give each prompt of ``prompts`` (masks [k, P]) a prefix slot, reusing those whose prompt is no longer
         ``in_use``; returns the cache their prefill writes through."""
-        free = [g for g in range(self.groups) if self.prompt_of[g] is None or self.prompt_of[g] not in in_use]
+        free = [g for g in range(self.store.slots) if self.prompt_of[g] is None or self.prompt_of[g] not in in_use]
         if len(free) < len(prompts):
             raise RuntimeError(f"{len(prompts)} prompts to prefill and {len(free)} free prefix slots: the store "
-                               f"was sized too small ({self.groups})")
+                               f"was sized too small ({self.store.slots})")
         for prompt, slot in zip(prompts, free):
             self.slot_of.pop(self.prompt_of[slot], None)
             self.prompt_of[slot], self.slot_of[prompt] = prompt, slot
+        if self.continuous:  # free slots are reused lowest first: the prompts in use sit in the first few
+            used = max(g for g, prompt in enumerate(self.prompt_of) if prompt in in_use or prompt in prompts) + 1
+            self.groups = self._bucket(used)
         dest = torch.tensor(free[:len(prompts)], dtype=torch.int64, device=masks.device)
         self.store.mask[dest, :masks.shape[1]] = masks.bool()  # a compiled step's store has masked columns after
         self._bias = additive_mask(self.store.mask[:, None, None, :], self.store.keys[0].dtype)
@@ -174,9 +192,29 @@ class SharedPrefix:
         self.slot_index[slots] = torch.tensor([self.slot_of[row // self.n] * self.n + row % self.n for row in rows],
                                               dtype=torch.int64, device=self.slot_index.device)
 
-    def compact(self, index: torch.Tensor) -> None:
-        """Decode slots ``index`` moved to the front."""
-        self.slot_index[:len(index)] = self.slot_index.index_select(0, index)
+    def compact(self, rows: list[int | None]) -> None:
+        """The decode batch compacted (no row is pending): its slots now hold request ``rows`` in order (``None``:
+        a finished row kept as filler). The prompts with a live row move to the store's first prefix slots, as
+        many as the size bucket of their count (the rest filler), and the prefix part reads those only."""
+        live = list(dict.fromkeys(row // self.n for row in rows if row is not None))
+        old = [self.slot_of[prompt] for prompt in live]
+        size = min(self._bucket(len(live)), self.groups)
+        moved = set(old)
+        order = old + [g for g in range(self.groups) if g not in moved][:size - len(old)]
+        if order != list(range(size)):
+            index = torch.tensor(order, dtype=torch.int64, device=self.slot_index.device)
+            for keys, values in zip(self.store.keys, self.store.values):
+                for buffer in (keys, values):
+                    buffer[:size] = buffer.index_select(0, index)
+            self.store.mask[:size] = self.store.mask.index_select(0, index)
+            self._bias = additive_mask(self.store.mask[:size, None, None, :], self.store.keys[0].dtype)
+        self.prompt_of = [self.prompt_of[g] for g in order] + [None] * (self.store.slots - size)
+        self.slot_of = {self.prompt_of[g]: g for g in range(len(live))}
+        self.groups = size
+        sink = self.sink
+        self.slot_index[:len(rows)] = torch.tensor(
+            [sink if row is None else self.slot_of[row // self.n] * self.n + row % self.n for row in rows],
+            dtype=torch.int64, device=self.slot_index.device)
         self.identity = False
 
     # ---- decoding ---------------------------------------------------------------------------------------------
@@ -186,8 +224,10 @@ class SharedPrefix:
         """Around one decode forward of the first ``active`` slots (``running``: which still produce tokens): the
         model's attention is this layout's, and every layer must have used it."""
         global _active
-        self._read = self.slot_index[:active]
-        self._write = torch.where(running[:active], self._read, self.sink) if self.continuous else self._read
+        index = self.slot_index[:active]
+        self._write = torch.where(running[:active], index, self.sink) if self.continuous else index
+        # a row writing to the sink reads any place (its output is never used)
+        self._read = index if self.identity else index.clamp(max=self.sink - 1)
         self._calls = 0
         self._suffix_visible = None
         implementation = self.config._attn_implementation
@@ -231,8 +271,9 @@ class SharedPrefix:
             grouped = q.new_zeros(groups * n + 1, kv_heads, per_kv, dim).index_copy_(0, self._write, q)
             grouped = grouped[:groups * n].view(groups, n, kv_heads, per_kv, dim)
         grouped = grouped.transpose(1, 2).reshape(groups, kv_heads, n * per_kv, dim)
-        bias = self._bias if self.padded else None
-        out, lse = partial_attention(grouped, self.store.keys[layer], self.store.values[layer], bias, scale)
+        bias = self._bias[:groups] if self.padded else None
+        out, lse = partial_attention(grouped, self.store.keys[layer][:groups], self.store.values[layer][:groups],
+                                     bias, scale)
         out = out.view(groups, kv_heads, n, per_kv, dim).transpose(1, 2).reshape(groups * n, kv_heads, per_kv, dim)
         lse = lse.view(groups, kv_heads, n, per_kv).transpose(1, 2).reshape(groups * n, kv_heads, per_kv)
         if self.identity:
