@@ -36,7 +36,7 @@ class ReplayLM(torch.nn.Module):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--prompts", type=int, default=256)
     parser.add_argument("--samples-per-prompt", type=int, default=4)
     parser.add_argument("--prompt-length", type=int, default=512)

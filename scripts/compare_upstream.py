@@ -196,7 +196,7 @@ def contenders_for(engine, tokenizer, args) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--model", default="llama-small")
     parser.add_argument("--zero-stage", type=int, default=0)
     parser.add_argument("--shapes", type=parse_shapes, default="4x1x128x32,2x8x512x32,4x4x128x32xsampling",

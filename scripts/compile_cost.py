@@ -107,7 +107,7 @@ def cache_savings(args: argparse.Namespace) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--model", default="llama-small")
     parser.add_argument("--batch-sizes", type=lambda text: [int(v) for v in text.split(",")], default=[1, 4, 16, 32])
     parser.add_argument("--prompt-length", type=int, default=64)

@@ -224,7 +224,7 @@ def without_output(argv: list[str]) -> list[str]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("kind", choices=("loss", "step", "big"))
     parser.add_argument("--vocab", type=int, default=151936)
     parser.add_argument("--rows", type=int, default=8, help="loss: rows (B x n)")

@@ -53,7 +53,7 @@ def build(output: Path) -> list[Path]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--output", type=Path, default=ROOT / ".gpu-bundle", help="folder to (re)create")
     args = parser.parse_args()
     wheels = build(args.output)

@@ -417,7 +417,7 @@ CHECKS: list[tuple[str, Callable[[Context], str], bool]] = [  # (name, check, ne
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--model", default="llama-small")
     parser.add_argument("--dtype", default="bf16", choices=["fp16", "bf16", "fp32"])
     parser.add_argument("--cpu", action="store_true",

@@ -18,7 +18,7 @@ from opsd_rollout.models import load_model
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--model", default="llama-small")
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--samples-per-prompt", type=int, default=4)

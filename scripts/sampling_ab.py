@@ -25,7 +25,7 @@ def load(path: str, name: str):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("before", help="a sampling.py")
     parser.add_argument("after", help="another sampling.py")
     parser.add_argument("--rows", type=int, default=64)

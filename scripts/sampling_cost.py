@@ -52,7 +52,7 @@ def selection_table(vocab_sizes: list[int], rows: int, rounds: int) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--model", default="llama-small")
     parser.add_argument("--batch-size", type=positive_int, default=4)
     parser.add_argument("--samples-per-prompt", type=positive_ints, default=[1, 4], help="comma list")

@@ -57,7 +57,7 @@ def measure(model, tokenizer, batch: int, samples: int, prompt: int, response: i
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--model", default="llama-small")
     parser.add_argument("--shape", type=batch_shape, default="2x8x32", help="BxNxR: prompts, samples, new tokens")
     parser.add_argument("--prompt-lengths", type=positive_ints, default="128,1536", help="comma list")

@@ -145,7 +145,7 @@ def per_token(model, tokenizer, args: argparse.Namespace) -> list[dict]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--model", default="llama-small", help="a preset name or a local checkpoint directory")
     parser.add_argument("--batch-sizes", type=positive_ints, default=[1, 4, 8, 16, 32, 64],
                         help="comma list of decode rows (default 1,4,8,16,32,64)")
