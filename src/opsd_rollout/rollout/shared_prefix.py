@@ -19,7 +19,7 @@ Rows come and go (continuous batching, compaction): each decode slot knows its r
 index (``slot_index = prefix_slot * n + sample``), so a prompt group with fewer live rows than n simply has
 empty query places. Prefix slots are reused once every row of their prompt has finished. When the batch
 compacts (no row pending any more), the store compacts with it: the prompts that still have a live row move to
-its first prefix slots and the prefix part reads only those (``active``, a size bucket), so a tail of a few
+its first prefix slots and the prefix part reads only those (``groups``, a size bucket), so a tail of a few
 rows reads a few prompts, not every prompt of the request.
 """
 
