@@ -66,6 +66,8 @@ class CompiledStep:
 
     _shapes: ClassVar[dict[Callable, set[Hashable]]] = {}
     _graphs: ClassVar[dict[Callable, int]] = {}
+    _ran: ClassVar[dict[Callable, bool]] = {}
+    """Whether the function has run compiled since dynamo last forgot it (shapes noted before are then stale)."""
 
     def __init__(self, fn: Callable[..., Any], options: dict[str, Any] | None = None):
         self.fn = fn
@@ -91,8 +93,8 @@ class CompiledStep:
 
     def note_shape(self, key: Hashable) -> bool:
         """Record that the next calls use shape ``key``; True when it is new (a compile may follow)."""
-        if self._shapes.get(self.fn) and _forgotten_by_dynamo(self.fn):  # torch._dynamo.reset() since: all new
-            self._shapes[self.fn] = set()
+        if self._ran.get(self.fn) and _forgotten_by_dynamo(self.fn):  # torch._dynamo.reset() since: all new
+            self._shapes[self.fn], self._ran[self.fn] = set(), False
         seen = self._shapes.setdefault(self.fn, set())
         if key in seen:
             return False
@@ -108,6 +110,7 @@ class CompiledStep:
         # other hooks misses this graph (the shape key includes the hooks, so that call is a first call too)
         with torch._dynamo.config.patch(skip_nnmodule_hook_guards=False):
             _, added = self._counted(*args, **kwargs)
+        self._ran[self.fn] = True
         self._graphs[self.fn] = self.graphs + added
         if self.graphs >= recompile_limit() and not self._warned:
             self._warned = True
