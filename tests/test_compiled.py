@@ -127,3 +127,20 @@ def test_a_dynamo_reset_makes_every_shape_new_again():
     assert compiled.note_shape(("rows", 2))
     assert compiled.first_call(torch.ones(2)) == 1  # compiled again indeed
     assert not compiled.note_shape(("rows", 2))
+
+
+def test_a_step_dynamo_never_compiles_is_no_new_shape_at_every_step():
+    """With dynamo off (``TORCHDYNAMO_DISABLE``, an eager stance) the step's code never reaches dynamo: that is
+    not a reset, and a shape seen once stays seen (the step is not run twice per decode step as a first call)."""
+    def step(x):
+        return x * 3
+
+    compiled = CompiledStep(step, {"backend": "eager"})
+    compiled.prepare(torch.device("cpu"))
+    new = []
+    with torch.compiler.set_stance("force_eager"):
+        for _ in range(3):
+            new.append(compiled.note_shape(("rows", 2)))
+            if new[-1]:
+                compiled.first_call(torch.ones(2))
+    assert new == [True, False, False]

@@ -94,7 +94,7 @@ class CompiledStep:
     def note_shape(self, key: Hashable) -> bool:
         """Record that the next calls use shape ``key``; True when it is new (a compile may follow)."""
         if self._ran.get(self.fn) and _forgotten_by_dynamo(self.fn):  # torch._dynamo.reset() since: all new
-            self._shapes[self.fn], self._ran[self.fn] = set(), False
+            self._shapes[self.fn], self._graphs[self.fn], self._ran[self.fn] = set(), 0, False
         seen = self._shapes.setdefault(self.fn, set())
         if key in seen:
             return False
@@ -110,7 +110,8 @@ class CompiledStep:
         # other hooks misses this graph (the shape key includes the hooks, so that call is a first call too)
         with torch._dynamo.config.patch(skip_nnmodule_hook_guards=False):
             _, added = self._counted(*args, **kwargs)
-        self._ran[self.fn] = True
+        # whether dynamo now holds the step (not when it never compiles: TORCHDYNAMO_DISABLE, a forced eager stance)
+        self._ran[self.fn] = not _forgotten_by_dynamo(self.fn)
         self._graphs[self.fn] = self.graphs + added
         if self.graphs >= recompile_limit() and not self._warned:
             self._warned = True
