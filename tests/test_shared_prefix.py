@@ -342,3 +342,44 @@ def test_the_benchmarks_roofline_reads_each_shared_prompt_once(tiny_models):
     assert decode_bytes_per_step(spec, 16, 100 + 4) == weights + per_position * 16 * 104
     assert decode_bytes_per_step(spec, 16, 4, shared_prompts=2, prompt_length=100) == weights + per_position * (
         16 * 4 + 2 * 100)
+
+
+def test_a_compiled_step_keeps_reading_every_store_slot_through_a_long_tail():
+    """A compiled step reads the whole store whatever is live: each count of slots read would be a graph of its
+    own (a plain int to dynamo), and a tail compacting through many buckets would reach torch's recompile limit.
+    Sixteen prompts ending two steps apart, seven compactions: a few graphs, none compiled inside a decode loop,
+    none on a repeated call; the eager step narrows (the store's first slots only) and agrees token for token."""
+    from conftest import chain_table, transition_model
+    from opsd_rollout.rollout.shared_prefix import SharedPrefix
+    from opsd_rollout.rollout.strategies.static import StaticDecode
+
+    torch._dynamo.reset()
+    vocab, eos = 40, 39
+    model = transition_model(chain_table(vocab, {}))
+    prompts = left_padded([[4, 5, 6, 7 + 2 * i] for i in range(16)], PAD_ID)  # prompt i ends after 32 - 2i steps
+    sampling = greedy(2, 40)
+    eager = HybridEngineRollout(model, make_tokenizer(PAD_ID, eos), HybridEngineRolloutConfig(**SHARED))
+    compiled = HybridEngineRollout(model, make_tokenizer(PAD_ID, eos), HybridEngineRolloutConfig())
+    compiled.strategy = StaticDecode(compile_decode=True, shared_prefix_min_prompt=1,
+                                     compile_options={"backend": "eager"})
+    read: list[int] = []
+    original = SharedPrefix.decoding  # entered around each decode forward, outside the compiled graph
+
+    def spy(self, active, running):
+        read.append(self.groups)
+        return original(self, active, running)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(SharedPrefix, "decoding", spy)
+        expected = eager.generate(prompts, sampling).input_ids
+    assert min(read) < 16  # the eager step narrowed
+    for call in range(2):
+        read.clear()
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(SharedPrefix, "decoding", spy)
+            got = compiled.generate(prompts, sampling).input_ids
+        stats = compiled.strategy.last_stats
+        assert torch.equal(got, expected), call
+        assert stats.compactions >= 5 and set(read) == {16}, (stats, set(read))
+        assert stats.compiled_graphs <= (4 if call == 0 else 0), stats
+    assert compiled.strategy.compiled.graphs <= 4

@@ -20,7 +20,7 @@ index (``slot_index = prefix_slot * n + sample``), so a prompt group with fewer 
 empty query places. Prefix slots are reused once every row of their prompt has finished. When the batch
 compacts (no row pending any more), the store compacts with it: the prompts that still have a live row move to
 its first prefix slots and the prefix part reads only those (``groups``, a size bucket), so a tail of a few
-rows reads a few prompts, not every prompt of the request.
+rows reads a few prompts, not every prompt of the request (eager steps; a compiled step reads every slot).
 """
 
 from __future__ import annotations
@@ -119,11 +119,15 @@ class SharedPrefix:
     place among its prompt's queries (``slot_index``)."""
 
     def __init__(self, store: PrefixStore, config: Any, samples_per_prompt: int, slots: int, *,
-                 continuous: bool, padded: bool):
+                 continuous: bool, padded: bool, narrow: bool = True):
         self.store, self.config, self.n = store, config, samples_per_prompt
         self.groups = store.slots
-        """Prefix slots the prefix part reads (the first ``groups``): all of the store's; under continuous batching
-        those up to the last one in use; after a compaction those of the prompts with a live row (size buckets)."""
+        """Prefix slots the prefix part reads (the first ``groups``): all of the store's; with ``narrow``, under
+        continuous batching those up to the last one in use, after a compaction those of the prompts with a live
+        row (size buckets)."""
+        self.narrow = narrow
+        """Whether ``groups`` follows the prompts in use. A compiled step keeps every slot: each count would be a
+        graph of its own (a plain int to dynamo), and a long tail would run into torch's recompile limit."""
         device = store.mask.device
         self.prompt_of: list[int | None] = [None] * self.groups
         self.slot_of: dict[int, int] = {}
@@ -174,7 +178,7 @@ class SharedPrefix:
         for prompt, slot in zip(prompts, free):
             self.slot_of.pop(self.prompt_of[slot], None)
             self.prompt_of[slot], self.slot_of[prompt] = prompt, slot
-        if self.continuous:  # free slots are reused lowest first: the prompts in use sit in the first few
+        if self.continuous and self.narrow:  # free slots are reused lowest first: the prompts in use are the first
             used = max(g for g, prompt in enumerate(self.prompt_of) if prompt in in_use or prompt in prompts) + 1
             self.groups = self._bucket(used)
         dest = torch.tensor(free[:len(prompts)], dtype=torch.int64, device=masks.device)
@@ -197,19 +201,24 @@ class SharedPrefix:
         a finished row kept as filler). The prompts with a live row move to the store's first prefix slots, as
         many as the size bucket of their count (the rest filler), and the prefix part reads those only."""
         live = list(dict.fromkeys(row // self.n for row in rows if row is not None))
-        old = [self.slot_of[prompt] for prompt in live]
-        size = min(self._bucket(len(live)), self.groups)
-        moved = set(old)
-        order = old + [g for g in range(self.groups) if g not in moved][:size - len(old)]
+        if self.narrow:
+            old = [self.slot_of[prompt] for prompt in live]
+            size = min(self._bucket(len(live)), self.groups)
+            moved = set(old)
+            order = old + [g for g in range(self.groups) if g not in moved][:size - len(old)]
+        else:  # every slot stays where it is
+            size, order = self.groups, list(range(self.groups))
         if order != list(range(size)):
             index = torch.tensor(order, dtype=torch.int64, device=self.slot_index.device)
             for keys, values in zip(self.store.keys, self.store.values):
                 for buffer in (keys, values):
                     buffer[:size] = buffer.index_select(0, index)
             self.store.mask[:size] = self.store.mask.index_select(0, index)
-            self._bias = additive_mask(self.store.mask[:size, None, None, :], self.store.keys[0].dtype)
+            # every slot's, as ``assign`` makes it: one shape, whichever slots a call ends up reading
+            self._bias = additive_mask(self.store.mask[:, None, None, :], self.store.keys[0].dtype)
         self.prompt_of = [self.prompt_of[g] for g in order] + [None] * (self.store.slots - size)
-        self.slot_of = {self.prompt_of[g]: g for g in range(len(live))}
+        in_use = set(live)
+        self.slot_of = {prompt: g for g, prompt in enumerate(self.prompt_of) if prompt in in_use}
         self.groups = size
         sink = self.sink
         self.slot_index[:len(rows)] = torch.tensor(

@@ -134,7 +134,8 @@ class StaticDecode:
             store = self.workspace.prefix_store(config, prefix_slots(rows // plan.samples_per_prompt, slots),
                                                 stored, dtype, device)
             prefix = SharedPrefix(store, target.spec.config, plan.samples_per_prompt, slots,
-                                  continuous=slots < rows, padded=stored > P or not bool(prompt_mask.all()))
+                                  continuous=slots < rows, padded=stored > P or not bool(prompt_mask.all()),
+                                  narrow=self.compiled is None)
         transposed = self.cpu_transposed_weights and not plan.layerwise_gather and self.linears.applies(
             target.model, target.dtype, device, slots)
         if transposed:  # the weights may have changed since the last call (training): copied again
