@@ -205,3 +205,19 @@ def test_forced_lengths_follow_the_distribution_and_are_the_same_on_every_engine
         many, SamplingConfig(max_new_tokens=cap, n_samples_per_prompt=25, temperature=1.0))
     counts = torch.bincount(lengths(batch), minlength=cap + 1)[1:].double()
     assert_chi_square_fit(counts, torch.tensor(LengthModel.parse(spec).probabilities(cap), dtype=torch.float64))
+
+
+@pytest.mark.parametrize("shared_prefix", [False, True])
+def test_rows_that_finished_step_on_to_the_next_check_without_leaving_the_cache(tiny_models, shared_prefix):
+    """Checks every 3 steps over the whole cache (``static_shapes``), one slot at a time: rows that all started
+    together reach the cache's last column, finish, and step on until the check retires them. They keep writing
+    that column (an IndexError before); the tokens are generate's."""
+    model = tiny_models["llama-tiny"]
+    request = left_padded([[5, 6, 7, 8], [9, 10, 11, 12]], PAD_ID)
+    expected, _ = reference_rollout(model, request, n=3, max_new_tokens=4, pad_token_id=PAD_ID, eos_ids=[])
+    engine = rollout(model, make_tokenizer(PAD_ID, None), static_shapes=True, stop_check_interval=3, ignore_eos=True,
+                     shared_prefix=shared_prefix, shared_prefix_min_prompt=1)
+    for slots in (1, 2):
+        got = engine.generate(request, SamplingConfig(max_new_tokens=4, n_samples_per_prompt=3, temperature=0,
+                                                      continuous_batch_size=slots))
+        assert torch.equal(got.input_ids, expected), slots

@@ -52,12 +52,13 @@ class CacheFront:
         self._tokens = tokens
 
     def advance(self) -> None:
-        """After the forward: every row's front moved by the tokens fed."""
+        """After the forward: every row's front moved by the tokens fed. A row that finished and is still in the
+        batch (until the next check retires it) keeps writing the last column, never read again: rows that all
+        started together reach the cache's end only once every one of them has finished."""
         if self.aligned:
-            self.column += self._tokens
-        # a finished row left in the batch keeps writing its last column (it is never read again)
+            self.column = min(self.column + self._tokens, self.length - 1)
         self.columns[:self.active].add_(self._tokens).clamp_(max=self.length - 1)
-        self.width += self._tokens
+        self.width = min(self.width + self._tokens, self.length - 1)
 
     @property
     def view_width(self) -> int:
