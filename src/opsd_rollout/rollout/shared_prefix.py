@@ -193,8 +193,12 @@ class SharedPrefix:
 
     def place(self, slots: torch.Tensor, rows: list[int]) -> None:
         """Decode slots ``slots`` now hold request rows ``rows`` (their prompts assigned)."""
-        self.slot_index[slots] = torch.tensor([self.slot_of[row // self.n] * self.n + row % self.n for row in rows],
-                                              dtype=torch.int64, device=self.slot_index.device)
+        self.slot_index[slots] = torch.tensor([self._place(row) for row in rows], dtype=torch.int64,
+                                              device=self.slot_index.device)
+
+    def _place(self, row: int) -> int:
+        """Request row ``row``'s query place: its prompt's prefix slot times n, plus its sample index."""
+        return self.slot_of[row // self.n] * self.n + row % self.n
 
     def compact(self, rows: list[int | None]) -> None:
         """The decode batch compacted (no row is pending): its slots now hold request ``rows`` in order (``None``:
@@ -222,7 +226,7 @@ class SharedPrefix:
         self.groups = size
         sink = self.sink
         self.slot_index[:len(rows)] = torch.tensor(
-            [sink if row is None else self.slot_of[row // self.n] * self.n + row % self.n for row in rows],
+            [sink if row is None else self._place(row) for row in rows],
             dtype=torch.int64, device=self.slot_index.device)
         self.identity = False
 
