@@ -49,6 +49,22 @@ def test_a_compile_is_its_own_figure_and_its_forward_no_decode_step(tiny_models,
     assert torch.equal(first.input_ids, expected)
 
 
+def test_a_smaller_workspace_is_a_new_shape_not_a_recompile_inside_the_loop(tiny_models, tokenizer, caplog):
+    """The same active rows over a workspace of fewer slots (continuous batching after a plain call) is a shape of
+    its own: compiled as a first call, not by a failing guard inside a decode step (which the loop warns of)."""
+    import logging
+
+    torch._dynamo.reset()
+    rollout = HybridEngineRollout(tiny_models["llama-tiny"], tokenizer, HybridEngineRolloutConfig(
+        enable_profiling=True, seed=3, response_lengths="geometric:mean=4"))
+    rollout.strategy = StaticDecode(compile_decode=True, seed=3, compile_options={"backend": "aot_eager"})
+    request = prompts_with_padding_and_holes(tokenizer)
+    with caplog.at_level(logging.WARNING, logger="opsd_rollout.rollout.compiled"):
+        for slots in (None, 4):
+            rollout.generate(request, SamplingConfig(**{**vars(sampled(16, 2)), "continuous_batch_size": slots}))
+    assert not [r for r in caplog.records if "inside the decode loop" in r.getMessage()]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", TINY_PRESETS)
 def test_inductor_compiled_step_equals_generate_and_the_eager_loop(tiny_models, tokenizer, name):

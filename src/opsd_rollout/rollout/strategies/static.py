@@ -456,7 +456,7 @@ class _Run:
         if compiled is not None and step is compiled:
             if self.plan.layerwise_gather:  # DeepSpeed's hooks gather inside every forward: they stay eager
                 step = decode_one_token
-            elif compiled.note_shape((active, self.front.length, self.target.dtype,
+            elif compiled.note_shape((active, self.scheduler.slots, self.front.length, self.target.dtype,
                                       None if mask is None else mask.dim(), self.hooks, self.stats.weight_layout,
                                       None if self.prefix is None else self.prefix.shape_key())):
                 with self._attention(active):
