@@ -10,7 +10,7 @@ TORCH_SPEC ?= torch==2.13.0
 FLOOR_PYTHON ?= $(shell python3.12 -c 'import sys; print(sys.executable)' 2>/dev/null || PYENV_VERSION=$$(pyenv versions --bare 2>/dev/null | grep '^3\.12' | tail -1) python3.12 -c 'import sys; print(sys.executable)' 2>/dev/null || echo python3)
 FLOOR_VENV ?= .venv-floor
 
-.PHONY: test test-fast test-floor bench install install-test gpu-bundle clean
+.PHONY: test test-slow test-all test-floor bench install install-test gpu-bundle clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -38,11 +38,16 @@ $(FLOOR_VENV)/.installed: pyproject.toml requirements/floor.txt
 install: $(VENV)/.installed
 install-test: $(VENV)/.installed-test
 
+# The fast tier (every test that starts no process, runs no inductor compile and no benchmark; a test that does
+# fails at once unless marked slow) and the slow tier; test-all is both.
 test: install-test
-	$(PY) -m pytest -q
-
-test-fast: install-test
 	$(PY) -m pytest -q -m "not slow"
+
+test-slow: install-test
+	$(PY) -m pytest -q -m slow
+
+test-all: install-test
+	$(PY) -m pytest -q
 
 test-floor: $(FLOOR_VENV)/.installed
 	$(FLOOR_VENV)/bin/python -c "import sys, torch, transformers; print('floor:', sys.version.split()[0], 'torch', torch.__version__, 'transformers', transformers.__version__)"

@@ -4,6 +4,9 @@ current one (real weights, no mocking), request builders, and the plain per-row 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -18,6 +21,48 @@ from opsd_rollout import RolloutRequest  # noqa: E402
 from opsd_rollout.models import PRESETS, byte_tokenizer  # noqa: E402
 
 TINY_PRESETS = ["llama-tiny", "qwen2-tiny", "gpt2-tiny"]
+
+# ---- the two tiers: `make test` runs what is not marked slow, `make test-slow` the rest ----------------------------
+
+LAUNCHERS = ("python", "torchrun", "deepspeed")
+"""Programs whose start makes a test slow: a Python interpreter or a launcher of ranks."""
+
+
+@pytest.fixture(autouse=True)
+def _fast_tier_stays_fast(request, monkeypatch):
+    """A test not marked ``slow`` may start no Python process and run no inductor compile (seconds to minutes
+    each): either fails it at once with the fix, so the fast tier cannot grow slow unnoticed."""
+    if request.node.get_closest_marker("slow"):
+        return
+    start = subprocess.Popen._execute_child
+
+    def execute_child(popen, args, executable, *rest, **kwargs):
+        program = Path(str(executable or (args if isinstance(args, (str, bytes)) else args[0]))).name
+        if program.startswith(LAUNCHERS) or program == Path(sys.executable).name:
+            raise AssertionError(f"this test starts {program}: mark it @pytest.mark.slow (the fast tier, `make test`, "
+                                 "starts no process)")
+        return start(popen, args, executable, *rest, **kwargs)
+
+    monkeypatch.setattr(subprocess.Popen, "_execute_child", execute_child)
+    import torch._inductor.compile_fx as compile_fx
+
+    def no_inductor(*args, **kwargs):
+        raise AssertionError("this test compiles with inductor: mark it @pytest.mark.slow, or compile with a tracing "
+                             "backend (compile_options={'backend': 'aot_eager'}) to test the loop's bookkeeping")
+
+    monkeypatch.setattr(compile_fx, "compile_fx", no_inductor)
+
+
+def run_named(what: str, command: list[str], *, timeout: float, **kwargs) -> subprocess.CompletedProcess:
+    """``subprocess.run`` with captured text output; past ``timeout`` seconds (at least four times what the work
+    takes on 2 busy cores) the test fails naming ``what`` was slow, with what it printed so far."""
+    try:
+        return subprocess.run(command, capture_output=True, text=True, timeout=timeout, **kwargs)
+    except subprocess.TimeoutExpired as expired:
+        out = (expired.stdout or b"")[-4000:]
+        err = (expired.stderr or b"")[-4000:]
+        pytest.fail(f"{what} did not finish within {timeout:.0f} s; stdout tail:\n{out!s}\nstderr tail:\n{err!s}",
+                    pytrace=False)
 
 
 @pytest.fixture(scope="session")

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import subprocess
 import sys
 
 import pytest
 
+from conftest import run_named
 from opsd_rollout.cli import main
 
 
@@ -36,8 +36,8 @@ def test_bad_model_is_one_clear_line(capsys):
 
 @pytest.mark.slow
 def test_python_dash_m_help_works():
-    result = subprocess.run([sys.executable, "-m", "opsd_rollout", "--help"], capture_output=True, text=True,
-                            timeout=120)
+    result = run_named("python -m opsd_rollout --help (seconds on 2 quiet cores)",
+                       [sys.executable, "-m", "opsd_rollout", "--help"], timeout=600)
     assert result.returncode == 0 and "bench" in result.stdout and "models" in result.stdout
 
 

@@ -8,14 +8,18 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import clean_env
+import pytest
+
+from conftest import clean_env, run_named
+
+pytestmark = pytest.mark.slow  # each test starts the script
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "compare_upstream.py"
 
 
 def run(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(SCRIPT), "--model", "llama-tiny", *args], env=clean_env(),
-                          capture_output=True, text=True, timeout=300)
+    return run_named(f"compare_upstream.py {' '.join(args)} (seconds on 2 quiet cores)",
+                     [sys.executable, str(SCRIPT), "--model", "llama-tiny", *args], env=clean_env(), timeout=900)
 
 
 def table(stdout: str) -> dict[str, list[str]]:

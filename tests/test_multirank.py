@@ -4,13 +4,12 @@ same number of forwards, and each returns its own trimmed, padded batch."""
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import clean_env
+from conftest import clean_env, run_named
 from opsd_rollout.distributed import free_port
 
 HERE = Path(__file__).parent
@@ -20,7 +19,8 @@ def run_two_ranks(worker: str, out: Path) -> list[dict]:
     env = {**clean_env(), "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr",
                "127.0.0.1", "--master_port", str(free_port()), str(HERE / "multirank" / worker), str(out)]
-    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    result = run_named(f"two ZeRO-3 ranks running {worker} (about 10 s on 2 quiet cores)", command, env=env,
+                       timeout=1200)
     assert result.returncode == 0, result.stderr[-4000:]
     return [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
 

@@ -6,26 +6,26 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import textwrap
 
 import jsonschema
 import pytest
 
-from conftest import clean_env
+from conftest import clean_env, run_named
 from opsd_rollout.bench.report import load_schema
 from opsd_rollout.distributed import free_port
 
 ARGS = ["--model", "llama-tiny", "--zero-stages", "3", "--batch-sizes", "1,2", "--samples-per-prompt", "1",
         "--prompt-lengths", "8", "--response-lengths", "6", "--warmup", "0", "--iterations", "2",
-        "--collective-timeout", "60", "--nproc", "2"]
+        "--collective-timeout", "600", "--nproc", "2"]
 
 
-def run_cli(args, tmp_path, extra_env=None, timeout=300):
+def run_cli(args, tmp_path, extra_env=None, timeout=1500):
+    """The CLI on 2 ranks (about 15 s on 2 quiet cores); the timeout outlasts the collectives' own 600 s."""
     env = {**clean_env(), "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", **(extra_env or {})}
-    return subprocess.run([sys.executable, "-m", "opsd_rollout", *args], env=env, capture_output=True, text=True,
-                          timeout=timeout, cwd=tmp_path)
+    return run_named(f"opsd-rollout {args[0]} on 2 ranks", [sys.executable, "-m", "opsd_rollout", *args], env=env,
+                     timeout=timeout, cwd=tmp_path)
 
 
 @pytest.mark.slow
@@ -86,7 +86,7 @@ def test_two_rank_opsd_step(tmp_path):
     output = tmp_path / "step.json"
     result = run_cli(["step", "--teacher", "qwen2-tiny", "--zero-stages", "3", "--batch-sizes", "1",
                       "--prompt-lengths", "8", "--response-lengths", "6", "--warmup", "0", "--iterations", "2",
-                      "--collective-timeout", "60", "--nproc", "2", "--output", str(output)], tmp_path)
+                      "--collective-timeout", "600", "--nproc", "2", "--output", str(output)], tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     document = json.loads(output.read_text())
     jsonschema.validate(document, load_schema())
@@ -111,7 +111,8 @@ def test_the_deepspeed_launcher_runs_two_ranks_that_share_the_cores(tmp_path):
     bench = ARGS[:ARGS.index("--nproc")]  # the launcher starts the ranks
     command = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_accelerators", "2", "--master_port",
                str(free_port()), "--module", "opsd_rollout", "bench", *bench, "--output", str(output)]
-    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    result = run_named("bench on 2 ranks under DeepSpeed's launcher (about 16 s on 2 quiet cores)", command, env=env,
+                       timeout=1500, cwd=tmp_path)
     assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
     document = json.loads(output.read_text())
     jsonschema.validate(document, load_schema())
