@@ -1,13 +1,19 @@
-"""Every check that needs a CUDA GPU, in one call on a lent GPU machine: each row (PASS/FAIL/SKIP, time,
-detail) is printed the moment its check ends, so a run cut off by a timeout still says what ran; the exit
-status is non-zero on a failure. Each check asserts what it proves (a graph replayed, no host sync, equal
-tokens); timings are reported beside, never asserted.
+"""Every check that needs a CUDA GPU, in one call on a lent GPU machine, and its rehearsal on the CPU.
 
     python scripts/gpu_check.py [--model llama-small] [--dtype bf16]
-    python scripts/gpu_check.py --cpu --model llama-tiny     # rehearsal: the checks a CPU can run, fp32
+    python scripts/gpu_check.py --cpu --model llama-tiny     # the rehearsal: every check, fp32, CPU stand-ins
 
-On the GPU machine, with the wheels of ``make gpu-bundle`` (see the README, "Checking on a GPU"). Equality
-checks run in fp32 (near-ties in bf16 flip argmaxes for numeric reasons); speed in ``--dtype``.
+Each row (status, time, figure, detail) is printed the moment its check ends, so a run cut off by a timeout
+still says what ran; one failing check never hides the others, and the exit status is non-zero when any failed.
+Each check asserts what it proves (a graph replayed, no host sync, equal tokens); timings are reported beside,
+never asserted. The figure column is what a reader compares between the GPU run and the CPU rehearsal.
+
+The rehearsal runs every check's own code on the CPU, so a check that reaches for a name the project or torch
+no longer has fails here, in CI, and not on the GPU. Only the calls that exist on CUDA alone are replaced by the
+stand-ins of ``CpuStandIns`` (CUDA-graph recording, ``torch.cuda.set_sync_debug_mode``, pinned memory, device
+events, DeepSpeed's inference kernels, inductor's kernels); a check that used one reports ``rehearsed``, not
+``ok``. On the GPU machine, with the wheels of ``make gpu-bundle`` (see docs/GPU.md). Equality checks run in fp32
+(near-ties in bf16 flip argmaxes for numeric reasons); speed in ``--dtype``.
 """
 
 from __future__ import annotations
@@ -19,53 +25,23 @@ import sys
 import time
 import traceback
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from opsd_rollout import HybridEngineRollout, HybridEngineRolloutConfig, RolloutRequest, SamplingConfig
 from opsd_rollout.bench.prompts import synthetic_prompts
 from opsd_rollout.bench.timing import interleaved_medians
 from opsd_rollout.models import load_model, parse_dtype
-
-
-class Context:
-    """What every check gets: the model in the speed dtype, an fp32 copy for equality, the tokenizer, device."""
-
-    def __init__(self, name: str, dtype: str, device: torch.device):
-        self.device, self.name, self.dtype_name = device, name, dtype
-        self.model, self.tokenizer = load_model(name, dtype=dtype, device=device)
-        self.fp32 = self.model if dtype == "fp32" else load_model(name, dtype="fp32", device=device)[0]
-        self.dtype = parse_dtype(dtype)
-
-    def request(self, batch: int = 2, length: int = 24, seed: int = 0, padded: bool = True) -> RolloutRequest:
-        request = synthetic_prompts(batch, length, vocab_size=self.model.config.vocab_size, seed=seed,
-                                    pad_fraction=0.25 if padded else 0.0)
-        return RolloutRequest(request.prompt_ids.to(self.device), request.prompt_attention_mask.to(self.device))
-
-    def rollout(self, model: torch.nn.Module | None = None, **config: Any) -> HybridEngineRollout:
-        return HybridEngineRollout(model if model is not None else self.fp32, self.tokenizer,
-                                   HybridEngineRolloutConfig(**config))
-
-
-def greedy(max_new_tokens: int = 16, n: int = 1) -> SamplingConfig:
-    return SamplingConfig(max_new_tokens=max_new_tokens, n_samples_per_prompt=n, temperature=0.0)
-
-
-def sampled(max_new_tokens: int = 16, n: int = 2) -> SamplingConfig:
-    return SamplingConfig(max_new_tokens=max_new_tokens, n_samples_per_prompt=n, temperature=1.0, top_k=50,
-                          top_p=0.95)
-
-
-def agreement(a: torch.Tensor, b: torch.Tensor) -> float:
-    if a.shape != b.shape:
-        return 0.0
-    return (a == b).float().mean().item()
+from opsd_rollout.rollout import compiled, sampling
+from opsd_rollout.rollout.compiled import compiled_graphs
 
 
 @contextlib.contextmanager
 def counting(owner: Any, name: str) -> Iterator[list[int]]:
-    """Count calls of ``owner.name`` (a class or module attribute) for the block."""
+    """Count calls of ``owner.name`` (a class or module attribute) for the block; the name must exist."""
     original, calls = getattr(owner, name), []
 
     def counted(*args: Any, **kwargs: Any) -> Any:
@@ -79,14 +55,287 @@ def counting(owner: Any, name: str) -> Iterator[list[int]]:
         setattr(owner, name, original)
 
 
-# ---- checks that a CPU can rehearse ----------------------------------------------------------------------
+# ---- the calls that exist on CUDA alone, and their CPU stand-ins -----------------------------------------------
 
-def check_strategies(ctx: Context) -> str:
-    """Greedy tokens of every static variant equal generate's (fp32); same seed, same samples; speed."""
+class Cuda:
+    """The CUDA-only calls the checks make, as they are on a GPU."""
+
+    rehearsal = False
+    timer, memory_source = "cuda_events", "cuda_max_allocated"
+    """What a profile on this device says it timed with and where its peak memory came from."""
+
+    def __init__(self) -> None:
+        self.used = False
+        """Whether the check running now used a stand-in (its status is then ``rehearsed``)."""
+
+    def size(self, gpu: Any, cpu: Any) -> Any:
+        """A shape or a round count: the GPU's, or the rehearsal's smallest."""
+        return gpu
+
+    @contextlib.contextmanager
+    def strict_sync(self) -> Iterator[None]:
+        """Any host synchronization inside the block raises."""
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            yield
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    def graph_recordings(self) -> contextlib.AbstractContextManager[list[int]]:
+        """Counts the graphs recorded in the block: CUDA-graph recordings of inductor's graph trees."""
+        from torch._inductor import cudagraph_trees
+
+        return counting(cudagraph_trees.CUDAGraphNode, "_record")
+
+    def pinned(self, tensor: torch.Tensor) -> bool:
+        return tensor.is_pinned()
+
+    def device_events(self) -> contextlib.AbstractContextManager[None]:
+        """Clocks built in the block time with device events (``torch.cuda.Event`` on the current stream)."""
+        return contextlib.nullcontext()
+
+    def inference_kernels(self) -> contextlib.AbstractContextManager[None]:
+        """DeepSpeed's inference kernels (built with the hybrid engine)."""
+        return contextlib.nullcontext()
+
+    def flex_kernel(self) -> contextlib.AbstractContextManager[None]:
+        """Flex attention's kernel, which transformers compiles with inductor."""
+        return contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def running(self) -> Iterator[None]:
+        """Around the whole run."""
+        yield
+
+
+class HostSyncDetector(TorchFunctionMode):
+    """The CPU stand-in for ``set_sync_debug_mode("error")``: raises on every call that makes a CUDA host wait
+    for the device (reading a value, a data-dependent shape), except inside ``CPU_ONLY``: functions that return
+    before any host read on every other device, so that a GPU never runs their reads."""
+
+    CPU_ONLY = {sampling._top_k_candidates.__code__, sampling._tied_candidates.__code__}
+
+    SYNCS = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__bool__, torch.Tensor.__int__,
+             torch.Tensor.__float__, torch.Tensor.nonzero, torch.nonzero, torch.Tensor.numpy,
+             torch.masked_select, torch.Tensor.masked_select, torch.unique, torch.Tensor.unique}
+
+    def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        data_dependent = (func is torch.where and len(args) + len(kwargs) == 1) or (
+            func in (torch.Tensor.__getitem__, torch.Tensor.__setitem__) and _bool_index(args[1]))
+        if (func in self.SYNCS or data_dependent) and not _called_from(self.CPU_ONLY):
+            raise RuntimeError(f"host synchronization: {getattr(func, '__name__', func)} (CPU stand-in for "
+                               "torch.cuda.set_sync_debug_mode('error'))")
+        return func(*args, **kwargs)
+
+
+def _called_from(codes: set) -> bool:
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code in codes:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _bool_index(index: Any) -> bool:
+    items = index if isinstance(index, tuple) else (index,)
+    return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in items)
+
+
+class GraphsSince:
+    """``len()``: the graphs dynamo has compiled in this process since this object was made."""
+
+    def __init__(self) -> None:
+        self.start = compiled_graphs()
+
+    def __len__(self) -> int:
+        return compiled_graphs() - self.start
+
+
+class CpuStandIns(Cuda):
+    """The same calls rehearsed on the CPU, each CUDA-only call replaced by the closest thing a CPU has."""
+
+    rehearsal = True
+    timer, memory_source = "synchronized_clock", "process_rss"
+
+    def size(self, gpu: Any, cpu: Any) -> Any:
+        return cpu
+
+    @contextlib.contextmanager
+    def strict_sync(self) -> Iterator[None]:
+        """The compiled step's graph is opaque here (dynamo cannot trace under a Python function mode); the eager
+        pass checks the same step's code, and on a GPU a sync inside a graph fails its capture anyway."""
+        assert callable(torch.cuda.set_sync_debug_mode)  # what the GPU run calls
+        self.used = True
+        detector, graph = HostSyncDetector(), compiled.CompiledStep.__call__
+
+        def opaque(step: compiled.CompiledStep, *args: Any, **kwargs: Any) -> Any:
+            detector.__exit__(None, None, None)
+            try:
+                return graph(step, *args, **kwargs)
+            finally:
+                detector.__enter__()
+
+        compiled.CompiledStep.__call__ = opaque
+        try:
+            with detector:
+                yield
+        finally:
+            compiled.CompiledStep.__call__ = graph
+
+    def graph_recordings(self) -> contextlib.AbstractContextManager[GraphsSince]:
+        """Graphs dynamo compiles stand in for CUDA-graph recordings: a step that records again on a GPU (a
+        failing guard, a new shape) compiles again here."""
+        from torch._inductor import cudagraph_trees
+
+        assert callable(cudagraph_trees.CUDAGraphNode._record)  # what the GPU run counts
+        self.used = True
+        return contextlib.nullcontext(GraphsSince())
+
+    def pinned(self, tensor: torch.Tensor) -> bool:
+        """CPU memory cannot be pinned without CUDA: a cache is right to be unpinned here."""
+        self.used = True
+        return not tensor.is_pinned()
+
+    @contextlib.contextmanager
+    def device_events(self) -> Iterator[None]:
+        """Host-clock events in place of ``torch.cuda.Event`` and its stream, and clocks that use them: the event
+        path of ``profiling.clock.Clock`` runs as on a GPU."""
+        from opsd_rollout.profiling import clock
+
+        class Event:
+            def __init__(self, enable_timing: bool = False) -> None:
+                self.at: float | None = None
+
+            def record(self, stream: Any = None) -> None:
+                self.at = time.perf_counter()
+
+            def synchronize(self) -> None:
+                assert self.at is not None, "an event read before it was recorded"
+
+            def elapsed_time(self, end: "Event") -> float:
+                return (end.at - self.at) * 1e3
+
+        self.used = True
+        patched = {(torch.cuda, "Event"): Event, (torch.cuda, "current_stream"): lambda device=None: None}
+        init = clock.Clock.__init__
+
+        def with_events(instance: clock.Clock, *args: Any, **kwargs: Any) -> None:
+            init(instance, *args, **kwargs)
+            instance.uses_events = kwargs.get("use_device_events", True)  # keyword-only
+
+        patched[(clock.Clock, "__init__")] = with_events
+        originals = {key: getattr(*key) for key in patched}
+        for (owner, name), value in patched.items():
+            setattr(owner, name, value)
+        try:
+            yield
+        finally:
+            for (owner, name), value in originals.items():
+                setattr(owner, name, value)
+
+    @contextlib.contextmanager
+    def inference_kernels(self) -> Iterator[None]:
+        """Kernels that raise when called, so the hybrid engine builds as on a GPU and fails only if run."""
+        from deepspeed.ops.op_builder.cpu.no_impl import NotImplementedBuilder
+
+        class Kernels:
+            def __getattr__(self, name: str) -> Callable:
+                def missing(*args: Any, **kwargs: Any) -> Any:
+                    raise RuntimeError(f"CPU stand-in: DeepSpeed's inference kernel {name} exists on CUDA only")
+                return missing
+
+        self.used = True
+        original = NotImplementedBuilder.load
+        NotImplementedBuilder.load = lambda builder, *args, **kwargs: Kernels()
+        try:
+            yield
+        finally:
+            NotImplementedBuilder.load = original
+
+    @contextlib.contextmanager
+    def flex_kernel(self) -> Iterator[None]:
+        """Flex attention run eagerly: inductor's CPU flex kernel does not build in torch 2.13 (C++ errors)."""
+        self.used = True
+        with torch.compiler.set_stance("force_eager"):
+            yield
+
+    @contextlib.contextmanager
+    def running(self) -> Iterator[None]:
+        """The compiled step compiles with dynamo's ``aot_eager`` backend, which stands in for inductor with CUDA
+        graphs: the same tracing, guards and graph counts, without the minutes of C++ kernels per graph."""
+        original = compiled.default_options
+
+        def stand_in(device: torch.device) -> dict[str, Any]:
+            self.used = True
+            return {"backend": "aot_eager"}
+
+        compiled.default_options = stand_in
+        try:
+            yield
+        finally:
+            compiled.default_options = original
+
+
+# ---- what every check gets --------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Finding:
+    figure: str
+    """The one figure a reader compares between the GPU run and the rehearsal."""
+    detail: str = ""
+
+
+class Context:
+    """What every check gets: the model in the speed dtype, an fp32 copy for equality, the tokenizer, the device
+    and its CUDA-only calls (``gpu``: the real ones, or the CPU's stand-ins)."""
+
+    def __init__(self, name: str, dtype: str, device: torch.device, gpu: Cuda):
+        self.device, self.name, self.dtype_name, self.gpu = device, name, dtype, gpu
+        self.model, self.tokenizer = load_model(name, dtype=dtype, device=device)
+        self.fp32 = self.model if dtype == "fp32" else load_model(name, dtype="fp32", device=device)[0]
+        self.dtype = parse_dtype(dtype)
+
+    def request(self, batch: int = 2, length: int = 24, seed: int = 0, padded: bool = True) -> RolloutRequest:
+        request = synthetic_prompts(batch, length, vocab_size=self.model.config.vocab_size, seed=seed,
+                                    pad_fraction=0.25 if padded else 0.0)
+        return RolloutRequest(request.prompt_ids.to(self.device), request.prompt_attention_mask.to(self.device))
+
+    def rollout(self, model: torch.nn.Module | None = None, **config: Any) -> HybridEngineRollout:
+        return HybridEngineRollout(model if model is not None else self.fp32, self.tokenizer,
+                                   HybridEngineRolloutConfig(**config))
+
+    def medians(self, contenders: dict[str, Callable[[], Any]], rounds: int = 3, **kwargs: Any) -> dict[str, float]:
+        """Interleaved medians; the rehearsal runs one round, for the code and not the figure."""
+        return interleaved_medians(contenders, rounds=self.gpu.size(rounds, 1),
+                                   **kwargs,
+                                   device=self.device)
+
+
+def greedy(max_new_tokens: int = 16, n: int = 1, **extra: Any) -> SamplingConfig:
+    return SamplingConfig(max_new_tokens=max_new_tokens, n_samples_per_prompt=n, temperature=0.0, **extra)
+
+
+def sampled(max_new_tokens: int = 16, n: int = 2, **extra: Any) -> SamplingConfig:
+    return SamplingConfig(max_new_tokens=max_new_tokens, n_samples_per_prompt=n, temperature=1.0, top_k=50,
+                          top_p=0.95, **extra)
+
+
+def agreement(a: torch.Tensor, b: torch.Tensor) -> float:
+    if a.shape != b.shape:
+        return 0.0
+    return (a == b).float().mean().item()
+
+
+# ---- the checks -------------------------------------------------------------------------------------------------
+
+def check_strategies(ctx: Context) -> Finding:
+    """Greedy tokens of every static variant, compiled included, equal generate's (fp32); same seed, same samples,
+    eager and compiled; speed."""
     request = ctx.request(batch=4, length=64)
-    variants = {"static": dict(strategy="static"), "static, whole cache": dict(strategy="static", static_shapes=True)}
-    if ctx.device.type == "cuda":
-        variants["static, compiled"] = dict(strategy="static", compile_decode=True)
+    variants = {"static": dict(strategy="static"), "static, whole cache": dict(strategy="static", static_shapes=True),
+                "static, compiled": dict(strategy="static", compile_decode=True)}
     expected = ctx.rollout(strategy="generate").generate(request, greedy(32, 2)).input_ids
     for name, config in variants.items():
         got = ctx.rollout(**config).generate(request, greedy(32, 2)).input_ids
@@ -94,34 +343,180 @@ def check_strategies(ctx: Context) -> str:
                                                 f"{agreement(got, expected):.3f} of positions (fp32)"
     eager = [ctx.rollout(strategy="static", seed=7).generate(request, sampled(32)).input_ids for _ in range(2)]
     assert torch.equal(eager[0], eager[1]), "the same seed gave different samples"
-    detail = ["greedy fp32 tokens equal generate's"]
-    if ctx.device.type == "cuda":
-        compiled = ctx.rollout(strategy="static", compile_decode=True, seed=7).generate(request, sampled(32)).input_ids
-        detail.append(f"compiled vs eager same-seed samples agree on {agreement(compiled, eager[0]):.3f}")
-        assert agreement(compiled, eager[0]) > 0.95, detail[-1]
+    compiled = ctx.rollout(strategy="static", compile_decode=True, seed=7).generate(request, sampled(32)).input_ids
+    same = agreement(compiled, eager[0])
+    assert same > 0.95, f"compiled vs eager same-seed samples agree on {same:.3f}"
     fixed = dict(ignore_eos=True, seed=0)
-    contenders = {name: (lambda r=ctx.rollout(ctx.model, **config, **fixed): r.generate(request, sampled(64, 4)))
+    shape = ctx.gpu.size((4, 64, 64, 4), (2, 16, 8, 2))  # B, P, R, n
+    timed = ctx.request(batch=shape[0], length=shape[1])
+    contenders = {name: (lambda r=ctx.rollout(ctx.model, **config, **fixed): r.generate(timed, sampled(*shape[2:])))
                   for name, config in {"generate": dict(strategy="generate"), **variants}.items()}
-    medians = interleaved_medians(contenders, rounds=3, warmup=2, device=ctx.device)
-    detail.append("sampled B4 n4 P64 R64 ms: " + ", ".join(f"{k} {v:.1f} ({medians['generate'] / v:.2f}x)"
-                                                        for k, v in medians.items()))
-    return "; ".join(detail)
+    medians = ctx.medians(contenders, warmup=2)
+    return Finding(f"greedy tokens equal generate's; compiled samples agree {same:.3f}",
+                   f"sampled B{shape[0]} n{shape[3]} P{shape[1]} R{shape[2]} ms: " + ", ".join(
+                       f"{k} {v:.1f} ({medians['generate'] / v:.2f}x)" for k, v in medians.items()))
 
 
-def check_profile_metadata(ctx: Context) -> str:
+def check_profile_metadata(ctx: Context) -> Finding:
     """A profile says which timer and which memory counter it used, and they are the device's."""
     rollout = ctx.rollout(ctx.model, enable_profiling=True)
     rollout.generate(ctx.request(), greedy())
     p = rollout.get_last_profile()
-    if ctx.device.type == "cuda":
-        assert (p.timer, p.peak_memory_source) == ("cuda_events", "cuda_max_allocated"), (p.timer, p.peak_memory_source)
-    else:
-        assert p.timer == "synchronized_clock" and p.peak_memory_source.startswith("process_rss"), p
-    assert p.peak_memory_bytes > 0 and p.decode_steps == 15 and p.decode_ms > 0
-    return f"timer {p.timer}, memory {p.peak_memory_source} {p.peak_memory_bytes / 2**20:.0f} MiB"
+    assert p.timer == ctx.gpu.timer and p.peak_memory_source.startswith(ctx.gpu.memory_source), \
+        (p.timer, p.peak_memory_source)
+    assert p.peak_memory_bytes > 0 and p.decode_steps == 15 and p.decode_ms > 0, p
+    return Finding(f"timer {p.timer}, memory {p.peak_memory_source}", f"{p.peak_memory_bytes / 2**20:.0f} MiB peak")
 
 
-def check_opsd_step(ctx: Context) -> str:
+def check_long_tail(ctx: Context) -> Finding:
+    """Row compaction and continuous batching on a long-tailed sampled workload: the same tokens for every
+    ``continuous_batch_size`` and without compaction (scheduling-independent random numbers), utilisation exact;
+    the compiled step too, its graphs one per batch bucket, none recorded again on a second call."""
+    request = ctx.request(batch=6, length=24)
+    lengths = dict(response_lengths="geometric:mean=6", seed=3)
+    runs = {}
+    for name, config, slots in (("plain", dict(compact_rows=False), None), ("compacted", {}, None),
+                                ("continuous 4", {}, 4), ("continuous 1", {}, 1)):
+        rollout = ctx.rollout(ctx.fp32, enable_profiling=True, **lengths, **config)
+        batch = rollout.generate(request, sampled(48, 2, continuous_batch_size=slots))
+        profile = rollout.get_last_profile()
+        real = int(batch.attention_mask[:, int(batch.response_start_idx[0]):].sum())
+        assert profile.live_row_utilisation == real / profile.row_steps, (name, profile.live_row_utilisation)
+        runs[name] = (batch.input_ids, profile)
+    for name, (ids, _) in runs.items():
+        assert torch.equal(ids, runs["plain"][0]), f"{name}: other tokens than without compaction"
+    # a seeded rollout's k-th call draws the k-th call's numbers: the eager reference makes the same calls
+    compiled, eager = (ctx.rollout(ctx.fp32, compile_decode=on, **lengths) for on in (True, False))
+    with ctx.gpu.graph_recordings() as recordings:
+        for slots in (None, 4):
+            got, expected = (r.generate(request, sampled(48, 2, continuous_batch_size=slots)) for r in (compiled, eager))
+            same = agreement(got.input_ids, expected.input_ids)
+            assert same > 0.95, f"compiled long-tail tokens agree with eager on {same:.3f} (slots {slots})"
+        first = len(recordings)
+        for slots in (None, 4):
+            compiled.generate(request, sampled(48, 2, continuous_batch_size=slots))
+        again = len(recordings) - first
+    assert first > 0 and again == 0, f"{first} graphs recorded on the first calls, {again} more on the second"
+    batch, n, cap = ctx.gpu.size((16, 4, 128), (4, 2, 32))
+    wide = ctx.request(batch=batch, length=64)
+    fast = ctx.rollout(ctx.model, response_lengths="lognormal:median=12,sigma=1.0", seed=0)
+    plain = ctx.rollout(ctx.model, response_lengths="lognormal:median=12,sigma=1.0", seed=0, compact_rows=False)
+    medians = ctx.medians({"compacted": lambda: fast.generate(wide, sampled(cap, n)),
+                           "plain": lambda: plain.generate(wide, sampled(cap, n))})
+    utilisation = ", ".join(f"{name} {profile.live_row_utilisation:.2f}" for name, (_, profile) in runs.items())
+    return Finding(f"same tokens for {len(runs)} schedules; compiled: {first} graphs recorded, {again} again",
+                   f"utilisation {utilisation}; {runs['compacted'][1].compactions} compactions; lognormal B{batch} "
+                   f"n{n} P64 R<={cap}: compacted {medians['compacted']:.0f} ms vs {medians['plain']:.0f} ms "
+                   f"({medians['plain'] / medians['compacted']:.2f}x)")
+
+
+def check_cuda_graphs(ctx: Context) -> Finding:
+    """The compiled step replays its graphs: none skipped, and no new recording once every bucket was seen,
+    across prompt lengths within a bucket, training steps between rollouts and profiled calls."""
+    from torch._dynamo.utils import counters
+
+    model = copy.deepcopy(ctx.model).train()
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-6)
+    rollout = ctx.rollout(model, compile_decode=True, ignore_eos=True)
+    lengths = (20, 33, 41)  # + 16 new tokens: cache lengths 36..57, one bucket (64)
+    counters["inductor"].clear()
+    with ctx.gpu.graph_recordings() as recordings:
+        for length in lengths:  # every shape once (n = 2 samples: 4 rows): the recordings happen here
+            model.eval()
+            rollout.generate(ctx.request(length=length), sampled())
+        first = len(recordings)
+        for round_ in range(2):
+            for length in lengths:
+                model.eval()
+                rollout.generate(ctx.request(length=length, seed=round_), sampled())
+                model.train()  # a training step between rollouts updates parameters in place
+                model(input_ids=ctx.request().prompt_ids).logits.float().mean().backward()
+                optimizer.step()
+                optimizer.zero_grad()
+        again = len(recordings) - first
+    skips = counters["inductor"]["cudagraph_skips"]
+    assert skips == 0, f"{skips} CUDA-graph skips"
+    assert first > 0 and again == 0, f"{first} recordings, then {again} more"
+    release = ctx.rollout(ctx.model, compile_decode=True, ignore_eos=True, cache_policy="release")
+    with ctx.gpu.graph_recordings() as release_recordings:
+        for _ in range(3):
+            release.generate(ctx.request(), greedy())
+    return Finding(f"{first} graphs recorded, {again} again after 6 calls with training steps, {skips} skips",
+                   f"{len(lengths)} prompt lengths; cache_policy=release: {len(release_recordings)} recordings in 3 "
+                   f"calls ({rollout.strategy.compiled.graphs} compiled shapes in this process)")
+
+
+def check_no_host_sync(ctx: Context) -> Finding:
+    """The decode loop never waits on the device (``set_sync_debug_mode('error')`` raises on a sync), eager and
+    compiled, greedy and sampled, when no early exit is asked for. What is wrapped is the decode loop's own step,
+    ``_Run.step``, and it must run once per decode step: a loop that stops calling it fails here."""
+    from opsd_rollout.rollout.strategies.static import _Run
+
+    steps, ran = [], []
+    original = _Run.step
+
+    def strict(run: _Run) -> None:
+        steps.append(1)
+        with ctx.gpu.strict_sync():
+            original(run)
+
+    _Run.step = strict
+    try:
+        for compiled in (False, True):
+            rollout = ctx.rollout(ctx.model, compile_decode=compiled, ignore_eos=True, seed=0, enable_profiling=True)
+            for sampling in (greedy(), sampled()):
+                before = len(steps)
+                rollout.generate(ctx.request(), sampling)
+                decode_steps = rollout.get_last_profile().decode_steps
+                assert len(steps) - before == decode_steps, (len(steps) - before, decode_steps)
+                ran.append(f"{'compiled' if compiled else 'eager'}/{'greedy' if sampling.temperature <= 0 else 'sampled'}")
+    finally:
+        _Run.step = original
+    return Finding(f"0 syncs in {len(steps)} decode steps", "strict in " + ", ".join(ran))
+
+
+def check_forward_timer(ctx: Context) -> Finding:
+    """profile_model_time on the device's timer (CUDA events): one time per forward that ran, prefill/decode
+    split."""
+    from opsd_rollout.profiling import profile_model_time
+
+    calls = []
+    handle = ctx.model.register_forward_pre_hook(lambda *_: calls.append(1))
+    try:
+        with ctx.gpu.device_events(), profile_model_time(ctx.model, use_cuda_events=True) as timer:
+            ctx.rollout(ctx.model).generate(ctx.request(), greedy())
+            split = timer.model_times(split=True)
+    finally:
+        handle.remove()
+    assert timer.clock.kind == "cuda_events", timer.clock.kind
+    n = len(split["prefill"]) + len(split["decode"])
+    assert n == len(calls) and len(split["prefill"]) == 1, (n, len(calls), len(split["prefill"]))
+    assert all(t > 0 for t in split["prefill"] + split["decode"])
+    median = sorted(split["decode"])[len(split["decode"]) // 2]
+    return Finding(f"{n} forwards timed on {timer.clock.kind}", f"median decode forward {median:.2f} ms")
+
+
+def check_compiled_speed(ctx: Context) -> Finding:
+    """``scripts/compile_cost.py``'s per-token comparison: eager vs compiled (CUDA graphs) at B = 1, 4, 16, 32,
+    equal tokens asserted (fp32), the speed-up and each side's share of the measured copy bandwidth reported."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("compile_cost", Path(__file__).with_name("compile_cost.py"))
+    compile_cost = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(compile_cost)
+    args = argparse.Namespace(model=ctx.name, batch_sizes=ctx.gpu.size([1, 4, 16, 32], [1]),
+                              prompt_length=ctx.gpu.size(64, 8), rounds=ctx.gpu.size(5, 1))
+    rows = compile_cost.per_token(args, device=str(ctx.device), dtype=ctx.dtype_name)
+    assert all(row["equal_tokens"] for row in rows) or ctx.dtype_name != "fp32", "compiled tokens differ"
+    return Finding(", ".join(f"B{row['batch_size']} {row['eager_ms_per_token']:.2f} -> "
+                             f"{row['compiled_ms_per_token']:.2f} ms/token" for row in rows),
+                   "; ".join(f"B{row['batch_size']}: {row['speedup']:.2f}x, bandwidth "
+                             f"{row['eager_bandwidth_utilisation']:.0%} -> {row['compiled_bandwidth_utilisation']:.0%}, "
+                             f"tokens {'equal' if row['equal_tokens'] else 'differ'}" for row in rows))
+
+
+def check_opsd_step(ctx: Context) -> Finding:
     """A whole OPSD step on the device: teacher cache pinned on the host, loss finite, parameters move."""
     from opsd_rollout.deepspeed_engine import build_engine
     from opsd_rollout.opsd import DivergenceConfig, TeacherCacheConfig, opsd_step
@@ -136,14 +531,15 @@ def check_opsd_step(ctx: Context) -> str:
                           teacher_cache=TeacherCacheConfig(mode=mode, top_k=64)) for mode in ("full", "topk", "topk")]
     assert all(0 < p.loss < float("inf") for p in profiles), [p.loss for p in profiles]
     assert any(not torch.equal(a, b) for a, b in zip(before, engine.module.parameters())), "no parameter moved"
-    if ctx.device.type == "cuda":
-        assert all(t.is_pinned() for t in buffers_for(ctx.fp32)._buffers.values()), "teacher cache not pinned"
+    buffers = buffers_for(ctx.fp32)._buffers
+    assert buffers and all(ctx.gpu.pinned(t) for t in buffers.values()), "teacher cache not pinned"
     p = profiles[-1]
-    return (f"step {p.total_ms:.1f} ms (rollout {p.rollout_ms:.1f}, teacher {p.teacher_forward_ms:.1f}, cache write "
-            f"{p.cache_write_ms:.1f}, backward {p.backward_ms:.1f}), loss {p.loss:.3f}")
+    return Finding(f"loss {p.loss:.3f}, {len(buffers)} host buffers pinned as the device wants",
+                   f"step {p.total_ms:.1f} ms (rollout {p.rollout_ms:.1f}, teacher {p.teacher_forward_ms:.1f}, "
+                   f"cache write {p.cache_write_ms:.1f}, backward {p.backward_ms:.1f})")
 
 
-def check_peft_merge(ctx: Context) -> str:
+def check_peft_merge(ctx: Context) -> Finding:
     """PEFT adapters merged for the rollout: fuse/unfuse timed, greedy tokens equal unmerged (fp32)."""
     import peft
 
@@ -156,10 +552,10 @@ def check_peft_merge(ctx: Context) -> str:
     p = rollout.get_last_profile()
     assert p.lora_fuse_ms > 0 and p.lora_unfuse_ms > 0
     assert agreement(merged.input_ids, unmerged.input_ids) > 0.99, agreement(merged.input_ids, unmerged.input_ids)
-    return f"fuse {p.lora_fuse_ms:.2f} ms, unfuse {p.lora_unfuse_ms:.2f} ms, tokens equal unmerged (fp32)"
+    return Finding("tokens equal unmerged (fp32)", f"fuse {p.lora_fuse_ms:.2f} ms, unfuse {p.lora_unfuse_ms:.2f} ms")
 
 
-def check_zero3(ctx: Context) -> str:
+def check_zero3(ctx: Context) -> Finding:
     """ZeRO-3: the gather attributed (time, count, bytes); gather-once against per-layer, timed unprofiled."""
     from opsd_rollout.deepspeed_engine import build_engine
 
@@ -172,203 +568,53 @@ def check_zero3(ctx: Context) -> str:
     contenders = {gather: (lambda r=ctx.rollout(engine, zero3_gather=gather, ignore_eos=True):
                            r.generate(request, greedy(32)))
                   for gather in ("once", "per_layer")}
-    medians = interleaved_medians(contenders, rounds=3, device=ctx.device)
-    return (f"gather {p.param_gather_ms:.1f} ms, {p.param_gather_count} all-gathers, "
-            f"{p.param_gather_bytes / 2**20:.1f} MiB; unprofiled B2 R32: once {medians['once']:.1f} ms, per layer "
-            f"{medians['per_layer']:.1f} ms ({medians['per_layer'] / medians['once']:.2f}x)")
+    medians = ctx.medians(contenders)
+    return Finding(f"{p.param_gather_count} all-gathers, {p.param_gather_bytes / 2**20:.1f} MiB",
+                   f"gather {p.param_gather_ms:.1f} ms; unprofiled B2 R32: once {medians['once']:.1f} ms, per layer "
+                   f"{medians['per_layer']:.1f} ms ({medians['per_layer'] / medians['once']:.2f}x)")
 
 
-# ---- CUDA only ---------------------------------------------------------------------------------------------
-
-def check_long_tail(ctx: Context) -> str:
-    """Row compaction and continuous batching on a long-tailed sampled workload: the same tokens for every
-    ``continuous_batch_size`` and without compaction (scheduling-independent random numbers), utilisation exact;
-    on CUDA the compiled step too, its CUDA graphs one per batch bucket, none recorded again on a second call."""
-    request = ctx.request(batch=6, length=24)
-    lengths = dict(response_lengths="geometric:mean=6", seed=3)
-    runs = {}
-    for name, config, slots in (("plain", dict(compact_rows=False), None), ("compacted", {}, None),
-                                ("continuous 4", {}, 4), ("continuous 1", {}, 1)):
-        rollout = ctx.rollout(ctx.fp32, enable_profiling=True, **lengths, **config)
-        batch = rollout.generate(request, SamplingConfig(**{**vars(sampled(48, 2)), "continuous_batch_size": slots}))
-        profile = rollout.get_last_profile()
-        real = int(batch.attention_mask[:, int(batch.response_start_idx[0]):].sum())
-        assert profile.live_row_utilisation == real / profile.row_steps, (name, profile.live_row_utilisation)
-        runs[name] = (batch.input_ids, profile)
-    for name, (ids, _) in runs.items():
-        assert torch.equal(ids, runs["plain"][0]), f"{name}: other tokens than without compaction"
-    detail = [f"same tokens for {len(runs)} schedules; utilisation " + ", ".join(
-        f"{name} {profile.live_row_utilisation:.2f}" for name, (_, profile) in runs.items()),
-        f"{runs['compacted'][1].compactions} compactions"]
-    if ctx.device.type == "cuda":
-        from torch._inductor import cudagraph_trees
-
-        compiled = ctx.rollout(ctx.fp32, compile_decode=True, **lengths)
-        with counting(cudagraph_trees.CUDAGraphNode, "_record") as recordings:
-            for slots in (None, 4):
-                got = compiled.generate(request, SamplingConfig(**{**vars(sampled(48, 2)), "continuous_batch_size": slots}))
-                assert agreement(got.input_ids, runs["plain"][0]) > 0.95, "compiled long-tail tokens differ"
-            first = len(recordings)
-            for slots in (None, 4):
-                compiled.generate(request, SamplingConfig(**{**vars(sampled(48, 2)), "continuous_batch_size": slots}))
-        assert len(recordings) == first, f"re-recorded {len(recordings) - first} graphs on the second calls"
-        detail.append(f"compiled: {first} CUDA-graph recordings ({compiled.strategy.compiled.graphs} shapes), "
-                      "none on the second calls")
-    fast = ctx.rollout(ctx.model, response_lengths="lognormal:median=12,sigma=1.0", seed=0)
-    plain = ctx.rollout(ctx.model, response_lengths="lognormal:median=12,sigma=1.0", seed=0, compact_rows=False)
-    batch, n, cap = (16, 4, 128) if ctx.device.type == "cuda" else (4, 2, 64)  # the CPU rehearsal: smaller
-    wide = ctx.request(batch=batch, length=64)
-    medians = interleaved_medians({"compacted": lambda: fast.generate(wide, sampled(cap, n)),
-                                   "plain": lambda: plain.generate(wide, sampled(cap, n))}, rounds=3, device=ctx.device)
-    detail.append(f"lognormal B{batch} n{n} P64 R<={cap}: compacted {medians['compacted']:.0f} ms vs "
-                  f"{medians['plain']:.0f} ms ({medians['plain'] / medians['compacted']:.2f}x)")
-    return "; ".join(detail)
-
-
-def check_compiled_speed(ctx: Context) -> str:
-    """``scripts/compile_cost.py``'s per-token comparison on the GPU: eager vs compiled (CUDA graphs) at B = 1, 4,
-    16, 32, equal tokens asserted, the speed-up and each side's share of the measured copy bandwidth reported."""
-    import argparse
-    import importlib.util
-    from pathlib import Path
-
-    spec = importlib.util.spec_from_file_location("compile_cost", Path(__file__).with_name("compile_cost.py"))
-    compile_cost = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(compile_cost)
-    args = argparse.Namespace(model=ctx.name, batch_sizes=[1, 4, 16, 32], prompt_length=64, rounds=5)
-    rows = compile_cost.per_token(args, device=str(ctx.device), dtype=ctx.dtype_name)
-    assert all(row["equal_tokens"] for row in rows) or ctx.dtype_name != "fp32", "compiled tokens differ"
-    return "; ".join(f"B{row['batch_size']}: {row['eager_ms_per_token']:.2f} -> {row['compiled_ms_per_token']:.2f} "
-                     f"ms/token ({row['speedup']:.2f}x), bandwidth {row['eager_bandwidth_utilisation']:.0%} -> "
-                     f"{row['compiled_bandwidth_utilisation']:.0%}, tokens {'equal' if row['equal_tokens'] else 'differ'}"
-                     for row in rows)
-
-
-def check_cuda_graphs(ctx: Context) -> str:
-    """The compiled step replays CUDA graphs: none skipped, and no new recording once every bucket was seen,
-    across prompt lengths within a bucket, training steps between rollouts and profiled calls."""
-    from torch._dynamo.utils import counters
-    from torch._inductor import cudagraph_trees
-
-    model = copy.deepcopy(ctx.model).train()
-    optimizer = torch.optim.SGD(model.parameters(), lr=1e-6)
-    rollout = ctx.rollout(model, compile_decode=True, ignore_eos=True)
-    lengths = (20, 33, 41)  # + 16 new tokens: cache lengths 36..57, one bucket (64)
-    counters["inductor"].clear()
-    with counting(cudagraph_trees.CUDAGraphNode, "_record") as recordings:
-        for length in lengths:  # every shape once: the recordings happen here
-            rollout.generate(ctx.request(length=length), greedy())
-        first = len(recordings)
-        for round_ in range(2):
-            for length in lengths:
-                model.eval()
-                rollout.generate(ctx.request(length=length, seed=round_), sampled())
-                model.train()  # a training step between rollouts updates parameters in place
-                model(input_ids=ctx.request().prompt_ids).logits.float().mean().backward()
-                optimizer.step()
-                optimizer.zero_grad()
-    skips = counters["inductor"]["cudagraph_skips"]
-    assert skips == 0, f"{skips} CUDA-graph skips"
-    assert len(recordings) == first, f"re-recorded: {first} recordings, then {len(recordings) - first} more"
-    release = ctx.rollout(ctx.model, compile_decode=True, ignore_eos=True, cache_policy="release")
-    with counting(cudagraph_trees.CUDAGraphNode, "_record") as release_recordings:
-        for _ in range(3):
-            release.generate(ctx.request(), greedy())
-    return (f"{first} recordings for {len(lengths)} prompt lengths, none after 6 more calls with training steps; "
-            f"0 skips; cache_policy=release: {len(release_recordings)} recordings in 3 calls "
-            f"({rollout.strategy.compiled.graphs} compiled shapes in this process)")
-
-
-def check_no_host_sync(ctx: Context) -> str:
-    """The decode loop never waits on the device (``set_sync_debug_mode('error')`` raises on a sync), eager and
-    compiled, greedy and sampled, when no early exit is asked for."""
-    from opsd_rollout.rollout.strategies.static import StaticDecode
-
-    original = StaticDecode._decode
-
-    def strict(self, *args, **kwargs):
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            return original(self, *args, **kwargs)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-
-    ran = []
-    StaticDecode._decode = strict
-    try:
-        for compiled in (False, True):
-            rollout = ctx.rollout(ctx.model, compile_decode=compiled, ignore_eos=True, seed=0)
-            for sampling in (greedy(), sampled()):
-                rollout.generate(ctx.request(), sampling)
-                ran.append(f"{'compiled' if compiled else 'eager'}/{'greedy' if sampling.temperature <= 0 else 'sampled'}")
-    finally:
-        StaticDecode._decode = original
-    return "no synchronization in " + ", ".join(ran)
-
-
-def check_forward_timer(ctx: Context) -> str:
-    """profile_model_time on CUDA events: one time per forward that ran, prefill/decode split."""
-    from opsd_rollout.profiling import profile_model_time
-
-    calls = []
-    handle = ctx.model.register_forward_pre_hook(lambda *_: calls.append(1))
-    try:
-        with profile_model_time(ctx.model, use_cuda_events=True) as timer:
-            ctx.rollout(ctx.model).generate(ctx.request(), greedy())
-            split = timer.model_times(split=True)
-    finally:
-        handle.remove()
-    n = len(split["prefill"]) + len(split["decode"])
-    assert n == len(calls) and len(split["prefill"]) == 1, (n, len(calls), len(split["prefill"]))
-    assert all(t > 0 for t in split["prefill"] + split["decode"])
-    return f"{n} forwards timed, median decode {sorted(split['decode'])[len(split['decode']) // 2]:.2f} ms"
-
-
-def check_shared_prefix(ctx: Context) -> str:
+def check_shared_prefix(ctx: Context) -> Finding:
     """Shared-prefix attention on the device: greedy tokens equal the copied layout's and generate's (fp32), also
-    compacted, under continuous batching and compiled (CUDA graphs); same-seed samples agree in the speed dtype;
-    decode speed (eager and compiled) and KV bytes side by side."""
+    compacted, under continuous batching and compiled; same-seed samples agree in the speed dtype; decode speed
+    (eager and compiled) and KV bytes side by side."""
     request, shared = ctx.request(length=160), dict(shared_prefix_min_prompt=1, enable_profiling=True)
     expected = ctx.rollout(strategy="generate").generate(request, greedy(16, 4)).input_ids
-    variants = ((None, False), (3, False), (None, True), (3, True))
-    if ctx.device.type != "cuda":  # the CPU rehearsal compiles once (inductor takes tens of seconds a graph)
-        variants = variants[:2] + variants[3:]
-    for slots, compiled in variants:
+    for slots, compiled in ((None, False), (3, False), (None, True), (3, True)):
         rollout = ctx.rollout(compile_decode=compiled, **shared)
-        got = rollout.generate(request, SamplingConfig(**{**vars(greedy(16, 4)), "continuous_batch_size": slots}))
+        got = rollout.generate(request, greedy(16, 4, continuous_batch_size=slots))
         assert rollout.get_last_profile().kv_layout == "shared_prefix"
         assert agreement(got.input_ids, expected) > 0.99, \
             f"slots {slots}, compiled {compiled}: {agreement(got.input_ids, expected):.3f}"
     samples = [ctx.rollout(ctx.model, seed=3, shared_prefix=on).generate(request, sampled(16, 4)).input_ids
                for on in (False, True)]
-    detail = [f"fp32 greedy equal; {ctx.dtype} same-seed samples agree on {agreement(*samples):.3f}"]
-    assert agreement(*samples) > 0.9, detail[-1]
-    long = ctx.request(length=1024 if ctx.device.type == "cuda" else 256, padded=False)
+    assert agreement(*samples) > 0.9, f"{ctx.dtype} same-seed samples agree on {agreement(*samples):.3f}"
+    long = ctx.request(length=ctx.gpu.size(1024, 64), padded=False)
     rollouts = {name: ctx.rollout(ctx.model, ignore_eos=True, shared_prefix=on, compile_decode=compiled,
-                                  enable_profiling=True)
+                                  shared_prefix_min_prompt=1, enable_profiling=True)
                 for name, on, compiled in (("copied", False, False), ("shared", True, False),
                                            ("shared compiled", True, True))}
-    medians = interleaved_medians({name: (lambda r=r: r.generate(long, greedy(32, 8))) for name, r in rollouts.items()},
-                                  rounds=3, warmup=1, device=ctx.device)
+    medians = ctx.medians({name: (lambda r=r: r.generate(long, greedy(32, 8))) for name, r in rollouts.items()})
     kv = {name: r.get_last_profile().kv_workspace_bytes / 2**20 for name, r in rollouts.items()}
-    detail.append(f"B2 n8 P{long.prompt_ids.shape[1]} R32 ms: copied {medians['copied']:.1f}, shared "
-                  f"{medians['shared']:.1f} ({medians['copied'] / medians['shared']:.2f}x), shared compiled "
-                  f"{medians['shared compiled']:.1f}; KV MiB {kv['copied']:.1f} vs {kv['shared']:.1f}")
-    return "; ".join(detail)
+    return Finding(f"greedy tokens equal in 4 modes; samples agree {agreement(*samples):.3f}",
+                   f"B2 n8 P{long.prompt_ids.shape[1]} R32 ms: copied {medians['copied']:.1f}, shared "
+                   f"{medians['shared']:.1f} ({medians['copied'] / medians['shared']:.2f}x), shared compiled "
+                   f"{medians['shared compiled']:.1f}; KV MiB {kv['copied']:.1f} vs {kv['shared']:.1f}")
 
 
-def check_flex_attention(ctx: Context) -> str:
+def check_flex_attention(ctx: Context) -> Finding:
     """Flex attention: the static strategy keeps whole-cache shapes so its kernel compiles once."""
     flex = copy.deepcopy(ctx.fp32)
     flex.set_attn_implementation("flex_attention")
     request = ctx.request()
-    expected = ctx.rollout(flex, strategy="generate").generate(request, greedy())
-    got = ctx.rollout(flex).generate(request, greedy())
+    with ctx.gpu.flex_kernel():
+        expected = ctx.rollout(flex, strategy="generate").generate(request, greedy())
+        got = ctx.rollout(flex).generate(request, greedy())
     assert agreement(got.input_ids, expected.input_ids) > 0.99, agreement(got.input_ids, expected.input_ids)
-    return "greedy tokens equal generate's (fp32)"
+    return Finding("greedy tokens equal generate's (fp32)")
 
 
-def check_hybrid_engine(ctx: Context) -> str:
+def check_hybrid_engine(ctx: Context) -> Finding:
     """DeepSpeed's hybrid engine with transformers 5: refused before generating, with the reason; DeepSpeed's
     own rollout on the same engine shows the reason is real. Builds DeepSpeed's inference kernels (minutes)."""
     import deepspeed
@@ -381,72 +627,88 @@ def check_hybrid_engine(ctx: Context) -> str:
     config["hybrid_engine"] = {"enabled": True, "max_out_tokens": 512, "inference_tp_size": 1,
                                "release_inference_cache": True, "pin_parameters": True, "tp_gather_partition_size": 8}
     model = copy.deepcopy(ctx.model)
-    engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=list(model.parameters()))
-    try:
-        ctx.rollout(engine)
-    except ValueError as error:
-        refusal = str(error)
-    else:
-        raise AssertionError("the hybrid engine was accepted")
-    engine.eval()
-    try:
-        DeepSpeedRollout(engine, ctx.tokenizer).generate(ctx.request(), greedy())
-        upstream = "DeepSpeed's own rollout ran: the refusal may be too strict"
-    except Exception as error:  # noqa: BLE001 - the failure is the finding
-        upstream = f"DeepSpeed's own rollout fails too: {type(error).__name__}: {str(error)[:120]}"
-    finally:
-        engine.train()
-    return f"refused ({refusal[:80]}...); {upstream}"
+    with ctx.gpu.inference_kernels():
+        engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=list(model.parameters()))
+        try:
+            ctx.rollout(engine)
+        except ValueError as error:
+            refusal = str(error)
+        else:
+            raise AssertionError("the hybrid engine was accepted")
+        engine.eval()
+        try:
+            DeepSpeedRollout(engine, ctx.tokenizer).generate(ctx.request(), greedy())
+            upstream = "DeepSpeed's own rollout ran: the refusal may be too strict"
+        except Exception as error:  # noqa: BLE001 - the failure is the finding
+            upstream = f"DeepSpeed's own rollout fails too: {type(error).__name__}: {str(error)[:120]}"
+        finally:
+            engine.train()
+    return Finding("refused before generating", f"{refusal[:80]}...; {upstream}")
 
 
-CHECKS: list[tuple[str, Callable[[Context], str], bool]] = [  # (name, check, needs CUDA)
-    ("strategies: equal tokens, seeds, speed", check_strategies, False),
-    ("profile metadata", check_profile_metadata, False),
-    ("long tail: compaction, continuous batching", check_long_tail, False),
-    ("compiled step replays CUDA graphs", check_cuda_graphs, True),
-    ("no host sync in the decode loop", check_no_host_sync, True),
-    ("forward timer (CUDA events)", check_forward_timer, True),
-    ("compiled step: speed and bandwidth per batch", check_compiled_speed, True),
-    ("OPSD step and teacher cache", check_opsd_step, False),
-    ("PEFT merge_adapters", check_peft_merge, False),
-    ("ZeRO-3 gather: attribution, once vs per layer", check_zero3, False),
-    ("shared-prefix attention: tokens, samples, speed", check_shared_prefix, False),
-    ("flex attention", check_flex_attention, True),
-    ("hybrid engine refused with its reason", check_hybrid_engine, True),
+CHECKS: list[tuple[str, Callable[[Context], Finding]]] = [
+    ("strategies: equal tokens, seeds, speed", check_strategies),
+    ("profile metadata", check_profile_metadata),
+    ("long tail: compaction, continuous batching", check_long_tail),
+    ("compiled step replays CUDA graphs", check_cuda_graphs),
+    ("no host sync in the decode loop", check_no_host_sync),
+    ("forward timer (CUDA events)", check_forward_timer),
+    ("compiled step: speed and bandwidth per batch", check_compiled_speed),
+    ("OPSD step and teacher cache", check_opsd_step),
+    ("PEFT merge_adapters", check_peft_merge),
+    ("ZeRO-3 gather: attribution, once vs per layer", check_zero3),
+    ("shared-prefix attention: tokens, samples, speed", check_shared_prefix),
+    ("flex attention", check_flex_attention),
+    ("hybrid engine refused with its reason", check_hybrid_engine),
 ]
 
 
-def main() -> int:
+def run_check(check: Callable[[Context], Finding], ctx: Context | None, setup_error: str | None) -> tuple[str, Finding]:
+    """(status, finding) of one check: ``ok``, ``rehearsed`` (it used a CPU stand-in) or ``FAILED``."""
+    if ctx is None:
+        return "FAILED", Finding("not run", f"setup failed: {setup_error}")
+    ctx.gpu.used = False
+    torch._dynamo.reset()  # every check compiles within a fresh recompile budget, as in its own process
+    try:
+        finding = check(ctx)
+    except Exception as error:  # noqa: BLE001 - every check reports; the script goes on
+        traceback.print_exc(file=sys.stderr)
+        return "FAILED", Finding("-", f"{type(error).__name__}: {error}")
+    return ("rehearsed" if ctx.gpu.used else "ok"), finding
+
+
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
-    parser.add_argument("--model", default="llama-small")
-    parser.add_argument("--dtype", default="bf16", choices=["fp16", "bf16", "fp32"])
+    parser.add_argument("--model", default="llama-small", help="preset or local checkpoint (default llama-small)")
+    parser.add_argument("--dtype", default="bf16", choices=["fp16", "bf16", "fp32"], help="the speed dtype")
     parser.add_argument("--cpu", action="store_true",
-                        help="rehearse on the CPU (fp32): run the checks that need no CUDA, skip the others")
+                        help="rehearse every check on the CPU (fp32), CUDA-only calls replaced by stand-ins")
     parser.add_argument("--only", metavar="TEXT", help="run only the checks whose name contains TEXT")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if not args.cpu and not torch.cuda.is_available():
-        print("gpu_check: no CUDA device here; nothing checked (--cpu rehearses what a CPU can run)")
+        print("gpu_check: no CUDA device here; nothing checked (--cpu rehearses every check on the CPU)")
         return 0
     device, dtype = (torch.device("cpu"), "fp32") if args.cpu else (torch.device("cuda"), args.dtype)
-    where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU rehearsal"
-    print(f"{where}, {args.model} {dtype}, torch {torch.__version__}\n| check | status | time | detail |\n"
-          "|---|---|---:|---|", flush=True)
-    ctx = Context(args.model, dtype, device)
+    gpu = CpuStandIns() if args.cpu else Cuda()
+    where = "CPU rehearsal" if args.cpu else torch.cuda.get_device_name(device)
+    print(f"{where}, {args.model} {dtype}, torch {torch.__version__}\n| check | status | time | figure | detail |\n"
+          "|---|---|---:|---|---|", flush=True)
+    ctx, setup_error = None, None
+    try:
+        ctx = Context(args.model, dtype, device, gpu)
+    except Exception as error:  # noqa: BLE001 - still print every row
+        traceback.print_exc(file=sys.stderr)
+        setup_error = f"{type(error).__name__}: {error}"
     failed = 0
-    for name, check, cuda_only in CHECKS:
-        if args.only and args.only not in name:
-            continue
-        start = time.perf_counter()
-        if cuda_only and device.type != "cuda":
-            status, detail = "SKIP", "needs CUDA"
-        else:
-            try:
-                status, detail = "PASS", check(ctx)
-            except Exception as error:  # noqa: BLE001 - every check reports; the script goes on
-                status, detail = "FAIL", f"{type(error).__name__}: {error}"
-                traceback.print_exc(file=sys.stderr)
-                failed += 1
-        print(f"| {name} | {status} | {time.perf_counter() - start:.1f}s | {detail} |", flush=True)
+    with gpu.running():
+        for name, check in CHECKS:
+            if args.only and args.only not in name:
+                continue
+            start = time.perf_counter()
+            status, finding = run_check(check, ctx, setup_error)
+            failed += status == "FAILED"
+            print(f"| {name} | {status} | {time.perf_counter() - start:.1f}s | {finding.figure} | {finding.detail} |",
+                  flush=True)
     return 1 if failed else 0
 
 

@@ -1,5 +1,7 @@
-"""``scripts/gpu_check.py`` is run on a lent GPU in one call with minutes of device time, so its code must
-be right before it gets there: the CPU rehearsal runs every check that needs no CUDA, as a user would."""
+"""``scripts/gpu_check.py`` runs on a lent GPU in one call with minutes of device time, so it must be right
+before it gets there. The rehearsal (``--cpu``) runs every check's own code with CPU stand-ins for the calls that
+exist on CUDA alone; these tests prove the stand-ins catch what the GPU calls would, and that a check reaching
+for a name that no longer exists fails here."""
 
 from __future__ import annotations
 
@@ -9,23 +11,114 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
-from conftest import clean_env
+from conftest import clean_env, run_named
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "gpu_check.py"
 
 
+@pytest.fixture(scope="module")
+def gpu_check():
+    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
+    module = sys.modules["gpu_check"] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def ctx(gpu_check):
+    return gpu_check.Context("llama-tiny", "fp32", torch.device("cpu"), gpu_check.CpuStandIns())
+
+
+def test_the_host_sync_stand_in_raises_where_cuda_would_wait(gpu_check):
+    t = torch.arange(4)
+    with gpu_check.HostSyncDetector():
+        assert torch.equal(torch.where(t > 1, t, 0) + 1, torch.tensor([1, 1, 3, 4]))  # device work: no wait
+        for wait in (lambda: t.sum().item(), lambda: bool(t.any()), lambda: t.tolist(), lambda: t[t > 1],
+                     lambda: torch.nonzero(t), lambda: torch.where(t > 1)):
+            with pytest.raises(RuntimeError, match="host synchronization"):
+                wait()
+
+
+def test_a_planted_sync_in_the_decode_step_fails_the_check(gpu_check, ctx, monkeypatch):
+    from opsd_rollout.rollout.strategies.static import _Run
+
+    finished = _Run._finished
+
+    def reading(run, token, steps):
+        token.max().item()  # what a host read in the loop would look like
+        return finished(run, token, steps)
+
+    monkeypatch.setattr(_Run, "_finished", reading)
+    with pytest.raises(RuntimeError, match="host synchronization: item"):
+        gpu_check.check_no_host_sync(ctx)
+
+
+def test_a_renamed_decode_step_fails_the_check(gpu_check, ctx, monkeypatch):
+    """The sync check wraps the loop's own step by name: a rename breaks the rehearsal, not the GPU run."""
+    from opsd_rollout.rollout.strategies.static import _Run
+
+    step = _Run.step
+    monkeypatch.delattr(_Run, "step")
+    monkeypatch.setattr(_Run, "renamed_step", step, raising=False)
+    with pytest.raises(AttributeError, match="step"):
+        gpu_check.check_no_host_sync(ctx)
+
+
+def test_a_step_the_loop_no_longer_calls_fails_the_check(gpu_check, ctx, monkeypatch):
+    """Wrapping a method the loop has stopped calling would check nothing: the check counts the calls."""
+    from opsd_rollout.rollout.strategies.static import _Run
+
+    step = _Run.step
+    monkeypatch.setattr(_Run, "loop_step", step, raising=False)
+    loop = _Run.loop
+
+    def loop_without_step(run):
+        run.step = lambda: _Run.loop_step(run)  # the loop now takes its steps through another name
+        return loop(run)
+
+    monkeypatch.setattr(_Run, "loop", loop_without_step)
+    with pytest.raises(AssertionError):
+        gpu_check.check_no_host_sync(ctx)
+
+
+def test_graph_recordings_stand_in_counts_compiles(gpu_check):
+    torch._dynamo.reset()
+    with gpu_check.CpuStandIns().graph_recordings() as recordings:
+        double = torch.compile(lambda x: x * 2, backend="eager")
+        double(torch.ones(3))
+        first = len(recordings)
+        double(torch.ones(3))
+        again = len(recordings) - first
+        double(torch.ones(3, dtype=torch.int64))
+    assert (first, again, len(recordings)) == (1, 0, 2)
+
+
+def test_one_failing_check_prints_every_row_and_fails_the_run(gpu_check, monkeypatch, capsys):
+    def broken(ctx):
+        raise KeyError("gone")
+
+    monkeypatch.setattr(gpu_check, "CHECKS", [("broken", broken), ("metadata", gpu_check.check_profile_metadata)])
+    assert gpu_check.main(["--cpu", "--model", "llama-tiny"]) == 1
+    rows = [line.split(" | ") for line in capsys.readouterr().out.splitlines() if line.startswith("| ")][1:]
+    assert [(row[0].lstrip("| "), row[1]) for row in rows] == [("broken", "FAILED"), ("metadata", "ok")]
+    assert "KeyError" in rows[0][-1]
+
+
+def test_a_setup_that_fails_still_prints_every_row(gpu_check, capsys):
+    assert gpu_check.main(["--cpu", "--model", "no-such-preset"]) == 1
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")][1:]
+    assert len(rows) == len(gpu_check.CHECKS) and all("| FAILED |" in row and "setup failed" in row for row in rows)
+
+
 @pytest.mark.slow
-def test_cpu_rehearsal_passes_what_a_cpu_can_run_and_skips_the_rest():
-    result = subprocess.run([sys.executable, str(SCRIPT), "--cpu", "--model", "llama-tiny"], env=clean_env(),
-                            capture_output=True, text=True, timeout=480)
+def test_cpu_rehearsal_runs_every_check_and_skips_none(gpu_check):
+    result = run_named("the GPU check's CPU rehearsal (about 40 s on 2 quiet cores)",
+                       [sys.executable, str(SCRIPT), "--cpu", "--model", "llama-tiny"], env=clean_env(), timeout=1200)
     assert result.returncode == 0, result.stdout + result.stderr
     rows = {line.split(" | ")[0].lstrip("| "): line.split(" | ")[1]
             for line in result.stdout.splitlines() if line.startswith("| ") and " | " in line[2:]}
     rows.pop("check", None)
-    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    expected = {name: "SKIP" if cuda_only else "PASS" for name, _check, cuda_only in module.CHECKS}
-    assert rows == expected, result.stdout
-    assert "PASS" in rows.values() and "SKIP" in rows.values()
+    assert set(rows) == {name for name, _check in gpu_check.CHECKS}, result.stdout
+    assert set(rows.values()) <= {"ok", "rehearsed"} and "rehearsed" in rows.values(), result.stdout
