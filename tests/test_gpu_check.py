@@ -28,7 +28,10 @@ def gpu_check():
 
 @pytest.fixture(scope="module")
 def ctx(gpu_check):
-    return gpu_check.Context("llama-tiny", "fp32", torch.device("cpu"), gpu_check.CpuStandIns())
+    """The rehearsal's context, inside its stand-ins for the whole run (the compiled step on ``aot_eager``)."""
+    gpu = gpu_check.CpuStandIns()
+    with gpu.running():
+        yield gpu_check.Context("llama-tiny", "fp32", torch.device("cpu"), gpu)
 
 
 def test_the_host_sync_stand_in_raises_where_cuda_would_wait(gpu_check):
@@ -39,6 +42,11 @@ def test_the_host_sync_stand_in_raises_where_cuda_would_wait(gpu_check):
                      lambda: torch.nonzero(t), lambda: torch.where(t > 1)):
             with pytest.raises(RuntimeError, match="host synchronization"):
                 wait()
+
+
+def test_the_decode_loop_takes_no_host_sync_eager_or_compiled(gpu_check, ctx):
+    finding = gpu_check.check_no_host_sync(ctx)
+    assert finding.figure == "0 syncs in 60 decode steps", finding  # 4 rollouts of 15 decode steps, each strict
 
 
 def test_a_planted_sync_in_the_decode_step_fails_the_check(gpu_check, ctx, monkeypatch):
