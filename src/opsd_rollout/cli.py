@@ -30,6 +30,7 @@ from opsd_rollout.bench.report import load_document, write_text_atomic
 from opsd_rollout.bench.scenarios import RolloutScenario, Scenario, StepScenario
 from opsd_rollout.bench.scenarios.rollout import PROMPT_KINDS
 from opsd_rollout.bench.scenarios.step import OVER_BUDGET
+from opsd_rollout.cli_train import add_train_parser
 from opsd_rollout.presets import DEFAULT_MODEL, PRESETS
 
 
@@ -337,6 +338,7 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("--allow-partial", action="store_true", help="exit 0 (not 4) when one file has configs "
                          "the other lacks")
     compare.set_defaults(func=_cmd_compare)
+    add_train_parser(sub, common)
     return parser
 
 

@@ -17,7 +17,7 @@ from opsd_rollout.presets import (BOS_ID, BOS_TOKEN, BYTE_OFFSET, DEFAULT_MODEL,
                                   PAD_TOKEN, PRESETS, VOCAB_SIZE, ModelPreset)
 
 __all__ = ["BOS_ID", "DEFAULT_MODEL", "EOS_ID", "PAD_ID", "PRESETS", "VOCAB_SIZE", "ModelPreset", "byte_tokenizer",
-           "dtype_name", "load_model", "max_positions", "parse_dtype"]
+           "dtype_name", "load_model", "max_positions", "model_config", "parse_dtype"]
 
 _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -80,16 +80,19 @@ def load_model(name_or_path: str, *, dtype: str | torch.dtype = "fp32", device: 
         "(e.g. `huggingface-cli download <id> --local-dir DIR`) and pass the local path.")
 
 
+def model_config(name_or_path: str):
+    """The model's transformers config alone (no weights), for a preset or a local checkpoint directory."""
+    if name_or_path in PRESETS:
+        return PRESETS[name_or_path].make_config()
+    if os.path.isdir(name_or_path):
+        return AutoConfig.from_pretrained(name_or_path, local_files_only=True)
+    load_model(name_or_path)  # raises the "never downloads" error
+    raise AssertionError("unreachable")
+
+
 def max_positions(name_or_path: str) -> int | None:
     """The model's position limit, from its config alone (no weights); ``None`` when it has none."""
-    if name_or_path in PRESETS:
-        config = PRESETS[name_or_path].make_config()
-    elif os.path.isdir(name_or_path):
-        config = AutoConfig.from_pretrained(name_or_path, local_files_only=True)
-    else:
-        load_model(name_or_path)  # raises the "never downloads" error
-        return None
-    return max_positions_of(config)
+    return max_positions_of(model_config(name_or_path))
 
 
 def _load_local(path: str, dtype: torch.dtype, device: str | torch.device):

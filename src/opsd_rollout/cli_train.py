@@ -1,0 +1,102 @@
+"""``opsd-rollout train``: its flags, each mapped onto a ``TrainConfig`` field. A light module (argparse only), so
+``--help`` answers without importing torch."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+LOSSES = ("forward_kl", "reverse_kl", "jsd")
+FLAGS: list[tuple[str, str, dict[str, Any]]] = [  # (flag, TrainConfig field, argparse keywords)
+    ("--student", "student", dict(help="preset or local checkpoint directory (default llama-tiny; with no model or "
+                                       "data flag at all: the built-in run, see the description)")),
+    ("--teacher", "teacher", dict(help="preset or local checkpoint of the student's vocabulary (needed to distil)")),
+    ("--prompts", "prompts", dict(metavar="FILE", help="JSON lines with 'prompt' (or chat 'messages') and an "
+                                  "optional 'reference', or one prompt a line (default: the built-in corpus, the "
+                                  "Python documentation's topics)")),
+    ("--objective", "objective", dict(choices=("opsd", "sft"), help="opsd (default): distil the teacher on-policy; "
+                                      "sft: cross-entropy on the references")),
+    ("--deepspeed", "deepspeed", dict(metavar="JSON", help="the student's DeepSpeed config (ZeRO stage, optimizer, "
+                                      "scheduler, gradient_accumulation_steps, bf16, tensorboard/wandb/csv_monitor); "
+                                      "default: one built from the flags below")),
+    ("--zero-stage", "zero_stage", dict(type=int, choices=(0, 1, 2, 3), help="ZeRO stage of the built config "
+                                        "(default 0)")),
+    ("--lr", "lr", dict(type=float, help="AdamW learning rate of the built config (default 1e-3)")),
+    ("--gradient-accumulation-steps", "gradient_accumulation_steps", dict(
+        type=int, metavar="N", help="micro-batches per optimizer step, each with its own rollout, in the built "
+        "config (default 1)")),
+    ("--steps", "steps", dict(type=int, metavar="N", help="optimizer steps (default 100)")),
+    ("--batch-size", "prompts_per_micro_batch", dict(type=int, metavar="N", help="prompts per micro-batch "
+                                                     "(default 8)")),
+    ("--samples-per-prompt", "samples_per_prompt", dict(type=int, metavar="N", help="samples per prompt (default 1)")),
+    ("--max-new-tokens", "max_new_tokens", dict(type=int, metavar="N", help="response tokens (default 32)")),
+    ("--max-prompt-tokens", "max_prompt_tokens", dict(type=int, metavar="N", help="longest prompt accepted "
+                                                      "(default: the models' positions less --max-new-tokens)")),
+    ("--temperature", "temperature", dict(type=float, help="sampling temperature (default 1.0)")),
+    ("--top-k", "top_k", dict(type=int, help="sampling top-k, <= 0 disables (default 0)")),
+    ("--top-p", "top_p", dict(type=float, help="sampling top-p (default 1.0)")),
+    ("--lmbda", "lmbda", dict(type=float, help="fraction of steps on the student's own samples, as TRL's GKD "
+                              "defines it; the rest on the teacher's samples, or the references when the data has "
+                              "them (default 1.0)")),
+    ("--loss", "loss", dict(choices=LOSSES, help="divergence (default jsd)")),
+    ("--beta", "beta", dict(type=float, help="generalized JSD interpolation (default 0.5)")),
+    ("--teacher-cache", "teacher_cache", dict(choices=("full", "topk"), help="teacher logits cached whole (default) "
+                                              "or their top-k")),
+    ("--teacher-top-k", "teacher_top_k", dict(type=int, metavar="K", help="k of --teacher-cache topk (default 64)")),
+    ("--seed", "seed", dict(type=int, help="makes a run repeatable (default 0)")),
+    ("--eval-every", "eval_every", dict(type=int, metavar="N", help="held-out evaluation every N steps, and at step "
+                                        "0 and the last (default 10)")),
+    ("--eval-prompts", "eval_prompts", dict(type=int, metavar="N", help="held-out prompts evaluated (default 64)")),
+    ("--save-every", "save_every", dict(type=int, metavar="N", help="a checkpoint every N steps (always one at the "
+                                        "end and on Ctrl-C)")),
+    ("--resume", "resume", dict(metavar="DIR", help="continue a run from its latest checkpoint, exactly")),
+]
+DEFAULT_RUN_FLAGS = ("student", "teacher", "prompts")
+"""With none of these (and objective opsd), ``train`` is the built-in run."""
+
+
+def add_train_parser(sub: Any, common: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    train = sub.add_parser(
+        "train", parents=[common], help="train a student by on-policy distillation (or SFT) into a checkpoint",
+        description="Train a student on DeepSpeed by on-policy distillation from a prompt file to a checkpoint: "
+        "metrics.jsonl, DeepSpeed's monitors, checkpoints/ (exact --resume), model/ and eval.png in --output-dir. "
+        "With no --student, --teacher or --prompts: the built-in run, a real one on the Python documentation that "
+        "ships with Python: a teacher trained on it by SFT (cached in --teacher-cache-dir), distilled into a "
+        "smaller student.")
+    train.add_argument("--output-dir", required=True, metavar="DIR", help="where the run writes")
+    for flag, dest, kwargs in FLAGS:
+        train.add_argument(flag, dest=dest, **kwargs)
+    train.add_argument("--teacher-cache-dir", metavar="DIR", help="the built-in run's trained teachers (default "
+                       "$OPSD_ROLLOUT_CACHE or ~/.cache/opsd-rollout)")
+    train.add_argument("--quiet", action="store_true", help="no progress line")
+    train.set_defaults(func=run_train)
+    return train
+
+
+def run_train(args: argparse.Namespace) -> int:
+    from transformers.utils import logging as transformers_logging
+
+    from opsd_rollout.opsd.train import TrainConfig, train  # heavy: see the module docstring
+    from opsd_rollout.opsd.train.default import default_run
+
+    transformers_logging.disable_progress_bar()  # loading and saving checkpoints: our progress line says enough
+
+    given = {dest: getattr(args, dest) for _flag, dest, _kw in FLAGS if getattr(args, dest) is not None}
+    if not any(name in given for name in DEFAULT_RUN_FLAGS) and given.get("objective", "opsd") == "opsd":
+        result = default_run(args.output_dir, cache_dir=args.teacher_cache_dir, progress=not args.quiet,
+                             overrides=given)
+    else:
+        result = train(TrainConfig(output_dir=args.output_dir, progress=not args.quiet, **given))
+    if result.interrupted:
+        print(f"opsd-rollout: interrupted at step {result.steps}; checkpoint {result.checkpoint}; continue with "
+              f"--resume {result.output_dir}", file=sys.stderr)
+        return 130
+    curve = result.eval_curve()
+    if curve:
+        (first_step, first), (last_step, last) = curve[0], curve[-1]
+        print(f"held-out reverse KL to the teacher: {first:.4f} at step {first_step} -> {last:.4f} at step "
+              f"{last_step} ({last / first:.2f}x)" if first else "")
+    print(f"metrics {result.output_dir / 'metrics.jsonl'}, model {result.model_dir}, checkpoint {result.checkpoint}"
+          + (f", plot {result.plot}" if result.plot else ""))
+    return 0

@@ -1,0 +1,42 @@
+"""Checkpoints: DeepSpeed's own (``save_checkpoint``, with the loop's state as client state) to resume from, and
+the final student as a transformers checkpoint directory any tool (and ``--teacher``) loads."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def find_checkpoint(path: str | Path) -> Path:
+    """The DeepSpeed checkpoint directory of a run (``DIR/checkpoints``) or the one given, with a ``latest`` tag."""
+    path = Path(path)
+    for candidate in (path / "checkpoints", path):
+        if (candidate / "latest").is_file():
+            return candidate
+    raise ValueError(f"--resume {str(path)!r} holds no checkpoint (no 'latest' in it or in its checkpoints/): "
+                     "pass the output directory of a run that saved one")
+
+
+def save_model(engine: Any, tokenizer: Any, directory: Path, rank: Any) -> Path:
+    """The student's weights and tokenizer in transformers' format (``from_pretrained`` loads them), written into
+    a temporary directory and moved into place whole."""
+    module = engine.module
+    whole = contextlib.nullcontext()  # below ZeRO-3 every rank holds the whole weights
+    if engine.zero_optimization_stage() == 3:
+        import deepspeed
+
+        whole = deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None)
+    with whole:
+        if rank.rank == 0:
+            tmp = directory.with_name(directory.name + ".tmp")
+            shutil.rmtree(tmp, ignore_errors=True)
+            module.save_pretrained(tmp, safe_serialization=True)
+            tokenizer.save_pretrained(tmp)
+            shutil.rmtree(directory, ignore_errors=True)
+            os.replace(tmp, directory)
+    return directory

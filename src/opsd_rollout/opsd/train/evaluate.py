@@ -1,0 +1,95 @@
+"""Held-out evaluation: how close the student is to the teacher where it matters, on its own samples.
+
+``reverse_kl``: the per-token KL(student || teacher), exact over the vocabulary, on the student's samples for the
+held-out prompts (the quantity on-policy distillation minimises); ``cross_entropy``: the student's per-token
+cross-entropy on the held-out references, when the data has them. Both in nats, means over response tokens. The
+samples are drawn from a fixed seed at every evaluation, and the training's random state is left as it was.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from opsd_rollout.modeling import position_ids, text_config
+from opsd_rollout.opsd.targets import response_targets
+from opsd_rollout.opsd.train.data import Encoder, Example
+from opsd_rollout.opsd.train.sft import cross_entropy_sum
+
+LOGITS_BUDGET = 64 * 2**20
+"""Bytes of float32 logits one evaluation forward may hold (student and teacher each): rows are chunked to it."""
+
+
+def _window_logits(model: torch.nn.Module, targets: Any, rows: slice) -> torch.Tensor:
+    """[n, R, V] float32 logits predicting the response tokens of ``rows``."""
+    ids, mask = targets.input_ids[rows], targets.attention_mask[rows]
+    out = model(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask))
+    return out.logits[:, targets.window].float()
+
+
+def _row_chunks(targets: Any, vocab: int) -> list[slice]:
+    per_row = max(1, targets.labels.shape[1] * vocab * 4)
+    step = max(1, LOGITS_BUDGET // per_row)
+    return [slice(i, i + step) for i in range(0, targets.labels.shape[0], step)]
+
+
+def reverse_kl_sum(student: torch.nn.Module, teacher: torch.nn.Module, batch: Any) -> tuple[float, int]:
+    """Summed per-token KL(student || teacher) over ``batch``'s response tokens, and their count."""
+    targets = response_targets(batch)
+    total, count = 0.0, 0
+    for rows in _row_chunks(targets, text_config(student.config).vocab_size):
+        s = torch.log_softmax(_window_logits(student, targets, rows), dim=-1)
+        t = torch.log_softmax(_window_logits(teacher, targets, rows), dim=-1)
+        kl = (s.exp() * (s - t)).sum(dim=-1)  # [n, R]
+        mask = targets.mask[rows].to(kl.device)
+        total += float((kl * mask).sum())
+        count += int(mask.sum())
+    return total, count
+
+
+def cross_entropy_of(student: torch.nn.Module, batch: Any) -> tuple[float, int]:
+    targets = response_targets(batch)
+    total, count = 0.0, 0
+    for rows in _row_chunks(targets, text_config(student.config).vocab_size):
+        logits = _window_logits(student, targets, rows)
+        loss, n = cross_entropy_sum(logits, targets.labels[rows], targets.mask[rows].to(logits.device))
+        total, count = total + float(loss), count + int(n)
+    return total, count
+
+
+@torch.no_grad()
+def evaluate(engine: Any, teacher: torch.nn.Module | None, rollout: Any, encoder: Encoder, examples: list[Example],
+             sampling: Any, *, seed: int, batch_size: int) -> dict[str, float]:
+    """``eval_reverse_kl`` (with a teacher) and ``eval_cross_entropy`` (when every example has a reference) of the
+    student ``engine`` over ``examples``."""
+    module = getattr(engine, "module", engine)
+    device = torch.device(getattr(engine, "device", next(module.parameters()).device))
+    was_training = module.training
+    engine.eval()
+    sums = {"eval_reverse_kl": [0.0, 0], "eval_cross_entropy": [0.0, 0]}
+    references = all(e.reference is not None for e in examples)
+    try:
+        with torch.random.fork_rng(devices=[]):  # the same samples' seed at every evaluation; training's untouched
+            torch.manual_seed(seed)
+            for start in range(0, len(examples), batch_size):
+                chunk = examples[start:start + batch_size]
+                if teacher is not None:
+                    batch = rollout.generate(encoder.request(chunk, device), sampling)
+                    _add(sums["eval_reverse_kl"], reverse_kl_sum(module, teacher, batch))
+                if references:
+                    _add(sums["eval_cross_entropy"], cross_entropy_of(module, encoder.with_references(chunk, device)))
+    finally:
+        if was_training:
+            engine.train()
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:  # every rank's tokens
+        both = torch.tensor([value for pair in sums.values() for value in pair], dtype=torch.float64, device=device)
+        dist.all_reduce(both)
+        sums = {name: both[2 * i:2 * i + 2].tolist() for i, name in enumerate(sums)}
+    return {name: total / count for name, (total, count) in sums.items() if count}
+
+
+def _add(into: list, value: tuple[float, int]) -> None:
+    into[0] += value[0]
+    into[1] += value[1]

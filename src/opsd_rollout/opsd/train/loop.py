@@ -1,0 +1,298 @@
+"""``train``: on-policy distillation from a prompt file to a checkpoint, a loop over ``opsd_step``.
+
+One optimizer step is DeepSpeed's ``gradient_accumulation_steps`` micro-batches, each with its own rollout. With
+``lmbda`` (TRL's GKD): that fraction of the steps trains on the student's own samples, the rest on the teacher's
+samples (supervised KD) or, when the data has them, on the references. ``objective="sft"`` trains on the
+references with cross-entropy instead (how a teacher that knows the data is made). Everything random is a
+function of the seed and the micro-batch's index, so ``resume`` continues exactly where a run stopped.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from opsd_rollout.opsd.divergence import LOSSES, DivergenceConfig
+from opsd_rollout.opsd.step import opsd_step
+from opsd_rollout.opsd.teacher import CACHE_MODES, TeacherCacheConfig
+from opsd_rollout.opsd.train.checkpoint import find_checkpoint, save_model
+from opsd_rollout.opsd.train.data import Encoder, Example, batch_indices
+from opsd_rollout.opsd.train.evaluate import evaluate
+from opsd_rollout.opsd.train.report import MetricsLog, Progress, monitor_events, plot_eval, step_record
+from opsd_rollout.opsd.train.setup import Models, build_student_engine, load_models, split_examples
+from opsd_rollout.opsd.train.sft import sft_step
+
+logger = logging.getLogger(__name__)
+
+OBJECTIVES = ("opsd", "sft")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """A training run; ``opsd-rollout train``'s flags map onto these fields."""
+
+    output_dir: str
+    """Where ``metrics.jsonl``, ``checkpoints/``, ``model/`` (the final student, loadable as a local checkpoint)
+    and ``eval.png`` go."""
+    student: str = "llama-tiny"
+    """Preset name or local checkpoint directory."""
+    teacher: str | None = None
+    """Preset name or local checkpoint directory, of the student's vocabulary; needed unless ``objective="sft"``."""
+    prompts: str | None = None
+    """JSON lines (``prompt`` or chat ``messages``, optional ``reference``) or one prompt a line; ``None``: the
+    built-in corpus (the Python documentation's topics, with references)."""
+    objective: str = "opsd"
+    """``opsd``: distil the teacher; ``sft``: cross-entropy on the references."""
+    deepspeed: str | dict[str, Any] | None = None
+    """The student's DeepSpeed config (a JSON file or a dict: ZeRO stage, optimizer, scheduler,
+    ``gradient_accumulation_steps``, bf16, monitors); ``None``: one built from the fields below."""
+    zero_stage: int = 0
+    """ZeRO stage of the built config."""
+    lr: float = 1e-3
+    """AdamW learning rate of the built config (or when the user's config has no optimizer)."""
+    gradient_accumulation_steps: int = 1
+    """Micro-batches per optimizer step in the built config; the user's config's own wins."""
+    steps: int = 100
+    """Optimizer steps to reach (counted from the start, also when resuming)."""
+    prompts_per_micro_batch: int = 8
+    samples_per_prompt: int = 1
+    max_new_tokens: int = 32
+    max_prompt_tokens: int | None = None
+    """Longest prompt accepted (tokens); ``None``: the models' positions less ``max_new_tokens``. A longer prompt
+    is refused before any work."""
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    lmbda: float = 1.0
+    """Fraction of optimizer steps on the student's own samples (TRL's GKD ``lmbda``)."""
+    loss: str = "jsd"
+    beta: float = 0.5
+    teacher_cache: str = "full"
+    teacher_top_k: int = 64
+    seed: int = 0
+    eval_every: int = 10
+    """Held-out evaluation every this many steps, and at step 0 and the last step."""
+    eval_prompts: int = 64
+    """Held-out prompts evaluated (the first of the held-out set)."""
+    save_every: int | None = None
+    """A checkpoint every this many steps (one is always written at the end and on Ctrl-C)."""
+    resume: str | None = None
+    """A previous run's output directory (or its ``checkpoints/``): continue from its latest checkpoint."""
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if self.objective not in OBJECTIVES:
+            raise ValueError(f"objective must be one of {list(OBJECTIVES)}; got {self.objective!r}")
+        if self.objective == "opsd" and self.teacher is None:
+            raise ValueError("teacher is needed to distil (objective opsd): a preset or a local checkpoint directory")
+        for name in ("steps", "prompts_per_micro_batch", "samples_per_prompt", "max_new_tokens",
+                     "gradient_accumulation_steps", "eval_every", "eval_prompts", "teacher_top_k"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1; got {value!r}")
+        for name in ("save_every", "max_prompt_tokens"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be an integer >= 1 or None; got {value!r}")
+        if not 0.0 <= self.lmbda <= 1.0:
+            raise ValueError(f"lmbda must be in [0, 1]; got {self.lmbda!r}")
+        if not self.lr > 0:
+            raise ValueError(f"lr must be positive; got {self.lr!r}")
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise ValueError(f"zero_stage must be 0, 1, 2 or 3; got {self.zero_stage!r}")
+        if self.loss not in LOSSES:
+            raise ValueError(f"loss must be one of {list(LOSSES)}; got {self.loss!r}")
+        if self.teacher_cache not in CACHE_MODES:
+            raise ValueError(f"teacher_cache must be one of {list(CACHE_MODES)}; got {self.teacher_cache!r}")
+        DivergenceConfig(loss=self.loss, beta=self.beta)  # its own checks
+
+    @property
+    def divergence(self) -> DivergenceConfig:
+        return DivergenceConfig(loss=self.loss, beta=self.beta)
+
+    def sampling(self) -> Any:
+        from deepspeed.runtime.rollout.base import SamplingConfig
+
+        return SamplingConfig(max_new_tokens=self.max_new_tokens, n_samples_per_prompt=self.samples_per_prompt,
+                              temperature=self.temperature, top_k=self.top_k, top_p=self.top_p)
+
+
+@dataclass
+class TrainResult:
+    output_dir: Path
+    steps: int
+    """The last optimizer step reached."""
+    records: list[dict[str, Any]] = field(default_factory=list)
+    checkpoint: Path | None = None
+    model_dir: Path | None = None
+    plot: Path | None = None
+    interrupted: bool = False
+
+    def eval_curve(self, name: str = "eval_reverse_kl") -> list[tuple[int, float]]:
+        return [(r["step"], r[name]) for r in self.records if name in r]
+
+
+class _Fixed:
+    """A "rollout" that returns a batch made beforehand (the references), for ``opsd_step``."""
+
+    def __init__(self, batch: Any):
+        self.batch = batch
+
+    def generate(self, request: Any, sampling: Any) -> Any:
+        return self.batch
+
+    def get_last_profile(self) -> None:
+        return None
+
+
+def _short(model: str | None) -> str:
+    """A model's name for people: a preset's, or a checkpoint directory's (its parent's when it is ``model/``)."""
+    path = Path(str(model))
+    return path.parent.name if path.name == "model" and path.parent.name else path.name
+
+
+def _seed_of(seed: int, *key: int) -> int:
+    return int(np.random.SeedSequence([seed, *key]).generate_state(1)[0])
+
+
+class _Run:
+    """One training run's state: models, engine, data, logs."""
+
+    def __init__(self, config: TrainConfig, models: Models, train: list[Example], held_out: list[Example]):
+        from opsd_rollout.distributed import rank_info
+        from opsd_rollout.rollout import HybridEngineRollout, HybridEngineRolloutConfig
+
+        self.config, self.models, self.train, self.held_out = config, models, train, held_out
+        self.out = Path(config.output_dir)
+        self.checkpoints = self.out / "checkpoints"
+        self.rank = rank_info()
+        self.engine = build_student_engine(config, models.student, self.rank)
+        self.accumulation = int(self.engine.gradient_accumulation_steps())
+        self.device = torch.device(self.engine.device)
+        self.encoder = Encoder(models.tokenizer, max_prompt_tokens=models.max_prompt_tokens,
+                               max_reference_tokens=config.max_new_tokens)
+        profiled = HybridEngineRolloutConfig(enable_profiling=True)
+        self.rollout = HybridEngineRollout(self.engine, models.tokenizer, profiled)
+        self.teacher = models.teacher
+        self.references = all(e.reference is not None for e in train)
+        self.teacher_rollout = (HybridEngineRollout(self.teacher, models.tokenizer, profiled)
+                                if self.teacher is not None and config.lmbda < 1 and not self.references else None)
+        self.step = 0
+        if config.resume is not None:
+            _, client = self.engine.load_checkpoint(str(find_checkpoint(config.resume)))
+            self.step = int((client or {}).get("train_state", {}).get("step", 0))
+        self.log = MetricsLog(self.out / "metrics.jsonl", resume_step=self.step if config.resume else None)
+        self.saved_at: int | None = self.step if config.resume else None
+
+    # ---- one optimizer step --------------------------------------------------------------------------------
+
+    def micro_batch(self, index: int, on_policy: bool) -> Any:
+        config = self.config
+        torch.manual_seed(_seed_of(config.seed, index))  # the rollout's and everything else's random numbers
+        picked = batch_indices(len(self.train), config.prompts_per_micro_batch, config.seed,
+                               index * self.rank.world_size + self.rank.rank)
+        examples = [self.train[i] for i in picked]
+        if config.objective == "sft":
+            return sft_step(self.engine, self.encoder.with_references(examples, self.device))
+        request = self.encoder.request(examples, self.device)
+        if on_policy:
+            rollout = self.rollout
+        elif self.references:
+            rollout = _Fixed(self.encoder.with_references(examples, self.device, config.samples_per_prompt))
+        else:
+            rollout = self.teacher_rollout
+        return opsd_step(self.engine, self.teacher, rollout, request, config.sampling(),
+                         divergence=config.divergence,
+                         teacher_cache=TeacherCacheConfig(mode=config.teacher_cache, top_k=config.teacher_top_k))
+
+    def optimizer_step(self, step: int) -> dict[str, Any]:
+        config = self.config
+        on_policy = None if config.objective == "sft" else bool(
+            np.random.default_rng(_seed_of(config.seed, step, 1)).random() < config.lmbda)
+        start = time.perf_counter()
+        profiles = [self.micro_batch((step - 1) * self.accumulation + g, bool(on_policy))
+                    for g in range(self.accumulation)]
+        wall_ms = (time.perf_counter() - start) * 1e3
+        divergence = "cross_entropy" if config.objective == "sft" else config.loss
+        return step_record(step, profiles, wall_ms=wall_ms, lr=float(self.engine.get_lr()[0]), on_policy=on_policy,
+                           divergence=divergence)
+
+    def evaluation(self) -> dict[str, float]:
+        examples = self.held_out[:self.config.eval_prompts]
+        shard = examples[self.rank.rank::self.rank.world_size][:len(examples) // self.rank.world_size or 1]
+        return evaluate(self.engine, self.teacher, self.rollout, self.encoder, shard, self.config.sampling(),
+                        seed=_seed_of(self.config.seed, 2**31), batch_size=self.config.prompts_per_micro_batch)
+
+    # ---- the loop --------------------------------------------------------------------------------------------
+
+    def record(self, record: dict[str, Any], progress: Progress) -> None:
+        if self.rank.rank == 0:
+            self.log.write(record)
+            progress.show(record)
+        if self.engine.monitor.enabled:
+            self.engine.monitor.write_events(monitor_events(record))
+
+    def save(self) -> Path:
+        state = {"step": self.step, "seed": self.config.seed, "micro_batches": self.step * self.accumulation,
+                 "config": {k: v for k, v in asdict(self.config).items() if k != "deepspeed"}}
+        self.engine.save_checkpoint(str(self.checkpoints), tag=f"step{self.step}", client_state={"train_state": state})
+        self.saved_at = self.step
+        return self.checkpoints / f"step{self.step}"
+
+    def run(self) -> TrainResult:
+        config = self.config
+        result = TrainResult(self.out, self.step)
+        progress = Progress(config.steps, self.step, enabled=config.progress)
+        try:
+            if self.step == 0:
+                self.record({"step": 0, **self.evaluation()}, progress)
+            while self.step < config.steps:
+                record = self.optimizer_step(self.step + 1)
+                self.step += 1
+                if self.step % config.eval_every == 0 or self.step == config.steps:
+                    record.update(self.evaluation())
+                self.record(record, progress)
+                if config.save_every and self.step % config.save_every == 0:
+                    result.checkpoint = self.save()
+        except KeyboardInterrupt:
+            result.interrupted = True
+        if self.saved_at != self.step:
+            result.checkpoint = self.save()
+        else:
+            result.checkpoint = self.checkpoints / f"step{self.step}"
+        result.steps, result.records = self.step, list(self.log.records)
+        if not result.interrupted:
+            result.model_dir = save_model(self.engine, self.models.tokenizer, self.out / "model", self.rank)
+        if self.rank.rank == 0:
+            title = (f"{_short(config.student)} distilled from {_short(config.teacher)}" if config.objective == "opsd"
+                     else f"{_short(config.student)} trained by SFT")
+            result.plot = plot_eval(result.records, self.out / "eval.png", title)
+            (self.out / "train_config.json").write_text(json.dumps(
+                {k: v for k, v in asdict(config).items()}, indent=2, default=str))
+        return result
+
+
+def train(config: TrainConfig) -> TrainResult:
+    """Run ``config``: every input checked before any model work, then the loop. Ctrl-C saves a checkpoint and
+    returns with ``interrupted`` set."""
+    from opsd_rollout.opsd.train.data import read_examples
+
+    if config.resume is not None:
+        find_checkpoint(config.resume)  # before any work: a directory without a checkpoint is refused
+    models = load_models(config)
+    examples = read_examples(config.prompts, models.tokenizer) if config.prompts else None
+    train_examples, held_out = split_examples(config, examples)
+    models.check_prompts(train_examples + held_out, config)
+    if config.objective == "sft" and not all(e.reference is not None for e in train_examples):
+        raise ValueError("objective sft trains on references: every example needs a 'reference'")
+    return _Run(config, models, train_examples, held_out).run()
+
+
+

@@ -1,0 +1,116 @@
+"""What a training run checks and builds before its first step: the models (vocabularies and positions checked),
+the examples and their held-out split, and the student's DeepSpeed engine from the user's config or one built."""
+
+from __future__ import annotations
+
+import copy
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from opsd_rollout.modeling import max_positions_of, text_config
+from opsd_rollout.models import load_model, model_config
+from opsd_rollout.opsd.train.data import Example
+
+HELD_OUT_EVERY = 10
+"""A prompt file's every tenth example is held out (files of fewer than ten evaluate on their training prompts)."""
+
+
+@dataclass
+class Models:
+    student: torch.nn.Module
+    tokenizer: Any
+    teacher: torch.nn.Module | None
+    max_prompt_tokens: int
+    """The longest prompt a rollout can take: the models' positions less ``max_new_tokens`` (or the config's)."""
+
+    def check_prompts(self, examples: list[Example], config: Any) -> None:
+        """Refuses, before any work, a prompt longer than ``max_prompt_tokens``."""
+        for number, example in enumerate(examples, 1):
+            length = len(self.tokenizer(example.prompt, add_special_tokens=False)["input_ids"])
+            if length > self.max_prompt_tokens:
+                raise ValueError(f"prompt {number} has {length} tokens, over the {self.max_prompt_tokens} a rollout "
+                                 f"can take (the models' positions less max_new_tokens {config.max_new_tokens}, or "
+                                 "--max-prompt-tokens): shorten it or lower --max-new-tokens")
+
+
+def load_models(config: Any) -> Models:
+    """Student and tokenizer, and the teacher when there is one (frozen, eval), once their configs show the same
+    vocabulary and positions that fit ``max_prompt_tokens + max_new_tokens``."""
+    names = [config.student] + ([config.teacher] if config.teacher is not None else [])
+    configs = [text_config(model_config(name)) for name in names]
+    if len(configs) == 2 and configs[0].vocab_size != configs[1].vocab_size:
+        raise ValueError(f"student {config.student!r} has a vocabulary of {configs[0].vocab_size:,} tokens and teacher "
+                         f"{config.teacher!r} one of {configs[1].vocab_size:,}: distillation needs the same vocabulary")
+    limits = [p for p in (max_positions_of(c) for c in configs) if p]
+    positions = min(limits) if limits else 1 << 30
+    longest = config.max_prompt_tokens or positions - config.max_new_tokens
+    if longest < 1 or longest + config.max_new_tokens > positions:
+        raise ValueError(f"max_prompt_tokens {longest} + max_new_tokens {config.max_new_tokens} exceed the models' "
+                         f"{positions} positions")
+    student, tokenizer = load_model(config.student)
+    teacher = load_model(config.teacher)[0].eval().requires_grad_(False) if config.teacher is not None else None
+    return Models(student, tokenizer, teacher, longest)
+
+
+def split_examples(config: Any, examples: list[Example] | None) -> tuple[list[Example], list[Example]]:
+    """(train, held-out): the built-in corpus's own split when ``examples`` is ``None``."""
+    if examples is None:
+        from opsd_rollout.opsd.train.corpus import corpus_examples
+
+        return corpus_examples(reference_chars=config.max_new_tokens)
+    if len(examples) < HELD_OUT_EVERY:
+        return examples, examples
+    held = set(range(HELD_OUT_EVERY - 1, len(examples), HELD_OUT_EVERY))
+    return ([e for i, e in enumerate(examples) if i not in held], [e for i, e in enumerate(examples) if i in held])
+
+
+def deepspeed_config_of(config: Any) -> dict[str, Any]:
+    """The user's DeepSpeed config (``config.deepspeed``: a JSON file or a dict), or one built from the fields,
+    with what the loop needs filled in where it is absent (micro-batch rows, accumulation, quiet logging)."""
+    from opsd_rollout.deepspeed_engine import deepspeed_config
+
+    if isinstance(config.deepspeed, dict):
+        ds = copy.deepcopy(config.deepspeed)
+    elif config.deepspeed is not None:
+        path = Path(config.deepspeed)
+        try:
+            ds = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise ValueError(f"--deepspeed {str(path)!r} does not exist") from None
+        except json.JSONDecodeError as error:
+            raise ValueError(f"--deepspeed {str(path)!r} is not JSON: {error}") from None
+        if not isinstance(ds, dict):
+            raise ValueError(f"--deepspeed {str(path)!r} must hold a JSON object")
+    else:
+        ds = deepspeed_config(config.zero_stage, lr=config.lr)
+        ds["gradient_clipping"] = 1.0
+        ds["gradient_accumulation_steps"] = config.gradient_accumulation_steps
+    rows = config.prompts_per_micro_batch * config.samples_per_prompt
+    if "train_batch_size" not in ds:
+        ds.setdefault("train_micro_batch_size_per_gpu", rows)
+    ds.setdefault("gradient_accumulation_steps", config.gradient_accumulation_steps)
+    ds.setdefault("steps_per_print", 1 << 30)
+    return ds
+
+
+def build_student_engine(config: Any, student: torch.nn.Module, rank: Any) -> Any:
+    """The student's DeepSpeed engine, in train mode; AdamW at ``config.lr`` when the config names no optimizer."""
+    import deepspeed
+
+    from opsd_rollout.deepspeed_engine import init_distributed
+
+    init_distributed()
+    ds = deepspeed_config_of(config)
+    params = [p for p in student.parameters() if p.requires_grad]
+    optimizer = None if "optimizer" in ds else torch.optim.AdamW(params, lr=config.lr)
+    try:
+        engine, *_ = deepspeed.initialize(model=student.train(), config=ds, model_parameters=params,
+                                          optimizer=optimizer)
+    except (AssertionError, KeyError, TypeError) as error:  # DeepSpeed's own config checks
+        raise ValueError(f"DeepSpeed refused the config: {type(error).__name__}: {error}") from None
+    engine.train()
+    return engine
