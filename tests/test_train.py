@@ -1,0 +1,241 @@
+"""``opsd-rollout train``: data formats, the loop's accounting (accumulation, lmbda, evaluation), exact resume,
+Ctrl-C, metrics in metrics.jsonl and DeepSpeed's monitors, and bad input refused before any work. Tiny models,
+a few steps each."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from opsd_rollout.cli import main
+from opsd_rollout.models import byte_tokenizer
+from opsd_rollout.opsd.train import Example, TrainConfig, read_examples, train
+from opsd_rollout.opsd.train.data import Encoder, batch_indices
+
+TINY = dict(student="llama-tiny", teacher="qwen2-tiny", prompts_per_micro_batch=2, max_new_tokens=8,
+            eval_prompts=4, eval_every=2, progress=False, lr=1e-3)
+
+
+def records(directory: Path) -> list[dict]:
+    return [json.loads(line) for line in (directory / "metrics.jsonl").read_text().splitlines()]
+
+
+def write_prompts(path: Path, count: int = 12, reference: bool = True) -> Path:
+    path.write_text("".join(json.dumps({"prompt": f"Question {i}: why?", **({"reference": f" because {i}."}
+                                                                          if reference else {})}) + "\n"
+                            for i in range(count)))
+    return path
+
+
+# ---- data ---------------------------------------------------------------------------------------------------------
+
+def test_prompt_files_in_every_format(tmp_path):
+    tokenizer = byte_tokenizer()
+    jsonl = tmp_path / "p.jsonl"
+    jsonl.write_text('{"prompt": "a", "reference": "b"}\n{"prompt": "c", "completion": "d"}\n'
+                     '{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}\n')
+    assert read_examples(jsonl, tokenizer) == [Example("a", "b"), Example("c", "d"),
+                                               Example("user: hi\nassistant: ", "yo")]
+    plain = tmp_path / "p.txt"
+    plain.write_text("first prompt\n\nsecond prompt\n")
+    assert read_examples(plain, tokenizer) == [Example("first prompt"), Example("second prompt")]
+
+
+def test_a_chat_template_renders_messages_when_the_tokenizer_has_one(tmp_path):
+    tokenizer = byte_tokenizer()
+    tokenizer.chat_template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}" \
+                              "{% if add_generation_prompt %}<assistant>{% endif %}"
+    path = tmp_path / "chat.jsonl"
+    path.write_text(json.dumps({"messages": [{"role": "system", "content": "be brief"},
+                                             {"role": "user", "content": "hi"}]}) + "\n")
+    assert read_examples(path, tokenizer) == [Example("<system>be brief<user>hi<assistant>")]
+
+
+@pytest.mark.parametrize("content,message", [(None, "does not exist"), ("\n\n", "holds no prompt"),
+                                             ('{"text": "x"}\n', "neither a 'prompt' nor 'messages'"),
+                                             ('{"prompt": "x"\n', "line 1 is not JSON")])
+def test_bad_prompt_files_are_named(tmp_path, content, message):
+    path = tmp_path / "p.jsonl"
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(ValueError, match=message):
+        read_examples(path, byte_tokenizer())
+
+
+def test_the_data_order_is_a_function_of_seed_and_micro_batch_only():
+    seen = [i for m in range(5) for i in batch_indices(7, 3, seed=4, micro_batch=m)]
+    assert sorted(seen[:7]) == list(range(7)) and sorted(seen[7:14]) == list(range(7))  # every epoch whole
+    assert batch_indices(7, 3, seed=4, micro_batch=3) == seen[9:12]
+    assert batch_indices(7, 3, seed=5, micro_batch=0) != seen[:3]
+
+
+def test_references_become_a_rollout_batch_of_the_contract():
+    encoder = Encoder(byte_tokenizer(), max_prompt_tokens=64, max_reference_tokens=3)
+    batch = encoder.with_references([Example("ab", "xyzw"), Example("abcd", "q")], torch.device("cpu"), samples=2)
+    assert batch.input_ids.shape == (4, 4 + 3) and batch.response_start_idx.tolist() == [4] * 4
+    assert batch.attention_mask.tolist()[0] == [0, 0, 1, 1, 1, 1, 1] and batch.attention_mask.tolist()[2] == [1] * 5 + [0, 0]
+    assert torch.equal(batch.input_ids[0], batch.input_ids[1])  # repeat_interleave order
+
+
+# ---- the loop -----------------------------------------------------------------------------------------------------
+
+def test_a_run_writes_metrics_checkpoint_model_and_plot(tmp_path):
+    out = tmp_path / "run"
+    result = train(TrainConfig(output_dir=str(out), steps=4, **TINY))
+    lines = records(out)
+    assert [r["step"] for r in lines] == [0, 1, 2, 3, 4]
+    assert set(lines[0]) == {"step", "eval_reverse_kl", "eval_cross_entropy"}  # step 0: before any update
+    assert [("eval_reverse_kl" in r) for r in lines] == [True, False, True, False, True]
+    step = lines[1]
+    for key in ("loss", "divergence", "response_tokens", "total_ms", "rollout_ms", "teacher_forward_ms",
+                "backward_ms", "optimizer_ms", "rollout_share", "rollout/decode_ms", "peak_memory_bytes", "lr"):
+        assert key in step, key
+    assert step["divergence"] == "jsd" and step["lr"] == 1e-3 and 0 < step["rollout_share"] < 1
+    parts = sum(step[k] for k in ("eval_ms", "rollout_ms", "train_ms", "teacher_forward_ms", "cache_write_ms",
+                                  "student_forward_ms", "loss_ms", "backward_ms", "optimizer_ms"))
+    assert parts <= step["total_ms"] <= step["wall_ms"]
+    assert result.steps == 4 and (out / "checkpoints" / "latest").read_text().strip() == "step4"
+    assert (out / "model" / "config.json").is_file() and result.plot == out / "eval.png" and result.plot.is_file()
+    from opsd_rollout.models import load_model
+
+    reloaded, _ = load_model(str(out / "model"))  # the final student loads as a local checkpoint
+    assert reloaded.config.num_hidden_layers == 2
+
+
+def test_resume_continues_exactly(tmp_path):
+    """3 steps and a resume to 6 give the losses of an uninterrupted 6-step run: the data order, the rollouts'
+    random numbers and lmbda's draws are the same, and the optimizer's state comes back."""
+    config = dict(TINY, lmbda=0.5, gradient_accumulation_steps=2, temperature=1.0, eval_every=3)
+    whole = train(TrainConfig(output_dir=str(tmp_path / "whole"), steps=6, **config))
+    train(TrainConfig(output_dir=str(tmp_path / "half"), steps=3, **config))
+    resumed = train(TrainConfig(output_dir=str(tmp_path / "half"), steps=6, resume=str(tmp_path / "half"), **config))
+    assert [r["on_policy"] for r in whole.records[1:]] != [True] * 6  # both kinds of step were taken
+    assert all(r["micro_batches"] == 2 for r in whole.records[1:])
+    losses = [(r["step"], r["loss"]) for r in whole.records if "loss" in r]
+    assert [(r["step"], r["loss"]) for r in resumed.records if "loss" in r] == losses
+    assert [r["step"] for r in records(tmp_path / "half")] == [0, 1, 2, 3, 4, 5, 6]  # one record a step, no repeat
+    assert resumed.records[-1]["eval_reverse_kl"] == whole.records[-1]["eval_reverse_kl"]
+
+
+def test_gradient_accumulation_steps_the_optimizer_once_per_step(tmp_path):
+    out = tmp_path / "run"
+    train(TrainConfig(output_dir=str(out), steps=2, gradient_accumulation_steps=3, **TINY))
+    state = torch.load(out / "checkpoints" / "step2" / "mp_rank_00_model_states.pt", weights_only=False)
+    assert state["global_steps"] == 2 and state["train_state"]["micro_batches"] == 6
+    assert all(r["micro_batches"] == 3 for r in records(out)[1:])
+
+
+@pytest.mark.parametrize("lmbda,expected", [(0.0, {False}), (1.0, {True})])
+def test_lmbda_is_the_fraction_of_on_policy_steps(tmp_path, lmbda, expected):
+    result = train(TrainConfig(output_dir=str(tmp_path / "run"), steps=3, lmbda=lmbda, **TINY))
+    assert {r["on_policy"] for r in result.records[1:]} == expected
+
+
+def test_supervised_kd_on_the_teachers_samples_without_references(tmp_path):
+    prompts = write_prompts(tmp_path / "p.jsonl", reference=False)
+    result = train(TrainConfig(output_dir=str(tmp_path / "run"), steps=2, lmbda=0.0, prompts=str(prompts), **TINY))
+    assert all(r["rollout/decode_ms"] > 0 and not r["on_policy"] for r in result.records[1:])  # the teacher rolled out
+    assert "eval_cross_entropy" not in result.records[0]  # no references: no cross-entropy
+
+
+def test_sft_is_the_cross_entropy_on_the_references(tmp_path):
+    from opsd_rollout.deepspeed_engine import build_engine
+    from opsd_rollout.models import load_model
+    from opsd_rollout.opsd.train import sft_step
+
+    model, tokenizer = load_model("llama-tiny")
+    batch = Encoder(tokenizer, max_prompt_tokens=64, max_reference_tokens=8).with_references(
+        [Example("Hello", " world!"), Example("A longer prompt", " x")], torch.device("cpu"))
+    with torch.no_grad():
+        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+    start = int(batch.response_start_idx[0])
+    real = batch.attention_mask[:, start:].bool()  # the reference tokens, not their padding
+    expected = torch.nn.functional.cross_entropy(logits[:, start - 1:-1][real], batch.input_ids[:, start:][real])
+    engine = build_engine(model.train(), 0, lr=1e-3)
+    profile = sft_step(engine, batch)
+    assert profile.loss == pytest.approx(float(expected), rel=1e-5)
+    assert profile.rollout is None and profile.response_tokens == 7 + 2
+
+
+def test_distillation_brings_the_student_closer_to_the_teacher(tmp_path):
+    result = train(TrainConfig(output_dir=str(tmp_path / "run"), steps=10, **{**TINY, "lr": 1e-2, "eval_every": 10}))
+    (_, first), (_, last) = result.eval_curve()
+    assert last < 0.8 * first, result.eval_curve()
+
+
+def test_ctrl_c_saves_a_checkpoint_and_leaves_valid_files(tmp_path, monkeypatch):
+    from opsd_rollout.opsd.train import loop
+
+    calls, step = [], loop.opsd_step
+
+    def interrupted(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return step(*args, **kwargs)
+
+    monkeypatch.setattr(loop, "opsd_step", interrupted)
+    out = tmp_path / "run"
+    result = train(TrainConfig(output_dir=str(out), steps=5, **TINY))
+    assert result.interrupted and result.steps == 2
+    assert (out / "checkpoints" / "latest").read_text().strip() == "step2"
+    assert [r["step"] for r in records(out)] == [0, 1, 2]
+    monkeypatch.setattr(loop, "opsd_step", step)
+    resumed = train(TrainConfig(output_dir=str(out), steps=5, resume=str(out), **TINY))
+    assert not resumed.interrupted and [r["step"] for r in records(out)] == [0, 1, 2, 3, 4, 5]
+
+
+def test_metrics_reach_deepspeeds_csv_monitor_and_tensorboard(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from opsd_rollout.opsd.train.setup import deepspeed_config_of
+
+    ds = deepspeed_config_of(TrainConfig(output_dir="", steps=1, **TINY))
+    ds["csv_monitor"] = {"enabled": True, "output_path": str(tmp_path / "csv"), "job_name": "run"}
+    ds["tensorboard"] = {"enabled": True, "output_path": str(tmp_path / "tb"), "job_name": "run"}
+    train(TrainConfig(output_dir=str(tmp_path / "out"), steps=2, deepspeed=ds, **TINY))
+    loss = (tmp_path / "csv" / "run" / "train_loss.csv").read_text().splitlines()
+    assert loss[0].startswith("step") and [line.split(",")[0] for line in loss[1:]] == ["1", "2"]
+    assert (tmp_path / "csv" / "run" / "eval_reverse_kl.csv").read_text().splitlines()[1].startswith("0,")
+    events = EventAccumulator(str(tmp_path / "tb" / "run"))
+    events.Reload()
+    assert {"train/loss", "eval/reverse_kl", "profiling/rollout_ms"} <= set(events.Tags()["scalars"])
+    assert [e.step for e in events.Scalars("train/loss")] == [1, 2]
+
+
+# ---- bad input, refused before any work --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("change,message", [
+    (dict(teacher="qwen2-0.5b"), "vocabulary of 259 tokens and teacher 'qwen2-0.5b' one of 151,936"),
+    (dict(max_prompt_tokens=2), "prompt 1 has"),
+    (dict(max_new_tokens=1020, max_prompt_tokens=8), "exceed the models' 1024 positions"),
+    (dict(resume="NOWHERE"), "holds no checkpoint"),
+    (dict(prompts="missing.jsonl"), "does not exist"),
+    (dict(lmbda=1.5), "lmbda must be in"),
+])
+def test_bad_input_is_refused_before_any_work(tmp_path, monkeypatch, change, message):
+    from opsd_rollout.opsd.train import setup
+
+    monkeypatch.setattr(setup, "build_student_engine", lambda *a: pytest.fail("reached the engine"))
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match=message):
+        train(replace(TrainConfig(output_dir=str(tmp_path / "run"), steps=1, **TINY), **change)
+              if "lmbda" not in change else TrainConfig(output_dir="x", **{**TINY, **change}))
+
+
+def test_the_command_line_trains_and_says_where_it_wrote(tmp_path, capsys):
+    prompts = write_prompts(tmp_path / "p.jsonl")
+    out = tmp_path / "run"
+    assert main(["train", "--student", "llama-tiny", "--teacher", "qwen2-tiny", "--prompts", str(prompts),
+                 "--steps", "2", "--batch-size", "2", "--max-new-tokens", "6", "--eval-every", "1",
+                 "--output-dir", str(out), "--quiet"]) == 0
+    printed = capsys.readouterr().out
+    assert "held-out reverse KL to the teacher" in printed and str(out / "metrics.jsonl") in printed
+    assert main(["train", "--output-dir", str(out), "--resume", str(tmp_path / "none"), "--teacher",
+                 "qwen2-tiny"]) == 2
+    assert "holds no checkpoint" in capsys.readouterr().err
