@@ -135,11 +135,18 @@ def test_lmbda_is_the_fraction_of_on_policy_steps(tmp_path, lmbda, expected):
     assert {r["on_policy"] for r in result.records[1:]} == expected
 
 
-def test_supervised_kd_on_the_teachers_samples_without_references(tmp_path):
-    prompts = write_prompts(tmp_path / "p.jsonl", reference=False)
-    result = train(TrainConfig(output_dir=str(tmp_path / "run"), steps=2, lmbda=0.0, prompts=str(prompts), **TINY))
+@pytest.mark.parametrize("references,off_policy", [(False, "auto"), (True, "teacher")])
+def test_supervised_kd_on_the_teachers_samples(tmp_path, references, off_policy):
+    prompts = write_prompts(tmp_path / "p.jsonl", reference=references)
+    result = train(TrainConfig(output_dir=str(tmp_path / "run"), steps=2, lmbda=0.0, prompts=str(prompts),
+                               off_policy=off_policy, **TINY))
     assert all(r["rollout/decode_ms"] > 0 and not r["on_policy"] for r in result.records[1:])  # the teacher rolled out
-    assert "eval_cross_entropy" not in result.records[0]  # no references: no cross-entropy
+    assert ("eval_cross_entropy" in result.records[0]) == references  # cross-entropy where there are references
+
+
+def test_off_policy_steps_train_on_the_references_when_there_are_some(tmp_path):
+    result = train(TrainConfig(output_dir=str(tmp_path / "run"), steps=2, lmbda=0.0, **TINY))
+    assert all("rollout/decode_ms" not in r and r["response_tokens"] == 2 * 8 for r in result.records[1:])
 
 
 def test_sft_is_the_cross_entropy_on_the_references(tmp_path):
@@ -219,9 +226,9 @@ def test_metrics_reach_deepspeeds_csv_monitor_and_tensorboard(tmp_path):
     (dict(lmbda=1.5), "lmbda must be in"),
 ])
 def test_bad_input_is_refused_before_any_work(tmp_path, monkeypatch, change, message):
-    from opsd_rollout.opsd.train import setup
+    from opsd_rollout.opsd.train import loop
 
-    monkeypatch.setattr(setup, "build_student_engine", lambda *a: pytest.fail("reached the engine"))
+    monkeypatch.setattr(loop, "build_student_engine", lambda *a: pytest.fail("reached the engine"))
     monkeypatch.chdir(tmp_path)
     with pytest.raises(ValueError, match=message):
         train(replace(TrainConfig(output_dir=str(tmp_path / "run"), steps=1, **TINY), **change)
@@ -239,3 +246,30 @@ def test_the_command_line_trains_and_says_where_it_wrote(tmp_path, capsys):
     assert main(["train", "--output-dir", str(out), "--resume", str(tmp_path / "none"), "--teacher",
                  "qwen2-tiny"]) == 2
     assert "holds no checkpoint" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_two_zero3_ranks_train_evaluate_and_checkpoint_together(tmp_path):
+    """Under torchrun: each rank its own prompts, the evaluation over both ranks' shards, one metrics file (rank
+    0), a checkpoint with both ranks' partitions, and the whole student gathered into model/."""
+    import sys
+
+    from conftest import clean_env, run_named
+    from opsd_rollout.distributed import free_port
+
+    out = tmp_path / "run"
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+               "--master_port", str(free_port()), "-m", "opsd_rollout", "train", "--student", "llama-tiny",
+               "--teacher", "qwen2-tiny", "--steps", "3", "--batch-size", "2", "--max-new-tokens", "8",
+               "--eval-every", "3", "--eval-prompts", "8", "--zero-stage", "3", "--output-dir", str(out), "--quiet"]
+    result = run_named("train on 2 ZeRO-3 ranks (about 15 s on 2 quiet cores)", command,
+                       env={**clean_env(), "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}, timeout=1500)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert result.stdout.count("held-out reverse KL") == 1  # rank 0 speaks
+    assert [r["step"] for r in records(out)] == [0, 1, 2, 3]
+    assert sorted(p.name for p in (out / "checkpoints" / "step3").glob("*model_states.pt")) == [
+        "zero_pp_rank_0_mp_rank_00_model_states.pt", "zero_pp_rank_1_mp_rank_00_model_states.pt"]
+    from opsd_rollout.models import PRESETS, load_model
+
+    model, _ = load_model(str(out / "model"))
+    assert sum(p.numel() for p in model.parameters()) == PRESETS["llama-tiny"].num_parameters()  # gathered whole

@@ -356,7 +356,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"opsd-rollout: error: {error}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("opsd-rollout: interrupted; finished configs are in the result file (finish with --resume)",
+        print("opsd-rollout: interrupted; " + ("nothing trained yet" if args.command == "train" else
+                                               "finished configs are in the result file (finish with --resume)"),
               file=sys.stderr)
         return 130
 

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Any
 
@@ -39,6 +40,9 @@ FLAGS: list[tuple[str, str, dict[str, Any]]] = [  # (flag, TrainConfig field, ar
     ("--lmbda", "lmbda", dict(type=float, help="fraction of steps on the student's own samples, as TRL's GKD "
                               "defines it; the rest on the teacher's samples, or the references when the data has "
                               "them (default 1.0)")),
+    ("--off-policy", "off_policy", dict(choices=("auto", "references", "teacher"), help="what the steps that are not "
+                                        "on-policy train on: the references, the teacher's samples (supervised KD), "
+                                        "or auto (default): the references when every example has one")),
     ("--loss", "loss", dict(choices=LOSSES, help="divergence (default jsd)")),
     ("--beta", "beta", dict(type=float, help="generalized JSD interpolation (default 0.5)")),
     ("--teacher-cache", "teacher_cache", dict(choices=("full", "topk"), help="teacher logits cached whole (default) "
@@ -88,6 +92,8 @@ def run_train(args: argparse.Namespace) -> int:
                              overrides=given)
     else:
         result = train(TrainConfig(output_dir=args.output_dir, progress=not args.quiet, **given))
+    if int(os.environ.get("RANK", "0")) != 0:  # under a launcher, rank 0 speaks
+        return 130 if result.interrupted else 0
     if result.interrupted:
         print(f"opsd-rollout: interrupted at step {result.steps}; checkpoint {result.checkpoint}; continue with "
               f"--resume {result.output_dir}", file=sys.stderr)

@@ -9,6 +9,7 @@ uninterrupted run would have.
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -71,9 +72,10 @@ def read_examples(path: str | Path, tokenizer: Any) -> list[Example]:
     return examples
 
 
-def order(count: int, seed: int, epoch: int) -> np.ndarray:
+@functools.lru_cache(maxsize=4)
+def order(count: int, seed: int, epoch: int) -> tuple[int, ...]:
     """The examples' order in ``epoch``: a permutation from (seed, epoch) alone."""
-    return np.random.default_rng([seed, epoch]).permutation(count)
+    return tuple(int(i) for i in np.random.default_rng([seed, epoch]).permutation(count))
 
 
 def batch_indices(count: int, batch_size: int, seed: int, micro_batch: int) -> list[int]:
@@ -83,7 +85,7 @@ def batch_indices(count: int, batch_size: int, seed: int, micro_batch: int) -> l
     indices = []
     for position in range(start, start + batch_size):
         epoch, index = divmod(position, count)
-        indices.append(int(order(count, seed, epoch)[index]))
+        indices.append(order(count, seed, epoch)[index])
     return indices
 
 

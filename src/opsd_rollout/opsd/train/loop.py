@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from opsd_rollout.bench.report import write_text_atomic
 from opsd_rollout.opsd.divergence import LOSSES, DivergenceConfig
 from opsd_rollout.opsd.step import opsd_step
 from opsd_rollout.opsd.teacher import CACHE_MODES, TeacherCacheConfig
@@ -32,6 +33,7 @@ from opsd_rollout.opsd.train.sft import sft_step
 logger = logging.getLogger(__name__)
 
 OBJECTIVES = ("opsd", "sft")
+OFF_POLICY = ("auto", "references", "teacher")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -72,6 +74,9 @@ class TrainConfig:
     top_p: float = 1.0
     lmbda: float = 1.0
     """Fraction of optimizer steps on the student's own samples (TRL's GKD ``lmbda``)."""
+    off_policy: str = "auto"
+    """What the other steps train on: ``references`` (the data's), ``teacher`` (the teacher's samples: supervised
+    KD) or ``auto`` (the references when every example has one, else the teacher's samples)."""
     loss: str = "jsd"
     beta: float = 0.5
     teacher_cache: str = "full"
@@ -109,6 +114,8 @@ class TrainConfig:
             raise ValueError(f"zero_stage must be 0, 1, 2 or 3; got {self.zero_stage!r}")
         if self.loss not in LOSSES:
             raise ValueError(f"loss must be one of {list(LOSSES)}; got {self.loss!r}")
+        if self.off_policy not in OFF_POLICY:
+            raise ValueError(f"off_policy must be one of {list(OFF_POLICY)}; got {self.off_policy!r}")
         if self.teacher_cache not in CACHE_MODES:
             raise ValueError(f"teacher_cache must be one of {list(CACHE_MODES)}; got {self.teacher_cache!r}")
         DivergenceConfig(loss=self.loss, beta=self.beta)  # its own checks
@@ -172,8 +179,8 @@ class _Run:
         self.config, self.models, self.train, self.held_out = config, models, train, held_out
         self.out = Path(config.output_dir)
         self.checkpoints = self.out / "checkpoints"
-        self.rank = rank_info()
-        self.engine = build_student_engine(config, models.student, self.rank)
+        self.engine = build_student_engine(config, models.student)
+        self.rank = rank_info()  # once the group exists
         self.accumulation = int(self.engine.gradient_accumulation_steps())
         self.device = torch.device(self.engine.device)
         self.encoder = Encoder(models.tokenizer, max_prompt_tokens=models.max_prompt_tokens,
@@ -181,7 +188,10 @@ class _Run:
         profiled = HybridEngineRolloutConfig(enable_profiling=True)
         self.rollout = HybridEngineRollout(self.engine, models.tokenizer, profiled)
         self.teacher = models.teacher
-        self.references = all(e.reference is not None for e in train)
+        has_references = all(e.reference is not None for e in train)
+        if config.off_policy == "references" and not has_references:
+            raise ValueError("off_policy references needs a 'reference' for every example")
+        self.references = config.off_policy == "references" or (config.off_policy == "auto" and has_references)
         self.teacher_rollout = (HybridEngineRollout(self.teacher, models.tokenizer, profiled)
                                 if self.teacher is not None and config.lmbda < 1 and not self.references else None)
         self.step = 0
@@ -189,6 +199,8 @@ class _Run:
             _, client = self.engine.load_checkpoint(str(find_checkpoint(config.resume)))
             self.step = int((client or {}).get("train_state", {}).get("step", 0))
         self.log = MetricsLog(self.out / "metrics.jsonl", resume_step=self.step if config.resume else None)
+        if self.rank.rank == 0:
+            write_text_atomic(self.out / "train_config.json", json.dumps(asdict(config), indent=2, default=str))
         self.saved_at: int | None = self.step if config.resume else None
 
     # ---- one optimizer step --------------------------------------------------------------------------------
@@ -253,12 +265,17 @@ class _Run:
         try:
             if self.step == 0:
                 self.record({"step": 0, **self.evaluation()}, progress)
+            trained_s = next((r["train_seconds"] for r in reversed(self.log.records) if "train_seconds" in r), 0.0)
             while self.step < config.steps:
                 record = self.optimizer_step(self.step + 1)
                 self.step += 1
-                if self.step % config.eval_every == 0 or self.step == config.steps:
-                    record.update(self.evaluation())
-                self.record(record, progress)
+                trained_s += record["wall_ms"] / 1e3
+                record["train_seconds"] = trained_s  # the optimizer steps' wall time so far, evaluations apart
+                try:
+                    if self.step % config.eval_every == 0 or self.step == config.steps:
+                        record.update(self.evaluation())
+                finally:  # a step taken is a step recorded, even if Ctrl-C stops its evaluation
+                    self.record(record, progress)
                 if config.save_every and self.step % config.save_every == 0:
                     result.checkpoint = self.save()
         except KeyboardInterrupt:
@@ -274,8 +291,6 @@ class _Run:
             title = (f"{_short(config.student)} distilled from {_short(config.teacher)}" if config.objective == "opsd"
                      else f"{_short(config.student)} trained by SFT")
             result.plot = plot_eval(result.records, self.out / "eval.png", title)
-            (self.out / "train_config.json").write_text(json.dumps(
-                {k: v for k, v in asdict(config).items()}, indent=2, default=str))
         return result
 
 

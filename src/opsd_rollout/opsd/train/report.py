@@ -12,6 +12,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+import psutil
+
+from opsd_rollout.bench.report import write_text_atomic
 from opsd_rollout.metrics import STEP_STAGES
 
 ROLLOUT_STAGES = ("prompt_expansion_ms", "prefill_ms", "decode_ms", "post_processing_ms", "param_gather_ms",
@@ -37,6 +40,7 @@ def step_record(step: int, profiles: list[Any], *, wall_ms: float, lr: float, on
         values = [getattr(p.rollout, stage, None) for p in profiles if p.rollout is not None]
         if any(v is not None for v in values):
             record[f"rollout/{stage}"] = sum(v or 0.0 for v in values)
+    record["rss_bytes"] = psutil.Process().memory_info().rss  # after the step: flat over a run, or a leak
     record["peak_memory_bytes"] = max((max(p.peak_memory_bytes.values(), default=0) for p in profiles), default=0)
     record["teacher_cache_bytes"] = max((p.teacher_cache_bytes for p in profiles), default=0)
     return record
@@ -58,9 +62,7 @@ class MetricsLog:
                     continue  # a line cut by a kill: dropped
                 if record.get("step", math.inf) <= resume_step:
                     kept.append(line)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text("".join(line + "\n" for line in kept))
-        os.replace(tmp, path)
+        write_text_atomic(path, "".join(line + "\n" for line in kept))
         self.records = [json.loads(line) for line in kept]
 
     def write(self, record: dict[str, Any]) -> None:

@@ -97,7 +97,7 @@ def deepspeed_config_of(config: Any) -> dict[str, Any]:
     return ds
 
 
-def build_student_engine(config: Any, student: torch.nn.Module, rank: Any) -> Any:
+def build_student_engine(config: Any, student: torch.nn.Module) -> Any:
     """The student's DeepSpeed engine, in train mode; AdamW at ``config.lr`` when the config names no optimizer."""
     import deepspeed
 
