@@ -224,12 +224,16 @@ def test_metrics_reach_deepspeeds_csv_monitor_and_tensorboard(tmp_path):
     (dict(resume="NOWHERE"), "holds no checkpoint"),
     (dict(prompts="missing.jsonl"), "does not exist"),
     (dict(lmbda=1.5), "lmbda must be in"),
+    (dict(off_policy="references", prompts="NOREFS"), "off_policy references trains on references"),
+    (dict(objective="sft", prompts="NOREFS"), "objective sft trains on references"),
 ])
 def test_bad_input_is_refused_before_any_work(tmp_path, monkeypatch, change, message):
     from opsd_rollout.opsd.train import loop
 
     monkeypatch.setattr(loop, "build_student_engine", lambda *a: pytest.fail("reached the engine"))
     monkeypatch.chdir(tmp_path)
+    if change.get("prompts") == "NOREFS":
+        change = {**change, "prompts": str(write_prompts(tmp_path / "p.jsonl", reference=False))}
     with pytest.raises(ValueError, match=message):
         train(replace(TrainConfig(output_dir=str(tmp_path / "run"), steps=1, **TINY), **change)
               if "lmbda" not in change else TrainConfig(output_dir="x", **{**TINY, **change}))

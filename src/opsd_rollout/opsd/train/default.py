@@ -17,8 +17,8 @@ from typing import Any
 
 from opsd_rollout.opsd.train.loop import TrainConfig, TrainResult, train
 
-TEACHER = TrainConfig(output_dir="", objective="sft", student="llama-mini", steps=600, prompts_per_micro_batch=16,
-                      lr=3e-3, eval_every=100, eval_prompts=64, max_new_tokens=32)
+TEACHER = TrainConfig(output_dir="", objective="sft", student="llama-mini", steps=800, prompts_per_micro_batch=16,
+                      lr=1e-3, eval_every=100, eval_prompts=64, max_new_tokens=32)
 """The teacher's SFT on the corpus's references."""
 STUDENT = dict(objective="opsd", student="llama-tiny", steps=200, prompts_per_micro_batch=8, lr=3e-3, eval_every=20,
                eval_prompts=64, max_new_tokens=32, loss="jsd", beta=0.5)

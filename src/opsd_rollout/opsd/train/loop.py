@@ -188,10 +188,8 @@ class _Run:
         profiled = HybridEngineRolloutConfig(enable_profiling=True)
         self.rollout = HybridEngineRollout(self.engine, models.tokenizer, profiled)
         self.teacher = models.teacher
-        has_references = all(e.reference is not None for e in train)
-        if config.off_policy == "references" and not has_references:
-            raise ValueError("off_policy references needs a 'reference' for every example")
-        self.references = config.off_policy == "references" or (config.off_policy == "auto" and has_references)
+        self.references = config.off_policy == "references" or (
+            config.off_policy == "auto" and all(e.reference is not None for e in train))
         self.teacher_rollout = (HybridEngineRollout(self.teacher, models.tokenizer, profiled)
                                 if self.teacher is not None and config.lmbda < 1 and not self.references else None)
         self.step = 0
@@ -305,8 +303,11 @@ def train(config: TrainConfig) -> TrainResult:
     examples = read_examples(config.prompts, models.tokenizer) if config.prompts else None
     train_examples, held_out = split_examples(config, examples)
     models.check_prompts(train_examples + held_out, config)
-    if config.objective == "sft" and not all(e.reference is not None for e in train_examples):
+    references = all(e.reference is not None for e in train_examples)
+    if config.objective == "sft" and not references:
         raise ValueError("objective sft trains on references: every example needs a 'reference'")
+    if config.off_policy == "references" and not references:
+        raise ValueError("off_policy references trains on references: every example needs a 'reference'")
     return _Run(config, models, train_examples, held_out).run()
 
 
