@@ -92,6 +92,11 @@ class _Parts:
         self.peaks[name] = memory.stop()[0]
         return result
 
+    def times(self) -> tuple[dict[str, float], dict[str, float]]:
+        """Once the step is over: each stage's ms, and each step part's start from the start of the step."""
+        resolved = self.recorder.resolve()
+        return resolved.stages, {span.name: span.start_ms for span in resolved.spans if span.name in STEP_PARTS}
+
 
 def _student_logits(engine: Any, targets) -> torch.Tensor:
     out = engine(input_ids=targets.input_ids, attention_mask=targets.attention_mask,
@@ -167,9 +172,7 @@ def opsd_step(student_engine: Any, teacher: Any, rollout: Any, request: Any, sam
         loss, reported = _token_mean(total, count)
         parts.run("backward", student_engine.backward, loss)
         parts.run("optimizer", student_engine.step)
-    resolved = recorder.resolve()
-    ms = resolved.stages
-    starts = {span.name: span.start_ms for span in resolved.spans if span.name in STEP_PARTS}
+    ms, starts = parts.times()
     producing = switch.eval_ms + ms["rollout"] + (switch.train_ms or 0.0)
     return StepProfile(
         rollout=rollout.get_last_profile(), eval_ms=switch.eval_ms, train_ms=switch.train_ms or 0.0,

@@ -64,24 +64,35 @@ class TrainConfig:
     steps: int = 100
     """Optimizer steps to reach (counted from the start, also when resuming)."""
     prompts_per_micro_batch: int = 8
+    """Prompts of one micro-batch (each rank's, with several ranks)."""
     samples_per_prompt: int = 1
+    """Samples the student draws per prompt (``n_samples_per_prompt``)."""
     max_new_tokens: int = 32
+    """Response tokens per sample (and the references' length)."""
     max_prompt_tokens: int | None = None
     """Longest prompt accepted (tokens); ``None``: the models' positions less ``max_new_tokens``. A longer prompt
     is refused before any work."""
     temperature: float = 1.0
+    """Sampling temperature of the rollouts (the evaluation's too)."""
     top_k: int = 0
+    """Sampling top-k; <= 0 disables it, as in DeepSpeed."""
     top_p: float = 1.0
+    """Sampling top-p."""
     lmbda: float = 1.0
     """Fraction of optimizer steps on the student's own samples (TRL's GKD ``lmbda``)."""
     off_policy: str = "auto"
     """What the other steps train on: ``references`` (the data's), ``teacher`` (the teacher's samples: supervised
     KD) or ``auto`` (the references when every example has one, else the teacher's samples)."""
     loss: str = "jsd"
+    """The divergence: ``jsd`` (generalized, with ``beta``), ``forward_kl`` or ``reverse_kl``."""
     beta: float = 0.5
+    """Generalized JSD interpolation: 0 is forward KL, 1 reverse KL."""
     teacher_cache: str = "full"
+    """The teacher's logits cached whole (``full``) or their top-k (``topk``)."""
     teacher_top_k: int = 64
+    """k of ``teacher_cache="topk"``."""
     seed: int = 0
+    """Every random choice (data order, samples, ``lmbda``'s draws) is a function of it and the micro-batch."""
     eval_every: int = 10
     """Held-out evaluation every this many steps, and at step 0 and the last step."""
     eval_prompts: int = 64

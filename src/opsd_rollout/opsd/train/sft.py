@@ -9,7 +9,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from opsd_rollout.metrics import STEP_PARTS
 from opsd_rollout.opsd.step import StepProfile, _Parts, _student_logits, _token_mean
 from opsd_rollout.opsd.targets import response_targets
 from opsd_rollout.profiling import Clock, StageRecorder
@@ -36,9 +35,7 @@ def sft_step(student_engine: Any, batch: Any) -> StepProfile:
         loss, reported = _token_mean(total, count)
         parts.run("backward", student_engine.backward, loss)
         parts.run("optimizer", student_engine.step)
-    resolved = recorder.resolve()
-    ms = resolved.stages
-    starts = {span.name: span.start_ms for span in resolved.spans if span.name in STEP_PARTS}
+    ms, starts = parts.times()
     return StepProfile(
         rollout=None, eval_ms=0.0, train_ms=0.0, rollout_ms=0.0, teacher_forward_ms=0.0, cache_write_ms=0.0,
         student_forward_ms=ms["student_forward"], loss_ms=ms["loss"], backward_ms=ms["backward"],
