@@ -22,7 +22,10 @@ import torch.nn.functional as F
 from deepspeed.runtime.rollout.opsd import JSDLossOutput
 from torch.utils.checkpoint import checkpoint
 
-LOSSES = ("forward_kl", "reverse_kl", "jsd")
+LOSSES = ("forward_kl", "reverse_kl", "jsd", "sampled_reverse_kl")
+ESTIMATORS = ("k1", "k3")
+WHOLE_DISTRIBUTION = ("forward_kl", "reverse_kl", "jsd")
+"""The losses that need the teacher's distribution (a ``full`` or ``topk`` cache), not one token's probability."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -30,7 +33,13 @@ class DivergenceConfig:
     """Which divergence, and how."""
 
     loss: str = "jsd"
-    """``forward_kl`` (teacher to student), ``reverse_kl`` (student to teacher) or ``jsd`` (with ``beta``)."""
+    """``forward_kl`` (teacher to student), ``reverse_kl`` (student to teacher) or ``jsd`` (with ``beta``), over
+    the teacher's distribution; or ``sampled_reverse_kl``: the reverse KL of the sampled tokens alone (the
+    teacher's log-probability of each, a ``sampled`` teacher cache), trained as an on-policy policy gradient
+    (``opsd/sampled.py``)."""
+    estimator: str = "k1"
+    """``sampled_reverse_kl``'s per-token estimate of KL(student || teacher) from r = log p_s(y) - log p_t(y):
+    ``k1`` = r, or ``k3`` = exp(-r) - 1 + r (verl's low-variance estimator, never negative)."""
     beta: float = 0.5
     """Generalized JSD interpolation: 0 is forward KL, 1 is reverse KL."""
     temperature: float = 1.0
@@ -52,6 +61,12 @@ class DivergenceConfig:
     def __post_init__(self) -> None:
         if self.loss not in LOSSES:
             raise ValueError(f"loss must be one of {list(LOSSES)}; got {self.loss!r}")
+        if self.estimator not in ESTIMATORS:
+            raise ValueError(f"estimator must be one of {list(ESTIMATORS)} (sampled_reverse_kl's per-token KL "
+                             f"estimate); got {self.estimator!r}")
+        if self.loss == "sampled_reverse_kl" and self.temperature != 1.0:
+            raise ValueError(f"sampled_reverse_kl compares the sampled tokens' log-probabilities at temperature 1; "
+                             f"got temperature {self.temperature!r}")
         if not 0.0 <= self.beta <= 1.0:
             raise ValueError(f"beta must be in [0, 1]; got {self.beta!r}")
         if not self.temperature > 0:

@@ -16,6 +16,7 @@ from opsd_rollout.metrics import STEP_PARTS
 from opsd_rollout.modeling import innermost_model, position_ids
 from opsd_rollout.opsd.divergence import DivergenceConfig, chunked_divergence
 from opsd_rollout.opsd.fused import fusion_problem, head_divergence
+from opsd_rollout.opsd.sampled import head_sampled_divergence, sampled_divergence
 from opsd_rollout.opsd.targets import response_targets
 from opsd_rollout.opsd.teacher import TeacherCacheConfig, build_teacher_cache
 from opsd_rollout.profiling import Clock, PeakMemory, RolloutProfile, StageRecorder, timed_eval
@@ -127,8 +128,16 @@ def _fuses(model: torch.nn.Module, divergence: DivergenceConfig) -> bool:
 
 
 def _student_loss(parts: "_Parts", engine: Any, targets, cache, divergence: DivergenceConfig,
-                  fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                  fused: bool, behaviour_logp: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The student forward and the divergence's sum and count: fused with the LM head, or over whole logits."""
+    if divergence.loss == "sampled_reverse_kl":
+        if fused:
+            hidden = parts.run("student_forward", _student_hidden, engine, targets)
+            return parts.run("loss", head_sampled_divergence, innermost_model(engine), hidden, targets.labels,
+                             cache.values, targets.mask.to(hidden.device), divergence, behaviour_logp)
+        logits = parts.run("student_forward", _student_logits, engine, targets)
+        return parts.run("loss", sampled_divergence, logits, targets.labels, cache.values, targets.mask, divergence,
+                         behaviour_logp)
     if fused:
         hidden = parts.run("student_forward", _student_hidden, engine, targets)
         return parts.run("loss", head_divergence, innermost_model(engine), hidden, cache.stored,
@@ -153,12 +162,30 @@ def _token_mean(total: torch.Tensor, count: torch.Tensor) -> tuple[torch.Tensor,
     return total * dist.get_world_size() / global_count, both[0] / global_count
 
 
+def check_pairing(divergence: DivergenceConfig, teacher_cache: TeacherCacheConfig) -> None:
+    """A loss and a teacher cache that go together: ``sampled_reverse_kl`` reads the ``sampled`` cache, every other
+    loss the teacher's distribution (``full`` or ``topk``)."""
+    sampled_loss, sampled_cache = divergence.loss == "sampled_reverse_kl", teacher_cache.mode == "sampled"
+    if sampled_cache and not sampled_loss:
+        raise ValueError(f"the sampled teacher cache holds one token's log-probability, and loss {divergence.loss!r} "
+                         "needs the teacher's whole distribution: use TeacherCacheConfig(mode='full' or 'topk'), or "
+                         "loss='sampled_reverse_kl'")
+    if sampled_loss and not sampled_cache:
+        raise ValueError(f"loss 'sampled_reverse_kl' reads the teacher's log-probability of each sampled token: use "
+                         f"TeacherCacheConfig(mode='sampled') (got mode {teacher_cache.mode!r})")
+
+
 def opsd_step(student_engine: Any, teacher: Any, rollout: Any, request: Any, sampling: Any, *,
-              divergence: DivergenceConfig | None = None,
-              teacher_cache: TeacherCacheConfig | None = None) -> StepProfile:
-    """Run one step on ``student_engine`` (a DeepSpeed engine, ZeRO 0-3) and return its profile."""
+              divergence: DivergenceConfig | None = None, teacher_cache: TeacherCacheConfig | None = None,
+              behaviour_logprobs: torch.Tensor | None = None) -> StepProfile:
+    """Run one step on ``student_engine`` (a DeepSpeed engine, ZeRO 0-3) and return its profile.
+
+    ``behaviour_logprobs`` [N, R]: with ``sampled_reverse_kl``, the log-probabilities of the sampled tokens under
+    the policy that sampled them, for an off-policy update (a second step on one rollout, a generation buffer);
+    ``None``: on-policy, the student as it is now."""
     divergence = divergence or DivergenceConfig()
     teacher_cache = teacher_cache or TeacherCacheConfig()
+    check_pairing(divergence, teacher_cache)
     fused = _fuses(innermost_model(student_engine), divergence)
     device = torch.device(student_engine.device)
     recorder = StageRecorder(Clock(device), time_forwards=False)
@@ -168,7 +195,7 @@ def opsd_step(student_engine: Any, teacher: Any, rollout: Any, request: Any, sam
             batch = parts.run("rollout", rollout.generate, request, sampling)
         targets = response_targets(batch)
         cache = parts.run("teacher", build_teacher_cache, teacher, targets, teacher_cache, recorder=recorder)
-        total, count = _student_loss(parts, student_engine, targets, cache, divergence, fused)
+        total, count = _student_loss(parts, student_engine, targets, cache, divergence, fused, behaviour_logprobs)
         loss, reported = _token_mean(total, count)
         parts.run("backward", student_engine.backward, loss)
         parts.run("optimizer", student_engine.step)

@@ -23,14 +23,16 @@ from opsd_rollout.modeling import innermost_model, logit_transform, position_ids
 from opsd_rollout.opsd.targets import ResponseTargets, response_targets
 from opsd_rollout.profiling import NULL_RECORDER
 
-CACHE_MODES = ("full", "topk")
+CACHE_MODES = ("full", "topk", "sampled")
 OVER_BUDGET = ("error", "topk")
 
 
 @dataclass(frozen=True, kw_only=True)
 class TeacherCacheConfig:
     mode: str = "full"
-    """``full``: every vocabulary logit; ``topk``: the ``top_k`` largest (values + indices)."""
+    """``full``: every vocabulary logit; ``topk``: the ``top_k`` largest (values + indices); ``sampled``: the
+    teacher's log-probability of each sampled token only (float32, 4 bytes a token at any vocabulary), what
+    ``DivergenceConfig(loss="sampled_reverse_kl")`` trains on."""
     top_k: int = 64
     """Logits kept per position with ``mode="topk"``."""
     micro_batch_size: int = 4
@@ -82,6 +84,8 @@ class TeacherCache:
     indices: torch.Tensor | None
     budget_bytes: int = 0
     """The host-memory budget the cache was checked against (0: not checked)."""
+    sampled: bool = False
+    """``values`` are the log-probabilities of the sampled tokens [N, R] (mode ``sampled``)."""
 
     @property
     def nbytes(self) -> int:
@@ -89,11 +93,12 @@ class TeacherCache:
 
     @property
     def mode(self) -> str:
-        return "full" if self.indices is None else "topk"
+        return "sampled" if self.sampled else "full" if self.indices is None else "topk"
 
     @property
     def stored(self) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """What the cache holds: logits [N, R, V], or the top-k pair (values [N, R, k], indices [N, R, k])."""
+        """What the cache holds: logits [N, R, V], the top-k pair (values [N, R, k], indices [N, R, k]), or the
+        sampled tokens' log-probabilities [N, R]."""
         return self.values if self.indices is None else (self.values, self.indices)
 
     def chunk(self, start: int, stop: int, device: torch.device):
@@ -170,9 +175,13 @@ def plan_mode(config: TeacherCacheConfig, rows: int, window: int, vocab: int, dt
     """The mode the cache is built in: ``config.mode`` if it fits ``budget`` bytes; ``topk`` for a full cache
     over it when ``over_budget="topk"``; otherwise a ``ValueError`` naming the fixes, before any work."""
     top_k, full = min(config.top_k, vocab), config.mode == "full"
-    needed = cache_bytes(rows, window, vocab if full else top_k, dtype, not full)
+    needed = (rows * window * 4 if config.mode == "sampled"
+              else cache_bytes(rows, window, vocab if full else top_k, dtype, not full))
     if needed <= budget:
         return config.mode
+    if config.mode == "sampled":
+        raise ValueError(f"the sampled teacher cache needs {_size(needed)} of host memory ({rows} rows x {window} "
+                         f"response positions x 4 bytes) but its budget is {_size(budget)}")
     what = "full" if full else f"top-{top_k}"
     if full and config.over_budget == "topk":
         switched = cache_bytes(rows, window, top_k, dtype, True)
@@ -220,9 +229,11 @@ def build_teacher_cache(teacher: Any, targets: Any, config: TeacherCacheConfig, 
     buffers = buffers if buffers is not None else buffers_for(model)
     budget = config.budget(buffers.nbytes)
     mode = plan_mode(config, rows, window, vocab, dtype, budget)  # before the teacher runs
-    width = vocab if mode == "full" else min(config.top_k, vocab)
-    values = buffers.take("values", (rows * window, width), dtype, pin)  # flat: [N * R, width]
-    indices = None if mode == "full" else buffers.take("indices", (rows * window, width), torch.int32, pin)
+    sampled = mode == "sampled"
+    width = vocab if mode == "full" else 1 if sampled else min(config.top_k, vocab)
+    values = buffers.take("values", (rows * window, width), torch.float32 if sampled else dtype, pin)  # [N * R, W]
+    indices = None if mode != "topk" else buffers.take("indices", (rows * window, width), torch.int32, pin)
+    labels = targets.labels.reshape(-1, 1) if sampled else None  # [N * R, 1] the sampled tokens
     for row in range(0, rows, config.micro_batch_size):
         ids = targets.input_ids[row:row + config.micro_batch_size].to(device)
         mask = targets.attention_mask[row:row + config.micro_batch_size].to(device)
@@ -237,11 +248,17 @@ def build_teacher_cache(teacher: Any, targets: Any, config: TeacherCacheConfig, 
                 chosen = None
                 if mode == "topk":
                     logits, chosen = torch.topk(logits, width, dim=-1)
+                elif sampled:  # log q(y) = z_y - logsumexp(z), in float32: [c, 1]
+                    token = labels[base + start:base + stop].to(device)
+                    logits = logits.float()
+                    logits = logits.gather(1, token) - torch.logsumexp(logits, dim=-1, keepdim=True)
             with recorder.stage("cache_write"):
-                values[base + start:base + stop].copy_(logits.to(dtype), non_blocking=pin)
+                values[base + start:base + stop].copy_(logits.to(values.dtype), non_blocking=pin)
                 if indices is not None:
                     indices[base + start:base + stop].copy_(chosen.to(torch.int32), non_blocking=pin)
     if pin:  # the host copies must land before anyone reads the cache
         torch.cuda.current_stream(device).synchronize()
+    if sampled:
+        return TeacherCache(values.view(rows, window), None, budget_bytes=budget, sampled=True)
     shape = (rows, window, width)
     return TeacherCache(values.view(shape), None if indices is None else indices.view(shape), budget_bytes=budget)

@@ -1,0 +1,156 @@
+"""The sampled-token reverse KL (Thinking Machines' on-policy distillation, verl's k1/k3): the teacher's signal is
+its log-probability of each token the student sampled, 4 bytes a token at any vocabulary.
+
+For a sampled token ``y`` with the student's log-probability ``lp = log p_s(y)`` (with grad), the teacher's ``lq``
+and the rollout policy's ``lm`` (what sampled ``y``; on-policy, the student itself when it sampled), per token:
+
+- ``r = sg(lp) - lq``; the estimate of KL(student || teacher) is ``k = r`` (k1) or ``exp(-r) - 1 + r`` (k3);
+- the advantage is ``-k`` (stop-gradient, discount 0: each token its own return), trained as a policy gradient with
+  the importance ratio ``rho = exp(lp - lm)``: ``loss = k * rho``, so ``d loss / d lp = k * rho``.
+
+On-policy (``lm`` = ``sg(lp)``, as the one OPSD step is) ``rho`` is 1: the loss's value is the estimate and its
+gradient ``k * grad(lp)``. With k1 that is the score-function gradient of the reverse KL (REINFORCE with the
+log-ratio as the cost); k3 has a lower variance and the same expectation of its value.
+
+The student's ``lp`` comes from ``log_softmax`` of its logits at the token: over materialized logits
+(``sampled_divergence``) or fused with its LM head a chunk of tokens at a time (``fused_sampled_divergence``), whose
+gradient with respect to the logits ``z`` is ``k * rho * (onehot(y) - softmax(z))``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from opsd_rollout.opsd.divergence import DivergenceConfig
+from opsd_rollout.opsd.fused import _forward_replaced, _Grads, _Options, _rows, chunk_tokens, fusion_problem
+from opsd_rollout.modeling import logit_transform
+
+
+def estimate(student_logp: torch.Tensor, teacher_logp: torch.Tensor, estimator: str) -> torch.Tensor:
+    """The per-token estimate of KL(student || teacher) from the sampled tokens' log-probabilities (no grad)."""
+    r = student_logp.detach() - teacher_logp
+    return r if estimator == "k1" else torch.expm1(-r) + r
+
+
+def token_loss(student_logp: torch.Tensor, teacher_logp: torch.Tensor, behaviour_logp: torch.Tensor | None,
+               estimator: str) -> torch.Tensor:
+    """[...] -> the policy-gradient loss per token ``k * exp(lp - lm)`` (``lm``: the rollout policy's, or ``sg(lp)``
+    on-policy), with its gradient through ``student_logp`` only."""
+    behaviour = student_logp.detach() if behaviour_logp is None else behaviour_logp.to(student_logp.dtype)
+    return estimate(student_logp, teacher_logp, estimator) * torch.exp(student_logp - behaviour)
+
+
+def sampled_divergence(student_logits: torch.Tensor, labels: torch.Tensor, teacher_logp: torch.Tensor,
+                       mask: torch.Tensor, config: DivergenceConfig,
+                       behaviour_logp: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference over materialized logits: student_logits [N, R, V] (with grad), labels [N, R] the sampled
+    tokens, teacher_logp and behaviour_logp [N, R] (on any device), mask [N, R]. Returns ``(sum, count)``."""
+    dtype = torch.promote_types(student_logits.dtype, torch.float32)
+    logp = F.log_softmax(student_logits.to(dtype), dim=-1).gather(-1, labels.unsqueeze(-1).long()).squeeze(-1)
+    device = logp.device
+    behaviour = None if behaviour_logp is None else behaviour_logp.to(device)
+    loss = token_loss(logp, teacher_logp.to(device, dtype), behaviour, config.estimator)
+    mask = mask.to(device, dtype)
+    return (loss * mask).sum(), mask.sum()
+
+
+class FusedSampledLoss(torch.autograd.Function):
+    """``apply(hidden [M, H], weight [V, H], bias | None, labels [M], teacher_logp [M], behaviour_logp [M] | None,
+    token_weights [M], options, estimator)`` -> the weighted loss sum; gradients formed in the forward pass."""
+
+    @staticmethod
+    def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                labels: torch.Tensor, teacher_logp: torch.Tensor, behaviour_logp: torch.Tensor | None,
+                token_weights: torch.Tensor, options: _Options, estimator: str) -> torch.Tensor:
+        device, dtype = hidden.device, options.dtype
+        need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
+        grads = _Grads(torch.zeros_like(hidden) if need_hidden else None,
+                       torch.zeros(weight.shape, dtype=dtype, device=device) if need_weight else None,
+                       torch.zeros(bias.shape, dtype=dtype, device=device) if need_bias else None)
+        total = torch.zeros((), dtype=dtype, device=device)
+        trained = token_weights.nonzero().squeeze(1)  # one host sync: which tokens to compute
+        on_host = trained.to(teacher_logp.device)
+        for start in range(0, trained.numel(), options.chunk_tokens):
+            tokens, host_tokens = trained[start:start + options.chunk_tokens], on_host[start:start + options.chunk_tokens]
+            states = hidden.index_select(0, tokens)  # [c, H]
+            logits = F.linear(states, weight, bias).to(dtype)  # [c, V]
+            squashed = None
+            if options.cap:
+                squashed = torch.tanh(logits * (options.scale / options.cap))
+                logits = squashed * options.cap
+            elif options.scale != 1.0:
+                logits = logits * options.scale
+            probs = torch.softmax(logits, dim=-1)
+            token = labels.index_select(0, tokens).long()
+            logp = logits.gather(1, token[:, None]).squeeze(1) - torch.logsumexp(logits, dim=-1)  # [c]
+            teacher = _rows(teacher_logp, host_tokens, device).to(dtype)
+            behaviour = None if behaviour_logp is None else _rows(behaviour_logp, host_tokens, device).to(dtype)
+            loss = token_loss(logp, teacher, behaviour, estimator)  # [c]; its d/d lp is the same k * rho
+            coef = token_weights.index_select(0, tokens).to(dtype)
+            total += loss @ coef
+            if need_hidden or need_weight or need_bias:
+                grad = probs.neg_().scatter_add_(1, token[:, None], torch.ones_like(logp)[:, None])  # onehot - p
+                grad.mul_(loss.unsqueeze(-1))  # d loss / d lp = k * rho = the loss itself
+                if squashed is not None:  # d(cap tanh(scale z / cap))/dz = scale (1 - tanh^2)
+                    grad.mul_(squashed.square_().neg_().add_(1.0))
+                grads.add_full(tokens, states, grad, coef * options.scale, weight)
+        ctx.save_for_backward(grads.hidden, grads.weight, grads.bias)
+        ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
+        return total
+
+    @staticmethod
+    def backward(ctx: Any, grad_total: torch.Tensor):
+        grad_hidden, grad_weight, grad_bias = ctx.saved_tensors
+        weight_dtype, bias_dtype = ctx.dtypes
+        if grad_hidden is not None:
+            grad_hidden = grad_hidden * grad_total.to(grad_hidden.dtype)
+        if grad_weight is not None:
+            grad_weight = (grad_weight * grad_total).to(weight_dtype)
+        if grad_bias is not None:
+            grad_bias = (grad_bias * grad_total).to(bias_dtype)
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None
+
+
+def fused_sampled_divergence(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                             labels: torch.Tensor, teacher_logp: torch.Tensor, mask: torch.Tensor,
+                             config: DivergenceConfig, *, behaviour_logp: torch.Tensor | None = None,
+                             logit_scale: float = 1.0, softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``sampled_divergence`` with the student's LM head computed here, a chunk of trained tokens at a time (no
+    [N, R, V] logits): hidden [N, R, H], weight [V, H], bias [V] or ``None``, the rest [N, R]. Returns
+    ``(sum, count)``: the same values and gradients."""
+    rows, window, size = hidden.shape
+    for name, tensor in (("labels", labels), ("teacher_logp", teacher_logp), ("mask", mask),
+                         ("behaviour_logp", behaviour_logp)):
+        if tensor is not None and tuple(tensor.shape) != (rows, window):
+            raise ValueError(f"{name} must be [{rows}, {window}] like the hidden states; got {tuple(tensor.shape)}")
+    options = _Options(beta=1.0, temperature=1.0, clip=None, scale=logit_scale, cap=softcap,
+                       chunk_tokens=chunk_tokens(config, weight.shape[0], size, None),
+                       dtype=torch.promote_types(weight.dtype, torch.float32))
+    weights = mask.reshape(-1).to(device=hidden.device, dtype=options.dtype)
+    flat = [None if t is None else t.reshape(-1) for t in (labels.to(hidden.device), teacher_logp, behaviour_logp)]
+    total = FusedSampledLoss.apply(hidden.reshape(rows * window, size), weight, bias, *flat, weights, options,
+                                   config.estimator)
+    return total, weights.sum()
+
+
+def head_sampled_divergence(model: torch.nn.Module, hidden: torch.Tensor, labels: torch.Tensor,
+                            teacher_logp: torch.Tensor, mask: torch.Tensor, config: DivergenceConfig,
+                            behaviour_logp: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``fused_sampled_divergence`` with ``model``'s own LM head, inside a call of the head module (so ZeRO-3
+    gathers its weight), as ``fused.head_divergence`` does for the other losses."""
+    problem = fusion_problem(model)
+    if problem is not None:
+        raise ValueError(f"the fused loss cannot use this model: {problem}; use DivergenceConfig(fused=False)")
+    head = model.get_output_embeddings()
+    scale, cap = logit_transform(model.config)
+
+    def fused_forward(states: torch.Tensor) -> torch.Tensor:
+        return fused_sampled_divergence(states, head.weight, head.bias, labels, teacher_logp, mask, config,
+                                        behaviour_logp=behaviour_logp, logit_scale=scale, softcap=cap)[0]
+
+    with _forward_replaced(head, fused_forward):
+        total = head(hidden)
+    return total, mask.to(device=total.device, dtype=total.dtype).sum()
