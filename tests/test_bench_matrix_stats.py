@@ -193,3 +193,11 @@ def test_older_result_files_upgrade_to_the_lengths_axis(fixed_length, lengths):
     assert new["schema_version"] == SCHEMA_VERSION and "fixed_length" not in new["settings"]
     assert new["matrix"]["length_models"] == [lengths] and new["results"][0]["config"]["lengths"] == lengths
     RolloutSettings(**new["settings"])
+
+
+def test_the_sampled_loss_pairs_with_the_sampled_cache_alone():
+    """``sampled_reverse_kl`` reads the sampled cache whatever the cache axis says; the other losses never get it."""
+    matrix = Matrix.parse(StepScenario, {"losses": ["jsd", "sampled_reverse_kl"], "teacher_caches": ["full", "sampled"],
+                                         "zero_stages": [0]})
+    pairs = [(c.loss, c.teacher_cache) for c in matrix.expand()]
+    assert pairs == [("jsd", "full"), ("sampled_reverse_kl", "sampled")]

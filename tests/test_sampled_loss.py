@@ -11,7 +11,8 @@ import torch.nn.functional as F
 from opsd_rollout import HybridEngineRollout, HybridEngineRolloutConfig, SamplingConfig
 from opsd_rollout.bench.prompts import synthetic_prompts
 from opsd_rollout.opsd import DivergenceConfig, TeacherCacheConfig, build_teacher_cache, opsd_step
-from opsd_rollout.opsd.sampled import estimate, fused_sampled_divergence, sampled_divergence, token_loss
+from opsd_rollout.opsd.sampled import (estimate, fused_sampled_divergence, sampled_divergence, token_loss,
+                                       token_loss_and_grad)
 from opsd_rollout.opsd.targets import response_targets
 
 
@@ -24,14 +25,42 @@ def test_the_estimators_are_the_formulas():
 
 
 @pytest.mark.parametrize("estimator", ["k1", "k3"])
-def test_on_policy_the_loss_is_the_estimate_and_its_gradient_the_policy_gradient(estimator):
+def test_on_policy_the_loss_is_the_estimate_with_the_estimators_gradient(estimator):
     lp = torch.tensor([-1.0, -2.0, -0.3], requires_grad=True)
     lq = torch.tensor([-1.5, -1.0, -0.9])
     loss = token_loss(lp, lq, None, estimator)
-    k = estimate(lp, lq, estimator)
-    torch.testing.assert_close(loss.detach(), k)  # rho = 1
+    torch.testing.assert_close(loss.detach(), estimate(lp, lq, estimator))  # rho = 1
     loss.sum().backward()
-    torch.testing.assert_close(lp.grad, k)  # d loss / d lp = k * rho: the advantage -k as a policy gradient
+    r = (lp - lq).detach()
+    # k1: the advantage -r as a policy gradient; k3: verl's estimator differentiated, 1 - exp(-r)
+    torch.testing.assert_close(lp.grad, r if estimator == "k1" else 1 - torch.exp(-r))
+    value, grad = token_loss_and_grad(lp.detach(), lq, None, estimator)  # the fused path's closed form
+    torch.testing.assert_close(value, loss.detach())
+    torch.testing.assert_close(grad, lp.grad)
+
+
+def test_sampled_gradients_estimate_the_kls_gradients():
+    """Over many samples of one position: k1's gradient is the reverse KL's, k3's the forward KL's; k3 as a
+    stop-gradient advantage (not what we train) would be neither, and points away from the teacher here."""
+    torch.manual_seed(0)
+    z = torch.randn(6, dtype=torch.float64, requires_grad=True)
+    lq = torch.log_softmax(torch.randn(6, dtype=torch.float64) * 2, -1)
+    def kl_gradient(direction: str) -> torch.Tensor:
+        lp = torch.log_softmax(z, -1)
+        kl = lp.exp() * (lp - lq) if direction == "reverse" else lq.exp() * (lq - lp)
+        return torch.autograd.grad(kl.sum(), z)[0]
+
+    reverse, forward = kl_gradient("reverse"), kl_gradient("forward")
+    y = torch.multinomial(torch.softmax(z, -1).detach(), 400_000, replacement=True, generator=torch.Generator().manual_seed(1))
+    grads = {}
+    for estimator in ("k1", "k3"):
+        logp = torch.log_softmax(z, -1)[y]
+        grads[estimator] = torch.autograd.grad(token_loss(logp, lq[y], None, estimator).mean(), z)[0]
+    torch.testing.assert_close(grads["k1"], reverse, atol=0.01, rtol=0.05)
+    torch.testing.assert_close(grads["k3"], forward, atol=0.01, rtol=0.05)
+    logp = torch.log_softmax(z, -1)[y]
+    as_advantage = torch.autograd.grad((estimate(logp, lq[y], "k3") * logp).mean(), z)[0]
+    assert float(as_advantage @ reverse) < 0 and float(as_advantage @ forward) < 0
 
 
 def test_off_policy_the_importance_ratio_weighs_the_estimate():
@@ -42,6 +71,13 @@ def test_off_policy_the_importance_ratio_weighs_the_estimate():
     torch.testing.assert_close(loss.detach(), (lp.detach() - lq) * rho)
     loss.sum().backward()
     torch.testing.assert_close(lp.grad, (lp.detach() - lq) * rho)
+    for estimator in ("k1", "k3"):
+        lp.grad = None
+        loss = token_loss(lp, lq, lm, estimator)
+        loss.sum().backward()
+        value, grad = token_loss_and_grad(lp.detach(), lq, lm, estimator)
+        torch.testing.assert_close(value, loss.detach())
+        torch.testing.assert_close(grad, lp.grad)
 
 
 def _reference(hidden, weight, bias, labels, teacher, mask, estimator, behaviour=None, scale=1.0, cap=None):

@@ -8,7 +8,7 @@ import os
 import sys
 from typing import Any
 
-LOSSES = ("forward_kl", "reverse_kl", "jsd")
+LOSSES = ("forward_kl", "reverse_kl", "jsd", "sampled_reverse_kl")
 FLAGS: list[tuple[str, str, dict[str, Any]]] = [  # (flag, TrainConfig field, argparse keywords)
     ("--student", "student", dict(help="preset or local checkpoint directory (default llama-tiny; with no model or "
                                        "data flag at all: the built-in run, see the description)")),
@@ -43,10 +43,14 @@ FLAGS: list[tuple[str, str, dict[str, Any]]] = [  # (flag, TrainConfig field, ar
     ("--off-policy", "off_policy", dict(choices=("auto", "references", "teacher"), help="what the steps that are not "
                                         "on-policy train on: the references, the teacher's samples (supervised KD), "
                                         "or auto (default): the references when every example has one")),
-    ("--loss", "loss", dict(choices=LOSSES, help="divergence (default jsd)")),
+    ("--loss", "loss", dict(choices=LOSSES, help="divergence (default jsd); sampled_reverse_kl: the teacher's "
+                            "log-probability of each sampled token only, as a policy gradient (on-policy)")),
+    ("--estimator", "estimator", dict(choices=("k1", "k3"), help="sampled_reverse_kl's per-token estimate: k1 "
+                                      "(default) or k3 (verl's low-variance estimator)")),
     ("--beta", "beta", dict(type=float, help="generalized JSD interpolation (default 0.5)")),
-    ("--teacher-cache", "teacher_cache", dict(choices=("full", "topk"), help="teacher logits cached whole (default) "
-                                              "or their top-k")),
+    ("--teacher-cache", "teacher_cache", dict(choices=("full", "topk", "sampled"), help="teacher logits cached "
+                                              "whole, their top-k, or each sampled token's log-probability "
+                                              "(default: sampled for sampled_reverse_kl, else full)")),
     ("--teacher-top-k", "teacher_top_k", dict(type=int, metavar="K", help="k of --teacher-cache topk (default 64)")),
     ("--seed", "seed", dict(type=int, help="makes a run repeatable (default 0)")),
     ("--eval-every", "eval_every", dict(type=int, metavar="N", help="held-out evaluation every N steps, and at step "

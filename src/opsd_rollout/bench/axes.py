@@ -13,7 +13,7 @@ from opsd_rollout.rollout.lengths import KINDS, LengthModel
 DTYPES = ("fp32", "fp16", "bf16")
 DECODINGS = ("greedy", "sampling")
 ZERO_STAGES = ("none", 0, 1, 2, 3)
-LOSSES = ("forward_kl", "reverse_kl", "jsd")
+LOSSES = ("forward_kl", "reverse_kl", "jsd", "sampled_reverse_kl")
 
 
 def positive_int(value: Any) -> int:
@@ -44,9 +44,9 @@ def unit_float(value: Any) -> float:
 
 
 def teacher_cache(value: Any) -> str:
-    """``full`` or ``top<k>`` (k >= 1), e.g. ``top64``."""
+    """``full``, ``sampled`` or ``top<k>`` (k >= 1), e.g. ``top64``."""
     text = str(value).strip().lower()
-    if text == "full" or (text.startswith("top") and text[3:].isdigit() and int(text[3:]) >= 1):
+    if text in ("full", "sampled") or (text.startswith("top") and text[3:].isdigit() and int(text[3:]) >= 1):
         return text
     raise ValueError
 
@@ -123,9 +123,12 @@ ROLLOUT_AXES = (
          "at the response length)", split_specs),
 )
 STEP_AXES = ROLLOUT_AXES + (
-    Axis("losses", "loss", choice(LOSSES), f"one of {', '.join(LOSSES)}", "forward_kl, reverse_kl, jsd"),
+    Axis("losses", "loss", choice(LOSSES), f"one of {', '.join(LOSSES)}", "forward_kl, reverse_kl, jsd over the "
+         "teacher's distribution, or sampled_reverse_kl (the sampled tokens' log-probabilities: --estimator, the "
+         "sampled teacher cache)"),
     Axis("betas", "beta", unit_float, "a number in [0, 1]",
          "generalized JSD beta in [0, 1] (0 = forward KL, 1 = reverse KL; jsd only)"),
-    Axis("teacher_caches", "teacher_cache", teacher_cache, "full or top<k> (e.g. top64)",
-         "full (every logit) or top<k> (e.g. top64): the host teacher-logit cache"),
+    Axis("teacher_caches", "teacher_cache", teacher_cache, "full, sampled or top<k> (e.g. top64)",
+         "full (every logit), top<k> (e.g. top64) or sampled (each sampled token's log-probability, the cache "
+         "sampled_reverse_kl reads): the host teacher cache"),
 )

@@ -64,11 +64,12 @@ class Matrix:
                              + "; ".join(bad))
 
     def expand(self) -> list[Any]:
-        """Every config, in the user's order (the product of the axes, first axis slowest), repeats dropped."""
+        """Every config, in the user's order (the product of the axes, first axis slowest), repeats and the
+        combinations the scenario has no config for (``make_config`` returns ``None``) dropped."""
         axes = self.scenario.axes
         configs = [self.scenario.make_config(**{axis.field: value for axis, value in zip(axes, combination)})
                    for combination in itertools.product(*(self[axis.name] for axis in axes))]
-        return list({config.key: config for config in configs}.values())
+        return list({config.key: config for config in configs if config is not None}.values())
 
     def to_dict(self) -> dict[str, list[Any]]:
         return {axis.name: list(self[axis.name]) for axis in self.scenario.axes}

@@ -1,20 +1,23 @@
 """The sampled-token reverse KL (Thinking Machines' on-policy distillation, verl's k1/k3): the teacher's signal is
 its log-probability of each token the student sampled, 4 bytes a token at any vocabulary.
 
-For a sampled token ``y`` with the student's log-probability ``lp = log p_s(y)`` (with grad), the teacher's ``lq``
-and the rollout policy's ``lm`` (what sampled ``y``; on-policy, the student itself when it sampled), per token:
+For a sampled token ``y`` with the student's log-probability ``lp = log p_s(y)`` (with grad), the teacher's ``lq``,
+``r = lp - lq``, and the rollout policy's ``lm`` (what sampled ``y``; on-policy, the student itself when it
+sampled, ``rho = exp(lp - lm)`` is then 1), per token:
 
-- ``r = sg(lp) - lq``; the estimate of KL(student || teacher) is ``k = r`` (k1) or ``exp(-r) - 1 + r`` (k3);
-- the advantage is ``-k`` (stop-gradient, discount 0: each token its own return), trained as a policy gradient with
-  the importance ratio ``rho = exp(lp - lm)``: ``loss = k * rho``, so ``d loss / d lp = k * rho``.
-
-On-policy (``lm`` = ``sg(lp)``, as the one OPSD step is) ``rho`` is 1: the loss's value is the estimate and its
-gradient ``k * grad(lp)``. With k1 that is the score-function gradient of the reverse KL (REINFORCE with the
-log-ratio as the cost); k3 has a lower variance and the same expectation of its value.
+- ``k1`` (Tinker): the advantage ``-sg(r)`` (stop-gradient, discount 0: each token its own return) in an
+  importance-sampled policy gradient, ``loss = sg(r) * rho``; ``d loss / d lp = sg(r) * rho``. Its value is the
+  plain estimate of KL(student || teacher) and its gradient an unbiased estimate of the reverse KL's gradient
+  (REINFORCE with the log-ratio as the cost).
+- ``k3`` (verl's low-variance estimator): ``loss = sg(rho) * (exp(-r) - 1 + r)``, differentiated through ``lp`` as
+  verl does; ``d loss / d lp = sg(rho) * (1 - exp(-r))``. Its value estimates the same reverse KL with a lower
+  variance (never negative); its gradient's expectation is the forward KL's, KL(teacher || student): it moves the
+  student toward the teacher too, by the other divergence. (Using k3 as a stop-gradient advantage instead would
+  push the student away: E[k3 grad lp] is neither KL's gradient; a test checks all three by sampling.)
 
 The student's ``lp`` comes from ``log_softmax`` of its logits at the token: over materialized logits
 (``sampled_divergence``) or fused with its LM head a chunk of tokens at a time (``fused_sampled_divergence``), whose
-gradient with respect to the logits ``z`` is ``k * rho * (onehot(y) - softmax(z))``.
+gradient with respect to the logits ``z`` is ``d loss / d lp * (onehot(y) - softmax(z))``.
 """
 
 from __future__ import annotations
@@ -37,10 +40,24 @@ def estimate(student_logp: torch.Tensor, teacher_logp: torch.Tensor, estimator: 
 
 def token_loss(student_logp: torch.Tensor, teacher_logp: torch.Tensor, behaviour_logp: torch.Tensor | None,
                estimator: str) -> torch.Tensor:
-    """[...] -> the policy-gradient loss per token ``k * exp(lp - lm)`` (``lm``: the rollout policy's, or ``sg(lp)``
-    on-policy), with its gradient through ``student_logp`` only."""
+    """[...] -> the loss per token (see the module docstring), its gradient through ``student_logp`` only;
+    ``behaviour_logp`` ``None``: on-policy."""
     behaviour = student_logp.detach() if behaviour_logp is None else behaviour_logp.to(student_logp.dtype)
-    return estimate(student_logp, teacher_logp, estimator) * torch.exp(student_logp - behaviour)
+    if estimator == "k1":
+        return estimate(student_logp, teacher_logp, "k1") * torch.exp(student_logp - behaviour)
+    r = student_logp - teacher_logp
+    return torch.exp(student_logp.detach() - behaviour) * (torch.expm1(-r) + r)
+
+
+def token_loss_and_grad(student_logp: torch.Tensor, teacher_logp: torch.Tensor, behaviour_logp: torch.Tensor | None,
+                        estimator: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``token_loss``'s value and its derivative with respect to ``student_logp``, without autograd."""
+    rho = 1.0 if behaviour_logp is None else torch.exp(student_logp - behaviour_logp)
+    r = student_logp - teacher_logp
+    if estimator == "k1":
+        loss = r * rho
+        return loss, loss
+    return rho * (torch.expm1(-r) + r), -rho * torch.expm1(-r)
 
 
 def sampled_divergence(student_logits: torch.Tensor, labels: torch.Tensor, teacher_logp: torch.Tensor,
@@ -88,12 +105,12 @@ class FusedSampledLoss(torch.autograd.Function):
             logp = logits.gather(1, token[:, None]).squeeze(1) - torch.logsumexp(logits, dim=-1)  # [c]
             teacher = _rows(teacher_logp, host_tokens, device).to(dtype)
             behaviour = None if behaviour_logp is None else _rows(behaviour_logp, host_tokens, device).to(dtype)
-            loss = token_loss(logp, teacher, behaviour, estimator)  # [c]; its d/d lp is the same k * rho
+            loss, dlp = token_loss_and_grad(logp, teacher, behaviour, estimator)  # [c] each
             coef = token_weights.index_select(0, tokens).to(dtype)
             total += loss @ coef
             if need_hidden or need_weight or need_bias:
                 grad = probs.neg_().scatter_add_(1, token[:, None], torch.ones_like(logp)[:, None])  # onehot - p
-                grad.mul_(loss.unsqueeze(-1))  # d loss / d lp = k * rho = the loss itself
+                grad.mul_(dlp.unsqueeze(-1))
                 if squashed is not None:  # d(cap tanh(scale z / cap))/dz = scale (1 - tanh^2)
                     grad.mul_(squashed.square_().neg_().add_(1.0))
                 grads.add_full(tokens, states, grad, coef * options.scale, weight)

@@ -16,6 +16,8 @@ from opsd_rollout.metrics import STEP_STAGES, label
 
 OVER_BUDGET = ("error", "topk")
 """``TeacherCacheConfig.over_budget``'s values (this module imports no torch: see scenarios/base.py)."""
+ESTIMATORS = ("k1", "k3")
+"""``DivergenceConfig.estimator``'s values."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -26,7 +28,7 @@ class StepConfig(RolloutConfig):
     beta: float | None
     """The generalized JSD's beta; ``None`` for the KLs (fixed at 0 and 1)."""
     teacher_cache: str
-    """``full`` or ``top<k>``."""
+    """``full``, ``sampled`` or ``top<k>``."""
 
     @property
     def _loss_text(self) -> str:
@@ -44,8 +46,8 @@ class StepConfig(RolloutConfig):
     @property
     def teacher_cache_options(self) -> dict[str, Any]:
         """``TeacherCacheConfig`` keyword arguments of ``teacher_cache``."""
-        if self.teacher_cache == "full":
-            return {"mode": "full"}
+        if self.teacher_cache in ("full", "sampled"):
+            return {"mode": self.teacher_cache}
         return {"mode": "topk", "top_k": int(self.teacher_cache[3:])}
 
 
@@ -66,12 +68,14 @@ class StepSettings(RolloutSettings):
     memory available when it is built."""
     teacher_cache_over_budget: str = "error"
     """A teacher cache over its budget: ``error`` or ``topk`` (``TeacherCacheConfig.over_budget``)."""
+    estimator: str = "k1"
+    """``sampled_reverse_kl``'s per-token estimate: ``k1`` or ``k3`` (``DivergenceConfig.estimator``)."""
 
     rules: ClassVar = {**RolloutSettings.rules, "lr": number(lambda v: v > 0, "a number > 0"),
                        "teacher": (lambda v: isinstance(v, str) and bool(v), "a preset name or a checkpoint directory"),
                        "fused_loss": (lambda v: isinstance(v, bool), "true or false"),
                        "teacher_cache_budget_bytes": optional(integer(1)),
-                       "teacher_cache_over_budget": one_of(OVER_BUDGET)}
+                       "teacher_cache_over_budget": one_of(OVER_BUDGET), "estimator": one_of(ESTIMATORS)}
 
 
 class StepMeasurement:
@@ -85,7 +89,7 @@ class StepMeasurement:
         self.engine, self.teacher, self.rollout = engine, teacher, rollout
         self.request, self.sampling = request, sampling
         self.divergence = DivergenceConfig(loss=config.loss, beta=config.beta if config.beta is not None else 0.5,
-                                           fused=settings.fused_loss)
+                                           fused=settings.fused_loss, estimator=settings.estimator)
         self.cache = TeacherCacheConfig(**config.teacher_cache_options,
                                         host_budget_bytes=settings.teacher_cache_budget_bytes,
                                         over_budget=settings.teacher_cache_over_budget)
@@ -140,9 +144,13 @@ class StepScenario(Scenario):
                "optimizer_ms")
 
     @classmethod
-    def make_config(cls, **fields: Any) -> StepConfig:
+    def make_config(cls, **fields: Any) -> StepConfig | None:
         if fields["loss"] != "jsd":  # beta only varies the generalized JSD; the KLs appear once
             fields["beta"] = None
+        if fields["loss"] == "sampled_reverse_kl":  # the one cache it reads
+            fields["teacher_cache"] = "sampled"
+        elif fields["teacher_cache"] == "sampled":  # the other losses need the teacher's distribution
+            return None
         return StepConfig(**fields)
 
     def check(self, matrix: Any, max_positions: Any) -> None:

@@ -21,7 +21,7 @@ import torch
 
 from opsd_rollout.bench.report import write_text_atomic
 from opsd_rollout.opsd.divergence import LOSSES, DivergenceConfig
-from opsd_rollout.opsd.step import opsd_step
+from opsd_rollout.opsd.step import check_pairing, opsd_step
 from opsd_rollout.opsd.teacher import CACHE_MODES, TeacherCacheConfig
 from opsd_rollout.opsd.train.checkpoint import find_checkpoint, save_model
 from opsd_rollout.opsd.train.data import Encoder, Example, batch_indices
@@ -84,11 +84,15 @@ class TrainConfig:
     """What the other steps train on: ``references`` (the data's), ``teacher`` (the teacher's samples: supervised
     KD) or ``auto`` (the references when every example has one, else the teacher's samples)."""
     loss: str = "jsd"
-    """The divergence: ``jsd`` (generalized, with ``beta``), ``forward_kl`` or ``reverse_kl``."""
+    """The divergence: ``jsd`` (generalized, with ``beta``), ``forward_kl`` or ``reverse_kl`` over the teacher's
+    distribution, or ``sampled_reverse_kl`` over its log-probability of each sampled token (on-policy only)."""
     beta: float = 0.5
     """Generalized JSD interpolation: 0 is forward KL, 1 reverse KL."""
-    teacher_cache: str = "full"
-    """The teacher's logits cached whole (``full``) or their top-k (``topk``)."""
+    estimator: str = "k1"
+    """``sampled_reverse_kl``'s per-token estimate: ``k1`` or ``k3``."""
+    teacher_cache: str | None = None
+    """The teacher's logits cached whole (``full``), their top-k (``topk``), or the sampled tokens'
+    log-probabilities (``sampled``); ``None``: ``sampled`` for ``sampled_reverse_kl``, else ``full``."""
     teacher_top_k: int = 64
     """k of ``teacher_cache="topk"``."""
     seed: int = 0
@@ -127,13 +131,21 @@ class TrainConfig:
             raise ValueError(f"loss must be one of {list(LOSSES)}; got {self.loss!r}")
         if self.off_policy not in OFF_POLICY:
             raise ValueError(f"off_policy must be one of {list(OFF_POLICY)}; got {self.off_policy!r}")
-        if self.teacher_cache not in CACHE_MODES:
+        if self.teacher_cache is not None and self.teacher_cache not in CACHE_MODES:
             raise ValueError(f"teacher_cache must be one of {list(CACHE_MODES)}; got {self.teacher_cache!r}")
-        DivergenceConfig(loss=self.loss, beta=self.beta)  # its own checks
+        check_pairing(self.divergence, self.cache)  # and DivergenceConfig's own checks
+        if self.loss == "sampled_reverse_kl" and self.lmbda < 1 and self.objective == "opsd":
+            raise ValueError("sampled_reverse_kl is an on-policy policy gradient over the student's own samples: "
+                             f"lmbda must be 1 (got {self.lmbda!r})")
 
     @property
     def divergence(self) -> DivergenceConfig:
-        return DivergenceConfig(loss=self.loss, beta=self.beta)
+        return DivergenceConfig(loss=self.loss, beta=self.beta, estimator=self.estimator)
+
+    @property
+    def cache(self) -> TeacherCacheConfig:
+        mode = self.teacher_cache or ("sampled" if self.loss == "sampled_reverse_kl" else "full")
+        return TeacherCacheConfig(mode=mode, top_k=self.teacher_top_k)
 
     def sampling(self) -> Any:
         from deepspeed.runtime.rollout.base import SamplingConfig
@@ -229,9 +241,8 @@ class _Run:
             rollout = _Fixed(self.encoder.with_references(examples, self.device, config.samples_per_prompt))
         else:
             rollout = self.teacher_rollout
-        return opsd_step(self.engine, self.teacher, rollout, request, config.sampling(),
-                         divergence=config.divergence,
-                         teacher_cache=TeacherCacheConfig(mode=config.teacher_cache, top_k=config.teacher_top_k))
+        return opsd_step(self.engine, self.teacher, rollout, request, config.sampling(), divergence=config.divergence,
+                         teacher_cache=config.cache)
 
     def optimizer_step(self, step: int) -> dict[str, Any]:
         config = self.config
