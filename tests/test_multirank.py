@@ -79,3 +79,17 @@ def test_zero3_ranks_with_different_length_distributions_and_schedules_stay_in_l
     # greedy on rank 0: each row ends where its chain reaches 7 (then EOS), the last at the cap
     lengths = [sum(row[2:]) for row in ranks[0]["continuous-greedy"]["attention_mask"]]
     assert lengths == [2, 2, 4, 4, 4, 4, 2, 2, 3, 3, 8, 8]
+
+
+@pytest.mark.slow
+def test_a_zero3_teacher_stays_in_lockstep_and_caches_what_a_replicated_teacher_does(tmp_path):
+    """Ranks with different rows and response widths run different numbers of teacher micro-batches and head
+    chunks of their own; the partitioned teacher still answers (no hang) with the replicated teacher's cache, in
+    every mode, each rank holding about half of its parameters."""
+    ranks = run_two_ranks("teacher_worker.py", tmp_path)
+    for rank in ranks:
+        for mode in ("full", "topk", "sampled"):
+            assert rank[mode]["max_difference"] < 1e-5 and rank[mode]["indices_equal"], (rank["rank"], mode, rank[mode])
+        assert rank["parameter_bytes"] <= 0.55 * rank["replicated_bytes"]
+    assert ranks[0]["sampled"]["shape"] == [5, 3] and ranks[1]["sampled"]["shape"] == [1, 11]
+    assert ranks[0]["sampled"]["bytes"] == 4 * 5 * 3

@@ -279,8 +279,9 @@ def test_the_command_line_trains_and_says_where_it_wrote(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_two_zero3_ranks_train_evaluate_and_checkpoint_together(tmp_path):
-    """Under torchrun: each rank its own prompts, the evaluation over both ranks' shards, one metrics file (rank
-    0), a checkpoint with both ranks' partitions, and the whole student gathered into model/."""
+    """Under torchrun, student and teacher both partitioned (ZeRO-3), each rank its own prompts and sampled
+    response widths: the ranks stay in lockstep through rollouts, teacher caches and evaluations, write one
+    metrics file (rank 0), a checkpoint with both ranks' partitions, and the whole student into model/."""
     import sys
 
     from conftest import clean_env, run_named
@@ -290,7 +291,8 @@ def test_two_zero3_ranks_train_evaluate_and_checkpoint_together(tmp_path):
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
                "--master_port", str(free_port()), "-m", "opsd_rollout", "train", "--student", "llama-tiny",
                "--teacher", "qwen2-tiny", "--steps", "3", "--batch-size", "2", "--max-new-tokens", "8",
-               "--eval-every", "3", "--eval-prompts", "8", "--zero-stage", "3", "--output-dir", str(out), "--quiet"]
+               "--eval-every", "3", "--eval-prompts", "8", "--zero-stage", "3", "--teacher-zero-stage", "3",
+               "--temperature", "1.0", "--output-dir", str(out), "--quiet"]
     result = run_named("train on 2 ZeRO-3 ranks (about 15 s on 2 quiet cores)", command,
                        env={**clean_env(), "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}, timeout=1500)
     assert result.returncode == 0, result.stderr[-4000:]

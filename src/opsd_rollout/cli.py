@@ -250,6 +250,9 @@ def _add_bench_flags(bench: argparse.ArgumentParser, scenario: type[Scenario]) -
         runs.add_argument("--fused-loss", dest="fused_loss", type=_on_off, metavar="on|off", help="on (default): "
                           "the student's LM head computed inside the loss, a chunk of tokens at a time, its logits "
                           "never whole; off: the model's logits [N, R, V], then the chunked divergence")
+        runs.add_argument("--teacher-zero-stage", dest="teacher_zero_stage", type=int, choices=(0, 3),
+                          help="0 (default): the teacher whole on every rank; 3: a DeepSpeed ZeRO-3 inference "
+                          "engine, its parameters partitioned across the ranks")
         runs.add_argument("--estimator", choices=("k1", "k3"), help="sampled_reverse_kl's per-token estimate: k1 "
                           "(default), or k3 (verl's low-variance estimator)")
         runs.add_argument("--teacher-cache-budget", dest="teacher_cache_budget_bytes", type=_bytes, metavar="SIZE",

@@ -51,6 +51,9 @@ FLAGS: list[tuple[str, str, dict[str, Any]]] = [  # (flag, TrainConfig field, ar
     ("--teacher-cache", "teacher_cache", dict(choices=("full", "topk", "sampled"), help="teacher logits cached "
                                               "whole, their top-k, or each sampled token's log-probability "
                                               "(default: sampled for sampled_reverse_kl, else full)")),
+    ("--teacher-zero-stage", "teacher_zero_stage", dict(type=int, choices=(0, 3), help="0 (default): the teacher "
+                                                        "whole on every rank; 3: a DeepSpeed ZeRO-3 inference engine, "
+                                                        "its parameters partitioned across the ranks")),
     ("--teacher-top-k", "teacher_top_k", dict(type=int, metavar="K", help="k of --teacher-cache topk (default 64)")),
     ("--seed", "seed", dict(type=int, help="makes a run repeatable (default 0)")),
     ("--eval-every", "eval_every", dict(type=int, metavar="N", help="held-out evaluation every N steps, and at step "

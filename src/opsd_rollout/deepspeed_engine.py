@@ -72,6 +72,23 @@ def deepspeed_config(zero_stage: int, *, dtype: torch.dtype = torch.float32, lr:
     }
 
 
+def build_inference_engine(model: torch.nn.Module, zero_stage: int = 3, *, param_persistence_threshold: int = 0):
+    """A frozen model (a teacher) as a DeepSpeed engine with no optimizer: at ZeRO-3 its parameters are partitioned
+    across the ranks, each forward gathering them a module at a time, so a teacher larger than one device fits."""
+    if zero_stage not in (0, 3):
+        raise ValueError(f"an inference engine's ZeRO stage is 0 or 3 (stages 1 and 2 partition optimizer state and "
+                         f"gradients, which a frozen teacher has none of); got {zero_stage!r}")
+    init_distributed()
+    dtype = next(model.parameters()).dtype
+    zero: dict[str, Any] = {"stage": zero_stage}
+    if zero_stage == 3:
+        zero["stage3_param_persistence_threshold"] = param_persistence_threshold
+    config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": zero, "steps_per_print": 1 << 30,
+              "bf16": {"enabled": dtype == torch.bfloat16}, "fp16": {"enabled": dtype == torch.float16}}
+    engine, *_ = deepspeed.initialize(model=model.eval().requires_grad_(False), config=config)
+    return engine
+
+
 def build_engine(model: torch.nn.Module, zero_stage: int, **config_kwargs: Any):
     """Wrap ``model`` in a DeepSpeed engine at ``zero_stage``; returns the engine."""
     init_distributed()

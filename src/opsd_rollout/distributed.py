@@ -6,6 +6,7 @@ import os
 import socket
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
 
 
@@ -23,6 +24,21 @@ def rank_info() -> RankInfo:
     if dist.is_available() and dist.is_initialized():
         return RankInfo(dist.get_rank(), dist.get_world_size())
     return RankInfo(0, 1)
+
+
+def partitioned(module: torch.nn.Module) -> bool:
+    """Whether ``module``'s parameters are ZeRO-3 partitions (gathered collectively in every forward)."""
+    return any(hasattr(p, "ds_status") for p in module.parameters())
+
+
+def agree_max(values: list[int], device: torch.device | str = "cpu") -> list[int]:
+    """Every rank's largest of each of ``values`` (one all-reduce; as given with one rank): how ranks whose work
+    differs agree on a number of collective calls."""
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return list(values)
+    flags = torch.tensor(values, dtype=torch.int64, device=device)
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    return [int(v) for v in flags.tolist()]
 
 
 LAUNCHER_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_SIZE",

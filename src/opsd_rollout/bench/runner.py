@@ -20,7 +20,7 @@ from opsd_rollout.bench.report import SCHEMA_VERSION, ConfigResult, write_json_a
 from opsd_rollout.bench.stability import (Interference, InterferenceMonitor, Warmup, merge_interference,
                                           spread_warning, warm_up)
 from opsd_rollout.bench.threads import share_cores
-from opsd_rollout.deepspeed_engine import DEFAULT_COLLECTIVE_TIMEOUT_S, build_engine, init_distributed
+from opsd_rollout.deepspeed_engine import DEFAULT_COLLECTIVE_TIMEOUT_S, build_engine, build_inference_engine, init_distributed
 from opsd_rollout.distributed import rank_info
 from opsd_rollout.modeling import ModelSpec
 from opsd_rollout.models import load_model, parse_dtype
@@ -69,11 +69,14 @@ class EnginePool:
         self._current: BuiltEngine | None = None
         self._frozen: dict[tuple[str, str], Any] = {}
 
-    def frozen(self, name: str, dtype: str) -> Any:
-        """``name`` in ``dtype``, without gradients, loaded once (the frozen teacher of an OPSD step)."""
-        if (name, dtype) not in self._frozen:
-            self._frozen = {(name, dtype): load_model(name, dtype=dtype, device=self.device)[0].requires_grad_(False)}
-        return self._frozen[name, dtype]
+    def frozen(self, name: str, dtype: str, zero_stage: int = 0) -> Any:
+        """``name`` in ``dtype``, without gradients, loaded once (the frozen teacher of an OPSD step); at
+        ``zero_stage`` 3 a DeepSpeed inference engine, its parameters partitioned across the ranks."""
+        key = (name, dtype, zero_stage)
+        if key not in self._frozen:
+            model = load_model(name, dtype=dtype, device=self.device)[0].requires_grad_(False)
+            self._frozen = {key: build_inference_engine(model, 3) if zero_stage == 3 else model}
+        return self._frozen[key]
 
     def get(self, config: Any) -> BuiltEngine:
         if self._key != config.engine_key:

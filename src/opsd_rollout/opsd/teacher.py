@@ -19,6 +19,7 @@ from typing import Any
 import psutil
 import torch
 
+from opsd_rollout.distributed import agree_max, partitioned
 from opsd_rollout.modeling import innermost_model, logit_transform, position_ids, text_config
 from opsd_rollout.opsd.targets import ResponseTargets, response_targets
 from opsd_rollout.profiling import NULL_RECORDER
@@ -234,15 +235,27 @@ def build_teacher_cache(teacher: Any, targets: Any, config: TeacherCacheConfig, 
     values = buffers.take("values", (rows * window, width), torch.float32 if sampled else dtype, pin)  # [N * R, W]
     indices = None if mode != "topk" else buffers.take("indices", (rows * window, width), torch.int32, pin)
     labels = targets.labels.reshape(-1, 1) if sampled else None  # [N * R, 1] the sampled tokens
-    for row in range(0, rows, config.micro_batch_size):
-        ids = targets.input_ids[row:row + config.micro_batch_size].to(device)
-        mask = targets.attention_mask[row:row + config.micro_batch_size].to(device)
+    micro_batches = -(-rows // config.micro_batch_size)
+    chunks = -(-min(rows, config.micro_batch_size) * window // config.chunk_size)  # the most of any micro-batch
+    if partitioned(model):  # ZeRO-3 ranks gather in every forward: all run as many forwards and head chunks
+        micro_batches, chunks = agree_max([micro_batches, chunks], device)
+    for index in range(micro_batches):
+        row = index * config.micro_batch_size
+        rows_here = targets.input_ids[row:row + config.micro_batch_size]
+        real = rows_here.shape[0] > 0
+        picked = slice(row, row + config.micro_batch_size) if real else slice(0, 1)  # else a placeholder: row 0
+        ids, mask = targets.input_ids[picked].to(device), targets.attention_mask[picked].to(device)
         with recorder.stage("teacher_forward"):
             hidden = body(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask)).last_hidden_state
             hidden = hidden[:, targets.window].reshape(-1, hidden.shape[-1])  # [b * R, d]
         base = row * window  # this micro-batch's first flat position
-        for start in range(0, hidden.shape[0], config.chunk_size):
+        for chunk in range(chunks):
+            start = chunk * config.chunk_size
             stop = min(start + config.chunk_size, hidden.shape[0])
+            if not real or start >= hidden.shape[0]:  # another rank's chunk: join its gathers, keep nothing
+                with recorder.stage("teacher_forward"):
+                    head(hidden[:1])
+                continue
             with recorder.stage("teacher_forward"):
                 logits = finalize_logits(model.config, head(hidden[start:stop]))  # [c, V]
                 chosen = None

@@ -70,12 +70,16 @@ class StepSettings(RolloutSettings):
     """A teacher cache over its budget: ``error`` or ``topk`` (``TeacherCacheConfig.over_budget``)."""
     estimator: str = "k1"
     """``sampled_reverse_kl``'s per-token estimate: ``k1`` or ``k3`` (``DivergenceConfig.estimator``)."""
+    teacher_zero_stage: int = 0
+    """0: the teacher is a plain module beside the student on every rank; 3: a DeepSpeed inference engine (no
+    optimizer), its parameters partitioned across the ranks."""
 
     rules: ClassVar = {**RolloutSettings.rules, "lr": number(lambda v: v > 0, "a number > 0"),
                        "teacher": (lambda v: isinstance(v, str) and bool(v), "a preset name or a checkpoint directory"),
                        "fused_loss": (lambda v: isinstance(v, bool), "true or false"),
                        "teacher_cache_budget_bytes": optional(integer(1)),
-                       "teacher_cache_over_budget": one_of(OVER_BUDGET), "estimator": one_of(ESTIMATORS)}
+                       "teacher_cache_over_budget": one_of(OVER_BUDGET), "estimator": one_of(ESTIMATORS),
+                       "teacher_zero_stage": one_of((0, 3))}
 
 
 class StepMeasurement:
@@ -165,7 +169,8 @@ class StepScenario(Scenario):
         rollout, built = pool.rollout(config)
         request, sampling = rollout_inputs(config, self.settings, built.tokenizer, built.spec.vocab_size,
                                            pool.rank, pool.device)
-        return StepMeasurement(built.engine, pool.frozen(self.settings.teacher, config.dtype), rollout, request,
+        teacher = pool.frozen(self.settings.teacher, config.dtype, self.settings.teacher_zero_stage)
+        return StepMeasurement(built.engine, teacher, rollout, request,
                                sampling, config, self.settings)
 
     def derive(self, result: ConfigResult, spec: Any, ceilings: dict[str, Any] | None,

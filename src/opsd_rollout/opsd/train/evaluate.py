@@ -13,6 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from opsd_rollout.distributed import agree_max, partitioned
 from opsd_rollout.modeling import position_ids, text_config
 from opsd_rollout.opsd.targets import response_targets
 from opsd_rollout.opsd.train.data import Encoder, Example
@@ -29,17 +30,26 @@ def _window_logits(model: torch.nn.Module, targets: Any, rows: slice) -> torch.T
     return out.logits[:, targets.window].float()
 
 
-def _row_chunks(targets: Any, vocab: int) -> list[slice]:
+def _row_chunks(targets: Any, vocab: int, *models: torch.nn.Module) -> list[slice]:
+    """Rows per forward within ``LOGITS_BUDGET``; where a model is ZeRO-3 partitioned, every rank runs as many
+    forwards (the extra ones over row 0, their result unused) so that the gathers meet."""
     per_row = max(1, targets.labels.shape[1] * vocab * 4)
     step = max(1, LOGITS_BUDGET // per_row)
-    return [slice(i, i + step) for i in range(0, targets.labels.shape[0], step)]
+    chunks = [slice(i, i + step) for i in range(0, targets.labels.shape[0], step)]
+    if any(partitioned(m) for m in models):
+        (count,) = agree_max([len(chunks)], targets.input_ids.device)
+        chunks += [slice(0, 0)] * (count - len(chunks))  # an empty slice: a forward of no rows, counted apart
+    return chunks
 
 
 def reverse_kl_sum(student: torch.nn.Module, teacher: torch.nn.Module, batch: Any) -> tuple[float, int]:
     """Summed per-token KL(student || teacher) over ``batch``'s response tokens, and their count."""
     targets = response_targets(batch)
     total, count = 0.0, 0
-    for rows in _row_chunks(targets, text_config(student.config).vocab_size):
+    for rows in _row_chunks(targets, text_config(student.config).vocab_size, student, teacher):
+        if rows.stop == 0:  # another rank's forward: join its gathers
+            _window_logits(student, targets, slice(0, 1)), _window_logits(teacher, targets, slice(0, 1))
+            continue
         s = torch.log_softmax(_window_logits(student, targets, rows), dim=-1)
         t = torch.log_softmax(_window_logits(teacher, targets, rows), dim=-1)
         kl = (s.exp() * (s - t)).sum(dim=-1)  # [n, R]
@@ -52,7 +62,10 @@ def reverse_kl_sum(student: torch.nn.Module, teacher: torch.nn.Module, batch: An
 def cross_entropy_of(student: torch.nn.Module, batch: Any) -> tuple[float, int]:
     targets = response_targets(batch)
     total, count = 0.0, 0
-    for rows in _row_chunks(targets, text_config(student.config).vocab_size):
+    for rows in _row_chunks(targets, text_config(student.config).vocab_size, student):
+        if rows.stop == 0:
+            _window_logits(student, targets, slice(0, 1))
+            continue
         logits = _window_logits(student, targets, rows)
         loss, n = cross_entropy_sum(logits, targets.labels[rows], targets.mask[rows].to(logits.device))
         total, count = total + float(loss), count + int(n)

@@ -95,6 +95,9 @@ class TrainConfig:
     log-probabilities (``sampled``); ``None``: ``sampled`` for ``sampled_reverse_kl``, else ``full``."""
     teacher_top_k: int = 64
     """k of ``teacher_cache="topk"``."""
+    teacher_zero_stage: int = 0
+    """0: the teacher whole beside the student on every rank; 3: a DeepSpeed ZeRO-3 inference engine (no
+    optimizer), its parameters partitioned across the ranks (a teacher larger than one device)."""
     seed: int = 0
     """Every random choice (data order, samples, ``lmbda``'s draws) is a function of it and the micro-batch."""
     eval_every: int = 10
@@ -127,6 +130,8 @@ class TrainConfig:
             raise ValueError(f"lr must be positive; got {self.lr!r}")
         if self.zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"zero_stage must be 0, 1, 2 or 3; got {self.zero_stage!r}")
+        if self.teacher_zero_stage not in (0, 3):
+            raise ValueError(f"teacher_zero_stage must be 0 or 3; got {self.teacher_zero_stage!r}")
         if self.loss not in LOSSES:
             raise ValueError(f"loss must be one of {list(LOSSES)}; got {self.loss!r}")
         if self.off_policy not in OFF_POLICY:
@@ -211,6 +216,10 @@ class _Run:
         profiled = HybridEngineRolloutConfig(enable_profiling=True)
         self.rollout = HybridEngineRollout(self.engine, models.tokenizer, profiled)
         self.teacher = models.teacher
+        if self.teacher is not None and config.teacher_zero_stage == 3:
+            from opsd_rollout.deepspeed_engine import build_inference_engine
+
+            self.teacher = build_inference_engine(self.teacher, 3)
         self.references = config.off_policy == "references" or (
             config.off_policy == "auto" and all(e.reference is not None for e in train))
         self.teacher_rollout = (HybridEngineRollout(self.teacher, models.tokenizer, profiled)
