@@ -172,7 +172,7 @@ def test_a_loss_and_a_cache_that_do_not_go_together_are_refused_before_the_rollo
             raise AssertionError("the rollout ran")
 
     with pytest.raises(ValueError, match=message):
-        opsd_step(None, tiny_models["qwen2-tiny"], Untouchable(), None, None,
+        opsd_step(tiny_models["llama-tiny"], tiny_models["qwen2-tiny"], Untouchable(), None, None,
                   divergence=DivergenceConfig(**divergence), teacher_cache=TeacherCacheConfig(mode=cache))
 
 
@@ -181,3 +181,21 @@ def test_a_loss_and_a_cache_that_do_not_go_together_are_refused_before_the_rollo
 def test_bad_divergence_settings_are_named(kwargs, message):
     with pytest.raises(ValueError, match=message):
         DivergenceConfig(**kwargs)
+
+
+def test_a_zero3_teacher_of_another_vocabulary_is_refused_before_any_work(tiny_models, tokenizer):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from opsd_rollout.deepspeed_engine import build_engine, build_inference_engine
+
+    other = LlamaForCausalLM(LlamaConfig(vocab_size=300, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=1))
+    teacher = build_inference_engine(other, 3)
+    student = build_engine(__import__("copy").deepcopy(tiny_models["llama-tiny"]).train(), 0)
+
+    class Untouchable:
+        def generate(self, *args):
+            raise AssertionError("the rollout ran")
+
+    with pytest.raises(ValueError, match=r"teacher's vocabulary \(300 tokens\) differs from the student's \(259\)"):
+        opsd_step(student, teacher, Untouchable(), None, None)

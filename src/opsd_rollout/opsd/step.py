@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from opsd_rollout.metrics import STEP_PARTS
-from opsd_rollout.modeling import innermost_model, position_ids
+from opsd_rollout.modeling import innermost_model, position_ids, text_config
 from opsd_rollout.opsd.divergence import DivergenceConfig, chunked_divergence
 from opsd_rollout.opsd.fused import fusion_problem, head_divergence
 from opsd_rollout.opsd.sampled import head_sampled_divergence, sampled_divergence
@@ -186,6 +186,10 @@ def opsd_step(student_engine: Any, teacher: Any, rollout: Any, request: Any, sam
     divergence = divergence or DivergenceConfig()
     teacher_cache = teacher_cache or TeacherCacheConfig()
     check_pairing(divergence, teacher_cache)
+    student_vocab, teacher_vocab = (text_config(innermost_model(m).config).vocab_size for m in (student_engine, teacher))
+    if student_vocab != teacher_vocab:  # before any work: a partitioned teacher would fail inside its gathers
+        raise ValueError(f"the teacher's vocabulary ({teacher_vocab:,} tokens) differs from the student's "
+                         f"({student_vocab:,}): distillation compares their distributions token by token")
     fused = _fuses(innermost_model(student_engine), divergence)
     device = torch.device(student_engine.device)
     recorder = StageRecorder(Clock(device), time_forwards=False)
