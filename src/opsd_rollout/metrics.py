@@ -97,6 +97,7 @@ METRICS: dict[str, Metric] = {m.name: m for m in [
     Metric("rollout_share", "rollout %", "ratio", merge="mean", lower_is_better=None),
     Metric("loss", "loss", "loss", merge="mean", lower_is_better=None),
     Metric("teacher_cache_bytes", "cache", "bytes", lower_is_better=None),
+    Metric("teacher_parameter_bytes", "teacher params", "bytes", merge="max", lower_is_better=None),
 ]}
 
 ATTRIBUTED_PHASES = ("param_gather", "inference_cache", "lora_fuse", "lora_unfuse", "gc", "empty_cache",

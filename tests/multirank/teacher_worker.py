@@ -17,6 +17,7 @@ import torch.distributed as dist
 from opsd_rollout.deepspeed_engine import build_inference_engine
 from opsd_rollout.models import load_model
 from opsd_rollout.opsd import TeacherCacheBuffers, TeacherCacheConfig, build_teacher_cache
+from opsd_rollout.opsd.step import resident_bytes
 from deepspeed.runtime.rollout.base import RolloutBatch as Batch
 
 teacher, _ = load_model("qwen2-tiny")
@@ -37,7 +38,8 @@ for mode in ("full", "topk", "sampled"):
     report[mode] = {"max_difference": float((partitioned.values.float() - whole.values.float()).abs().max()),
                     "indices_equal": partitioned.indices is None or bool(torch.equal(partitioned.indices, whole.indices)),
                     "bytes": partitioned.nbytes, "shape": list(partitioned.values.shape)}
-report["parameter_bytes"] = sum(p.ds_tensor.numel() * p.ds_tensor.element_size() for p in engine.module.parameters())
-report["replicated_bytes"] = sum(p.numel() * p.element_size() for p in replicated.parameters())
+report["parameter_bytes"] = resident_bytes(engine)  # what a step reports as teacher_parameter_bytes
+report["replicated_bytes"] = resident_bytes(replicated)
+assert report["replicated_bytes"] == sum(p.numel() * p.element_size() for p in replicated.parameters())
 with open(f"{sys.argv[1]}/rank{rank}.json", "w") as handle:
     json.dump(report, handle)

@@ -59,6 +59,8 @@ class StepProfile:
     """The cache that was built: ``full`` or ``topk`` (also when ``over_budget="topk"`` switched to it)."""
     fused_loss: bool = False
     """Whether the loss ran fused with the student's LM head (``DivergenceConfig.fused``)."""
+    teacher_parameter_bytes: int = 0
+    """The teacher's parameter bytes held on this rank: all of them, or its partition under ZeRO-3."""
     loss: float = 0.0
 
     @property
@@ -162,6 +164,12 @@ def _token_mean(total: torch.Tensor, count: torch.Tensor) -> tuple[torch.Tensor,
     return total * dist.get_world_size() / global_count, both[0] / global_count
 
 
+def resident_bytes(module: Any) -> int:
+    """Bytes of ``module``'s parameters held on this rank (a ZeRO-3 parameter's own partition)."""
+    held = (getattr(p, "ds_tensor", p) for p in innermost_model(module).parameters())
+    return sum(t.numel() * t.element_size() for t in held)
+
+
 def check_pairing(divergence: DivergenceConfig, teacher_cache: TeacherCacheConfig) -> None:
     """A loss and a teacher cache that go together: ``sampled_reverse_kl`` reads the ``sampled`` cache, every other
     loss the teacher's distribution (``full`` or ``topk``)."""
@@ -213,4 +221,5 @@ def opsd_step(student_engine: Any, teacher: Any, rollout: Any, request: Any, sam
         rollout_share=producing / ms["total"] if ms["total"] > 0 else 0.0,
         peak_memory_bytes=dict(parts.peaks), part_start_ms=starts, response_tokens=targets.tokens,
         teacher_cache_bytes=cache.nbytes, teacher_cache_budget_bytes=cache.budget_bytes,
-        teacher_cache_mode=cache.mode, fused_loss=fused, loss=float(reported))
+        teacher_cache_mode=cache.mode, fused_loss=fused, loss=float(reported),
+        teacher_parameter_bytes=resident_bytes(teacher))
