@@ -61,8 +61,9 @@ def default_run(output_dir: str, *, cache_dir: str | None = None, progress: bool
                 overrides: dict[str, Any] | None = None) -> TrainResult:
     """The teacher (trained or reused), then the student distilled into ``output_dir``; ``overrides`` are
     ``TrainConfig`` fields for the student's run (the CLI's flags)."""
-    teacher = trained_teacher(cache_dir, progress=progress)
+    teacher = teacher_dir(cache_dir) / "model"
     config = TrainConfig(**{**STUDENT, "output_dir": output_dir, "teacher": str(teacher), "progress": progress,
-                            **(overrides or {})})
+                            **(overrides or {})})  # checked before the teacher trains
+    trained_teacher(cache_dir, progress=progress)
     print(f"student: distilling into {config.student} on-policy ({config.steps} steps) into {output_dir}", flush=True)
     return train(config)
