@@ -159,6 +159,37 @@ class _Grads:
         if self.bias is not None:
             self.bias += coef @ grad
 
+    @classmethod
+    def needed(cls, ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+               dtype: torch.dtype) -> "_Grads":
+        """Zeroed accumulators for the inputs (hidden, weight, bias) ``ctx`` needs gradients of."""
+        need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
+        return cls(torch.zeros_like(hidden) if need_hidden else None,
+                   torch.zeros(weight.shape, dtype=dtype, device=hidden.device) if need_weight else None,
+                   torch.zeros(bias.shape, dtype=dtype, device=hidden.device) if need_bias else None)
+
+    @property
+    def any(self) -> bool:
+        return any(g is not None for g in (self.hidden, self.weight, self.bias))
+
+    def save(self, ctx: Any, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        """Keep the accumulated gradients for ``backward`` (with the dtypes they return in)."""
+        ctx.save_for_backward(self.hidden, self.weight, self.bias)
+        ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
+
+    @staticmethod
+    def scaled(ctx: Any, grad_total: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        """``backward``: the saved gradients times the incoming one, in their inputs' dtypes."""
+        grad_hidden, grad_weight, grad_bias = ctx.saved_tensors
+        weight_dtype, bias_dtype = ctx.dtypes
+        if grad_hidden is not None:
+            grad_hidden = grad_hidden * grad_total.to(grad_hidden.dtype)
+        if grad_weight is not None:
+            grad_weight = (grad_weight * grad_total).to(weight_dtype)
+        if grad_bias is not None:
+            grad_bias = (grad_bias * grad_total).to(bias_dtype)
+        return grad_hidden, grad_weight, grad_bias
+
     def add_top_k(self, tokens: torch.Tensor, states: torch.Tensor, grad: torch.Tensor, coef: torch.Tensor,
                   indices: torch.Tensor, rows: torch.Tensor) -> None:
         """A chunk's share over the teacher's k entries: ``grad`` [c, k], ``indices`` [c, k], the gathered head
@@ -184,11 +215,8 @@ class FusedHeadDivergence(torch.autograd.Function):
                 teacher_values: torch.Tensor, teacher_indices: torch.Tensor | None, token_weights: torch.Tensor,
                 options: _Options) -> torch.Tensor:
         device, dtype = hidden.device, options.dtype
-        need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
-        grads = _Grads(torch.zeros_like(hidden) if need_hidden else None,
-                       torch.zeros(weight.shape, dtype=dtype, device=device) if need_weight else None,
-                       torch.zeros(bias.shape, dtype=dtype, device=device) if need_bias else None)
-        need_grad = need_hidden or need_weight or need_bias
+        grads = _Grads.needed(ctx, hidden, weight, bias, dtype)
+        need_grad = grads.any
         total = torch.zeros((), dtype=dtype, device=device)
         trained = token_weights.nonzero().squeeze(1)  # one host sync: which tokens to compute
         on_host = trained.to(teacher_values.device)
@@ -207,21 +235,12 @@ class FusedHeadDivergence(torch.autograd.Function):
                     grads.add_full(tokens, states, grad, coef, weight)
                 else:
                     grads.add_top_k(tokens, states, grad, coef, indices, rows)
-        ctx.save_for_backward(grads.hidden, grads.weight, grads.bias)
-        ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
+        grads.save(ctx, weight, bias)
         return total
 
     @staticmethod
     def backward(ctx: Any, grad_total: torch.Tensor):
-        grad_hidden, grad_weight, grad_bias = ctx.saved_tensors
-        weight_dtype, bias_dtype = ctx.dtypes
-        if grad_hidden is not None:
-            grad_hidden = grad_hidden * grad_total.to(grad_hidden.dtype)
-        if grad_weight is not None:
-            grad_weight = (grad_weight * grad_total).to(weight_dtype)
-        if grad_bias is not None:
-            grad_bias = (grad_bias * grad_total).to(bias_dtype)
-        return grad_hidden, grad_weight, grad_bias, None, None, None, None
+        return *_Grads.scaled(ctx, grad_total), None, None, None, None
 
 
 def chunk_tokens(config: DivergenceConfig, vocab: int, hidden_size: int, top_k: int | None) -> int:

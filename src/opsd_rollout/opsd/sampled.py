@@ -83,10 +83,7 @@ class FusedSampledLoss(torch.autograd.Function):
                 labels: torch.Tensor, teacher_logp: torch.Tensor, behaviour_logp: torch.Tensor | None,
                 token_weights: torch.Tensor, options: _Options, estimator: str) -> torch.Tensor:
         device, dtype = hidden.device, options.dtype
-        need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
-        grads = _Grads(torch.zeros_like(hidden) if need_hidden else None,
-                       torch.zeros(weight.shape, dtype=dtype, device=device) if need_weight else None,
-                       torch.zeros(bias.shape, dtype=dtype, device=device) if need_bias else None)
+        grads = _Grads.needed(ctx, hidden, weight, bias, dtype)
         total = torch.zeros((), dtype=dtype, device=device)
         trained = token_weights.nonzero().squeeze(1)  # one host sync: which tokens to compute
         on_host = trained.to(teacher_logp.device)
@@ -108,27 +105,18 @@ class FusedSampledLoss(torch.autograd.Function):
             loss, dlp = token_loss_and_grad(logp, teacher, behaviour, estimator)  # [c] each
             coef = token_weights.index_select(0, tokens).to(dtype)
             total += loss @ coef
-            if need_hidden or need_weight or need_bias:
+            if grads.any:
                 grad = probs.neg_().scatter_add_(1, token[:, None], torch.ones_like(logp)[:, None])  # onehot - p
                 grad.mul_(dlp.unsqueeze(-1))
                 if squashed is not None:  # d(cap tanh(scale z / cap))/dz = scale (1 - tanh^2)
                     grad.mul_(squashed.square_().neg_().add_(1.0))
                 grads.add_full(tokens, states, grad, coef * options.scale, weight)
-        ctx.save_for_backward(grads.hidden, grads.weight, grads.bias)
-        ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
+        grads.save(ctx, weight, bias)
         return total
 
     @staticmethod
     def backward(ctx: Any, grad_total: torch.Tensor):
-        grad_hidden, grad_weight, grad_bias = ctx.saved_tensors
-        weight_dtype, bias_dtype = ctx.dtypes
-        if grad_hidden is not None:
-            grad_hidden = grad_hidden * grad_total.to(grad_hidden.dtype)
-        if grad_weight is not None:
-            grad_weight = (grad_weight * grad_total).to(weight_dtype)
-        if grad_bias is not None:
-            grad_bias = (grad_bias * grad_total).to(bias_dtype)
-        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None
+        return *_Grads.scaled(ctx, grad_total), None, None, None, None, None, None
 
 
 def fused_sampled_divergence(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
