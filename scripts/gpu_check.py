@@ -35,7 +35,8 @@ from opsd_rollout import HybridEngineRollout, HybridEngineRolloutConfig, Rollout
 from opsd_rollout.bench.prompts import synthetic_prompts
 from opsd_rollout.bench.timing import interleaved_medians
 from opsd_rollout.models import load_model, parse_dtype
-from opsd_rollout.rollout import compiled, sampling
+from opsd_rollout.rollout import compiled as compiled_module
+from opsd_rollout.rollout import sampling as sampling_module
 from opsd_rollout.rollout.compiled import compiled_graphs
 
 
@@ -113,7 +114,7 @@ class HostSyncDetector(TorchFunctionMode):
     for the device (reading a value, a data-dependent shape), except inside ``CPU_ONLY``: functions that return
     before any host read on every other device, so that a GPU never runs their reads."""
 
-    CPU_ONLY = {sampling._top_k_candidates.__code__, sampling._tied_candidates.__code__}
+    CPU_ONLY = {sampling_module._top_k_candidates.__code__, sampling_module._tied_candidates.__code__}
 
     SYNCS = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__bool__, torch.Tensor.__int__,
              torch.Tensor.__float__, torch.Tensor.nonzero, torch.nonzero, torch.Tensor.numpy,
@@ -168,21 +169,21 @@ class CpuStandIns(Cuda):
         pass checks the same step's code, and on a GPU a sync inside a graph fails its capture anyway."""
         assert callable(torch.cuda.set_sync_debug_mode)  # what the GPU run calls
         self.used = True
-        detector, graph = HostSyncDetector(), compiled.CompiledStep.__call__
+        detector, graph = HostSyncDetector(), compiled_module.CompiledStep.__call__
 
-        def opaque(step: compiled.CompiledStep, *args: Any, **kwargs: Any) -> Any:
+        def opaque(step: compiled_module.CompiledStep, *args: Any, **kwargs: Any) -> Any:
             detector.__exit__(None, None, None)
             try:
                 return graph(step, *args, **kwargs)
             finally:
                 detector.__enter__()
 
-        compiled.CompiledStep.__call__ = opaque
+        compiled_module.CompiledStep.__call__ = opaque
         try:
             with detector:
                 yield
         finally:
-            compiled.CompiledStep.__call__ = graph
+            compiled_module.CompiledStep.__call__ = graph
 
     def graph_recordings(self) -> contextlib.AbstractContextManager[GraphsSince]:
         """Graphs dynamo compiles stand in for CUDA-graph recordings: a step that records again on a GPU (a
@@ -265,17 +266,17 @@ class CpuStandIns(Cuda):
     def running(self) -> Iterator[None]:
         """The compiled step compiles with dynamo's ``aot_eager`` backend, which stands in for inductor with CUDA
         graphs: the same tracing, guards and graph counts, without the minutes of C++ kernels per graph."""
-        original = compiled.default_options
+        original = compiled_module.default_options
 
         def stand_in(device: torch.device) -> dict[str, Any]:
             self.used = True
             return {"backend": "aot_eager"}
 
-        compiled.default_options = stand_in
+        compiled_module.default_options = stand_in
         try:
             yield
         finally:
-            compiled.default_options = original
+            compiled_module.default_options = original
 
 
 # ---- what every check gets --------------------------------------------------------------------------------------

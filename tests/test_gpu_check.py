@@ -6,7 +6,6 @@ for a name that no longer exists fails here."""
 from __future__ import annotations
 
 import importlib.util
-import subprocess
 import sys
 from pathlib import Path
 

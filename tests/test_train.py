@@ -5,7 +5,6 @@ a few steps each."""
 from __future__ import annotations
 
 import json
-from dataclasses import replace
 from pathlib import Path
 
 import pytest

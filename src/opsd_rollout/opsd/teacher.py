@@ -21,7 +21,7 @@ import torch
 
 from opsd_rollout.distributed import agree_max, partitioned
 from opsd_rollout.modeling import innermost_model, logit_transform, position_ids, text_config
-from opsd_rollout.opsd.targets import ResponseTargets, response_targets
+from opsd_rollout.opsd.targets import response_targets
 from opsd_rollout.profiling import NULL_RECORDER
 
 CACHE_MODES = ("full", "topk", "sampled")

@@ -9,8 +9,6 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-import torch
-
 
 def find_checkpoint(path: str | Path) -> Path:
     """The DeepSpeed checkpoint directory of a run (``DIR/checkpoints``) or the one given, with a ``latest`` tag."""
