@@ -27,7 +27,6 @@ then through ``log_softmax``: ``g_s = g - p * sum(g)``, and through the temperat
 from __future__ import annotations
 
 import inspect
-import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -317,22 +316,25 @@ def _forward_replaced(module: torch.nn.Module, forward: Callable[..., Any]) -> I
             module.forward = own
 
 
-def head_divergence(model: torch.nn.Module, hidden: torch.Tensor, teacher: Any, mask: torch.Tensor,
-                    config: DivergenceConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """``fused_divergence`` with ``model``'s own LM head (weight, bias, logit transform), computed inside a call
-    of the head module so that DeepSpeed gathers its weight as for any forward (ZeRO-3, tied embeddings
-    included). ``model``: the transformers model (inside any DeepSpeed wrapper); the rest as for
-    ``fused_divergence``. See ``fusion_problem`` for the models it takes."""
+def through_head(model: torch.nn.Module, hidden: torch.Tensor, mask: torch.Tensor,
+                 loss: Callable[..., torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``loss(states, weight, bias, scale, cap)`` with ``model``'s own LM head (weight, bias, logit transform),
+    computed inside a call of the head module so that DeepSpeed gathers its weight as for any forward (ZeRO-3,
+    tied embeddings included). Returns ``(the loss's sum, mask's sum)``. See ``fusion_problem`` for the models it
+    takes."""
     problem = fusion_problem(model)
     if problem is not None:
         raise ValueError(f"the fused loss cannot use this model: {problem}; use DivergenceConfig(fused=False)")
     head = model.get_output_embeddings()
     scale, cap = logit_transform(model.config)
-
-    def fused_forward(states: torch.Tensor) -> torch.Tensor:
-        return fused_divergence(states, head.weight, head.bias, teacher, mask, config, logit_scale=scale,
-                                softcap=cap)[0]
-
-    with _forward_replaced(head, fused_forward):
+    with _forward_replaced(head, lambda states: loss(states, head.weight, head.bias, scale, cap)):
         total = head(hidden)
     return total, mask.to(device=total.device, dtype=total.dtype).sum()
+
+
+def head_divergence(model: torch.nn.Module, hidden: torch.Tensor, teacher: Any, mask: torch.Tensor,
+                    config: DivergenceConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """``fused_divergence`` with ``model``'s own LM head (``through_head``). ``model``: the transformers model
+    (inside any DeepSpeed wrapper); the rest as for ``fused_divergence``."""
+    return through_head(model, hidden, mask, lambda states, weight, bias, scale, cap: fused_divergence(
+        states, weight, bias, teacher, mask, config, logit_scale=scale, softcap=cap)[0])

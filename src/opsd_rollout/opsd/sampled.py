@@ -28,8 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from opsd_rollout.opsd.divergence import DivergenceConfig
-from opsd_rollout.opsd.fused import _forward_replaced, _Grads, _Options, _rows, chunk_tokens, fusion_problem
-from opsd_rollout.modeling import logit_transform
+from opsd_rollout.opsd.fused import _Grads, _Options, _rows, chunk_tokens, through_head
 
 
 def estimate(student_logp: torch.Tensor, teacher_logp: torch.Tensor, estimator: str) -> torch.Tensor:
@@ -144,18 +143,8 @@ def fused_sampled_divergence(hidden: torch.Tensor, weight: torch.Tensor, bias: t
 def head_sampled_divergence(model: torch.nn.Module, hidden: torch.Tensor, labels: torch.Tensor,
                             teacher_logp: torch.Tensor, mask: torch.Tensor, config: DivergenceConfig,
                             behaviour_logp: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``fused_sampled_divergence`` with ``model``'s own LM head, inside a call of the head module (so ZeRO-3
-    gathers its weight), as ``fused.head_divergence`` does for the other losses."""
-    problem = fusion_problem(model)
-    if problem is not None:
-        raise ValueError(f"the fused loss cannot use this model: {problem}; use DivergenceConfig(fused=False)")
-    head = model.get_output_embeddings()
-    scale, cap = logit_transform(model.config)
-
-    def fused_forward(states: torch.Tensor) -> torch.Tensor:
-        return fused_sampled_divergence(states, head.weight, head.bias, labels, teacher_logp, mask, config,
-                                        behaviour_logp=behaviour_logp, logit_scale=scale, softcap=cap)[0]
-
-    with _forward_replaced(head, fused_forward):
-        total = head(hidden)
-    return total, mask.to(device=total.device, dtype=total.dtype).sum()
+    """``fused_sampled_divergence`` with ``model``'s own LM head (``fused.through_head``: inside a call of the head
+    module, so that ZeRO-3 gathers its weight)."""
+    return through_head(model, hidden, mask, lambda states, weight, bias, scale, cap: fused_sampled_divergence(
+        states, weight, bias, labels, teacher_logp, mask, config, behaviour_logp=behaviour_logp, logit_scale=scale,
+        softcap=cap)[0])
