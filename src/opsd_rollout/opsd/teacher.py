@@ -241,8 +241,7 @@ def build_teacher_cache(teacher: Any, targets: Any, config: TeacherCacheConfig, 
         micro_batches, chunks = agree_max([micro_batches, chunks], device)
     for index in range(micro_batches):
         row = index * config.micro_batch_size
-        rows_here = targets.input_ids[row:row + config.micro_batch_size]
-        real = rows_here.shape[0] > 0
+        real = row < rows
         picked = slice(row, row + config.micro_batch_size) if real else slice(0, 1)  # else a placeholder: row 0
         ids, mask = targets.input_ids[picked].to(device), targets.attention_mask[picked].to(device)
         with recorder.stage("teacher_forward"):

@@ -15,10 +15,12 @@ import torch.distributed as dist
 
 from opsd_rollout.distributed import agree_max, partitioned
 from opsd_rollout.modeling import position_ids, text_config
+from opsd_rollout.opsd.divergence import DivergenceConfig, token_divergence
 from opsd_rollout.opsd.targets import response_targets
 from opsd_rollout.opsd.train.data import Encoder, Example
 from opsd_rollout.opsd.train.sft import cross_entropy_sum
 
+REVERSE_KL = DivergenceConfig(loss="reverse_kl")
 LOGITS_BUDGET = 64 * 2**20
 """Bytes of float32 logits one evaluation forward may hold (student and teacher each): rows are chunked to it."""
 
@@ -50,9 +52,8 @@ def reverse_kl_sum(student: torch.nn.Module, teacher: torch.nn.Module, batch: An
         if rows.stop == 0:  # another rank's forward: join its gathers
             _window_logits(student, targets, slice(0, 1)), _window_logits(teacher, targets, slice(0, 1))
             continue
-        s = torch.log_softmax(_window_logits(student, targets, rows), dim=-1)
-        t = torch.log_softmax(_window_logits(teacher, targets, rows), dim=-1)
-        kl = (s.exp() * (s - t)).sum(dim=-1)  # [n, R]
+        kl = token_divergence(_window_logits(student, targets, rows), _window_logits(teacher, targets, rows),
+                              REVERSE_KL)  # [n, R], exact over the vocabulary
         mask = targets.mask[rows].to(kl.device)
         total += float((kl * mask).sum())
         count += int(mask.sum())
