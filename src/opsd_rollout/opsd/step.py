@@ -176,11 +176,12 @@ def check_pairing(divergence: DivergenceConfig, teacher_cache: TeacherCacheConfi
     sampled_loss, sampled_cache = divergence.loss == "sampled_reverse_kl", teacher_cache.mode == "sampled"
     if sampled_cache and not sampled_loss:
         raise ValueError(f"the sampled teacher cache holds one token's log-probability, and loss {divergence.loss!r} "
-                         "needs the teacher's whole distribution: use TeacherCacheConfig(mode='full' or 'topk'), or "
-                         "loss='sampled_reverse_kl'")
+                         "needs the teacher's whole distribution: use TeacherCacheConfig(mode='full' or 'topk') "
+                         "(--teacher-cache full or topk), or loss='sampled_reverse_kl'")
     if sampled_loss and not sampled_cache:
         raise ValueError(f"loss 'sampled_reverse_kl' reads the teacher's log-probability of each sampled token: use "
-                         f"TeacherCacheConfig(mode='sampled') (got mode {teacher_cache.mode!r})")
+                         f"TeacherCacheConfig(mode='sampled'), on the command line --teacher-cache sampled (got mode "
+                         f"{teacher_cache.mode!r})")
 
 
 def opsd_step(student_engine: Any, teacher: Any, rollout: Any, request: Any, sampling: Any, *,
