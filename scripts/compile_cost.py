@@ -37,6 +37,7 @@ def per_token(args: argparse.Namespace, device: str = "cpu", dtype: str = "fp32"
     from opsd_rollout.bench.facts import decode_bytes_per_step
     from opsd_rollout.bench.prompts import synthetic_prompts
     from opsd_rollout.bench.timing import interleaved_times
+    from opsd_rollout.bench.workload import WorkloadRollout
     from opsd_rollout.modeling import ModelSpec
     from opsd_rollout.models import load_model
 
@@ -44,8 +45,8 @@ def per_token(args: argparse.Namespace, device: str = "cpu", dtype: str = "fp32"
     model, tokenizer = load_model(args.model, dtype=dtype, device=device)
     spec = ModelSpec.of(model)
     bandwidth = measure_ceilings(device)["memory_bandwidth_bytes_per_s"]
-    rollouts = {name: HybridEngineRollout(model, tokenizer, HybridEngineRolloutConfig(
-        ignore_eos=True, compile_decode=name == "compiled", seed=0)) for name in ("eager", "compiled")}
+    rollouts = {name: WorkloadRollout(HybridEngineRollout(model, tokenizer, HybridEngineRolloutConfig(
+        compile_decode=name == "compiled", seed=0)), "fixed", ()) for name in ("eager", "compiled")}
     rows = []
     for batch in args.batch_sizes:
         request = synthetic_prompts(batch, args.prompt_length, vocab_size=model.config.vocab_size, seed=batch)
@@ -76,11 +77,12 @@ def first_call(args: argparse.Namespace) -> dict:
     """One process: the compiled rollout's first call (its compile_ms) and a second call's."""
     from opsd_rollout import HybridEngineRollout, HybridEngineRolloutConfig, SamplingConfig
     from opsd_rollout.bench.prompts import synthetic_prompts
+    from opsd_rollout.bench.workload import WorkloadRollout
     from opsd_rollout.models import load_model
 
     model, tokenizer = load_model(args.model)
-    rollout = HybridEngineRollout(model, tokenizer, HybridEngineRolloutConfig(
-        ignore_eos=True, compile_decode=True, enable_profiling=True, profile_forwards=False))
+    rollout = WorkloadRollout(HybridEngineRollout(model, tokenizer, HybridEngineRolloutConfig.from_flat(
+        compile_decode=True, enable_profiling=True, profile_forwards=False)), "fixed", ())
     request = synthetic_prompts(args.batch_sizes[0], args.prompt_length, vocab_size=model.config.vocab_size, seed=0)
     out = {}
     for call in ("first", "second"):

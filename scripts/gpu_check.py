@@ -33,6 +33,7 @@ from torch.overrides import TorchFunctionMode
 
 from opsd_rollout import HybridEngineRollout, HybridEngineRolloutConfig, RolloutRequest, SamplingConfig
 from opsd_rollout.bench.prompts import synthetic_prompts
+from opsd_rollout.bench.workload import WorkloadRollout
 from opsd_rollout.bench.timing import interleaved_medians
 from opsd_rollout.models import load_model, parse_dtype
 from opsd_rollout.rollout import compiled as compiled_module
@@ -303,9 +304,16 @@ class Context:
                                     pad_fraction=0.25 if padded else 0.0)
         return RolloutRequest(request.prompt_ids.to(self.device), request.prompt_attention_mask.to(self.device))
 
-    def rollout(self, model: torch.nn.Module | None = None, **config: Any) -> HybridEngineRollout:
-        return HybridEngineRollout(model if model is not None else self.fp32, self.tokenizer,
-                                   HybridEngineRolloutConfig(**config))
+    def rollout(self, model: torch.nn.Module | None = None, *, lengths: str | None = None, whole_cache: bool = False,
+                **config: Any) -> Any:
+        """A rollout from flat config and option names; ``lengths``: a benchmark workload's response lengths,
+        through the bench's hook; ``whole_cache``: the compiled step's cache layout, eagerly."""
+        rollout = HybridEngineRollout(model if model is not None else self.fp32, self.tokenizer,
+                                      HybridEngineRolloutConfig.from_flat(**config))
+        rollout.strategy.whole_cache = whole_cache
+        if lengths is None:
+            return rollout
+        return WorkloadRollout(rollout, lengths, rollout.eos_token_ids, seed=rollout.cfg.seed or 0)
 
     def medians(self, contenders: dict[str, Callable[[], Any]], rounds: int = 3, **kwargs: Any) -> dict[str, float]:
         """Interleaved medians; the rehearsal runs one round, for the code and not the figure."""
@@ -335,7 +343,7 @@ def check_strategies(ctx: Context) -> Finding:
     """Greedy tokens of every static variant, compiled included, equal generate's (fp32); same seed, same samples,
     eager and compiled; speed."""
     request = ctx.request(batch=4, length=64)
-    variants = {"static": dict(strategy="static"), "static, whole cache": dict(strategy="static", static_shapes=True),
+    variants = {"static": dict(strategy="static"), "static, whole cache": dict(strategy="static", whole_cache=True),
                 "static, compiled": dict(strategy="static", compile_decode=True)}
     expected = ctx.rollout(strategy="generate").generate(request, greedy(32, 2)).input_ids
     for name, config in variants.items():
@@ -347,7 +355,7 @@ def check_strategies(ctx: Context) -> Finding:
     compiled = ctx.rollout(strategy="static", compile_decode=True, seed=7).generate(request, sampled(32)).input_ids
     same = agreement(compiled, eager[0])
     assert same > 0.95, f"compiled vs eager same-seed samples agree on {same:.3f}"
-    fixed = dict(ignore_eos=True, seed=0)
+    fixed = dict(lengths="fixed", seed=0)
     shape = ctx.gpu.size((4, 64, 64, 4), (2, 16, 8, 2))  # B, P, R, n
     timed = ctx.request(batch=shape[0], length=shape[1])
     contenders = {name: (lambda r=ctx.rollout(ctx.model, **config, **fixed): r.generate(timed, sampled(*shape[2:])))
@@ -374,7 +382,7 @@ def check_long_tail(ctx: Context) -> Finding:
     ``continuous_batch_size`` and without compaction (scheduling-independent random numbers), utilisation exact;
     the compiled step too, its graphs one per batch bucket, none recorded again on a second call."""
     request = ctx.request(batch=6, length=24)
-    lengths = dict(response_lengths="geometric:mean=6", seed=3)
+    lengths = dict(lengths="geometric:mean=6", seed=3)
     runs = {}
     for name, config, slots in (("plain", dict(compact_rows=False), None), ("compacted", {}, None),
                                 ("continuous 4", {}, 4), ("continuous 1", {}, 1)):
@@ -400,8 +408,8 @@ def check_long_tail(ctx: Context) -> Finding:
     assert first > 0 and again == 0, f"{first} graphs recorded on the first calls, {again} more on the second"
     batch, n, cap = ctx.gpu.size((16, 4, 128), (4, 2, 32))
     wide = ctx.request(batch=batch, length=64)
-    fast = ctx.rollout(ctx.model, response_lengths="lognormal:median=12,sigma=1.0", seed=0)
-    plain = ctx.rollout(ctx.model, response_lengths="lognormal:median=12,sigma=1.0", seed=0, compact_rows=False)
+    fast = ctx.rollout(ctx.model, lengths="lognormal:median=12,sigma=1.0", seed=0)
+    plain = ctx.rollout(ctx.model, lengths="lognormal:median=12,sigma=1.0", seed=0, compact_rows=False)
     medians = ctx.medians({"compacted": lambda: fast.generate(wide, sampled(cap, n)),
                            "plain": lambda: plain.generate(wide, sampled(cap, n))})
     utilisation = ", ".join(f"{name} {profile.live_row_utilisation:.2f}" for name, (_, profile) in runs.items())
@@ -418,7 +426,7 @@ def check_cuda_graphs(ctx: Context) -> Finding:
 
     model = copy.deepcopy(ctx.model).train()
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-6)
-    rollout = ctx.rollout(model, compile_decode=True, ignore_eos=True)
+    rollout = ctx.rollout(model, compile_decode=True, lengths="fixed")
     lengths = (20, 33, 41)  # + 16 new tokens: cache lengths 36..57, one bucket (64)
     counters["inductor"].clear()
     with ctx.gpu.graph_recordings() as recordings:
@@ -438,7 +446,7 @@ def check_cuda_graphs(ctx: Context) -> Finding:
     skips = counters["inductor"]["cudagraph_skips"]
     assert skips == 0, f"{skips} CUDA-graph skips"
     assert first > 0 and again == 0, f"{first} recordings, then {again} more"
-    release = ctx.rollout(ctx.model, compile_decode=True, ignore_eos=True, cache_policy="release")
+    release = ctx.rollout(ctx.model, compile_decode=True, lengths="fixed", cache_policy="release")
     with ctx.gpu.graph_recordings() as release_recordings:
         for _ in range(3):
             release.generate(ctx.request(), greedy())
@@ -450,28 +458,28 @@ def check_cuda_graphs(ctx: Context) -> Finding:
 def check_no_host_sync(ctx: Context) -> Finding:
     """The decode loop never waits on the device (``set_sync_debug_mode('error')`` raises on a sync), eager and
     compiled, greedy and sampled, when no early exit is asked for. What is wrapped is the decode loop's own step,
-    ``_Run.step``, and it must run once per decode step: a loop that stops calling it fails here. Each rollout runs
+    ``DecodeLoop.step``, and it must run once per decode step: a loop that stops calling it fails here. Each rollout runs
     once unwrapped first: compiling (and recording CUDA graphs) may wait on the device; the steady loop may not."""
-    from opsd_rollout.rollout.strategies.static import _Run
+    from opsd_rollout.rollout.decode.loop import DecodeLoop
 
     steps, ran = [], []
-    original = _Run.step
+    original = DecodeLoop.step
 
-    def strict(run: _Run) -> None:
+    def strict(run: DecodeLoop) -> None:
         steps.append(1)
         with ctx.gpu.strict_sync():
             original(run)
 
     for compiled in (False, True):
-        rollout = ctx.rollout(ctx.model, compile_decode=compiled, ignore_eos=True, seed=0, enable_profiling=True)
+        rollout = ctx.rollout(ctx.model, compile_decode=compiled, lengths="fixed", seed=0, enable_profiling=True)
         for sampling in (greedy(), sampled()):
             rollout.generate(ctx.request(), sampling)  # first calls: compiles, allocations
-            _Run.step = strict
+            DecodeLoop.step = strict
             try:
                 before = len(steps)
                 rollout.generate(ctx.request(), sampling)
             finally:
-                _Run.step = original
+                DecodeLoop.step = original
             decode_steps = rollout.get_last_profile().decode_steps
             assert len(steps) - before == decode_steps > 0, (len(steps) - before, decode_steps)
             ran.append(f"{'compiled' if compiled else 'eager'}/{'greedy' if sampling.temperature <= 0 else 'sampled'}")
@@ -568,7 +576,7 @@ def check_zero3(ctx: Context) -> Finding:
     profiled.generate(request, greedy())
     p = profiled.get_last_profile()
     assert p.param_gather_ms > 0 and p.param_gather_count > 0 and p.param_gather_bytes > 0, p
-    contenders = {gather: (lambda r=ctx.rollout(engine, zero3_gather=gather, ignore_eos=True):
+    contenders = {gather: (lambda r=ctx.rollout(engine, zero3_gather=gather, lengths="fixed"):
                            r.generate(request, greedy(32)))
                   for gather in ("once", "per_layer")}
     medians = ctx.medians(contenders)
@@ -593,7 +601,7 @@ def check_shared_prefix(ctx: Context) -> Finding:
                for on in (False, True)]
     assert agreement(*samples) > 0.9, f"{ctx.dtype} same-seed samples agree on {agreement(*samples):.3f}"
     long = ctx.request(length=ctx.gpu.size(1024, 64), padded=False)
-    rollouts = {name: ctx.rollout(ctx.model, ignore_eos=True, shared_prefix=on, compile_decode=compiled,
+    rollouts = {name: ctx.rollout(ctx.model, lengths="fixed", shared_prefix=on, compile_decode=compiled,
                                   shared_prefix_min_prompt=1, enable_profiling=True)
                 for name, on, compiled in (("copied", False, False), ("shared", True, False),
                                            ("shared compiled", True, True))}

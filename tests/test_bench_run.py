@@ -74,10 +74,10 @@ def test_bench_writes_three_png_plots_and_a_nested_trace(bench_run):
 def test_a_failing_config_is_recorded_and_the_run_goes_on(tmp_path, monkeypatch):
     original = HybridEngineRollout.generate
 
-    def flaky(self, request, sampling):
+    def flaky(self, request, sampling, **kwargs):
         if request.prompt_ids.shape[0] == 2:
             raise RuntimeError("CUDA out of memory (planted)")
-        return original(self, request, sampling)
+        return original(self, request, sampling, **kwargs)
 
     monkeypatch.setattr(HybridEngineRollout, "generate", flaky)
     matrix = Matrix.parse(RolloutScenario, {"batch_sizes": [1, 2, 3], "prompt_lengths": [8], "response_lengths": [2],

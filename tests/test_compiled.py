@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import TINY_PRESETS, prompts_with_padding_and_holes, reference_rollout
+from conftest import TINY_PRESETS, prompts_with_padding_and_holes, reference_rollout, rollout_engine
 from opsd_rollout import HybridEngineRollout, HybridEngineRolloutConfig, RolloutRequest, SamplingConfig
 from opsd_rollout.models import EOS_ID, PAD_ID
-from opsd_rollout.rollout.compiled import CompiledStep, compiled_graphs
+from opsd_rollout.rollout.compiled import CompiledStep, NeedsCompile, compiled_graphs
 from opsd_rollout.rollout.strategies.static import StaticDecode
 
 
@@ -32,9 +32,9 @@ def test_a_compile_is_its_own_figure_and_its_forward_no_decode_step(tiny_models,
     """The first call for a shape runs the compiled step once apart (timed as ``compile_ms``, counted in
     ``compiled_graphs``); ``decode_steps``/``decode_ms`` hold the real steps only, in that call and the next."""
     torch._dynamo.reset()
-    rollout = HybridEngineRollout(tiny_models["llama-tiny"], tokenizer, HybridEngineRolloutConfig(
-        enable_profiling=True, ignore_eos=True))
-    rollout.strategy = StaticDecode(compile_decode=True, compact_rows=False, compile_options={"backend": "aot_eager"})
+    rollout = rollout_engine(tiny_models["llama-tiny"], tokenizer, enable_profiling=True, ignore_eos=True)
+    rollout.rollout.strategy = StaticDecode(compile_decode=True, compact_rows=False,
+                                            compile_options={"backend": "aot_eager"})
     request = prompts_with_padding_and_holes(tokenizer)
     first = rollout.generate(request, greedy(8, 1))
     profile = rollout.get_last_profile()
@@ -55,9 +55,9 @@ def test_a_smaller_workspace_is_a_new_shape_not_a_recompile_inside_the_loop(tiny
     import logging
 
     torch._dynamo.reset()
-    rollout = HybridEngineRollout(tiny_models["llama-tiny"], tokenizer, HybridEngineRolloutConfig(
-        enable_profiling=True, seed=3, response_lengths="geometric:mean=4"))
-    rollout.strategy = StaticDecode(compile_decode=True, seed=3, compile_options={"backend": "aot_eager"})
+    rollout = rollout_engine(tiny_models["llama-tiny"], tokenizer, enable_profiling=True, seed=3,
+                             response_lengths="geometric:mean=4")
+    rollout.rollout.strategy = StaticDecode(compile_decode=True, seed=3, compile_options={"backend": "aot_eager"})
     request = prompts_with_padding_and_holes(tokenizer)
     with caplog.at_level(logging.WARNING, logger="opsd_rollout.rollout.compiled"):
         for slots in (None, 4):
@@ -91,16 +91,15 @@ def test_repeated_calls_and_compaction_buckets_compile_a_bounded_number_of_graph
     then one with a symbolic batch), and no later call or bucket compiles again, profiled or not."""
     torch._dynamo.reset()
     model = tiny_models["qwen2-tiny"]
-    rollout = HybridEngineRollout(model, tokenizer, HybridEngineRolloutConfig(
-        compile_decode=True, enable_profiling=True, seed=3, response_lengths="geometric:mean=4"))
+    rollout = rollout_engine(model, tokenizer, compile_decode=True, enable_profiling=True, seed=3,
+                             response_lengths="geometric:mean=4")
     request = prompts_with_padding_and_holes(tokenizer)
     rollout.generate(request, sampled(24, 4))
     first = rollout.get_last_profile()
     assert first.compactions >= 2 and 1 <= first.compiled_graphs <= 4, first
     before = compiled_graphs()
     for profiled in (True, False, True):
-        rollout.cfg = HybridEngineRolloutConfig(compile_decode=True, enable_profiling=profiled, seed=3,
-                                                response_lengths="geometric:mean=4")
+        rollout.rollout.cfg = HybridEngineRolloutConfig(compile_decode=True, enable_profiling=profiled, seed=3)
         rollout.generate(request, sampled(24, 4))
         if profiled:
             assert rollout.get_last_profile().compiled_graphs == 0  # a new bucket size reuses the symbolic graph
@@ -115,8 +114,8 @@ def test_inductor_compiled_step_over_the_shared_prefix_layout(tiny_models, token
     torch._dynamo.reset()
     model = tiny_models[name]
     shared = dict(shared_prefix_min_prompt=1, seed=5)
-    compiled = HybridEngineRollout(model, tokenizer, HybridEngineRolloutConfig(compile_decode=True, **shared))
-    eager = HybridEngineRollout(model, tokenizer, HybridEngineRolloutConfig(**shared))
+    compiled = rollout_engine(model, tokenizer, compile_decode=True, **shared)
+    eager = rollout_engine(model, tokenizer, **shared)
     request = prompts_with_padding_and_holes(tokenizer)
     expected, _ = reference_rollout(model, request, n=3, max_new_tokens=10, pad_token_id=PAD_ID, eos_ids=[EOS_ID])
     for sampling in (greedy(10, 3), SamplingConfig(max_new_tokens=10, n_samples_per_prompt=3, temperature=0,
@@ -128,35 +127,35 @@ def test_inductor_compiled_step_over_the_shared_prefix_layout(tiny_models, token
 
 
 
-def test_a_dynamo_reset_makes_every_shape_new_again():
-    """``torch._dynamo.reset()`` forgets every graph, as a fresh process would: shapes noted before it are new
-    again, so the next rollout compiles in its first call (``compile_ms``), not inside its decode loop."""
+def test_the_loop_never_compiles_a_step_torch_has_not_warmed():
+    """In the loop the step runs under torch's ``fail_on_recompile`` stance: a shape torch would compile (new, or
+    after ``torch._dynamo.reset()``, as in a fresh process) is refused with ``NeedsCompile`` until a warm-up call
+    compiles it apart; each warm-up counts its graphs with dynamo's counter."""
     def step(x):
         return x * 2
 
-    compiled = CompiledStep(step, {"backend": "eager"})
+    compiled = CompiledStep(step, {"backend": "eager", "dynamic": False})
     compiled.prepare(torch.device("cpu"))
-    assert compiled.note_shape(("rows", 2))
-    compiled.first_call(torch.ones(2))
-    assert not compiled.note_shape(("rows", 2))
+    with pytest.raises(NeedsCompile):
+        compiled(torch.ones(2))
+    assert compiled.warm(torch.ones(2)) == 1
+    assert torch.equal(compiled(torch.ones(2)), torch.full((2,), 2.0))
+    with pytest.raises(NeedsCompile):
+        compiled(torch.ones(3))  # a new shape
+    assert compiled.warm(torch.ones(3)) == 1 and compiled.warm(torch.ones(3)) == 0
     torch._dynamo.reset()
-    assert compiled.note_shape(("rows", 2))
-    assert compiled.first_call(torch.ones(2)) == 1  # compiled again indeed
-    assert not compiled.note_shape(("rows", 2))
+    with pytest.raises(NeedsCompile):
+        compiled(torch.ones(2))
+    assert compiled.warm(torch.ones(2)) == 1 and compiled.graphs == 3
 
 
-def test_a_step_dynamo_never_compiles_is_no_new_shape_at_every_step():
-    """With dynamo off (``TORCHDYNAMO_DISABLE``, an eager stance) the step's code never reaches dynamo: that is
-    not a reset, and a shape seen once stays seen (the step is not run twice per decode step as a first call)."""
+def test_a_stance_of_the_callers_own_is_kept():
+    """Under a stance the caller set (``force_eager``: dynamo off) the step runs as torch decides, never refused."""
     def step(x):
         return x * 3
 
     compiled = CompiledStep(step, {"backend": "eager"})
     compiled.prepare(torch.device("cpu"))
-    new = []
     with torch.compiler.set_stance("force_eager"):
-        for _ in range(3):
-            new.append(compiled.note_shape(("rows", 2)))
-            if new[-1]:
-                compiled.first_call(torch.ones(2))
-    assert new == [True, False, False]
+        assert [float(compiled(torch.ones(1))) for _ in range(3)] == [3.0, 3.0, 3.0]
+        assert compiled.warm(torch.ones(1)) == 0

@@ -9,9 +9,9 @@ import copy
 import pytest
 import torch
 
-from conftest import (TINY_PRESETS, assert_batch_contract, chain_table, left_padded, make_tokenizer,
+from conftest import (TINY_PRESETS, rollout_engine, assert_batch_contract, chain_table, left_padded, make_tokenizer,
                       prompts_with_padding_and_holes, reference_rollout, transition_model)
-from opsd_rollout import HybridEngineRollout, HybridEngineRolloutConfig, SamplingConfig
+from opsd_rollout import SamplingConfig
 from opsd_rollout.models import PAD_ID, byte_tokenizer
 from opsd_rollout.rollout.scheduler import batch_buckets
 
@@ -20,7 +20,7 @@ SLOTS = [None, 1, 2, 5]
 
 
 def rollout(model, tokenizer, **config):
-    return HybridEngineRollout(model, tokenizer, HybridEngineRolloutConfig(enable_profiling=True, **config))
+    return rollout_engine(model, tokenizer, enable_profiling=True, **config)
 
 
 def eos_that_stops_some_rows(model, request, n):
@@ -86,19 +86,18 @@ def test_the_same_seed_repeats_and_the_next_call_differs():
 def test_finished_rows_leave_the_batch_in_size_buckets_and_utilisation_counts_what_was_computed():
     """Rows per decode forward, spied: they shrink to buckets as rows finish, and the profile's row-steps are
     exactly the rows' first tokens plus those rows, its utilisation the real tokens over them."""
-    from opsd_rollout.rollout.strategies import static as static_module
+    from opsd_rollout.rollout.decode.steps import decode_one_token
 
     model, tokenizer = soft_transition_model(), make_tokenizer(0, 2)
     request = left_padded([[4, 5], [8], [12, 13, 14], [3], [7], [11], [16], [20]], 0)
     sizes = []
-    original = static_module.decode_one_token
 
-    def spy(model, token, *args):
+    def spy(model, token, *args, **kwargs):
         sizes.append(token.shape[0])
-        return original(model, token, *args)
+        return decode_one_token(model, token, *args, **kwargs)
 
     engine = rollout(model, tokenizer, seed=5)
-    engine.strategy._decode_step = spy
+    engine.strategy.decode_step = spy
     batch = engine.generate(request, sampled(None, n=2))
     profile = engine.get_last_profile()
     rows = 16
@@ -113,24 +112,25 @@ def test_finished_rows_leave_the_batch_in_size_buckets_and_utilisation_counts_wh
 
 
 def test_continuous_batching_holds_at_most_its_slots_and_prefills_each_prompt_once(monkeypatch):
-    from opsd_rollout.rollout.strategies import static as static_module
+    from opsd_rollout.rollout.decode import loop as loop_module
+    from opsd_rollout.rollout.decode import steps
 
     model, tokenizer = soft_transition_model(), make_tokenizer(0, 2)
     request = left_padded([[4, 5], [8], [12, 13, 14], [3], [7], [11]], 0)
     decode_rows, prefill_rows = [], []
-    original_decode, original_prefill = static_module.decode_one_token, static_module.prefill
+    original_decode, original_prefill = steps.decode_one_token, steps.prefill
 
-    def spy_decode(model, token, *args):
+    def spy_decode(model, token, *args, **kwargs):
         decode_rows.append(token.shape[0])
-        return original_decode(model, token, *args)
+        return original_decode(model, token, *args, **kwargs)
 
     def spy_prefill(model, ids, *args):
         prefill_rows.append(ids.shape[0])
         return original_prefill(model, ids, *args)
 
-    monkeypatch.setattr(static_module, "prefill", spy_prefill)
+    monkeypatch.setattr(loop_module, "prefill", spy_prefill)
     engine = rollout(model, tokenizer, seed=2)
-    engine.strategy._decode_step = spy_decode
+    engine.strategy.decode_step = spy_decode
     batch = engine.generate(request, sampled(4, n=3))
     profile = engine.get_last_profile()
     assert max(decode_rows) <= 4 and profile.decode_slots == 4
@@ -158,7 +158,7 @@ def test_a_kv_budget_chooses_the_slots(tiny_models, tokenizer):
 
 
 def test_length_models_parse_and_their_hazards_give_their_distribution():
-    from opsd_rollout.rollout.lengths import LengthModel
+    from opsd_rollout.bench.lengths import LengthModel
 
     model = LengthModel.parse("lognormal:median=48,sigma=1.0")
     assert model.spec == "lognormal:median=48,sigma=1" and model.synthetic
@@ -183,7 +183,7 @@ def test_forced_lengths_follow_the_distribution_and_are_the_same_on_every_engine
     """Greedy rows force the same lengths in our loop (every schedule) and in transformers' generate (same
     content, same coins); sampled rows' lengths fit the distribution (chi-square)."""
     from conftest import assert_chi_square_fit
-    from opsd_rollout.rollout.lengths import LengthModel
+    from opsd_rollout.bench.lengths import LengthModel
 
     model, tokenizer = soft_transition_model(), make_tokenizer(0, 2)
     model.lm_head.weight.data[2] = -100.0  # the model itself never ends a row: only the forcing does
@@ -209,13 +209,13 @@ def test_forced_lengths_follow_the_distribution_and_are_the_same_on_every_engine
 
 @pytest.mark.parametrize("shared_prefix", [False, True])
 def test_rows_that_finished_step_on_to_the_next_check_without_leaving_the_cache(tiny_models, shared_prefix):
-    """Checks every 3 steps over the whole cache (``static_shapes``), one slot at a time: rows that all started
+    """Checks every 3 steps over the whole cache (as a compiled step sees it), one slot at a time: rows that all started
     together reach the cache's last column, finish, and step on until the check retires them. They keep writing
     that column (an IndexError before); the tokens are generate's."""
     model = tiny_models["llama-tiny"]
     request = left_padded([[5, 6, 7, 8], [9, 10, 11, 12]], PAD_ID)
     expected, _ = reference_rollout(model, request, n=3, max_new_tokens=4, pad_token_id=PAD_ID, eos_ids=[])
-    engine = rollout(model, make_tokenizer(PAD_ID, None), static_shapes=True, stop_check_interval=3, ignore_eos=True,
+    engine = rollout(model, make_tokenizer(PAD_ID, None), whole_cache=True, stop_check_interval=3, ignore_eos=True,
                      shared_prefix=shared_prefix, shared_prefix_min_prompt=1)
     for slots in (1, 2):
         got = engine.generate(request, SamplingConfig(max_new_tokens=4, n_samples_per_prompt=3, temperature=0,

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import left_padded
-from opsd_rollout import HybridEngineRollout, HybridEngineRolloutConfig, SamplingConfig
+from opsd_rollout import HybridEngineRollout, HybridEngineRolloutConfig, RolloutOptions, SamplingConfig
 from opsd_rollout.deepspeed_engine import build_engine
 
 PROFILED = HybridEngineRolloutConfig(enable_profiling=True)
@@ -40,7 +40,8 @@ def test_deepspeed_engine_matches_bare_model(tiny_models, tokenizer, engines, ze
     expected = HybridEngineRollout(model, tokenizer, HybridEngineRolloutConfig(strategy="generate")).generate(
         request, sampling)
     config = HybridEngineRolloutConfig(enable_profiling=True, strategy=strategy, zero3_gather=gather,
-                                       shared_prefix_min_prompt=1 if layout == "shared_prefix" else 4096)
+                                       options=RolloutOptions(
+                                           shared_prefix_min_prompt=1 if layout == "shared_prefix" else 4096))
     rollout = HybridEngineRollout(engines[name, zero_stage], tokenizer, config)
     batch = rollout.generate(request, sampling)
     assert torch.equal(batch.input_ids, expected.input_ids)
@@ -75,7 +76,7 @@ def test_peft_lora_model_keeps_the_prefill_decode_split(tiny_models, tokenizer):
 
 
 def test_gather_once_falls_back_to_per_layer_over_budget(engines, tokenizer, caplog):
-    config = HybridEngineRolloutConfig(zero3_gather="once", gather_memory_budget_bytes=1024)
+    config = HybridEngineRolloutConfig(zero3_gather="once", options=RolloutOptions(gather_memory_budget_bytes=1024))
     rollout = HybridEngineRollout(engines["llama-tiny", 3], tokenizer, config)
     with caplog.at_level("WARNING"):
         rollout.generate(left_padded([[5, 6]], 0), SamplingConfig(max_new_tokens=2))

@@ -49,43 +49,43 @@ def test_the_decode_loop_takes_no_host_sync_eager_or_compiled(gpu_check, ctx):
 
 
 def test_a_planted_sync_in_the_decode_step_fails_the_check(gpu_check, ctx, monkeypatch):
-    from opsd_rollout.rollout.strategies.static import _Run
+    from opsd_rollout.rollout.decode.loop import DecodeLoop
 
-    finished = _Run._finished
+    finished = DecodeLoop.finished
 
     def reading(run, token, steps):
         token.max().item()  # what a host read in the loop would look like
         return finished(run, token, steps)
 
-    monkeypatch.setattr(_Run, "_finished", reading)
+    monkeypatch.setattr(DecodeLoop, "finished", reading)
     with pytest.raises(RuntimeError, match="host synchronization: item"):
         gpu_check.check_no_host_sync(ctx)
 
 
 def test_a_renamed_decode_step_fails_the_check(gpu_check, ctx, monkeypatch):
     """The sync check wraps the loop's own step by name: a rename breaks the rehearsal, not the GPU run."""
-    from opsd_rollout.rollout.strategies.static import _Run
+    from opsd_rollout.rollout.decode.loop import DecodeLoop
 
-    step = _Run.step
-    monkeypatch.delattr(_Run, "step")
-    monkeypatch.setattr(_Run, "renamed_step", step, raising=False)
+    step = DecodeLoop.step
+    monkeypatch.delattr(DecodeLoop, "step")
+    monkeypatch.setattr(DecodeLoop, "renamed_step", step, raising=False)
     with pytest.raises(AttributeError, match="step"):
         gpu_check.check_no_host_sync(ctx)
 
 
 def test_a_step_the_loop_no_longer_calls_fails_the_check(gpu_check, ctx, monkeypatch):
     """Wrapping a method the loop has stopped calling would check nothing: the check counts the calls."""
-    from opsd_rollout.rollout.strategies.static import _Run
+    from opsd_rollout.rollout.decode.loop import DecodeLoop
 
-    step = _Run.step
-    monkeypatch.setattr(_Run, "loop_step", step, raising=False)
-    loop = _Run.loop
+    step = DecodeLoop.step
+    monkeypatch.setattr(DecodeLoop, "loop_step", step, raising=False)
+    loop = DecodeLoop.run
 
     def loop_without_step(run):
-        run.step = lambda: _Run.loop_step(run)  # the loop now takes its steps through another name
+        run.step = lambda: DecodeLoop.loop_step(run)  # the loop now takes its steps through another name
         return loop(run)
 
-    monkeypatch.setattr(_Run, "loop", loop_without_step)
+    monkeypatch.setattr(DecodeLoop, "run", loop_without_step)
     with pytest.raises(AssertionError):
         gpu_check.check_no_host_sync(ctx)
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from conftest import chain_table, left_padded, make_tokenizer, transition_model
-from opsd_rollout import HybridEngineRollout, HybridEngineRolloutConfig, RolloutProfile, SamplingConfig
+from opsd_rollout import HybridEngineRollout, HybridEngineRolloutConfig, RolloutOptions, RolloutProfile, SamplingConfig
 from opsd_rollout.profiling import Clock, ForwardTimer
 
 PROFILED = HybridEngineRolloutConfig(enable_profiling=True)
@@ -123,8 +123,8 @@ def test_forward_timer_counts_chunked_prefill_as_prefill(tiny_models):
 
 def test_forward_timing_off_leaves_forward_fields_empty(tiny_models, tokenizer):
     model = tiny_models["llama-tiny"]
-    rollout = HybridEngineRollout(model, tokenizer, HybridEngineRolloutConfig(enable_profiling=True,
-                                                                              profile_forwards=False))
+    rollout = HybridEngineRollout(model, tokenizer, HybridEngineRolloutConfig(
+        enable_profiling=True, options=RolloutOptions(profile_forwards=False)))
     rollout.generate(left_padded([[5, 6]], 0), SamplingConfig(max_new_tokens=3))
     p = rollout.get_last_profile()
     assert p.prefill_ms is None and p.decode_steps is None and p.tpot_ms is None
@@ -133,16 +133,19 @@ def test_forward_timing_off_leaves_forward_fields_empty(tiny_models, tokenizer):
 
 
 @pytest.mark.parametrize("strategy", ["static", "generate"])
-def test_ignore_eos_runs_every_step_but_returns_the_same_batch(strategy):
+def test_fixed_lengths_run_every_step_but_return_the_same_batch(strategy):
+    """The bench's ``fixed`` workload: EOS ends no row (every step runs), and the batch is still cut at it."""
+    from opsd_rollout.bench.workload import FixedLengths
+
     table = chain_table(16, {6: 2})
     model = transition_model(table, eos_token_id=2)  # generate() must not stop on the model's own EOS either
     request = left_padded([[5], [5]], 0)
     sampling = SamplingConfig(max_new_tokens=6, temperature=0)
     normal = HybridEngineRollout(model, make_tokenizer(0, 2), HybridEngineRolloutConfig(enable_profiling=True,
                                                                                         strategy=strategy))
-    fixed = HybridEngineRollout(model, make_tokenizer(0, 2), HybridEngineRolloutConfig(
-        enable_profiling=True, ignore_eos=True, strategy=strategy))
-    a, b = normal.generate(request, sampling), fixed.generate(request, sampling)
+    fixed = HybridEngineRollout(model, make_tokenizer(0, 2), HybridEngineRolloutConfig(enable_profiling=True,
+                                                                                       strategy=strategy))
+    a, b = normal.generate(request, sampling), fixed.generate(request, sampling, logits_processor=FixedLengths())
     assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.attention_mask, b.attention_mask)
     assert normal.get_last_profile().decode_steps == 1  # both rows stop after 2 tokens
     assert fixed.get_last_profile().decode_steps == 5  # ran the full budget

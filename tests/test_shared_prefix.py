@@ -10,9 +10,9 @@ import copy
 import pytest
 import torch
 
-from conftest import (TINY_PRESETS, assert_batch_contract, left_padded, make_tokenizer, prompts_with_padding_and_holes,
+from conftest import (TINY_PRESETS, rollout_engine, assert_batch_contract, left_padded, make_tokenizer, prompts_with_padding_and_holes,
                       reference_rollout)
-from opsd_rollout import HybridEngineRollout, HybridEngineRolloutConfig, SamplingConfig
+from opsd_rollout import HybridEngineRollout, HybridEngineRolloutConfig, RolloutOptions, SamplingConfig
 from opsd_rollout.modeling import ModelSpec
 from opsd_rollout.models import EOS_ID, PAD_ID
 from opsd_rollout.rollout.shared_prefix import (additive_mask, matmul_attention, merge, partial_attention,
@@ -22,7 +22,7 @@ SHARED = dict(shared_prefix=True, shared_prefix_min_prompt=1)
 
 
 def rollout(model, tokenizer, **config):
-    return HybridEngineRollout(model, tokenizer, HybridEngineRolloutConfig(enable_profiling=True, **config))
+    return rollout_engine(model, tokenizer, enable_profiling=True, **config)
 
 
 def greedy(n, max_new_tokens=8, **kwargs):
@@ -131,17 +131,20 @@ def test_the_prefix_part_reads_only_the_prompts_still_decoding(tiny_models, toke
 
 
 @pytest.mark.parametrize("name", ["llama-tiny", "gpt2-tiny"])
-@pytest.mark.parametrize("static_shapes", [False, True])
-def test_eager_attention_and_whole_cache_steps_equal_generate(tiny_models, tokenizer, name, static_shapes):
+@pytest.mark.parametrize("whole_cache", [False, True])
+def test_eager_attention_and_whole_cache_steps_equal_generate(tiny_models, tokenizer, name, whole_cache):
     model = copy.deepcopy(tiny_models[name])
     model.set_attn_implementation("eager")
-    engine = rollout(model, tokenizer, static_shapes=static_shapes, **SHARED)
+    engine = rollout(model, tokenizer, whole_cache=whole_cache, **SHARED)
+    seen = set()  # the attention implementation every forward ran under
+    model.register_forward_pre_hook(lambda module, args: seen.add(module.config._attn_implementation))
     for request in (prompts_with_padding_and_holes(tokenizer), left_padded([[70, 71, 72, 73], [80, 81, 82, 83]], 0)):
         batch = engine.generate(request, greedy(2))
         ref_ids, _ = reference_rollout(model, request, n=2, max_new_tokens=8, pad_token_id=PAD_ID, eos_ids=[EOS_ID])
         assert torch.equal(batch.input_ids, ref_ids)
         assert engine.get_last_profile().kv_layout == "shared_prefix"
-    assert model.config._attn_implementation == "eager"  # put back after every decode forward
+    # selected once, when the rollout was built: no call changes the model's config
+    assert seen == {model.config._attn_implementation} == {"opsd_shared_prefix:eager"}
 
 
 def test_the_matmul_path_other_devices_take_equals_generate(tiny_models, tokenizer, monkeypatch):
@@ -162,17 +165,17 @@ def test_the_matmul_path_other_devices_take_equals_generate(tiny_models, tokeniz
 
 def decode_logits(model, tokenizer, request, sampling, **config):
     """Every decode step's logits (eager steps, compaction off so the rows stay in place)."""
-    from opsd_rollout.rollout.strategies import static as static_module
+    from opsd_rollout.rollout.decode.steps import decode_one_token
 
     engine = rollout(model, tokenizer, compact_rows=False, **config)
     seen = []
 
-    def spy(*args):
-        logits = static_module.decode_one_token(*args)
+    def spy(*args, **kwargs):
+        logits = decode_one_token(*args, **kwargs)
         seen.append(logits.float().clone())
         return logits
 
-    engine.strategy._decode_step = spy
+    engine.strategy.decode_step = spy
     batch = engine.generate(request, sampling)
     return batch, torch.stack(seen), engine.get_last_profile()
 
@@ -225,20 +228,20 @@ def test_each_prompt_is_stored_once_and_the_profile_counts_the_bytes(tiny_models
 def test_continuous_batching_prefills_each_prompt_once_into_reused_prefix_slots(tiny_models, tokenizer, monkeypatch):
     """Six prompts x 2 samples through 3 slots: 4 prefix slots (one per slot, plus the prompt whose first sample
     finished while its second waits), every prompt prefilled once, generate's tokens."""
-    from opsd_rollout.rollout.strategies import static as static_module
+    from opsd_rollout.rollout.decode import loop as loop_module
 
     model = copy.deepcopy(tiny_models["llama-tiny"])
     request = left_padded([[70 + i, 71, 72 + i, 73] for i in range(6)], PAD_ID)
     eos = eos_that_stops_some_rows(model, request, 2)
     model.generation_config.eos_token_id = None
     prefilled = []
-    original = static_module.prefill
+    original = loop_module.prefill
 
     def spy(model, ids, *args):
         prefilled.append(ids.shape[0])
         return original(model, ids, *args)
 
-    monkeypatch.setattr(static_module, "prefill", spy)
+    monkeypatch.setattr(loop_module, "prefill", spy)
     engine = rollout(model, make_tokenizer(PAD_ID, eos), **SHARED)
     got = engine.generate(request, greedy(2, 12, continuous_batch_size=3))
     expected, _ = reference_rollout(model, request, n=2, max_new_tokens=12, pad_token_id=PAD_ID, eos_ids=[eos])
@@ -258,7 +261,7 @@ def test_continuous_batching_prefills_each_prompt_once_into_reused_prefix_slots(
 def test_when_the_shared_prefix_layout_is_used(tiny_models, tokenizer, config, n, prompt, layout):
     from opsd_rollout.rollout.config import SHARED_PREFIX_MIN_PROMPT
 
-    assert HybridEngineRolloutConfig().shared_prefix and SHARED_PREFIX_MIN_PROMPT == 128
+    assert HybridEngineRolloutConfig().options.shared_prefix and SHARED_PREFIX_MIN_PROMPT == 128
     engine = rollout(tiny_models["gpt2-tiny"], tokenizer, **config)
     request = left_padded([[5 + i % 200 for i in range(prompt)]], PAD_ID)
     engine.generate(request, greedy(n, 2))
@@ -279,7 +282,7 @@ def test_the_compiled_step_decodes_over_the_shared_prefix_layout(tiny_models, to
     eos = eos_that_stops_some_rows(model, request, 3)
     model.generation_config.eos_token_id = None
     engine = rollout(model, make_tokenizer(PAD_ID, eos), **SHARED)
-    engine.strategy = StaticDecode(compile_decode=True, shared_prefix_min_prompt=1,
+    engine.strategy = StaticDecode(compile_decode=True, options=RolloutOptions(shared_prefix_min_prompt=1),
                                    compile_options={"backend": "aot_eager"})
     ref_ids, _ = reference_rollout(model, request, n=3, max_new_tokens=12, pad_token_id=PAD_ID, eos_ids=[eos])
     for call in range(2):
@@ -319,8 +322,8 @@ def test_a_kv_budget_counts_each_prompt_once(tiny_models, tokenizer):
                                                ("shared_prefix_min_prompt", True, ValueError),
                                                ("shared_prefix_min_prompt", None, ValueError)])
 def test_bad_options_are_refused_by_name(field, value, error):
-    with pytest.raises(error, match=field):
-        HybridEngineRolloutConfig(**{field: value})
+    with pytest.raises(error, match=f"options.{field}"):
+        RolloutOptions(**{field: value})
 
 
 def test_a_model_whose_attention_ignores_the_interface_fails_loudly(tiny_models, tokenizer):
@@ -329,9 +332,10 @@ def test_a_model_whose_attention_ignores_the_interface_fails_loudly(tiny_models,
     model = copy.deepcopy(tiny_models["llama-tiny"])
     for layer in model.model.layers:
         layer.self_attn.config = copy.copy(model.config)
+        layer.self_attn.config._attn_implementation = "sdpa"  # a copy the rollout's selection never reaches
     with pytest.raises(RuntimeError, match="shared-prefix attention in 0 of 2 layers"):
         rollout(model, tokenizer, **SHARED).generate(prompts_with_padding_and_holes(tokenizer), greedy(2))
-    assert model.config._attn_implementation == "sdpa"
+    assert model.config._attn_implementation == "opsd_shared_prefix:sdpa"  # selected when built, not per call
 
 
 def test_the_benchmarks_roofline_reads_each_shared_prompt_once(tiny_models):
@@ -358,25 +362,25 @@ def test_a_compiled_step_keeps_reading_every_store_slot_through_a_long_tail():
     model = transition_model(chain_table(vocab, {}))
     prompts = left_padded([[4, 5, 6, 7 + 2 * i] for i in range(16)], PAD_ID)  # prompt i ends after 32 - 2i steps
     sampling = greedy(2, 40)
-    eager = HybridEngineRollout(model, make_tokenizer(PAD_ID, eos), HybridEngineRolloutConfig(**SHARED))
+    eager = rollout_engine(model, make_tokenizer(PAD_ID, eos), **SHARED)
     compiled = HybridEngineRollout(model, make_tokenizer(PAD_ID, eos), HybridEngineRolloutConfig())
-    compiled.strategy = StaticDecode(compile_decode=True, shared_prefix_min_prompt=1,
+    compiled.strategy = StaticDecode(compile_decode=True, options=RolloutOptions(shared_prefix_min_prompt=1),
                                      compile_options={"backend": "eager"})
     read: list[int] = []
-    original = SharedPrefix.decoding  # entered around each decode forward, outside the compiled graph
+    original = SharedPrefix.step  # called before each decode forward, outside the compiled graph
 
     def spy(self, active, running):
         read.append(self.groups)
         return original(self, active, running)
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(SharedPrefix, "decoding", spy)
+        patch.setattr(SharedPrefix, "step", spy)
         expected = eager.generate(prompts, sampling).input_ids
     assert min(read) < 16  # the eager step narrowed
     for call in range(2):
         read.clear()
         with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(SharedPrefix, "decoding", spy)
+            patch.setattr(SharedPrefix, "step", spy)
             got = compiled.generate(prompts, sampling).input_ids
         stats = compiled.strategy.last_stats
         assert torch.equal(got, expected), call

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import (TINY_PRESETS, assert_batch_contract, assert_chi_square_fit, chain_table, left_padded,
+from conftest import (TINY_PRESETS, rollout_engine, assert_batch_contract, assert_chi_square_fit, chain_table, left_padded,
                       make_tokenizer, prompts_with_padding_and_holes, reference_rollout, transition_model)
 from opsd_rollout import HybridEngineRollout, HybridEngineRolloutConfig, RolloutRequest, SamplingConfig
 from opsd_rollout.models import EOS_ID, PAD_ID
@@ -34,8 +34,8 @@ def reference_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p:
     return probs
 
 
-def static(**kwargs):
-    return HybridEngineRolloutConfig(strategy="static", enable_profiling=True, **kwargs)
+def static(model, tokenizer, **kwargs):
+    return rollout_engine(model, tokenizer, strategy="static", enable_profiling=True, **kwargs)
 
 
 def unpadded_prompts(tokenizer) -> RolloutRequest:
@@ -61,7 +61,7 @@ def assert_greedy_equals_generate(model, tokenizer, rollout, prompts, n):
 @pytest.mark.parametrize("n,shared", [(1, True), (3, True), (3, False)])
 def test_greedy_equals_generate(tiny_models, tokenizer, name, prompts, n, shared):
     model = tiny_models[name]
-    rollout = HybridEngineRollout(model, tokenizer, static(shared_prefill=shared))
+    rollout = static(model, tokenizer, shared_prefill=shared)
     assert rollout.strategy.name == "static"
     request = assert_greedy_equals_generate(model, tokenizer, rollout, prompts, n)
     profile = rollout.get_last_profile()
@@ -76,52 +76,51 @@ def test_greedy_equals_generate(tiny_models, tokenizer, name, prompts, n, shared
 def test_static_shapes_decode_equals_generate(tiny_models, tokenizer, name, prompts, n):
     """The layout a compiled step uses (whole cache every step, masked) decodes the same tokens, eagerly."""
     model = tiny_models[name]
-    rollout = HybridEngineRollout(model, tokenizer, static(static_shapes=True))
-    assert rollout.strategy.static_shapes
+    rollout = static(model, tokenizer, whole_cache=True)
     assert_greedy_equals_generate(model, tokenizer, rollout, prompts, n)
 
 
-@pytest.mark.parametrize("static_shapes", [False, True])
+@pytest.mark.parametrize("whole_cache", [False, True])
 @pytest.mark.parametrize("prompts", PROMPTS)
 def test_decode_steps_attend_to_the_filled_positions_and_skip_the_mask_without_padding(
-        tiny_models, tokenizer, static_shapes, prompts):
-    """Each decode step's keys span the positions written so far (the whole cache with ``static_shapes``),
+        tiny_models, tokenizer, whole_cache, prompts):
+    """Each decode step's keys span the positions written so far (the whole cache with ``whole_cache``),
     and its mask is ``None`` when no prompt is padded, else the same width, switched on up to the fed token
     (every row kept in the batch: compaction off)."""
-    from opsd_rollout.rollout.strategies import static as static_module
+    from opsd_rollout.rollout.decode.steps import decode_one_token
 
     model = tiny_models["llama-tiny"]
-    rollout = HybridEngineRollout(model, tokenizer, static(static_shapes=static_shapes, compact_rows=False))
+    rollout = static(model, tokenizer, whole_cache=whole_cache, compact_rows=False)
     seen = []
 
-    def spy(*args):
-        logits = static_module.decode_one_token(*args)
+    def spy(*args, **kwargs):
+        logits = decode_one_token(*args, **kwargs)
         mask, cache = args[3], args[4]
         seen.append((None if mask is None else mask.clone(), cache.layers[0].get_mask_sizes(1)[0]))
         return logits
 
-    rollout.strategy._decode_step = spy
+    rollout.strategy.decode_step = spy
     request = assert_greedy_equals_generate(model, tokenizer, rollout, prompts, 1)
     P, length = request.prompt_ids.shape[1], request.prompt_ids.shape[1] + 10
     for step, (mask, width) in enumerate(seen, start=1):
-        assert width == (length if static_shapes else P + step)
-        if prompts == "unpadded" and not static_shapes:
+        assert width == (length if whole_cache else P + step)
+        if prompts == "unpadded" and not whole_cache:
             assert mask is None
             continue
-        assert mask.shape == (3, 1, 1, length if static_shapes else P + step)
+        assert mask.shape == (3, 1, 1, length if whole_cache else P + step)
         assert torch.equal(mask[:, 0, 0, :P], request.prompt_attention_mask.bool())
         assert mask[:, 0, 0, P:P + step].all() and not mask[:, 0, 0, P + step:].any()
 
 
 @pytest.mark.parametrize("name", ["llama-tiny", "gpt2-tiny"])
-@pytest.mark.parametrize("static_shapes", [False, True])
+@pytest.mark.parametrize("whole_cache", [False, True])
 def test_eager_attention_gets_two_dimensional_masks_and_equals_generate(tiny_models, tokenizer, name,
-                                                                        static_shapes):
+                                                                        whole_cache):
     """Without SDPA the decode steps pass 2-D masks (transformers builds the 4-D one) of the cache's width."""
     model = copy.deepcopy(tiny_models[name])
     model.set_attn_implementation("eager")
     assert model.config._attn_implementation == "eager"
-    rollout = HybridEngineRollout(model, tokenizer, static(static_shapes=static_shapes))
+    rollout = static(model, tokenizer, whole_cache=whole_cache)
     for prompts in PROMPTS:
         assert_greedy_equals_generate(model, tokenizer, rollout, prompts, 2)
 
@@ -162,7 +161,7 @@ def test_profiling_a_compiled_decode_step_times_its_forwards_without_recompiling
 
 def test_workspace_is_reused_across_calls_of_different_sizes(tiny_models, tokenizer):
     model = tiny_models["qwen2-tiny"]
-    rollout = HybridEngineRollout(model, tokenizer, static())
+    rollout = static(model, tokenizer)
     shapes = [(3, 2, 12, 8), (1, 1, 4, 3), (2, 3, 7, 5), (4, 2, 16, 10)]  # B, n, P, max_new
     events = []
     for B, n, P, max_new in shapes:
@@ -185,7 +184,7 @@ def test_workspace_is_reused_across_calls_of_different_sizes(tiny_models, tokeni
 
 
 def test_release_policy_frees_the_workspace_after_each_call(tiny_models, tokenizer):
-    rollout = HybridEngineRollout(tiny_models["llama-tiny"], tokenizer, static(cache_policy="release"))
+    rollout = static(tiny_models["llama-tiny"], tokenizer, cache_policy="release")
     for _ in range(2):
         rollout.generate(left_padded([[5, 6, 7]], 0), SamplingConfig(max_new_tokens=3))
         assert rollout.get_last_profile().workspace == "allocated"
@@ -196,12 +195,12 @@ def test_same_seed_same_samples_and_global_seed_controls_unseeded(tiny_models, t
     model = tiny_models["llama-tiny"]
     request = prompts_with_padding_and_holes(tokenizer)
     sampling = SamplingConfig(max_new_tokens=8, n_samples_per_prompt=4, temperature=1.3, top_k=40, top_p=0.95)
-    a = HybridEngineRollout(model, tokenizer, static(seed=7)).generate(request, sampling)
-    b = HybridEngineRollout(model, tokenizer, static(seed=7)).generate(request, sampling)
-    c = HybridEngineRollout(model, tokenizer, static(seed=8)).generate(request, sampling)
+    a = static(model, tokenizer, seed=7).generate(request, sampling)
+    b = static(model, tokenizer, seed=7).generate(request, sampling)
+    c = static(model, tokenizer, seed=8).generate(request, sampling)
     assert torch.equal(a.input_ids, b.input_ids) and not torch.equal(a.input_ids, c.input_ids)
     assert len({tuple(r) for r in a.input_ids[:4].tolist()}) > 1, "samples of one prompt differ"
-    unseeded = HybridEngineRollout(model, tokenizer, static())
+    unseeded = static(model, tokenizer)
     torch.manual_seed(3)
     d = unseeded.generate(request, sampling)
     torch.manual_seed(3)
@@ -220,7 +219,7 @@ def test_first_sampled_token_follows_the_filtered_softmax(tiny_models, tokenizer
         logits = model(request.prompt_ids).logits[:, -1]
     probs = torch.from_numpy(reference_probs(logits[0], temperature, top_k, top_p))
     draws = 6000
-    batch = HybridEngineRollout(model, tokenizer, static(seed=1234)).generate(
+    batch = static(model, tokenizer, seed=1234).generate(
         request, SamplingConfig(max_new_tokens=1, n_samples_per_prompt=draws, temperature=temperature,
                                 top_k=top_k, top_p=top_p))
     counts = torch.bincount(batch.input_ids[:, -1], minlength=probs.numel()).double()
@@ -229,11 +228,11 @@ def test_first_sampled_token_follows_the_filtered_softmax(tiny_models, tokenizer
 
 def test_early_exit_when_every_row_has_finished():
     model = transition_model(chain_table(16, {6: 2, 9: 2}))
-    rollout = HybridEngineRollout(model, make_tokenizer(0, 2), static())
+    rollout = static(model, make_tokenizer(0, 2))
     batch = rollout.generate(left_padded([[5], [8]], 0), SamplingConfig(max_new_tokens=12, temperature=0))
     assert batch.input_ids[:, 1:].tolist() == [[6, 2], [9, 2]]
     assert rollout.get_last_profile().decode_steps == 1  # stopped right after both rows' EOS
-    checked_every_4 = HybridEngineRollout(model, make_tokenizer(0, 2), static(stop_check_interval=4))
+    checked_every_4 = static(model, make_tokenizer(0, 2), stop_check_interval=4)
     again = checked_every_4.generate(left_padded([[5], [8]], 0), SamplingConfig(max_new_tokens=12, temperature=0))
     assert torch.equal(again.input_ids, batch.input_ids)
     assert checked_every_4.get_last_profile().decode_steps == 3  # runs on to the next check (step 4)
@@ -247,7 +246,7 @@ def test_models_without_a_static_cache_fall_back_to_generate(tokenizer, caplog):
                            max_position_embeddings=64)
     model = MistralForCausalLM(config).eval()
     with caplog.at_level("WARNING"):
-        rollout = HybridEngineRollout(model, tokenizer, static())
+        rollout = static(model, tokenizer)
     assert rollout.strategy.name == "generate" and "using 'generate'" in caplog.text
     batch = rollout.generate(left_padded([[5, 6]], 0), SamplingConfig(max_new_tokens=3, temperature=0))
     assert_batch_contract(batch, left_padded([[5, 6]], 0), n=1, max_new_tokens=3, pad_token_id=0, eos_ids=[2])
@@ -263,7 +262,7 @@ def test_flash_attention_and_generation_config_processors_fall_back_to_generate(
     model = copy.deepcopy(tiny_models["llama-tiny"])
     model.generation_config.repetition_penalty = 1.3
     with caplog.at_level("WARNING"):
-        rollout = HybridEngineRollout(model, tokenizer, static())
+        rollout = static(model, tokenizer)
     assert rollout.strategy.name == "generate" and "repetition_penalty" in caplog.text
     request = prompts_with_padding_and_holes(tokenizer)
     batch = rollout.generate(request, SamplingConfig(max_new_tokens=8, temperature=0))

@@ -13,7 +13,7 @@ import transformers
 from packaging.version import Version
 from transformers import LlamaForCausalLM
 
-from conftest import prompts_with_padding_and_holes, reference_rollout
+from conftest import prompts_with_padding_and_holes, reference_rollout, rollout_engine
 from opsd_rollout import HybridEngineRollout, HybridEngineRolloutConfig, SamplingConfig
 from opsd_rollout.modeling import cache_keyword
 from opsd_rollout.models import EOS_ID, PAD_ID
@@ -54,11 +54,10 @@ def test_the_cache_goes_under_the_keyword_the_models_forward_takes(tiny_models, 
 
 
 @pytest.mark.parametrize("n", [1, 3])
-@pytest.mark.parametrize("static_shapes", [False, True])
-def test_a_forward_that_ignores_its_cache_fails_loudly(tiny_models, tokenizer, n, static_shapes):
+@pytest.mark.parametrize("whole_cache", [False, True])
+def test_a_forward_that_ignores_its_cache_fails_loudly(tiny_models, tokenizer, n, whole_cache):
     """What transformers < 5.23 did with ``cache=``: swallowed by ``**kwargs``, the model ran uncached."""
-    rollout = HybridEngineRollout(tiny_models["llama-tiny"], tokenizer,
-                                  HybridEngineRolloutConfig(strategy="static", static_shapes=static_shapes))
+    rollout = rollout_engine(tiny_models["llama-tiny"], tokenizer, strategy="static", whole_cache=whole_cache)
     spec = dataclasses.replace(rollout.target.spec, cache_keyword="a_name_the_model_ignores")
     rollout.target = dataclasses.replace(rollout.target, spec=spec)
     with pytest.raises(RuntimeError, match="did not use the cache"):
@@ -110,19 +109,18 @@ def check_recompile_warning(caplog):
     compiled = CompiledStep(step, {"backend": "eager", "dynamic": False})
     compiled.prepare(torch.device("cpu"))
     with caplog.at_level(logging.WARNING, logger="opsd_rollout.rollout.compiled"):
-        assert compiled.note_shape(("a", 1)) and compiled.note_shape(("a", 2)) and not compiled.note_shape(("a", 1))
-        assert compiled.first_call(torch.zeros(1)) == 1
+        assert compiled.warm(torch.zeros(1)) == 1 and compiled.warm(torch.zeros(2)) == 1
         assert not caplog.records
-        assert compiled.first_call(torch.zeros(2)) == 1
-    assert compiled.graphs == 2 and compiled.shapes == 2
+        assert compiled.warm(torch.zeros(3)) == 0  # past the limit: run eagerly, warned
+    assert compiled.exhausted and compiled.graphs == 2
     assert any("recompile limit of 2" in r.getMessage() for r in caplog.records)
+    assert torch.equal(compiled(torch.zeros(3)), torch.ones(3))  # the loop's calls of that shape run eagerly
 
 
 def test_a_compiled_layouts_tensors_keep_their_addresses_across_calls(tiny_models, tokenizer):
     """CUDA-graph trees re-record when a static input moves: the per-slot write columns and the key/value views
     of one shape are the same tensors on every call, also after a call of another shape."""
-    rollout = HybridEngineRollout(tiny_models["llama-tiny"], tokenizer,
-                                  HybridEngineRolloutConfig(strategy="static", static_shapes=True))
+    rollout = rollout_engine(tiny_models["llama-tiny"], tokenizer, strategy="static", whole_cache=True)
     request = prompts_with_padding_and_holes(tokenizer)
     small = type(request)(request.prompt_ids[:1], request.prompt_attention_mask[:1])
 
@@ -165,13 +163,22 @@ def test_the_hybrid_engines_tuple_layers_are_refused_before_generating(tiny_mode
         HybridEngineRollout(hybrid, tokenizer)
 
 
-def test_graphs_compiled_inside_the_loop_are_counted_and_warned_once(caplog):
-    """A guard that fails on a shape the loop had seen recompiles inside a decode step: counted, warned once."""
-    compiled = CompiledStep(lambda x: x * 2, {"backend": "eager"})
-    start = compiled.graphs
-    with caplog.at_level(logging.WARNING, logger="opsd_rollout.rollout.compiled"):
-        assert compiled.note_loop_graphs(0) == 0 and not caplog.records
-        assert compiled.note_loop_graphs(2) == 2 and compiled.note_loop_graphs(1) == 1
-    assert compiled.graphs == start + 3
-    assert [r.getMessage() for r in caplog.records if "inside the decode loop" in r.getMessage()] == [
-        caplog.records[0].getMessage()]
+def test_a_guard_that_fails_on_a_warmed_shape_is_refused_in_the_loop():
+    """Not only new shapes: anything that makes torch compile again (here a guarded constant; in a rollout, other
+    forward hooks or a dtype) is refused inside the loop, so the loop warms it apart instead of compiling in a
+    decode step."""
+    from opsd_rollout.rollout.compiled import NeedsCompile
+
+    scale = {"value": 2}
+
+    def step(x):
+        return x * scale["value"]
+
+    compiled = CompiledStep(step, {"backend": "eager", "dynamic": False})
+    compiled.prepare(torch.device("cpu"))
+    compiled.warm(torch.ones(2))
+    assert torch.equal(compiled(torch.ones(2)), torch.full((2,), 2.0))
+    scale["value"] = 5
+    with pytest.raises(NeedsCompile):
+        compiled(torch.ones(2))
+    assert compiled.warm(torch.ones(2)) == 1 and torch.equal(compiled(torch.ones(2)), torch.full((2,), 5.0))

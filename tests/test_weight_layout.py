@@ -11,8 +11,8 @@ import pytest
 import torch
 from torch.nn.utils import prune
 
-from conftest import TINY_PRESETS, prompts_with_padding_and_holes, reference_rollout
-from opsd_rollout import HybridEngineRollout, HybridEngineRolloutConfig, SamplingConfig
+from conftest import TINY_PRESETS, prompts_with_padding_and_holes, reference_rollout, rollout_engine
+from opsd_rollout import HybridEngineRollout, HybridEngineRolloutConfig, RolloutOptions, SamplingConfig
 from opsd_rollout.models import EOS_ID, PAD_ID
 from opsd_rollout.rollout import weight_layout
 from opsd_rollout.rollout.compiled import compiled_graphs
@@ -29,8 +29,10 @@ def replaced_forwards(model: torch.nn.Module) -> list[str]:
     return [name for name, m in model.named_modules() if "forward" in m.__dict__]
 
 
-def rollout_of(model, tokenizer, **kwargs) -> HybridEngineRollout:
-    return HybridEngineRollout(model, tokenizer, HybridEngineRolloutConfig(enable_profiling=True, **kwargs))
+def rollout_of(model, tokenizer, cpu_transposed_weights=True, **kwargs) -> HybridEngineRollout:
+    """A profiled rollout with the copies opted in (unless ``cpu_transposed_weights=False``)."""
+    return rollout_engine(model, tokenizer, enable_profiling=True, cpu_transposed_weights=cpu_transposed_weights,
+                          **kwargs)
 
 
 @pytest.fixture
@@ -192,7 +194,8 @@ def test_compiled_step_over_the_transposed_layout(tiny_models, tokenizer, cache_
     model, request = tiny_models["qwen2-tiny"], prompts_with_padding_and_holes(tokenizer)
     eager = rollout_of(model, tokenizer).generate(request, GREEDY_16_ROWS)
     rollout = rollout_of(model, tokenizer, cache_policy=cache_policy)
-    rollout.strategy = StaticDecode(compile_decode=True, compile_options={"backend": "aot_eager"})
+    rollout.strategy = StaticDecode(compile_decode=True, options=RolloutOptions(cpu_transposed_weights=True),
+                                    compile_options={"backend": "aot_eager"})
     assert torch.equal(rollout.generate(request, GREEDY_16_ROWS).input_ids, eager.input_ids)
     assert rollout.get_last_profile().weight_layout == "transposed" and replaced_forwards(model) == []
     # the next calls (copies written again, forwards replaced again) reuse every graph: none compiled anywhere,
@@ -240,6 +243,10 @@ def test_zero3_gathered_once_uses_the_copies(tiny_models, tokenizer, gather, lay
     assert rollout.get_last_profile().weight_layout_bytes == 0
 
 
-def test_config_takes_a_bool_only():
-    with pytest.raises(TypeError, match="cpu_transposed_weights"):
-        HybridEngineRolloutConfig(cpu_transposed_weights="yes")
+def test_the_copies_are_opt_in_and_take_a_bool_only(tiny_models, tokenizer):
+    assert RolloutOptions().cpu_transposed_weights is False
+    rollout = HybridEngineRollout(tiny_models["qwen2-tiny"], tokenizer, HybridEngineRolloutConfig(enable_profiling=True))
+    rollout.generate(prompts_with_padding_and_holes(tokenizer), GREEDY_16_ROWS)
+    assert rollout.get_last_profile().weight_layout == "model"
+    with pytest.raises(TypeError, match="options.cpu_transposed_weights"):
+        RolloutOptions(cpu_transposed_weights="yes")

@@ -16,6 +16,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "HybridEngineRollout": "opsd_rollout.rollout.engine",
     "HybridEngineRolloutConfig": "opsd_rollout.rollout.config",
+    "RolloutOptions": "opsd_rollout.rollout.config",
     "RolloutProfile": "opsd_rollout.profiling.profile",
     "build_rollout": "opsd_rollout.rollout.factory",
     "generalized_jsd_loss": "opsd_rollout.opsd.divergence",
@@ -37,7 +38,7 @@ if TYPE_CHECKING:
 
     from opsd_rollout.opsd.divergence import generalized_jsd_loss
     from opsd_rollout.profiling.profile import RolloutProfile
-    from opsd_rollout.rollout.config import HybridEngineRolloutConfig
+    from opsd_rollout.rollout.config import HybridEngineRolloutConfig, RolloutOptions
     from opsd_rollout.rollout.engine import HybridEngineRollout
     from opsd_rollout.rollout.factory import build_rollout
 

@@ -110,6 +110,18 @@ def max_positions_of(config: Any) -> int | None:
     return getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
 
 
+SHARED_PREFIX_ATTENTION = "opsd_shared_prefix"
+"""The prefix of the attention implementations a rollout with shared-prefix attention selects
+(``rollout/shared_prefix.py``): ``opsd_shared_prefix:sdpa`` is SDPA itself outside its decode forwards."""
+
+
+def base_attention(implementation: str | None) -> str | None:
+    """The model's own implementation behind ``implementation`` (the shared-prefix twin's, or any other as is)."""
+    if isinstance(implementation, str) and implementation.startswith(SHARED_PREFIX_ATTENTION + ":"):
+        return implementation[len(SHARED_PREFIX_ATTENTION) + 1:]
+    return implementation
+
+
 STATIC_ATTENTION = (None, "sdpa", "eager", "flex_attention")
 """Attention implementations that read a preallocated cache through its layers' ``update`` and the mask we pass.
 Flash attention trims keys by the 2-D mask's length, which would span the whole static cache."""
@@ -176,7 +188,7 @@ class ModelSpec:
     def of(cls, model: torch.nn.Module) -> "ModelSpec":
         model = innermost_model(model)
         config = text_config(model.config)
-        attention = getattr(model.config, "_attn_implementation", None)
+        attention = base_attention(getattr(model.config, "_attn_implementation", None))
         keyword = cache_keyword(model)
         try:
             kv = KVShape.of(config)

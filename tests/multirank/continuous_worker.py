@@ -20,6 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from conftest import chain_table, left_padded, make_tokenizer, transition_model  # noqa: E402
 from opsd_rollout import HybridEngineRollout, HybridEngineRolloutConfig, SamplingConfig  # noqa: E402
+from opsd_rollout.bench.workload import WorkloadRollout  # noqa: E402
 from opsd_rollout.deepspeed_engine import build_engine  # noqa: E402
 
 TABLE = chain_table(16, {7: 2})  # t -> t + 1, and 7 -> EOS (2): a row ends when its chain reaches 7
@@ -31,7 +32,7 @@ VARIANTS = {
     "compaction-greedy-per-layer": (({"zero3_gather": "per_layer"}, dict(n_samples_per_prompt=2)),
                                     ({"zero3_gather": "per_layer"}, {})),
     "continuous-sampled-forced-lengths": (
-        (dict(seed=5, response_lengths="geometric:mean=3"),
+        (dict(seed=5, lengths="geometric:mean=3"),
          dict(n_samples_per_prompt=2, continuous_batch_size=3, temperature=1.0)),
         (dict(seed=5), dict(continuous_batch_size=1, temperature=1.0))),
 }
@@ -52,10 +53,17 @@ def main(out_dir: str) -> None:
         options, sampling = per_rank[rank]
         sampling = SamplingConfig(**{"max_new_tokens": 8, "temperature": 0.0, **sampling})
         forwards.clear()
+        options = dict(options)
+        lengths = options.pop("lengths", "natural")  # a benchmark workload's lengths, through the bench's own hook
         config = HybridEngineRolloutConfig(enable_profiling=True, **options)
-        batch = HybridEngineRollout(engine, make_tokenizer(0, 2), config).generate(request, sampling)
+
+        def engine_for(module):
+            rollout = HybridEngineRollout(module, make_tokenizer(0, 2), config)
+            return WorkloadRollout(rollout, lengths, rollout.eos_token_ids, seed=config.seed or 0)
+
+        batch = engine_for(engine).generate(request, sampling)
         count = {"all": len(forwards), "decode": forwards.count(1)}
-        alone = HybridEngineRollout(reference_model, make_tokenizer(0, 2), config).generate(request, sampling)
+        alone = engine_for(reference_model).generate(request, sampling)
         results[name] = {"input_ids": batch.input_ids.tolist(), "attention_mask": batch.attention_mask.tolist(),
                          "reference_ids": alone.input_ids.tolist(), "forwards": count["all"],
                          "decode_forwards": count["decode"]}

@@ -15,7 +15,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from conftest import chain_table, left_padded, make_tokenizer, transition_model  # noqa: E402
-from opsd_rollout import HybridEngineRollout, HybridEngineRolloutConfig, SamplingConfig  # noqa: E402
+from opsd_rollout import HybridEngineRollout, HybridEngineRolloutConfig, RolloutOptions, SamplingConfig  # noqa: E402
 from opsd_rollout.deepspeed_engine import build_engine  # noqa: E402
 from opsd_rollout.rollout.phases import zero3_coordinator  # noqa: E402
 
@@ -67,8 +67,8 @@ def main(out_dir: str) -> None:
     # admitted rows need no prefill (their prompt is already held) still joins the others' prefill collectives
     for layout, gather, slots in (("shared", "per_layer", 1), ("shared", "once", None), ("copied", "per_layer", 1)):
         forwards.clear()
-        config = HybridEngineRolloutConfig(enable_profiling=True, zero3_gather=gather, shared_prefix_min_prompt=1,
-                                           shared_prefix=layout == "shared")
+        config = HybridEngineRolloutConfig(enable_profiling=True, zero3_gather=gather, options=RolloutOptions(
+            shared_prefix_min_prompt=1, shared_prefix=layout == "shared"))
         rollout = HybridEngineRollout(engine, make_tokenizer(0, 2), config)
         batch = rollout.generate(left_padded(prompts, 0), SamplingConfig(
             max_new_tokens=6, temperature=0.0, n_samples_per_prompt=2, continuous_batch_size=slots))

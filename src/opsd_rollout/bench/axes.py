@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from opsd_rollout.rollout.config import CACHE_POLICIES, STRATEGIES
-from opsd_rollout.rollout.lengths import KINDS, LengthModel
+from opsd_rollout.bench.lengths import KINDS, LengthModel
 
 DTYPES = ("fp32", "fp16", "bf16")
 DECODINGS = ("greedy", "sampling")

@@ -20,12 +20,12 @@ from opsd_rollout.bench.report import SCHEMA_VERSION, ConfigResult, write_json_a
 from opsd_rollout.bench.stability import (Interference, InterferenceMonitor, Warmup, merge_interference,
                                           spread_warning, warm_up)
 from opsd_rollout.bench.threads import share_cores
+from opsd_rollout.bench.workload import WorkloadRollout
 from opsd_rollout.deepspeed_engine import DEFAULT_COLLECTIVE_TIMEOUT_S, build_engine, build_inference_engine, init_distributed
 from opsd_rollout.distributed import rank_info
 from opsd_rollout.modeling import ModelSpec
 from opsd_rollout.models import load_model, parse_dtype
-from opsd_rollout.rollout import HybridEngineRollout, HybridEngineRolloutConfig
-from opsd_rollout.rollout.lengths import LengthModel
+from opsd_rollout.rollout import HybridEngineRollout, HybridEngineRolloutConfig, RolloutOptions
 
 
 class RankFailure(RuntimeError):
@@ -91,13 +91,12 @@ class EnginePool:
         built = self.get(config)
         key = (config.strategy, config.cache_policy, config.forward_timing, config.lengths, config.compile_decode)
         if key not in built.rollouts:
-            lengths = LengthModel.parse(config.lengths)
             cfg = HybridEngineRolloutConfig(enable_profiling=True, strategy=config.strategy,
-                                            cache_policy=config.cache_policy, profile_forwards=config.forward_timing,
-                                            compile_decode=config.compile_decode,
-                                            ignore_eos=lengths.kind == "fixed",
-                                            response_lengths=lengths.spec if lengths.synthetic else None)
-            built.rollouts[key] = HybridEngineRollout(built.engine, built.tokenizer, cfg)
+                                            cache_policy=config.cache_policy, compile_decode=config.compile_decode,
+                                            options=RolloutOptions(profile_forwards=config.forward_timing))
+            rollout = HybridEngineRollout(built.engine, built.tokenizer, cfg)
+            # the workload's response lengths, forced alike on every engine by the bench's own hook
+            built.rollouts[key] = WorkloadRollout(rollout, config.lengths, rollout.eos_token_ids)
         return built.rollouts[key], built
 
     def close(self) -> None:

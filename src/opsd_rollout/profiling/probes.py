@@ -12,9 +12,10 @@ record calls and bytes, e.g. ZeRO-3 all-gathers launched inside a timed fetch.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -119,20 +120,29 @@ class PhaseProbes:
             return original(*args, **kwargs)
 
         def timed(*args: Any, **kwargs: Any) -> Any:
-            if self._depth:  # inside another timed call: charged there
+            with self.timing(probe.phase):
                 return original(*args, **kwargs)
-            self._depth += 1
-            totals.calls += 1
-            synchronize(self.clock.device)
-            start, forward = self.clock.mark(), self.current_forward()
-            try:
-                return original(*args, **kwargs)
-            finally:
-                synchronize(self.clock.device)
-                self.records.append(ProbeRecord(probe.phase, start, self.clock.mark(), forward))
-                self._depth -= 1
 
         return timed if probe.timed else counted
+
+    @contextlib.contextmanager
+    def timing(self, phase: str) -> Iterator[None]:
+        """Time the block as ``phase`` (what a timed probe does around its call; the code that runs a phase can
+        record it itself this way)."""
+        totals = self.counts.setdefault(phase, PhaseTotal())
+        if self._depth:  # inside another timed call: charged there
+            yield
+            return
+        self._depth += 1
+        totals.calls += 1
+        synchronize(self.clock.device)
+        start, forward = self.clock.mark(), self.current_forward()
+        try:
+            yield
+        finally:
+            synchronize(self.clock.device)
+            self.records.append(ProbeRecord(phase, start, self.clock.mark(), forward))
+            self._depth -= 1
 
     def totals(self) -> dict[str, PhaseTotal]:
         """Per phase: time of its timed calls, and calls/bytes of every call."""

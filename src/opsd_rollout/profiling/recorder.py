@@ -80,6 +80,11 @@ class StageRecorder:
         with probes:
             yield
 
+    def phase(self, name: str) -> contextlib.AbstractContextManager:
+        """Time the block as the attributed phase ``name`` (``compaction_ms``, ``compile_ms``, ...), as the
+        probes time the calls they wrap; nothing outside ``probes(...)``."""
+        return self._probes.timing(name) if self._probes is not None else contextlib.nullcontext()
+
     def resolve(self) -> "Resolved":
         """Read every mark once (one device wait on CUDA) into stage times, forwards, phases and spans; offsets
         count from the ``total`` stage's start (or the first mark's, without one)."""
@@ -134,6 +139,9 @@ class _NullRecorder:
         return contextlib.nullcontext()
 
     def probes(self, _probes: PhaseProbes | None) -> contextlib.nullcontext:
+        return contextlib.nullcontext()
+
+    def phase(self, _name: str) -> contextlib.nullcontext:
         return contextlib.nullcontext()
 
 

@@ -10,12 +10,13 @@ from typing import TYPE_CHECKING, Any
 
 _EXPORTS = {"HybridEngineRollout": "opsd_rollout.rollout.engine",
             "HybridEngineRolloutConfig": "opsd_rollout.rollout.config",
+            "RolloutOptions": "opsd_rollout.rollout.config",
             "build_rollout": "opsd_rollout.rollout.factory"}
 
 __all__ = sorted(_EXPORTS)
 
 if TYPE_CHECKING:
-    from opsd_rollout.rollout.config import HybridEngineRolloutConfig
+    from opsd_rollout.rollout.config import HybridEngineRolloutConfig, RolloutOptions
     from opsd_rollout.rollout.engine import HybridEngineRollout
     from opsd_rollout.rollout.factory import build_rollout
 

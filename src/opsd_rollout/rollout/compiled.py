@@ -2,18 +2,26 @@
 training run compiles a bounded number of graphs, every graph counted, and the time spent compiling kept out of
 the decode figures.
 
+On torch's public compiler API: the decode loop runs the step under ``torch.compiler.set_stance(
+"fail_on_recompile")``, so torch refuses to compile inside a decode step (``NeedsCompile``). Each bucket shape
+(``rollout/decode/loop.py``) is compiled explicitly by a warm-up call (``warm``) the first time the loop reaches
+it, apart from the decode steps and timed as ``compile_ms``; anything else that would make torch compile again
+(other forward hooks, a dtype, ``torch._dynamo.reset()``) is refused the same way and warmed the same way.
+Graphs are counted with dynamo's own counter.
+
 Shapes: the cache length rounds up to a power of two (``bucket``) and the batch moves through row compaction's
 buckets (``scheduler.batch_buckets``). torch's automatic dynamic shapes compile the first batch size as it is
 and, when a second one comes, one graph with a symbolic batch that serves every later size; on CUDA each size
-still gets its own recorded CUDA graph (cheap: a recording, not a compile). Running past torch's recompile
-limit (after which torch silently runs the step eagerly for the rest of the process) is a warning.
+still gets its own recorded CUDA graph (a recording in its warm-up call, not a compile). Reaching torch's
+recompile limit (after which torch would run new shapes eagerly) is a warning.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Callable, Hashable
-from typing import Any, ClassVar
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -41,39 +49,40 @@ def default_options(device: torch.device) -> dict[str, Any]:
 
 
 def compiled_graphs() -> int:
-    """Graphs dynamo has compiled in this process so far (all functions)."""
+    """Graphs dynamo has compiled in this process so far (all functions): dynamo's own counter."""
     from torch._dynamo.utils import counters
 
     return int(counters["stats"]["unique_graphs"])
 
 
-def _forgotten_by_dynamo(fn: Callable) -> bool:
-    """Whether dynamo holds nothing compiled for ``fn`` (``torch._dynamo.reset()`` clears it all, as in a fresh
-    process); False where this torch does not say."""
-    try:
-        from torch._dynamo.convert_frame import input_codes
-        return fn.__code__ not in input_codes
-    except (ImportError, AttributeError, TypeError):
-        return False
+class NeedsCompile(RuntimeError):
+    """torch would compile inside a decode step (a new shape, or a guard that failed): warm the step first."""
+
+
+def _refused(error: RuntimeError) -> bool:
+    return "fail_on_recompile" in str(error)
+
+
+def _strict() -> Any:
+    """``set_stance("fail_on_recompile")``, unless the caller chose a stance of their own (``force_eager``, ...)."""
+    from torch._dynamo import eval_frame
+
+    stance = getattr(getattr(eval_frame, "_stance", None), "stance", "default")
+    return torch.compiler.set_stance("fail_on_recompile") if stance == "default" else contextlib.nullcontext()
 
 
 class CompiledStep:
-    """``torch.compile(fn)``, compiled with ``options`` (or ``default_options`` of the device it first runs on),
-    plus a count of the shapes it has been called with and of the graphs compiling them took.
-
-    torch keeps compiled graphs per code object, so every instance compiling the same function shares one
-    budget of ``recompile_limit()`` graphs; the counts are shared the same way (per process)."""
-
-    _shapes: ClassVar[dict[Callable, set[Hashable]]] = {}
-    _graphs: ClassVar[dict[Callable, int]] = {}
-    _ran: ClassVar[dict[Callable, bool]] = {}
-    """Whether the function has run compiled since dynamo last forgot it (shapes noted before are then stale)."""
+    """``torch.compile(fn)`` with ``options`` (or ``default_options`` of the device it first runs on): ``warm``
+    compiles a shape explicitly; a call runs a warmed shape and never compiles."""
 
     def __init__(self, fn: Callable[..., Any], options: dict[str, Any] | None = None):
         self.fn = fn
         self.options = options
         self._compiled: Callable[..., Any] | None = None
-        self._warned = self._warned_loop = False
+        self.graphs = 0
+        """Graphs this step's warm-up calls compiled (a shape served by a dynamic graph adds none)."""
+        self.exhausted = False
+        """torch's recompile limit was reached: shapes it cannot compile any more run eagerly."""
 
     def prepare(self, device: torch.device) -> None:
         """Compile lazily for ``device`` (the options depend on it) unless options were given."""
@@ -81,73 +90,46 @@ class CompiledStep:
             self._compiled = torch.compile(self.fn, **(self.options if self.options is not None
                                                        else default_options(device)))
 
-    @property
-    def graphs(self) -> int:
-        """Graphs compiled for this function in this process (a shape that reuses a dynamic graph adds none)."""
-        return self._graphs.get(self.fn, 0)
-
-    @property
-    def shapes(self) -> int:
-        """Distinct shapes this function has been called with in this process."""
-        return len(self._shapes.get(self.fn, ()))
-
-    def note_shape(self, key: Hashable) -> bool:
-        """Record that the next calls use shape ``key``; True when it is new (a compile may follow)."""
-        if self._ran.get(self.fn) and _forgotten_by_dynamo(self.fn):  # torch._dynamo.reset() since: all new
-            self._shapes[self.fn], self._graphs[self.fn], self._ran[self.fn] = set(), 0, False
-        seen = self._shapes.setdefault(self.fn, set())
-        if key in seen:
-            return False
-        seen.add(key)
-        return True
-
-    def first_call(self, *args: Any, **kwargs: Any) -> int:
-        """Run the step once for a new shape (compiling it if torch must) and return the graphs compiled. The
-        decode loop calls it before the step it is about to take, with the same inputs: a decode step only
+    def warm(self, *args: Any, **kwargs: Any) -> int:
+        """Run the step once, compiling (or recording its CUDA graph) if torch must; returns the graphs compiled.
+        The decode loop calls it before the step it is about to take, with the same inputs: a decode step only
         writes the keys/values of the columns it is given, so the real call that follows does the same again."""
-        # dynamo does not guard on module hooks by default: a step compiled unprofiled would then never run the
-        # forward timer's hooks added later (its decode forwards invisible). Compiled with hook guards, a call with
-        # other hooks misses this graph (the shape key includes the hooks, so that call is a first call too)
-        with torch._dynamo.config.patch(skip_nnmodule_hook_guards=False):
-            _, added = self._counted(*args, **kwargs)
-        # whether dynamo now holds the step (not when it never compiles: TORCHDYNAMO_DISABLE, a forced eager stance)
-        self._ran[self.fn] = not _forgotten_by_dynamo(self.fn)
-        self._graphs[self.fn] = self.graphs + added
-        if self.graphs >= recompile_limit() and not self._warned:
-            self._warned = True
-            logger.warning("the compiled decode step has now compiled %d graphs, torch's recompile limit of %d: torch "
-                           "runs any new shape eagerly for the rest of the process. Keep prompt + max_new_tokens "
-                           "within fewer length buckets (powers of two), or raise "
-                           "torch._dynamo.config.recompile_limit.", self.graphs, recompile_limit())
-        return added
-
-    def loop_call(self, *args: Any, **kwargs: Any) -> tuple[Any, int]:
-        """A decode step on a shape seen before: its result, and the graphs it compiled (0 unless a guard failed,
-        counted by ``note_loop_graphs``)."""
-        result, added = self._counted(*args, **kwargs)
-        return result, self.note_loop_graphs(added)
-
-    def _counted(self, *args: Any, **kwargs: Any) -> tuple[Any, int]:
-        """The step's result and the graphs dynamo compiled during it."""
+        self._require_prepared()
         before = compiled_graphs()
-        result = self(*args, **kwargs)
-        return result, compiled_graphs() - before
-
-    def note_loop_graphs(self, added: int) -> int:
-        """Count ``added`` graphs compiled inside a decode loop, outside the first calls: a guard failed where the
-        shape key saw nothing new, so the compile ran in a decode step (its time in ``decode_ms``). Warned once,
-        since it means recompiling where nothing should; returns what it counted."""
-        added = max(0, added)  # dynamo's counters may have been reset meanwhile
-        if added > 0:
-            self._graphs[self.fn] = self.graphs + added
-            if not self._warned_loop:
-                self._warned_loop = True
-                logger.warning("the compiled decode step compiled %d graph(s) inside the decode loop, on a shape it "
-                               "had seen: a guard failed (TORCH_LOGS=recompiles says which); those decode steps "
-                               "include the compile", added)
+        # dynamo does not guard on module hooks by default: a step compiled unprofiled would then never run the
+        # forward timer's hooks added later (its decode forwards invisible); with hook guards, other hooks are
+        # another graph (refused in the loop, then warmed)
+        with torch._dynamo.config.patch(skip_nnmodule_hook_guards=False, fail_on_recompile_limit_hit=True):
+            try:
+                self._compiled(*args, **kwargs)
+            except torch._dynamo.exc.FailOnRecompileLimitHit:
+                self._warn_exhausted()
+                self.fn(*args, **kwargs)
+        added = max(0, compiled_graphs() - before)  # dynamo's counters may have been reset meanwhile
+        self.graphs += added
         return added
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """A decode step on a warmed shape. Raises ``NeedsCompile`` where torch would compile."""
+        self._require_prepared()
+        try:
+            with _strict():
+                return self._compiled(*args, **kwargs)
+        except RuntimeError as error:
+            if not _refused(error):
+                raise
+            if self.exhausted:  # torch compiles no more: this shape runs eagerly, as torch would run it
+                return self.fn(*args, **kwargs)
+            raise NeedsCompile(str(error)) from None
+
+    def _warn_exhausted(self) -> None:
+        if not self.exhausted:
+            self.exhausted = True
+            logger.warning("the compiled decode step has reached torch's recompile limit of %d graphs: new shapes run "
+                           "eagerly for the rest of the process. Keep prompt + max_new_tokens within fewer length "
+                           "buckets (powers of two), or raise torch._dynamo.config.recompile_limit.",
+                           recompile_limit())
+
+    def _require_prepared(self) -> None:
         if self._compiled is None:
             raise RuntimeError("CompiledStep.prepare(device) must run before the compiled step is called")
-        return self._compiled(*args, **kwargs)

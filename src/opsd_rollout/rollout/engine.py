@@ -18,11 +18,11 @@ from opsd_rollout.profiling.profile import build_profile
 from opsd_rollout.rollout import postprocess
 from opsd_rollout.rollout.config import HybridEngineRolloutConfig
 from opsd_rollout.rollout.gather import GatherOnce
-from opsd_rollout.rollout.lengths import LengthModel
 from opsd_rollout.rollout.phases import add_rollout_probes, zero3_offload
+from opsd_rollout.rollout.processors import RowLogitsProcessor
 from opsd_rollout.rollout.strategies import TransformersGenerate, make_strategy
 from opsd_rollout.rollout.target import hybrid_engine_problem, resolve_target
-from opsd_rollout.rollout.validation import RolloutPlan, plan_rollout
+from opsd_rollout.rollout.validation import RolloutPlan, plan_rollout, resolve_special_tokens
 
 
 logger = logging.getLogger(__name__)
@@ -61,7 +61,8 @@ class HybridEngineRollout(RolloutEngine):
             logger.warning("strategy %r cannot run %s (%s); using 'generate'", self.cfg.strategy,
                            type(self.target.forward_module).__name__, reason)
             self.strategy = TransformersGenerate()
-        self._gather_once = (GatherOnce(self.target.model, self.cfg.gather_memory_budget_bytes, self.target.device,
+        self.strategy.prepare(self.target)
+        self._gather_once = (GatherOnce(self.target.model, self.cfg.options.gather_memory_budget_bytes, self.target.device,
                                         zero3_offload(self.target.engine))
                              if self.target.zero_stage == 3 and not self.target.hybrid_engine
                              and self.cfg.zero3_gather == "once" else None)
@@ -86,6 +87,11 @@ class HybridEngineRollout(RolloutEngine):
         """Whether prompts are prefilled once for their n samples (``shared_prefill``, with the static strategy)."""
         return self.cfg.shared_prefill and self.strategy.name == "static"
 
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """The token ids a response ends at: the tokenizer's EOS and the model's ``generation_config``'s."""
+        return resolve_special_tokens(self.tokenizer, self.target)[1]
+
     def get_last_profile(self) -> RolloutProfile | None:
         """The last call's profile; ``None`` before the first profiled call and after a call that raised."""
         return self._last_profile
@@ -108,17 +114,15 @@ class HybridEngineRollout(RolloutEngine):
         self._last_profile = self._last_timeline = None
 
     @torch.no_grad()
-    def generate(self, request: RolloutRequest, sampling: SamplingConfig) -> RolloutBatch:
-        """Roll out ``sampling.n_samples_per_prompt`` responses per prompt; see DESIGN.md's batch contract."""
+    def generate(self, request: RolloutRequest, sampling: SamplingConfig, *,
+                 logits_processor: RowLogitsProcessor | None = None) -> RolloutBatch:
+        """Roll out ``sampling.n_samples_per_prompt`` responses per prompt (the batch contract: docs/ROLLOUT.md).
+        ``logits_processor`` (ours, not DeepSpeed's): adjusts the logits of every sampled token, by request row
+        (``rollout/processors.py``); the benchmark forces its workloads' response lengths with one."""
         self._last_profile = self._last_timeline = None
         if self._closed:
             raise RuntimeError("generate() called after shutdown()")
-        plan = plan_rollout(request, sampling, self.target, self.tokenizer, ignore_eos=self.cfg.ignore_eos)
-        if self.cfg.response_lengths is not None:
-            if not plan.eos_token_ids:
-                raise ValueError("response_lengths forces an EOS, but neither the tokenizer nor the model has one")
-            plan = dataclasses.replace(plan, response_lengths=LengthModel.parse(self.cfg.response_lengths),
-                                       length_seed=self.cfg.seed or 0)
+        plan = plan_rollout(request, sampling, self.target, self.tokenizer)
         if plan.continuous_batch_size and self.strategy.name == "generate" and not self._warned_slots:
             self._warned_slots = True
             logger.warning("strategy 'generate' decodes every row at once: continuous_batch_size=%d bounds nothing "
@@ -126,13 +130,13 @@ class HybridEngineRollout(RolloutEngine):
         prompt_ids = request.prompt_ids.to(self.target.device)
         prompt_mask = request.prompt_attention_mask.to(self.target.device)
         if not self.cfg.enable_profiling:
-            return self._rollout(prompt_ids, prompt_mask, plan, NULL_RECORDER)[0]
+            return self._rollout(prompt_ids, prompt_mask, plan, NULL_RECORDER, logits_processor)[0]
 
         memory = PeakMemory(self.target.device)
         memory.start()
-        recorder = StageRecorder(self._clock, time_forwards=self.cfg.profile_forwards)
+        recorder = StageRecorder(self._clock, time_forwards=self.cfg.options.profile_forwards)
         with recorder.stage("total"):
-            batch, lengths = self._rollout(prompt_ids, prompt_mask, plan, recorder)
+            batch, lengths = self._rollout(prompt_ids, prompt_mask, plan, recorder, logits_processor)
         resolved = recorder.resolve()
         self._last_timeline = resolved.spans
         self._last_profile = build_profile(
@@ -173,8 +177,8 @@ class HybridEngineRollout(RolloutEngine):
         finally:
             self.target.model.unmerge_adapter()
 
-    def _rollout(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, plan: RolloutPlan,
-                 recorder: Any) -> tuple[RolloutBatch, torch.Tensor]:
+    def _rollout(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, plan: RolloutPlan, recorder: Any,
+                 processor: RowLogitsProcessor | None) -> tuple[RolloutBatch, torch.Tensor]:
         with recorder.stage("prompt_expansion"):
             ids, mask = postprocess.expand_prompts(prompt_ids, prompt_mask, plan.samples_per_prompt)
         probes = self._probes() if recorder.enabled else None  # the unprofiled path builds nothing
@@ -184,7 +188,7 @@ class HybridEngineRollout(RolloutEngine):
                 layerwise = self.target.zero_stage == 3 and not gathered
                 plan = dataclasses.replace(plan, layerwise_gather=layerwise,
                                            collective_forwards=plan.lockstep and layerwise)
-                sequences = self.strategy.generate(self.target, ids, mask, plan)  # [N, P + R']
+                sequences = self.strategy.generate(self.target, ids, mask, plan, recorder, processor)  # [N, P + R']
             if self.cfg.cache_policy == "release":
                 self.release_workspace()
         with recorder.stage("post_processing"):

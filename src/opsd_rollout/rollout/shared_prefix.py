@@ -10,10 +10,13 @@ et al. 2024, and of FlashInfer's cascade attention):
 
 The prefix part runs for the n queries of a prompt together against its one copy of the prompt (a matmul of
 ``n * heads_per_kv_head`` queries per key/value head instead of n reads of the prompt); the suffix part is each
-row's own response. It plugs into transformers models through their attention-function interface: for the
-decode forwards only, the model's config names ``ATTENTION`` (registered in ``AttentionInterface``), so every
-model whose attention goes through that interface (Llama, Qwen2, GPT-2, ...) needs no code of its own; the
-prefill keeps the model's own attention.
+row's own response. It plugs into transformers models through their attention-function interface, with no code
+per model: ``install`` selects, once, when the rollout is built, an attention implementation registered under
+``ATTENTION + ":" + the model's own`` (``sdpa`` or ``eager``). That implementation is the model's own in every
+forward but the shared-prefix decode forwards, which pass their layout as the keyword argument
+``shared_prefix`` (transformers hands a forward's extra keyword arguments to every attention call). Every model
+whose attention goes through that interface (Llama, Qwen2, GPT-2, ...) works; one that does not is caught at the
+first decode step (its layers never used the layout).
 
 Rows come and go (continuous batching, compaction): each decode slot knows its row's prefix slot and sample
 index (``slot_index = prefix_slot * n + sample``), so a prompt group with fewer live rows than n simply has
@@ -25,25 +28,21 @@ rows reads a few prompts, not every prompt of the request (eager steps; a compil
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
+import sys
 from typing import Any
 
 import torch
 from transformers import AttentionInterface
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from opsd_rollout.modeling import ModelSpec
+from opsd_rollout.modeling import SHARED_PREFIX_ATTENTION as ATTENTION, ModelSpec, base_attention
 from opsd_rollout.rollout.scheduler import batch_buckets, bucket_at_least
 from opsd_rollout.rollout.workspace import PrefixStore
 
-ATTENTION = "opsd_shared_prefix"
-"""The name decode forwards select through ``config._attn_implementation``."""
 
 SUPPORTED_ATTENTION = ("sdpa", "eager")
 """Implementations whose decode forwards the shared-prefix attention replaces (it computes what they compute)."""
-
-_active: "SharedPrefix | None" = None
-"""The rollout whose decode forward is running (set by ``SharedPrefix.decoding``)."""
 
 
 def shared_prefix_problem(spec: ModelSpec) -> str | None:
@@ -97,30 +96,64 @@ def merge(output_a: torch.Tensor, lse_a: torch.Tensor, output_b: torch.Tensor,
     return torch.lerp(output_b.to(share_a.dtype), output_a.to(share_a.dtype), share_a)
 
 
-def shared_prefix_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                            attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
-                            **kwargs: Any) -> tuple[torch.Tensor, None]:
-    """transformers' attention-function signature. query [A, Hq, 1, D]; key, value [A, Hkv, W, D]: the rows'
-    response columns (the decode cache's view); attention_mask [A, 1, 1, W] bool or ``None`` (all visible).
-    Returns [A, 1, Hq, D], as every transformers attention function does."""
-    if _active is None:
-        raise RuntimeError(f"attention {ATTENTION!r} runs only inside a shared-prefix decode step")
-    if dropout:
-        raise RuntimeError(f"shared-prefix attention applies no dropout, and the model asks for {dropout}: put the "
-                           "model in eval mode for rollouts, or set shared_prefix=False")
-    return _active.attend(module.layer_idx, query, key, value, attention_mask, scaling), None
+def own_attention(base: str, module: torch.nn.Module) -> Any:
+    """The attention function the model would run under implementation ``base``: transformers' registered one,
+    or (``eager``) the model's own ``eager_attention_forward``, which every transformers modeling file defines."""
+    if base != "eager":
+        return ALL_ATTENTION_FUNCTIONS[base]
+    modeling = sys.modules[type(module).__module__]
+    eager = getattr(modeling, "eager_attention_forward", None)
+    if eager is None:
+        raise RuntimeError(f"{type(module).__module__} defines no eager_attention_forward: set shared_prefix=False")
+    return eager
 
 
-AttentionInterface.register(ATTENTION, shared_prefix_attention)
+def _attention_for(base: str) -> Any:
+    def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                  attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0, *,
+                  shared_prefix: "SharedPrefix | None" = None, **kwargs: Any) -> tuple[torch.Tensor, Any]:
+        """transformers' attention-function signature. Without ``shared_prefix``: the model's own attention.
+        With it (a shared-prefix decode step): query [A, Hq, 1, D]; key, value [A, Hkv, W, D], the rows' response
+        columns; attention_mask [A, 1, 1, W] bool or ``None`` (all visible). Returns [A, 1, Hq, D]."""
+        if shared_prefix is None:
+            return own_attention(base, module)(module, query, key, value, attention_mask, scaling=scaling,
+                                               dropout=dropout, **kwargs)
+        if dropout:
+            raise RuntimeError(f"shared-prefix attention applies no dropout, and the model asks for {dropout}: put "
+                               "the model in eval mode for rollouts, or set shared_prefix=False")
+        return shared_prefix.attend(module.layer_idx, query, key, value, attention_mask, scaling), None
+
+    return attention
+
+
+for _base in SUPPORTED_ATTENTION:
+    AttentionInterface.register(f"{ATTENTION}:{_base}", _attention_for(_base))
+    # the forwards that do not pass a layout build the masks the model's own attention takes
+    AttentionMaskInterface.register(f"{ATTENTION}:{_base}", ALL_MASK_ATTENTION_FUNCTIONS[_base])
+
+
+def install(config: Any) -> bool:
+    """Select the shared-prefix-capable twin of the model's attention (once, when a rollout is built: never
+    during a call). Returns whether the model's attention now takes a layout."""
+    implementation = getattr(config, "_attn_implementation", None)
+    if base_attention(implementation) not in SUPPORTED_ATTENTION:
+        return False
+    config._attn_implementation = f"{ATTENTION}:{base_attention(implementation)}"
+    return True
+
+
+def installed(config: Any) -> bool:
+    implementation = getattr(config, "_attn_implementation", None)
+    return isinstance(implementation, str) and implementation.startswith(ATTENTION + ":")
 
 
 class SharedPrefix:
     """One rollout's shared-prefix state: the store, which prompt each prefix slot holds, and each decode slot's
     place among its prompt's queries (``slot_index``)."""
 
-    def __init__(self, store: PrefixStore, config: Any, samples_per_prompt: int, slots: int, *,
-                 continuous: bool, padded: bool, narrow: bool = True):
-        self.store, self.config, self.n = store, config, samples_per_prompt
+    def __init__(self, store: PrefixStore, samples_per_prompt: int, slots: int, *, continuous: bool, padded: bool,
+                 narrow: bool = True):
+        self.store, self.n = store, samples_per_prompt
         self.groups = store.slots
         """Prefix slots the prefix part reads (the first ``groups``): all of the store's; with ``narrow``, under
         continuous batching those up to the last one in use, after a compaction those of the prompts with a live
@@ -232,23 +265,19 @@ class SharedPrefix:
 
     # ---- decoding ---------------------------------------------------------------------------------------------
 
-    @contextlib.contextmanager
-    def decoding(self, active: int, running: torch.Tensor) -> Iterator[None]:
-        """Around one decode forward of the first ``active`` slots (``running``: which still produce tokens): the
-        model's attention is this layout's, and every layer must have used it."""
-        global _active
+    def step(self, active: int, running: torch.Tensor) -> "SharedPrefix":
+        """Before one decode forward of the first ``active`` slots (``running``: which still produce tokens):
+        where each row's query goes and reads; returns the layout, for the forward's ``shared_prefix`` argument."""
         index = self.slot_index[:active]
         self._write = torch.where(running[:active], index, self.sink) if self.continuous else index
         # a row writing to the sink reads any place (its output is never used)
         self._read = index if self.identity else index.clamp(max=self.sink - 1)
         self._calls = 0
         self._suffix_visible = None
-        implementation = self.config._attn_implementation
-        self.config._attn_implementation, _active = ATTENTION, self
-        try:
-            yield
-        finally:
-            self.config._attn_implementation, _active = implementation, None
+        return self
+
+    def check_step(self) -> None:
+        """After the decode forward: every layer must have used this layout."""
         if self._calls != self.layers:
             raise RuntimeError(f"the decode forward ran the shared-prefix attention in {self._calls} of {self.layers} "
                                "layers: this model's attention does not go through transformers' attention "
@@ -266,7 +295,9 @@ class SharedPrefix:
         q = query.reshape(rows, kv_heads, heads // kv_heads, dim)
         prefix_out, prefix_lse = self._prefix_part(layer, q, scale)
         if visible is not None and visible is not self._suffix_visible:  # the same mask for every layer of a step
-            self._suffix_visible, self._suffix_bias = visible, additive_mask(visible, query.dtype)
+            # a bool mask (SDPA's), or already additive (transformers makes the 4-D mask so for eager attention)
+            bias = additive_mask(visible, query.dtype) if visible.dtype == torch.bool else visible.to(query.dtype)
+            self._suffix_visible, self._suffix_bias = visible, bias
         suffix_out, suffix_lse = partial_attention(q, keys, values, None if visible is None else self._suffix_bias,
                                                    scale)
         self._calls += 1

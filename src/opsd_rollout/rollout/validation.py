@@ -27,8 +27,6 @@ class RolloutPlan:
     top_p: float
     pad_token_id: int
     eos_token_ids: tuple[int, ...]
-    ignore_eos: bool = False
-    """Generation runs every row to ``max_new_tokens``; post-processing still cuts at the first EOS."""
     continuous_batch_size: int | None = None
     """At most this many rows decode at once; pending prompts take the slots finished rows free."""
     lockstep: bool = False
@@ -39,10 +37,6 @@ class RolloutPlan:
     collective_forwards: bool = False
     """Forwards gather parameters collectively (ZeRO-3 per-layer gathering on several ranks): a rank with
     nothing to prefill still runs a prefill when another rank does."""
-    response_lengths: Any = None
-    """A synthetic ``LengthModel`` forced on the rollout (benchmark workloads), or ``None``."""
-    length_seed: int = 0
-    """Seeds the forced lengths' coins."""
 
     @property
     def effective_batch_size(self) -> int:
@@ -120,8 +114,7 @@ def _check_prompts(request: Any) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, mask
 
 
-def plan_rollout(request: Any, sampling: Any, target: RolloutTarget, tokenizer: Any, *,
-                 ignore_eos: bool = False) -> RolloutPlan:
+def plan_rollout(request: Any, sampling: Any, target: RolloutTarget, tokenizer: Any) -> RolloutPlan:
     """Validate a ``generate`` call and resolve its plan. Raises before any model work."""
     pad_token_id, eos_token_ids = resolve_special_tokens(tokenizer, target)
     temperature, top_k, top_p = _check_sampling(sampling)
@@ -159,5 +152,5 @@ def plan_rollout(request: Any, sampling: Any, target: RolloutTarget, tokenizer: 
     return RolloutPlan(batch_size=batch_size, prompt_length=prompt_length, samples_per_prompt=n,
                        max_new_tokens=max_new_tokens, greedy=temperature <= 0.0, temperature=temperature,
                        top_k=top_k, top_p=top_p, pad_token_id=pad_token_id, eos_token_ids=eos_token_ids,
-                       ignore_eos=ignore_eos, continuous_batch_size=getattr(sampling, "continuous_batch_size", None),
+                       continuous_batch_size=getattr(sampling, "continuous_batch_size", None),
                        lockstep=target.zero_stage == 3 and target.world_size > 1)

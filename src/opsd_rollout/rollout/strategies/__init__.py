@@ -20,12 +20,9 @@ if TYPE_CHECKING:
 def make_strategy(cfg: "HybridEngineRolloutConfig") -> GenerationStrategy:
     """The strategy ``cfg.strategy`` names, configured from ``cfg``."""
     if cfg.strategy == StaticDecode.name:
-        return StaticDecode(shared_prefill=cfg.shared_prefill, stop_check_interval=cfg.stop_check_interval,
-                            seed=cfg.seed, compile_decode=cfg.compile_decode, static_shapes=cfg.static_shapes,
+        return StaticDecode(shared_prefill=cfg.shared_prefill, seed=cfg.seed, compile_decode=cfg.compile_decode,
                             compact_rows=cfg.compact_rows, kv_budget_bytes=cfg.kv_budget_bytes,
-                            cache_capacity=cfg.continuous_cache_capacity, shared_prefix=cfg.shared_prefix,
-                            shared_prefix_min_prompt=cfg.shared_prefix_min_prompt,
-                            cpu_transposed_weights=cfg.cpu_transposed_weights)
+                            cache_capacity=cfg.continuous_cache_capacity, options=cfg.options)
     if cfg.strategy == TransformersGenerate.name:
         return TransformersGenerate()
     raise ValueError(f"unknown strategy {cfg.strategy!r}")

@@ -46,9 +46,14 @@ class GenerationStrategy(Protocol):
         """Why this strategy cannot run ``target`` (the rollout then uses ``generate``), or ``None``."""
         ...
 
+    def prepare(self, target: RolloutTarget) -> None:
+        """Once, when the rollout is built, before any call."""
+        ...
+
     def generate(self, target: RolloutTarget, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
-                 plan: RolloutPlan) -> torch.Tensor:
-        """prompt_ids, prompt_mask: [N, P] left-padded. Returns ``[N, P + R']``: the prompts exactly as given,
+                 plan: RolloutPlan, recorder: Any, processor: Any = None) -> torch.Tensor:
+        """prompt_ids, prompt_mask: [N, P] left-padded; ``recorder`` records the phases it runs (compaction,
+        compile, ...); ``processor``: a ``RowLogitsProcessor`` or ``None``. Returns ``[N, P + R']``: the prompts exactly as given,
         then the generated tokens (``R' <= max_new_tokens``), in a tensor the caller may write into."""
         ...
 

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from transformers import GenerationConfig, LogitsProcessorList
 
-from opsd_rollout.rollout.length_forcing import as_logits_processor
+from opsd_rollout.rollout.processors import RowLogitsProcessor
 from opsd_rollout.rollout.strategies.base import DecodeStats
 from opsd_rollout.rollout.target import RolloutTarget
 from opsd_rollout.rollout.validation import RolloutPlan
@@ -29,7 +29,7 @@ class TransformersGenerate:
         return None
 
     def generate(self, target: RolloutTarget, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
-                 plan: RolloutPlan) -> torch.Tensor:
+                 plan: RolloutPlan, recorder: Any = None, processor: RowLogitsProcessor | None = None) -> torch.Tensor:
         sampling = {} if plan.greedy else dict(temperature=plan.temperature, top_k=max(plan.top_k, 0),
                                                 top_p=plan.top_p)
         # Only the knobs the rollout owns are set; other generation options (e.g. repetition_penalty) follow
@@ -37,13 +37,15 @@ class TransformersGenerate:
         # generate() fills a None eos_token_id from the model's generation_config, so "never stop" is an id
         # that cannot be generated: one past the vocabulary
         never = [target.vocab_size if target.vocab_size is not None else 2**31 - 1]
-        stop_ids = never if plan.ignore_eos else (list(plan.eos_token_ids) or never)
+        stop_ids = never if processor is not None and not processor.eos_stops else (list(plan.eos_token_ids) or never)
         config = GenerationConfig(max_new_tokens=plan.max_new_tokens, do_sample=not plan.greedy, num_beams=1,
                                   eos_token_id=stop_ids, pad_token_id=plan.pad_token_id, use_cache=True, **sampling)
         processors = LogitsProcessorList()
-        if plan.response_lengths is not None:  # a benchmark workload's synthetic lengths
-            processors.append(as_logits_processor(plan.response_lengths, plan.max_new_tokens, plan.eos_token_ids[0],
-                                                  plan.length_seed, prompt_mask, plan.samples_per_prompt))
+        if processor is not None:
+            processor.start(prompt_ids, prompt_mask, plan.samples_per_prompt)
+            transformers_processor = processor.as_logits_processor(prompt_mask, plan.samples_per_prompt)
+            if transformers_processor is not None:
+                processors.append(transformers_processor)
         sequences = target.generate_fn(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=config,
                                        synced_gpus=target.zero_stage == 3 and target.world_size > 1,
                                        logits_processor=processors)
@@ -51,6 +53,9 @@ class TransformersGenerate:
         # every row is computed at every step until the last one finishes
         self.last_stats = DecodeStats(row_steps=rows * steps, slots=rows, forwards=steps)
         return sequences
+
+    def prepare(self, target: RolloutTarget) -> None:
+        """generate needs nothing prepared."""
 
     def release_workspace(self) -> None:
         """generate keeps no workspace of its own between calls."""

@@ -7,9 +7,9 @@ with the distribution's hazard at that length, else EOS is forbidden. The coin i
 content (its prompt's real tokens and what it generated so far) and the token's index, so it does not depend
 on the row's index in the batch: continuous batching, compaction and another engine's order all force the same
 lengths on the same rows. A row's sample index within its prompt is mixed in: the n samples of a prompt draw
-their lengths independently even where their content is the same. ``LengthForcing`` does it inside our decode loop; ``as_logits_processor`` inside
-transformers' ``generate`` (and so DeepSpeed's rollout); both live in ``length_forcing`` (this module is
-light: the command line reads it).
+their lengths independently even where their content is the same. ``bench/workload.py`` forces them, on our
+rollout through its row logits processor and inside transformers' ``generate`` (and so DeepSpeed's rollout)
+through a ``LogitsProcessor`` (this module is light: the command line reads it).
 """
 
 from __future__ import annotations

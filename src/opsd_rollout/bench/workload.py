@@ -1,5 +1,11 @@
-"""Forcing a ``LengthModel``'s synthetic response lengths (see ``rollout/lengths.py``): in our decode loop
-(``LengthForcing``) and in transformers' ``generate`` (``as_logits_processor``), the same coins on the same rows.
+"""A benchmark workload's response lengths, applied alike to every engine: the bench's own hook on each rollout.
+
+``workload_processor(lengths, ...)`` gives the row logits processor (``rollout/processors.py``) for a
+``LengthModel`` (``bench/lengths.py``): ``fixed`` runs every row to the cap (EOS does not stop a row),
+``natural`` is the model's own EOS (no processor), a synthetic distribution is forced row by row
+(``LengthForcing``). Its ``as_logits_processor`` is the same forcing inside transformers' ``generate`` (and so
+DeepSpeed's rollout): the same coins on the same rows. ``WorkloadRollout`` hands the processor to every call of
+a rollout, so code that calls ``generate(request, sampling)`` (the OPSD step) runs the workload unchanged.
 """
 
 from __future__ import annotations
@@ -10,7 +16,7 @@ import torch
 from transformers import LogitsProcessor
 
 from opsd_rollout.rollout.counter_rng import rollout_key, uniforms
-from opsd_rollout.rollout.lengths import LengthModel
+from opsd_rollout.bench.lengths import LengthModel
 
 HASH_BASE = 0x100000001B3  # FNV's 64-bit prime: content hashes are polynomials in it, modulo 2**64
 LENGTH_SALT = 0x6C656E67  # a key apart from the sampling key of the same seed
@@ -41,17 +47,39 @@ def _powers(count: int, device: torch.device) -> torch.Tensor:
     return torch.cumprod(base, dim=0)  # int64 products wrap modulo 2**64
 
 
+class FixedLengths:
+    """Every row runs ``max_new_tokens`` steps: EOS ends no row (the batch is still cut at the first EOS)."""
+
+    eos_stops = False
+
+    def start(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, samples_per_prompt: int) -> None:
+        pass
+
+    def adjust(self, logits: torch.Tensor, rows: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+        return logits
+
+    def observe(self, rows: torch.Tensor, tokens: torch.Tensor) -> None:
+        pass
+
+    def as_logits_processor(self, prompt_mask: torch.Tensor, samples_per_prompt: int) -> Any:
+        return None
+
+
 class LengthForcing:
     """Forces ``model``'s lengths in our decode loop: ``adjust`` before each token, ``observe`` after it; state is
-    per request row (``rows`` index it, the sink row included)."""
+    per request row (``rows`` index it, the sink row included), set afresh by ``start`` at each call."""
 
-    def __init__(self, model: LengthModel, cap: int, eos_token_id: int, seed: int, device: torch.device):
-        self.hazard = torch.tensor(model.hazards(cap), dtype=torch.float64, device=device)
+    eos_stops = True
+
+    def __init__(self, model: LengthModel, cap: int, eos_token_id: int, seed: int):
+        self.model, self.cap, self.seed = model, cap, seed
+        self.hazard = torch.tensor(model.hazards(cap), dtype=torch.float64)
         self.eos, self.key = eos_token_id, rollout_key(seed, LENGTH_SALT)
 
     def start(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, samples_per_prompt: int) -> None:
         """prompt_ids, prompt_mask: [N, P] expanded prompts (row ``i`` is sample ``i % n`` of its prompt); a
         sink row is added for finished slots."""
+        self.hazard = self.hazard.to(prompt_ids.device)
         h, power = content_hash(prompt_ids, prompt_mask)
         h = h + sample_salt(prompt_ids.shape[0], samples_per_prompt, h.device)
         self.hash, self.power = torch.cat([h, h[:1]]), torch.cat([power, power[:1]])
@@ -62,6 +90,9 @@ class LengthForcing:
     def observe(self, rows: torch.Tensor, tokens: torch.Tensor) -> None:
         self.hash[rows] = self.hash[rows] + (tokens + 1) * self.power[rows]
         self.power[rows] = self.power[rows] * _powers(2, tokens.device)[1]
+
+    def as_logits_processor(self, prompt_mask: torch.Tensor, samples_per_prompt: int) -> Any:
+        return _HashedLengths(self.model, self.cap, self.eos, self.seed, prompt_mask, samples_per_prompt)
 
 
 def force(logits: torch.Tensor, hashes: torch.Tensor, steps: torch.Tensor, hazard: torch.Tensor, eos: int,
@@ -97,8 +128,34 @@ class _HashedLengths(LogitsProcessor):
         return force(scores, hashes, steps, self.hazard.to(scores.device), self.eos, self.key)
 
 
-def as_logits_processor(model: LengthModel, cap: int, eos: int, seed: int, prompt_mask: torch.Tensor,
-                        samples_per_prompt: int) -> Any:
-    """The ``LogitsProcessor`` forcing ``model``'s lengths in ``generate`` for the expanded prompts with
-    ``prompt_mask`` (rows in ``repeat_interleave`` order)."""
-    return _HashedLengths(model, cap, eos, seed, prompt_mask, samples_per_prompt)
+def workload_processor(lengths: LengthModel | str, max_new_tokens: int, eos_token_ids: tuple[int, ...] | list[int],
+                       seed: int = 0) -> Any:
+    """The row logits processor of a workload's response lengths, or ``None`` (``natural``: the model's EOS)."""
+    lengths = LengthModel.parse(lengths) if isinstance(lengths, str) else lengths
+    if lengths.kind == "fixed":
+        return FixedLengths()
+    if not lengths.synthetic:
+        return None
+    if not eos_token_ids:
+        raise ValueError(f"response lengths {lengths.spec!r} force an EOS, but neither the tokenizer nor the model "
+                         "has one")
+    return LengthForcing(lengths, max_new_tokens, eos_token_ids[0], seed)
+
+
+class WorkloadRollout:
+    """A rollout engine whose every ``generate`` runs the workload's response lengths (``lengths``, a spec or a
+    ``LengthModel``); everything else is the engine's own."""
+
+    def __init__(self, rollout: Any, lengths: LengthModel | str, eos_token_ids: tuple[int, ...] | list[int],
+                 seed: int = 0):
+        self.rollout, self.eos_token_ids, self.seed = rollout, tuple(eos_token_ids), seed
+        self.lengths = LengthModel.parse(lengths) if isinstance(lengths, str) else lengths
+
+    def generate(self, request: Any, sampling: Any) -> Any:
+        processor = workload_processor(self.lengths, sampling.max_new_tokens, self.eos_token_ids, self.seed)
+        if processor is None:
+            return self.rollout.generate(request, sampling)
+        return self.rollout.generate(request, sampling, logits_processor=processor)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.rollout, name)
