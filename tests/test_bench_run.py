@@ -113,11 +113,19 @@ def test_bad_bench_input_is_one_clear_message(capsys, argv, message):
     assert message in err and "Traceback" not in err
 
 
+def quiet(document: dict) -> dict:
+    """``document`` with every config recorded undisturbed: what compare decides must not depend on how busy
+    this machine was while the fixture ran (a disturbed config is not judged)."""
+    for result in document["results"]:
+        result["interference"] = {**result["interference"], "reasons": [], "disturbed": False}
+    return document
+
+
 def test_compare_passes_identical_runs_and_flags_a_planted_regression(bench_run, tmp_path, capsys):
-    """The run's real document, its times planted with a quiet machine's spread (1%): what compare decides then
-    depends on the planted slowdown alone, not on how busy this machine was while the fixture ran."""
+    """The run's real document, its times planted with a quiet machine's spread (1%) and its configs recorded
+    undisturbed: what compare decides then depends on the planted slowdown alone."""
     _, out = bench_run
-    document = json.loads((out / "run.json").read_text())
+    document = quiet(json.loads((out / "run.json").read_text()))
     for result in document["results"]:
         for i, it in enumerate(result["iterations"]):
             it["total_ms"] = 100.0 + i % 3 * 0.5
@@ -133,7 +141,7 @@ def test_compare_passes_identical_runs_and_flags_a_planted_regression(bench_run,
     slowed.write_text(json.dumps(document))
     code = main(["compare", str(before), str(slowed), "--markdown", str(tmp_path / "cmp.md")])
     out_text = capsys.readouterr().out
-    assert code == 1 and "REGRESSION" in out_text and "bootstrap confidence interval" in out_text
+    assert code == 1 and "REGRESSION" in out_text and "Hodges-Lehmann ratio" in out_text
     markdown = (tmp_path / "cmp.md").read_text()
     assert "| total ms |" in markdown and "+50.0%" in markdown and "| peak MiB |" in markdown
 
@@ -210,19 +218,23 @@ def test_step_refuses_a_bare_model_up_front(capsys):
 
 def test_compare_can_match_across_strategies(bench_run, tmp_path, capsys):
     _, out = bench_run
-    document = json.loads((out / "run.json").read_text())
+    document = quiet(json.loads((out / "run.json").read_text()))
+    run = tmp_path / "run.json"
+    run.write_text(json.dumps(document))
+    document["matrix"]["strategies"] = ["generate"]
     for result in document["results"]:  # the same runs, relabelled as another strategy's
         result["config"]["strategy"] = "generate"
         result["key"] = result["key"].replace("-static-", "-generate-")
     other = tmp_path / "generate.json"
     other.write_text(json.dumps(document))
-    assert main(["compare", str(out / "run.json"), str(other)]) == 3  # nothing in common: not a pass
-    assert "only in AFTER" in capsys.readouterr().out
-    assert main(["compare", str(out / "run.json"), str(other), "--ignore-axes", "strategy"]) == 0
+    assert main(["compare", str(run), str(other)]) == 3  # nothing in common: not a pass
+    printed = capsys.readouterr().out
+    assert "only in AFTER" in printed and "matrix: strategies ['static'] in BEFORE, ['generate'] in AFTER" in printed
+    assert main(["compare", str(run), str(other), "--ignore-axes", "strategy"]) == 0
     printed = capsys.readouterr().out
     assert "only in" not in printed and "total ms" in printed and "4 config(s) compared" in printed
-    assert main(["compare", str(out / "run.json"), str(other), "--ignore-axes", "colour"]) == 2
-    assert main(["compare", str(out / "run.json"), str(other), "--ignore-axes", "strategy,batch_size"]) == 0
+    assert main(["compare", str(run), str(other), "--ignore-axes", "colour"]) == 2
+    assert main(["compare", str(run), str(other), "--ignore-axes", "strategy,batch_size"]) == 0
     assert "match the same config once" in capsys.readouterr().out
 
 

@@ -1,15 +1,26 @@
-"""``compare``: the bootstrap interval of the ratio of medians, exit statuses that never pass a comparison of
-nothing, and same-code runs that do not read as regressions."""
+"""``compare``: the Hodges-Lehmann ratio and its rank interval, exit statuses that never pass a comparison of
+nothing, files of different work refused, disturbed configs not judged, a planted 1.5x slowdown caught and
+same-code runs let through, in 80 columns.
+
+Each case is planted into a real result document (one small run of the tiny model, made once for the module):
+its iterations get planted timings and its configs a planted interference record, so what ``compare``
+decides never depends on how busy this machine was while the run was made."""
 
 from __future__ import annotations
 
+import copy
+import itertools
 import json
 
+import jsonschema
 import numpy as np
 import pytest
 
-from opsd_rollout.bench.compare import (EXIT_NOTHING_COMPARED, EXIT_PARTIAL, EXIT_REGRESSION, bootstrap_ratio,
-                                        compare_documents)
+from opsd_rollout.bench.compare import (EXIT_BAD_INPUT, EXIT_DISTURBED, EXIT_NOTHING_COMPARED, EXIT_PARTIAL,
+                                        EXIT_REGRESSION, MismatchError, compare_documents)
+from opsd_rollout.bench.ratio_test import EXACT_LIMIT, fewest_iterations, ratio_interval, tail_rank
+from opsd_rollout.bench.report import ConfigResult, load_schema
+from opsd_rollout.bench.scenarios import RolloutConfig
 from opsd_rollout.cli import main
 
 
@@ -30,12 +41,41 @@ def document(results: dict[str, list[float]], kind: str = "rollout") -> dict:
             "results": rows}
 
 
+# ---- the test itself -----------------------------------------------------------------------------------------
+
 def test_the_interval_holds_the_ratio_and_excludes_one_only_for_a_real_change():
     same = [10.0, 10.4, 9.8, 10.1, 10.2, 9.9]
-    ratio, low, high = bootstrap_ratio(same, same)
+    ratio, low, high = ratio_interval(same, same, 0.95)
     assert ratio == 1.0 and low <= 1.0 <= high
-    ratio, low, high = bootstrap_ratio(same, [t * 1.3 for t in same])
+    ratio, low, high = ratio_interval(same, [t * 1.3 for t in same], 0.95)
     assert ratio == pytest.approx(1.3) and low > 1.0 and low <= ratio <= high
+
+
+@pytest.mark.parametrize("m,n", [(1, 1), (2, 3), (3, 3), (4, 4), (3, 5), (5, 5), (4, 6)])
+def test_the_rank_cut_matches_the_mann_whitney_distribution_counted_by_hand(m, n):
+    """Every ordering of m BEFORE and n AFTER values enumerated: the interval cuts the most ranks whose tail
+    probability stays within 2.5%."""
+    counts = np.zeros(m * n + 1)
+    for before in itertools.combinations(range(m + n), m):
+        counts[sum(1 for i in before for j in range(m + n) if j > i and j not in before)] += 1
+    tail = np.cumsum(counts) / counts.sum()
+    assert tail_rank(m, n, 0.95) == int(np.sum(tail <= 0.025))
+
+
+def test_the_normal_approximation_takes_over_at_the_rank_the_exact_count_gives(monkeypatch):
+    exact = [tail_rank(m, n, 0.95) for m, n in ((50, 50), (40, 60))]
+    monkeypatch.setattr("opsd_rollout.bench.ratio_test.EXACT_LIMIT", 0)
+    approximated = [tail_rank(m, n, 0.95) for m, n in ((50, 50), (40, 60))]
+    assert all(abs(a - e) <= 1 for a, e in zip(approximated, exact)) and 40 * 60 <= EXACT_LIMIT
+
+
+def test_too_few_iterations_leave_the_ratio_unbounded_and_say_how_many_are_needed():
+    assert fewest_iterations(0.95) == 4
+    ratio, low, high = ratio_interval([10.0, 10.1, 9.9], [15.0, 15.2, 14.9], 0.95)
+    assert ratio == pytest.approx(1.5, rel=0.01) and (low, high) == (0.0, float("inf"))
+    comparison = compare_documents(document({"1": [10.0, 10.1, 9.9]}), document({"1": [15.0, 15.2, 14.9]}))
+    assert {c.verdict for c in comparison.changes} == {"too few iterations"} and not comparison.regressions
+    assert any("at least 4 per side" in note for note in comparison.notes)
 
 
 def test_same_code_runs_do_not_read_as_regressions():
@@ -78,4 +118,169 @@ def test_exit_statuses_name_what_was_compared(tmp_path, capsys):
     assert main(["compare", a, b, "--allow-partial"]) == 0
     slow = write("slow.json", {"1": [t * 2 for t in times], "2": times})
     assert main(["compare", a, slow]) == EXIT_REGRESSION
-    assert main(["compare", a, str(tmp_path / "missing.json")]) == 2
+    assert main(["compare", a, str(tmp_path / "missing.json")]) == EXIT_BAD_INPUT
+
+
+# ---- cases planted into a real result document ---------------------------------------------------------------
+
+TOTAL_MS = 20.0
+"""Each planted config's median total: a config that takes milliseconds."""
+QUIET = {"host": "planted", "load_average": [0.1, 0.1], "cpu_count": 2, "wall_seconds": 0.2,
+         "process_cpu_seconds": 0.4, "machine_busy_seconds": 0.41, "machine_seconds": 0.4, "steal_seconds": 0.0,
+         "gpu_other_processes": None, "other_busy_cores": 0.05, "steal_fraction": 0.0, "reasons": [],
+         "disturbed": False}
+BUSY = {**QUIET, "load_average": [3.2, 3.4], "machine_busy_seconds": 0.66, "other_busy_cores": 1.3,
+        "reasons": ["other processes kept 1.3 of 2 cores busy"], "disturbed": True}
+
+
+@pytest.fixture(scope="module")
+def real_document(tmp_path_factory):
+    """One real run of the tiny model (two configs, two iterations each, any machine load)."""
+    from opsd_rollout.bench.matrix import Matrix
+    from opsd_rollout.bench.runner import BenchRunner
+    from opsd_rollout.bench.scenarios import RolloutScenario, RolloutSettings
+
+    output = tmp_path_factory.mktemp("compare") / "real.json"
+    matrix = Matrix.parse(RolloutScenario, {"batch_sizes": [1, 2], "samples_per_prompt": [2], "prompt_lengths": [8],
+                                            "response_lengths": [4], "zero_stages": ["none"]})
+    BenchRunner(matrix, RolloutSettings(model="llama-tiny", warmup=0, iterations=2), output=output,
+                measure_machine=False).run()
+    document = json.loads(output.read_text())
+    assert [r["status"] for r in document["results"]] == ["ok", "ok"]
+    return document
+
+
+def plant(document: dict, *, seed: int, scale: float = 1.0, iterations: int = 6, spread: float = 0.03,
+          disturbed: str = "") -> dict:
+    """``document`` with planted iterations: each config's first real iteration, its times set so its total is
+    ``TOTAL_MS``, repeated ``iterations`` times, every time of an iteration scaled by one lognormal factor
+    (``spread``: its sigma) times ``scale`` (and its throughputs divided by it); its configs ``QUIET``, or
+    ``BUSY`` where their key contains ``disturbed`` (``"-"``: every one)."""
+    document = copy.deepcopy(document)
+    rng = np.random.default_rng(seed)
+    document["settings"]["iterations"] = iterations
+    for result in document["results"]:
+        profile = result["iterations"][0]
+        to_total = TOTAL_MS / profile["total_ms"]
+        result["iterations"] = []
+        for factor in rng.lognormal(0.0, spread, iterations) * scale:
+            it = {k: v * to_total * factor if k.endswith("_ms") and v is not None else v for k, v in profile.items()}
+            it.update({k: profile[k] / to_total / factor for k in profile if k.endswith("tokens_per_second")})
+            result["iterations"].append(it)
+        result["summary"] = {name: stats.to_dict() for name, stats in
+                             ConfigResult.from_dict(result, RolloutConfig).summary().items()}
+        result["interference"] = dict(BUSY if disturbed and disturbed in result["key"] else QUIET)
+    return document
+
+
+def write(tmp_path, name: str, document: dict) -> str:
+    path = tmp_path / name
+    path.write_text(json.dumps(document))
+    return str(path)
+
+
+def table_rows(out: str) -> list[str]:
+    """The comparison table's rows: the lines after its header's rule, to the first blank one."""
+    lines = out.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.strip().startswith("──")) + 1
+    return list(itertools.takewhile(str.strip, lines[start:]))
+
+
+def header(out: str) -> str:
+    return next(line for line in out.splitlines() if "metric" in line and "change" in line)
+
+
+def test_planted_documents_are_valid_result_documents(real_document):
+    planted = plant(real_document, seed=1, disturbed="B1-")
+    jsonschema.validate(planted, load_schema())
+    totals = [it["total_ms"] for it in planted["results"][0]["iterations"]]
+    assert np.median(totals) == pytest.approx(TOTAL_MS, rel=0.05) and len(set(totals)) == 6
+    assert [r["interference"]["disturbed"] for r in planted["results"]] == [True, False]
+
+
+@pytest.mark.parametrize("where,name,value", [("settings", "model", "llama-small"), ("settings", "seed", 7),
+                                              ("settings", "top_p", 0.9), ("environment", "world_size", 2)])
+def test_files_of_different_work_are_refused_naming_what_differs(real_document, tmp_path, capsys, where, name, value):
+    """The config keys carry no model (nor seed, sampling, ranks): two files that agree on every key can still
+    have measured different work, and then a faster AFTER says nothing about the code."""
+    before = plant(real_document, seed=1)
+    after = plant(real_document, seed=2)
+    after[where][name] = value
+    with pytest.raises(MismatchError, match=name):
+        compare_documents(before, after)
+    a, b = write(tmp_path, "a.json", before), write(tmp_path, "b.json", after)
+    assert main(["compare", a, b]) == EXIT_BAD_INPUT
+    err = capsys.readouterr().err
+    assert f"{name}: {before[where].get(name, 1)!r} in BEFORE, {value!r} in AFTER" in err
+    assert f"--ignore-axes {name}" in err and "Traceback" not in err
+    assert main(["compare", a, b, "--ignore-axes", name]) == 0  # asked for: compared, and said so
+    assert "compared anyway" in capsys.readouterr().out
+
+
+def test_how_a_config_was_measured_may_differ(real_document):
+    """Warm-up and iteration counts change how a config is measured, not the work: files may differ in them."""
+    after = plant(real_document, seed=2, iterations=9)
+    after["settings"].update(warmup=None, warmup_max_iterations=4, steady_tolerance=0.02)
+    comparison = compare_documents(plant(real_document, seed=1), after)
+    assert comparison.matched == 2 and comparison.exit_status() == 0
+
+
+def test_a_disturbed_config_is_flagged_and_not_judged_unless_asked(real_document, tmp_path, capsys):
+    """On a busy machine a 10x 'speed-up' of the same code read as better: a config disturbed on either side is
+    not evidence either way. Its rows say so, the exit status says so, and --allow-disturbed judges it."""
+    before = write(tmp_path, "before.json", plant(real_document, seed=1, scale=10.0, disturbed="-"))
+    same = write(tmp_path, "same.json", plant(real_document, seed=2))
+    assert main(["compare", before, same]) == EXIT_DISTURBED
+    out = capsys.readouterr().out
+    assert "better" not in out and "2 of 2 compared config(s) were disturbed" in out
+    assert "other processes kept 1.3 of 2 cores busy" in out
+    rows = table_rows(out)
+    assert len(rows) == 2 * 9 and all("disturbed" in row and row.rstrip().endswith("before") for row in rows)
+    assert main(["compare", before, same, "--allow-disturbed"]) == 0
+    assert "better" in capsys.readouterr().out
+
+    slowed = plant(real_document, seed=2, scale=1.5, disturbed="B1-")  # one config disturbed, both slower
+    comparison = compare_documents(plant(real_document, seed=1), slowed)
+    assert comparison.disturbed == {"B1-n2-P8-R4-fp32-greedy-zeronone-static-retain-fwdon": "after"}
+    assert {c.label for c in comparison.regressions} == {"B2 n2 P8 R4"}  # the judged one is a regression
+    assert {c.verdict for c in comparison.changes if c.disturbed} == {"disturbed"}
+    assert comparison.exit_status() == EXIT_REGRESSION
+    allowed = compare_documents(plant(real_document, seed=1), slowed, allow_disturbed=True)
+    assert {c.label for c in allowed.regressions} == {"B1 n2 P8 R4", "B2 n2 P8 R4"}
+
+
+@pytest.mark.parametrize("iterations,spread", [(5, 0.03), (10, 0.03), (5, 0.08)])
+def test_a_planted_1_5x_slowdown_is_a_regression(real_document, tmp_path, capsys, iterations, spread):
+    before = write(tmp_path, "before.json", plant(real_document, seed=1, iterations=iterations, spread=spread))
+    after = write(tmp_path, "after.json", plant(real_document, seed=2, iterations=iterations, spread=spread,
+                                                scale=1.5))
+    assert main(["compare", before, after, "--markdown", str(tmp_path / "cmp.md")]) == EXIT_REGRESSION
+    assert "REGRESSION" in capsys.readouterr().out
+    comparison = compare_documents(json.loads(open(before).read()), json.loads(open(after).read()))
+    totals = [c for c in comparison.changes if c.metric == "total_ms"]
+    assert len(totals) == 2 and all(c.regression and c.low > 1.05 for c in totals)
+    assert "| total ms |" in (tmp_path / "cmp.md").read_text()
+
+
+@pytest.mark.parametrize("iterations,spread", [(5, 0.03), (10, 0.03), (5, 0.08)])
+def test_same_code_with_the_same_spread_is_no_regression(real_document, iterations, spread):
+    comparison = compare_documents(plant(real_document, seed=1, iterations=iterations, spread=spread),
+                                   plant(real_document, seed=2, iterations=iterations, spread=spread))
+    assert comparison.matched == 2 and not comparison.regressions and comparison.exit_status() == 0
+
+
+def test_compare_fits_80_columns(real_document, tmp_path, capsys, monkeypatch):
+    """At COLUMNS=80 no line is wider (the table drops its medians, the footnote and notes wrap); wider, every
+    column is there."""
+    before = write(tmp_path, "before.json", plant(real_document, seed=1))
+    after = write(tmp_path, "after.json", plant(real_document, seed=2, scale=1.5, disturbed="B1-"))
+    monkeypatch.setenv("COLUMNS", "80")
+    assert main(["compare", before, after]) == EXIT_REGRESSION
+    out = capsys.readouterr().out
+    assert max(len(line) for line in out.splitlines()) <= 80 and "…" not in out
+    assert "REGRESSION" in out and "Hodges-Lehmann" in out and len(table_rows(out)) == 2 * 9
+    assert all(word in header(out) for word in ("config", "verdict", "disturbed"))
+    monkeypatch.setenv("COLUMNS", "160")
+    main(["compare", before, after])
+    wide = header(capsys.readouterr().out)
+    assert all(word in wide for word in ("before", "after", "CI", "verdict", "disturbed"))

@@ -21,8 +21,9 @@ from rich.console import Console
 from rich.table import Table
 
 from opsd_rollout import __version__
-from opsd_rollout.bench.compare import (EXIT_NOTHING_COMPARED, EXIT_PARTIAL, EXIT_REGRESSION, TEST_NAME,
-                                        compare_documents, comparison_markdown, comparison_notes, comparison_table)
+from opsd_rollout.bench.compare import (EXIT_DISTURBED, EXIT_NOTHING_COMPARED, EXIT_PARTIAL, EXIT_REGRESSION,
+                                        Comparison, compare_documents)
+from opsd_rollout.bench.compare_report import comparison_markdown, comparison_notes, comparison_table, footnote
 from opsd_rollout.bench.configfile import read_config_file, split_config
 from opsd_rollout.bench.axes import on_off
 from opsd_rollout.bench.matrix import Matrix
@@ -35,8 +36,9 @@ from opsd_rollout.presets import DEFAULT_MODEL, PRESETS
 
 
 def _console() -> Console:
-    """Wide enough for the result tables when output goes to a file or a CI log."""
-    return Console() if sys.stdout.isatty() else Console(width=160)
+    """The terminal's width (or ``COLUMNS``, where set); wide enough for the result tables when output goes to
+    a file or a CI log."""
+    return Console() if sys.stdout.isatty() or os.environ.get("COLUMNS") else Console(width=160)
 
 
 def _cmd_models(_args: argparse.Namespace) -> int:
@@ -203,27 +205,39 @@ def _cmd_compare(args: argparse.Namespace) -> int:
         raise ValueError(f"--threshold must be >= 0 (percent); got {args.threshold}")
     ignore = tuple(a.strip() for a in args.ignore_axes.split(",") if a.strip()) if args.ignore_axes else ()
     comparison = compare_documents(load_document(args.before), load_document(args.after),
-                                   threshold_pct=args.threshold, ignore=ignore)
+                                   threshold_pct=args.threshold, ignore=ignore, allow_disturbed=args.allow_disturbed)
     console = _console()
-    console.print(comparison_table(comparison))
-    console.print(f"test: {TEST_NAME}; a regression's whole interval is worse than {args.threshold:g}%")
-    for note in comparison_notes(comparison):
-        console.print(f"note: {note}")
+    if comparison.changes:
+        console.print(comparison_table(comparison, console.width))
+    console.print(footnote(args.threshold), markup=False, highlight=False)
+    for note in comparison_notes(comparison):  # notes quote values and reasons: no markup
+        console.print(f"note: {note}", markup=False, highlight=False)
     if args.markdown:
         write_text_atomic(args.markdown, comparison_markdown(comparison, args.threshold))
     status = comparison.exit_status(args.allow_partial)
-    if status == EXIT_NOTHING_COMPARED:
-        console.print("[bold red]nothing compared: no config is measured in both files[/] (match across an axis "
-                      "with --ignore-axes)")
-    elif status == EXIT_REGRESSION:
-        console.print(f"[bold red]{len(comparison.regressions)} regression(s) beyond {args.threshold:g}%[/]")
-    elif status == EXIT_PARTIAL:
-        console.print(f"[bold red]partial: {len(comparison.only_before)} config(s) only in BEFORE, "
-                      f"{len(comparison.only_after)} only in AFTER[/] (--allow-partial accepts that); "
-                      f"no regression beyond {args.threshold:g}% in the {comparison.matched} compared")
-    else:
-        console.print(f"{comparison.matched} config(s) compared: no regression beyond {args.threshold:g}%")
+    console.print(_compare_summary(comparison, status, args.threshold))
     return status
+
+
+def _compare_summary(comparison: Comparison, status: int, threshold: float) -> str:
+    """The last line of ``compare``: what its exit status means."""
+    disturbed = len(comparison.disturbed)
+    if status == EXIT_NOTHING_COMPARED:
+        return ("[bold red]nothing compared: no config is measured in both files[/] (match across an axis with "
+                "--ignore-axes)")
+    if status == EXIT_REGRESSION:
+        return f"[bold red]{len(comparison.regressions)} regression(s) beyond {threshold:g}%[/]"
+    if status == EXIT_DISTURBED:
+        judged = comparison.matched - disturbed
+        return (f"[bold yellow]disturbed: {disturbed} of {comparison.matched} compared config(s) were disturbed and "
+                "are not judged[/] (rerun on a quiet machine, or --allow-disturbed judges them)"
+                + (f"; no regression beyond {threshold:g}% in the {judged} judged" if judged else ""))
+    judged = f" ({disturbed} disturbed, judged anyway)" if disturbed else ""
+    if status == EXIT_PARTIAL:
+        return (f"[bold red]partial: {len(comparison.only_before)} config(s) only in BEFORE, "
+                f"{len(comparison.only_after)} only in AFTER[/] (--allow-partial accepts that); "
+                f"no regression beyond {threshold:g}% in the {comparison.matched} compared{judged}")
+    return f"{comparison.matched} config(s) compared: no regression beyond {threshold:g}%{judged}"
 
 
 SINGULAR = {"losses": "--loss", "betas": "--beta", "teacher_caches": "--teacher-cache"}
@@ -328,10 +342,14 @@ def build_parser() -> argparse.ArgumentParser:
     step.set_defaults(func=_cmd_step)
     compare = sub.add_parser(
         "compare", parents=[common], help="compare two result files; exit 1 on a regression",
-        description="Compare two result files config by config: the ratio of each metric's medians with a 95% "
-        "bootstrap confidence interval. Exit status: 0 compared, no regression; 1 a regression (the whole "
-        "interval worse than --threshold); 2 bad input; 3 nothing compared (no config in both files); 4 one "
-        "file has configs the other lacks (unless --allow-partial).")
+        description="Compare two result files config by config: each metric's Hodges-Lehmann ratio (after / "
+        "before) with its 95% distribution-free confidence interval over the raw iterations. The files must "
+        "have measured the same work (model, settings other than warm-up and iterations, ranks); configs match "
+        "on every axis. A config disturbed on either side (the run's interference record) is not judged. Exit "
+        "status, the first that applies: 2 bad input (also: files of different work, naming what differs); 3 "
+        "nothing compared (no config in both files); 1 a regression (the whole interval worse than "
+        "--threshold); 5 a compared config was disturbed and not judged (unless --allow-disturbed); 4 one file "
+        "has configs the other lacks (unless --allow-partial); 0 compared, no regression.")
     compare.add_argument("before", metavar="BEFORE.json")
     compare.add_argument("after", metavar="AFTER.json")
     compare.add_argument("--threshold", type=float, default=5.0,
@@ -339,7 +357,10 @@ def build_parser() -> argparse.ArgumentParser:
                          "at least 1 ms (times) or 1 MiB (memory) (default %(default)s)")
     compare.add_argument("--markdown", metavar="FILE", help="also write the comparison as a Markdown table")
     compare.add_argument("--ignore-axes", metavar="LIST", help="config axes to leave out when matching BEFORE and "
-                         "AFTER, e.g. strategy (to compare generate against static)")
+                         "AFTER, e.g. strategy (to compare generate against static), or settings allowed to "
+                         "differ, e.g. model")
+    compare.add_argument("--allow-disturbed", action="store_true", help="judge configs that were disturbed while "
+                         "they ran too (exit 5 otherwise)")
     compare.add_argument("--allow-partial", action="store_true", help="exit 0 (not 4) when one file has configs "
                          "the other lacks")
     compare.set_defaults(func=_cmd_compare)

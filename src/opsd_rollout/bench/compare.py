@@ -1,10 +1,22 @@
-"""``opsd-rollout compare BEFORE.json AFTER.json``: per config and metric, the ratio of the medians (after /
-before) with a bootstrap confidence interval from the raw iterations, and a verdict.
+"""``opsd-rollout compare BEFORE.json AFTER.json``: per config and metric, how much AFTER differs from BEFORE
+(the Hodges-Lehmann ratio with its 95% interval from the raw iterations: ``bench/ratio_test.py``) and a verdict.
+
+What may be compared: both files must have measured the same work, or a faster AFTER only means less work. So
+the kind, every setting that changes the work (the model, the teacher, the prompts, sampling, the seed: all but
+the warm-up and iteration counts, ``PROCEDURE``) and the number of ranks must agree, or ``MismatchError`` (exit
+2) names what differs; ``ignore`` (``--ignore-axes``) lets named ones differ. Configs are then matched on every
+axis: dtype, shapes, strategy and the workload's lengths are in their key.
 
 A change is *significant* when its whole interval lies on one side of 1 (the runs' own noise cannot explain
 it), and a *regression* when its whole interval lies beyond the threshold on the worse side (and it moves
-by at least 1 ms or 1 MiB). Two runs of the same code then rarely disagree: a shared machine's drift widens
-the interval instead of flagging a regression. Comparing nothing is an error, not a pass.
+by at least 1 ms or 1 MiB). A config that the runner flagged *disturbed* on either side (other processes or the
+hypervisor took CPU while it ran: ``bench/stability.py``) is not evidence either way: its verdict is
+``disturbed``, unless ``allow_disturbed`` (``--allow-disturbed``) judges it anyway.
+
+Exit statuses, the first that applies: 2 bad input (a file unreadable, different work, an unknown axis); 3
+nothing compared (no config measured in both files); 1 a regression among the judged configs; 5 disturbed (a
+compared config was disturbed on either side and not judged, also when every one was: not a pass); 4 partial
+(a file has configs the other lacks, unless ``allow_partial``); 0 compared, no regression.
 """
 
 from __future__ import annotations
@@ -12,10 +24,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-import numpy as np
-from rich.table import Table
-
-from opsd_rollout.bench.report import ConfigResult, compact_table, display_labels, fmt, results_of
+from opsd_rollout.bench.ratio_test import fewest_iterations, ratio_interval
+from opsd_rollout.bench.report import ConfigResult, display_labels, results_of
 from opsd_rollout.bench.scenarios import scenario_class
 from opsd_rollout.bench.stats import Stats
 from opsd_rollout.metrics import METRICS
@@ -23,33 +33,26 @@ from opsd_rollout.metrics import METRICS
 COMPARED = tuple(name for name, m in METRICS.items() if m.compared)
 """The metrics ``compare`` judges (those the registry marks ``compared``)."""
 CONFIDENCE = 0.95
-RESAMPLES = 2000
-TEST_NAME = (f"{CONFIDENCE:.0%} bootstrap confidence interval of the ratio of medians (after / before), "
-             f"{RESAMPLES} resamples of each side's iterations")
+TEST_NAME = (f"Hodges-Lehmann ratio (after / before: the median over every pair of a before and an after "
+             f"iteration) with its {CONFIDENCE:.0%} distribution-free confidence interval (Moses: Mann-Whitney "
+             "ranks of the log ratios)")
 MIN_ABSOLUTE = {"ms": 1.0, "bytes": 2**20}
 """Smallest absolute change that can count as a regression, per unit: sub-millisecond stages and a few
 hundred kB of RSS move on a shared machine without any code change."""
 
-EXIT_REGRESSION, EXIT_NOTHING_COMPARED, EXIT_PARTIAL = 1, 3, 4
-"""Exit statuses of ``opsd-rollout compare`` (0: compared, no regression; 2: bad input)."""
+EXIT_REGRESSION, EXIT_BAD_INPUT, EXIT_NOTHING_COMPARED, EXIT_PARTIAL, EXIT_DISTURBED = 1, 2, 3, 4, 5
+"""Exit statuses of ``opsd-rollout compare`` (0: compared, no regression); see the module docstring."""
+
+PROCEDURE = ("warmup", "warmup_max_iterations", "warmup_max_seconds", "steady_tolerance", "iterations")
+"""Settings that change how a config is measured, not the work measured: the files may differ in them. Every
+other setting, one added later included, must agree."""
+SIDES = {(True, False): "before", (False, True): "after", (True, True): "both"}
+"""Which file a disturbed config was disturbed in."""
 
 
-def bootstrap_ratio(before: list[float], after: list[float], *, resamples: int = RESAMPLES,
-                    confidence: float = CONFIDENCE, seed: int = 0) -> tuple[float, float, float]:
-    """``(median(after) / median(before), low, high)``: the ratio and its bootstrap confidence interval."""
-    rng = np.random.default_rng(seed)
-    a, b = np.asarray(before, dtype=np.float64), np.asarray(after, dtype=np.float64)
-    a_medians = np.median(a[rng.integers(0, len(a), (resamples, len(a)))], axis=1)
-    b_medians = np.median(b[rng.integers(0, len(b), (resamples, len(b)))], axis=1)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        ratios = b_medians / a_medians
-    ratios = ratios[np.isfinite(ratios)]
-    ratio = float(np.median(b) / np.median(a)) if np.median(a) else float("nan")
-    if not len(ratios):
-        return ratio, float("nan"), float("nan")
-    tail = (1 - confidence) / 2
-    low, high = np.quantile(ratios, [tail, 1 - tail])
-    return ratio, float(low), float(high)
+class MismatchError(ValueError):
+    """BEFORE and AFTER measured different work (another model, other settings): their times say nothing
+    about a change of code."""
 
 
 @dataclass(frozen=True)
@@ -58,34 +61,51 @@ class MetricChange:
     label: str
     metric: str
     before: float
+    """BEFORE's median."""
     after: float
     ratio: float
+    """The Hodges-Lehmann estimate of after / before."""
     low: float
     high: float
-    """The ratio's confidence interval."""
+    """The ratio's confidence interval (0 to infinity when the iterations are too few to bound it)."""
     significant: bool
     regression: bool
+    disturbed: str = ""
+    """``before``, ``after`` or ``both`` when the runner flagged the config disturbed there; empty otherwise."""
+    judged: bool = True
+    """False: disturbed and not judged (its verdict is ``disturbed``, never a regression)."""
 
     @property
     def change_pct(self) -> float:
         return 100.0 * (self.ratio - 1.0)
 
     @property
+    def bounded(self) -> bool:
+        return self.high != float("inf")
+
+    @property
     def verdict(self) -> str:
+        if not self.judged:
+            return "disturbed"
+        if not self.bounded:
+            return "too few iterations"
         if not self.significant:
-            return "no significant change"
-        better = (self.after < self.before) == METRICS[self.metric].lower_is_better
-        return ("better" if better else "worse") + (" - REGRESSION" if self.regression else "")
+            return "not significant"
+        if self.regression:
+            return "REGRESSION"
+        return "better" if (self.ratio < 1) == METRICS[self.metric].lower_is_better else "worse"
 
 
-def judge(key: str, label: str, metric: str, a: Stats, b: Stats, threshold_pct: float) -> MetricChange:
-    ratio, low, high = bootstrap_ratio(list(a.values), list(b.values))
-    significant = low > 1.0 or high < 1.0
+def judge(key: str, label: str, metric: str, a: Stats, b: Stats, threshold_pct: float, *, disturbed: str = "",
+          judged: bool = True) -> MetricChange:
+    """One metric of one config: ``a`` BEFORE's iterations, ``b`` AFTER's (positive values)."""
+    ratio, low, high = ratio_interval(list(a.values), list(b.values), CONFIDENCE)
+    significant = judged and (low > 1.0 or high < 1.0)
     lower_is_better = METRICS[metric].lower_is_better
     beyond = low > 1 + threshold_pct / 100 if lower_is_better else high < 1 - threshold_pct / 100
     large = abs(b.p50 - a.p50) >= MIN_ABSOLUTE.get(METRICS[metric].unit, 0.0)
     return MetricChange(key, label, metric, a.p50, b.p50, ratio, low, high, significant,
-                        significant and beyond and large)
+                        significant and beyond and large, disturbed, judged)
 
 
 @dataclass
@@ -97,20 +117,67 @@ class Comparison:
     """Configs present and measured in both files."""
     only_before: list[str] = field(default_factory=list)
     only_after: list[str] = field(default_factory=list)
+    disturbed: dict[str, str] = field(default_factory=dict)
+    """Compared configs disturbed on either side: key -> ``before``, ``after`` or ``both``."""
+    judged_disturbed: bool = False
+    """Whether the disturbed configs were judged all the same (``--allow-disturbed``)."""
     notes: list[str] = field(default_factory=list)
 
     @property
     def regressions(self) -> list[MetricChange]:
         return [c for c in self.changes if c.regression]
 
+    @property
+    def unjudged(self) -> list[str]:
+        """Compared configs left without a verdict because they were disturbed."""
+        return [] if self.judged_disturbed else list(self.disturbed)
+
     def exit_status(self, allow_partial: bool = False) -> int:
         if not self.matched:
             return EXIT_NOTHING_COMPARED
         if self.regressions:
             return EXIT_REGRESSION
+        if self.unjudged:
+            return EXIT_DISTURBED
         if (self.only_before or self.only_after) and not allow_partial:
             return EXIT_PARTIAL
         return 0
+
+
+def work_of(document: dict[str, Any], settings_type: type) -> dict[str, Any]:
+    """What a file measured besides its configs' axes: the settings that change the work (those it lacks at
+    their defaults, as ``--resume`` reads them) and the number of ranks."""
+    settings = {**vars(settings_type()), **(document.get("settings") or {})}
+    work = {name: value for name, value in settings.items() if name not in PROCEDURE}
+    work["world_size"] = (document.get("environment") or {}).get("world_size", 1)
+    return work
+
+
+def work_differences(before: dict[str, Any], after: dict[str, Any], settings_type: type) -> dict[str, str]:
+    """Each setting of the work (or the rank count) the files disagree on -> how, in words."""
+    old, new = work_of(before, settings_type), work_of(after, settings_type)
+    return {name: f"{name}: {old.get(name)!r} in BEFORE, {new.get(name)!r} in AFTER"
+            for name in dict.fromkeys([*old, *new]) if old.get(name) != new.get(name)}
+
+
+def check_same_work(before: dict[str, Any], after: dict[str, Any], settings_type: type,
+                    ignore: tuple[str, ...]) -> list[str]:
+    """Refuse files that measured different work (``MismatchError`` naming every difference); the differences
+    ``ignore`` lets through come back as notes."""
+    differences = work_differences(before, after, settings_type)
+    refused = [text for name, text in differences.items() if name not in ignore]
+    if refused:
+        names = ",".join(name for name in differences if name not in ignore)
+        raise MismatchError("BEFORE and AFTER measured different work, so their times say nothing about a change:"
+                            "\n  " + "\n  ".join(refused) + f"\n(--ignore-axes {names} compares them anyway)")
+    return [f"{text}: compared anyway (--ignore-axes)" for name, text in differences.items() if name in ignore]
+
+
+def matrix_notes(before: dict[str, Any], after: dict[str, Any], axes: tuple, ignore: tuple[str, ...]) -> list[str]:
+    """The axes whose values the two files' matrices disagree on: why configs are only in one of them."""
+    old, new = before.get("matrix") or {}, after.get("matrix") or {}
+    return [f"matrix: {axis.name} {old.get(axis.name)} in BEFORE, {new.get(axis.name)} in AFTER"
+            for axis in axes if axis.field not in ignore and old.get(axis.name) != new.get(axis.name)]
 
 
 def _match_key(result: ConfigResult, ignore: tuple[str, ...]) -> str:
@@ -120,81 +187,91 @@ def _match_key(result: ConfigResult, ignore: tuple[str, ...]) -> str:
     return "|".join(f"{k}={v}" for k, v in sorted(config.items()) if v is not None)
 
 
+def _side(old: ConfigResult, new: ConfigResult) -> str:
+    return SIDES.get((old.disturbed, new.disturbed), "")
+
+
+def _disturbed_note(label: str, old: ConfigResult, new: ConfigResult, judged: bool) -> str:
+    reasons = [f"{side}: {'; '.join(r.interference.get('reasons') or ['flagged'])}"
+               for side, r in (("BEFORE", old), ("AFTER", new)) if r.disturbed]
+    verdict = "judged anyway (--allow-disturbed)" if judged else "not judged (--allow-disturbed judges it)"
+    return f"{label}: disturbed ({'; '.join(reasons)}); {verdict}"
+
+
+def _workload_note(label: str, old: ConfigResult, new: ConfigResult) -> str | None:
+    """Configs whose runs generated different token counts did different work, whatever their keys say."""
+    a, b = old.p50("generated_tokens"), new.p50("generated_tokens")
+    if a is None or b is None or a == b:
+        return None
+    return f"{label}: generated tokens {a:g} in BEFORE, {b:g} in AFTER: the work itself changed"
+
+
+def _iterations_note(label: str, old: ConfigResult, new: ConfigResult) -> str:
+    return (f"{label}: {len(old.iterations)} and {len(new.iterations)} iterations cannot bound a ratio at "
+            f"{CONFIDENCE:.0%}: measure at least {fewest_iterations(CONFIDENCE)} per side (--iterations)")
+
+
+def _compare_config(out: Comparison, key: str, label: str, old: ConfigResult, new: ConfigResult,
+                    threshold_pct: float, allow_disturbed: bool) -> None:
+    """Judge one matched config's metrics into ``out``, with its notes."""
+    out.matched += 1
+    side = _side(old, new)
+    if side:
+        out.disturbed[new.config.key] = side
+        out.notes.append(_disturbed_note(label, old, new, allow_disturbed))
+    note = _workload_note(label, old, new)
+    if note:
+        out.notes.append(note)
+    changes = []
+    for metric in COMPARED:
+        a, b = old.metric(metric), new.metric(metric)
+        if a is None or b is None:
+            continue
+        if min(a.values) <= 0 or min(b.values) <= 0:
+            out.notes.append(f"{label}: {metric} has a value <= 0, not judged (a ratio needs positive values)")
+            continue
+        changes.append(judge(key, label, metric, a, b, threshold_pct, disturbed=side,
+                             judged=allow_disturbed or not side))
+    if any(not change.bounded for change in changes):
+        out.notes.append(_iterations_note(label, old, new))
+    out.changes += changes
+
+
 def compare_documents(before: dict[str, Any], after: dict[str, Any], *, threshold_pct: float = 5.0,
-                      ignore: tuple[str, ...] = ()) -> Comparison:
+                      ignore: tuple[str, ...] = (), allow_disturbed: bool = False) -> Comparison:
     """Every config present and ``ok`` in both files, judged metric by metric. ``ignore`` names config axes left
-    out of the matching (e.g. ``strategy``, to compare two strategies)."""
+    out of the matching (e.g. ``strategy``, to compare two strategies) and settings allowed to differ (e.g.
+    ``model``); ``allow_disturbed`` judges configs that were disturbed too."""
     kinds = {before.get("kind", "rollout"), after.get("kind", "rollout")}
     if len(kinds) > 1:
         raise ValueError(f"cannot compare a {before.get('kind')} benchmark with a {after.get('kind')} one")
-    config_type = scenario_class(kinds.pop()).config_type
-    axes = [f.name for f in fields(config_type)]
-    unknown = [axis for axis in ignore if axis not in axes]
+    scenario = scenario_class(kinds.pop())
+    axes = [f.name for f in fields(scenario.config_type)]
+    work = list(work_of(before, scenario.settings_type))
+    unknown = [name for name in ignore if name not in axes and name not in work]
     if unknown:
-        raise ValueError(f"--ignore-axes: unknown axes {unknown}; axes are {axes}")
-    out = Comparison()
+        raise ValueError(f"--ignore-axes: unknown axes {unknown}; axes are {axes}; settings are {work}")
+    out = Comparison(judged_disturbed=allow_disturbed)
+    out.notes += check_same_work(before, after, scenario.settings_type, ignore)
+    ignored_axes = tuple(name for name in ignore if name in axes)
     old, new = {}, {}
     for side, document, table in (("BEFORE", before, old), ("AFTER", after, new)):
-        for result in results_of(document, config_type):
-            key = _match_key(result, ignore)
+        for result in results_of(document, scenario.config_type):
+            key = _match_key(result, ignored_axes)
             if key in table:
                 out.notes.append(f"{side}: {result.config.key} and {table[key].config.key} match the same config "
-                                 f"once {', '.join(ignore)} is ignored; only the first is compared")
+                                 f"once {', '.join(ignored_axes)} is ignored; only the first is compared")
                 continue
             table[key] = result
     names = display_labels([r.config for r in new.values()])
     for key, result in new.items():
         if key not in old:
             out.only_after.append(result.config.key)
-            continue
-        if result.status != "ok" or old[key].status != "ok":
+        elif result.status != "ok" or old[key].status != "ok":
             out.notes.append(f"{result.config.key}: status {old[key].status} -> {result.status}, not compared")
-            continue
-        out.matched += 1
-        for metric in COMPARED:
-            a, b = old[key].metric(metric), result.metric(metric)
-            if a is not None and b is not None:
-                out.changes.append(judge(key, names[result.config.key], metric, a, b, threshold_pct))
+        else:
+            _compare_config(out, key, names[result.config.key], old[key], result, threshold_pct, allow_disturbed)
     out.only_before = [result.config.key for key, result in old.items() if key not in new]
+    if out.only_before or out.only_after:
+        out.notes += matrix_notes(before, after, scenario.axes, ignored_axes)
     return out
-
-
-def _value(metric: str, value: float) -> str:
-    return fmt(value / 2**20, 0) if METRICS[metric].unit == "bytes" else fmt(value, 2)
-
-
-def _name(metric: str) -> str:
-    """The metric's label with its unit where the label does not say it (``total ms``, ``peak MiB``)."""
-    unit = {"ms": " ms", "bytes": " MiB"}.get(METRICS[metric].unit, "")
-    return METRICS[metric].label + unit
-
-
-def comparison_table(comparison: Comparison) -> Table:
-    rows = [([c.label, _name(c.metric), _value(c.metric, c.before),
-              _value(c.metric, c.after), f"{c.change_pct:+.1f}%", f"{c.low:.2f}-{c.high:.2f}", c.verdict],
-             "bold red" if c.regression else ("green" if c.verdict == "better" else None))
-            for c in comparison.changes]
-    return compact_table("before -> after (medians)", ["config", "metric", "before", "after", "change", "95% CI",
-                                                        "verdict"], rows)
-
-
-def comparison_markdown(comparison: Comparison, threshold_pct: float) -> str:
-    lines = [f"Test: {TEST_NAME}. A change is significant when its interval excludes 1; a regression when its "
-             f"whole interval is worse than {threshold_pct:g}% (and it moves at least 1 ms for times, 1 MiB for "
-             "memory).", "",
-             "| config | metric | before (p50) | after (p50) | change | 95% CI of the ratio | verdict |",
-             "|---|---|---:|---:|---:|---:|---|"]
-    lines += [f"| {c.label} | {_name(c.metric)} | {_value(c.metric, c.before)} | "
-              f"{_value(c.metric, c.after)} | {c.change_pct:+.1f}% | {c.low:.3f}-{c.high:.3f} | {c.verdict} |"
-              for c in comparison.changes]
-    notes = comparison_notes(comparison)
-    if notes:
-        lines += ["", *[f"- {note}" for note in notes]]
-    return "\n".join(lines) + "\n"
-
-
-def comparison_notes(comparison: Comparison) -> list[str]:
-    notes = list(comparison.notes)
-    notes += [f"{key}: only in BEFORE" for key in comparison.only_before]
-    notes += [f"{key}: only in AFTER" for key in comparison.only_after]
-    return notes
