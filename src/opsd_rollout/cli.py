@@ -1,13 +1,13 @@
 """Command line: ``opsd-rollout <subcommand>``; flags map onto the library's dataclasses, nothing else parses.
 
-Building the parser reads only light modules (the scenarios' axes and settings, the presets), so ``--help``
-answers at once; torch, transformers and DeepSpeed are imported by the command that needs them.
+Building the parser reads only light modules (the scenarios' axes and settings, the presets), so ``--help``,
+``models``, a dry run and a bad flag answer at once; torch, transformers and DeepSpeed are imported by the
+command that runs work (``tests/test_cli_fast.py`` checks which modules each light command loads).
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import logging
 import os
 import subprocess
@@ -17,17 +17,15 @@ from collections.abc import Sequence
 from dataclasses import fields
 from typing import Any
 
+from rich import box
 from rich.console import Console
 from rich.table import Table
 
 from opsd_rollout import __version__
-from opsd_rollout.bench.compare import (EXIT_DISTURBED, EXIT_NOTHING_COMPARED, EXIT_PARTIAL, EXIT_REGRESSION,
-                                        Comparison, compare_documents)
-from opsd_rollout.bench.compare_report import comparison_markdown, comparison_notes, comparison_table, footnote
 from opsd_rollout.bench.configfile import read_config_file, split_config
 from opsd_rollout.bench.axes import on_off
 from opsd_rollout.bench.matrix import Matrix
-from opsd_rollout.bench.report import load_document, write_text_atomic
+from opsd_rollout.bench.report import PhraseText, load_document, write_text_atomic
 from opsd_rollout.bench.scenarios import RolloutScenario, Scenario, StepScenario
 from opsd_rollout.bench.scenarios.rollout import PROMPT_KINDS
 from opsd_rollout.bench.scenarios.step import OVER_BUDGET
@@ -36,21 +34,35 @@ from opsd_rollout.presets import DEFAULT_MODEL, PRESETS
 
 
 def _console() -> Console:
-    """The terminal's width (or ``COLUMNS``, where set); wide enough for the result tables when output goes to
-    a file or a CI log."""
-    return Console() if sys.stdout.isatty() or os.environ.get("COLUMNS") else Console(width=160)
+    """The width it is given: ``COLUMNS``, else the terminal's, else 80 (a file, a CI log); every table folds
+    to fit it."""
+    return Console()
 
 
-def _cmd_models(_args: argparse.Namespace) -> int:
-    table = Table(title="Built-in model presets (random weights, byte tokenizer; nothing downloads)")
-    for column in ("name", "architecture", "parameters", "vocabulary", "description"):
-        table.add_column(column)
+MODELS_TITLE = "Built-in model presets (random weights, byte tokenizer; nothing downloads)"
+
+
+def models_table() -> Table:
+    """One row per preset; the descriptions wrap, so the table fits the width it is printed at. Sizes come from
+    the config numbers (``ModelPreset.num_parameters``): listing builds no model."""
+    table = Table(box=box.SIMPLE_HEAD, padding=(0, 1), collapse_padding=True, pad_edge=False)
+    table.add_column("name", no_wrap=True)
+    table.add_column("arch", no_wrap=True)
+    table.add_column("params", justify="right", no_wrap=True)
+    table.add_column("vocab", justify="right", no_wrap=True)
+    table.add_column("description", overflow="fold", ratio=1)
     for preset in PRESETS.values():
         default = " (default)" if preset.name == DEFAULT_MODEL else ""
         count = preset.num_parameters()
         size = f"{count / 1e9:.2f}B" if count >= 1e9 else f"{count / 1e6:.2f}M"
         table.add_row(preset.name + default, preset.arch, size, f"{preset.vocab_size:,}", preset.description)
-    _console().print(table)
+    return table
+
+
+def _cmd_models(_args: argparse.Namespace) -> int:
+    console = _console()
+    console.print(PhraseText(MODELS_TITLE, style="table.title"))
+    console.print(models_table())
     return 0
 
 
@@ -151,26 +163,53 @@ def _apply_local_rank(local_rank: int | None) -> None:
     os.environ["LOCAL_RANK"] = str(local_rank)
 
 
-def _quiet_accelerator_detection() -> None:
-    """DeepSpeed warns "Setting accelerator to CPU" whenever it finds no accelerator: where it would pick the
-    CPU anyway, say so through ``DS_ACCELERATOR`` first (torch is imported here, by a command that runs work)."""
-    import torch  # heavy: see the module docstring
+DEEPSPEED_LOGGER = "DeepSpeed"
+"""The logger DeepSpeed logs through (``deepspeed.utils.logging``); it prints to stdout itself."""
 
-    others = ("intel_extension_for_pytorch", "torch_npu", "habana_frameworks", "torch_mlu")
-    if "DS_ACCELERATOR" in os.environ or torch.cuda.is_available() or torch.backends.mps.is_available() or any(
-            importlib.util.find_spec(name) for name in others):
-        return
-    os.environ["DS_ACCELERATOR"] = "cpu"
+
+class CpuFallbackFilter(logging.Filter):
+    """Drops DeepSpeed's "Setting accelerator to CPU. If you have GPU ..." (``real_accelerator.py``, logged on
+    every first ``get_accelerator()`` of a machine without one): on a CPU machine it says nothing the user can
+    act on. Installed without ``-v``; DeepSpeed's other messages pass."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("Setting accelerator to CPU")
+
+
+def show_accelerator_fallback(verbose: bool) -> None:
+    """With ``-v`` DeepSpeed's CPU-fallback warning shows; without, ``CpuFallbackFilter`` drops it. A filter on
+    DeepSpeed's logger, installed before DeepSpeed is imported (no torch import here): DeepSpeed resets the
+    logger's level when it creates it, but keeps its filters."""
+    logger = logging.getLogger(DEEPSPEED_LOGGER)
+    installed = [f for f in logger.filters if isinstance(f, CpuFallbackFilter)]
+    if verbose:
+        for found in installed:
+            logger.removeFilter(found)
+    elif not installed:
+        logger.addFilter(CpuFallbackFilter())
+
+
+def _estimate_source(args: argparse.Namespace, existing: dict[str, Any] | None,
+                     scenario: type[Scenario]) -> tuple[dict[str, Any] | None, str | None]:
+    """The previous result a dry run estimates from, and its path: ``--estimate-from``, else the ``--resume``
+    file, else the last run's result at ``--output`` (where ``make bench`` writes) when it holds this kind of
+    benchmark; an unreadable file there is no estimate, not an error."""
+    if args.estimate_from:
+        return load_document(args.estimate_from), args.estimate_from
+    if existing is not None:
+        return existing, args.resume
+    if not args.output or not os.path.isfile(args.output):
+        return None, None
+    try:
+        document = load_document(args.output)
+    except ValueError:
+        return None, None
+    return (document, args.output) if document.get("kind") == scenario.kind else (None, None)
 
 
 def _run_matrix(args: argparse.Namespace, scenario: type[Scenario]) -> int:
-    if not args.verbose:
-        _quiet_accelerator_detection()
-    if args.nproc is not None:
-        if args.nproc < 1:
-            raise ValueError(f"--nproc must be >= 1; got {args.nproc}")
-        if args.nproc > 1 and int(os.environ.get("WORLD_SIZE", "1")) == 1:  # not already under a launcher
-            return _relaunch(_relaunch_argv(args.argv), args.nproc)
+    if args.nproc is not None and args.nproc < 1:
+        raise ValueError(f"--nproc must be >= 1; got {args.nproc}")
     console = _console()
     existing = None
     if args.resume:
@@ -183,15 +222,18 @@ def _run_matrix(args: argparse.Namespace, scenario: type[Scenario]) -> int:
         args.output = args.resume
     else:
         matrix, settings = _bench_inputs(args, scenario)
-    from opsd_rollout.bench.runner import RankFailure  # heavy: see the module docstring
     from opsd_rollout.bench.session import print_dry_run, run_bench_session
     from opsd_rollout.models import max_positions
 
     scenario(settings).check(matrix, max_positions)
-    if args.dry_run:
-        previous = load_document(args.estimate_from) if args.estimate_from else existing
-        print_dry_run(matrix, settings, previous, console)
+    if args.dry_run:  # on this process alone, whatever --nproc says: it runs nothing
+        previous, source = _estimate_source(args, existing, scenario)
+        print_dry_run(matrix, settings, previous, console, source)
         return 0
+    if args.nproc is not None and args.nproc > 1 and int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        return _relaunch(_relaunch_argv(args.argv), args.nproc)  # not already under a launcher
+    from opsd_rollout.bench.runner import RankFailure  # heavy: see the module docstring
+
     try:
         return run_bench_session(matrix, settings, output=args.output, plot_dir=args.plot, trace=args.trace,
                                  existing=existing, console=console, collective_timeout_s=args.collective_timeout)
@@ -201,6 +243,9 @@ def _run_matrix(args: argparse.Namespace, scenario: type[Scenario]) -> int:
 
 
 def _cmd_compare(args: argparse.Namespace) -> int:
+    from opsd_rollout.bench.compare import compare_documents
+    from opsd_rollout.bench.compare_report import comparison_markdown, comparison_notes, comparison_table, footnote
+
     if args.threshold < 0:
         raise ValueError(f"--threshold must be >= 0 (percent); got {args.threshold}")
     ignore = tuple(a.strip() for a in args.ignore_axes.split(",") if a.strip()) if args.ignore_axes else ()
@@ -219,8 +264,10 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     return status
 
 
-def _compare_summary(comparison: Comparison, status: int, threshold: float) -> str:
+def _compare_summary(comparison: Any, status: int, threshold: float) -> str:
     """The last line of ``compare``: what its exit status means."""
+    from opsd_rollout.bench.compare import EXIT_DISTURBED, EXIT_NOTHING_COMPARED, EXIT_PARTIAL, EXIT_REGRESSION
+
     disturbed = len(comparison.disturbed)
     if status == EXIT_NOTHING_COMPARED:
         return ("[bold red]nothing compared: no config is measured in both files[/] (match across an axis with "
@@ -304,7 +351,8 @@ def _add_bench_flags(bench: argparse.ArgumentParser, scenario: type[Scenario]) -
     out.add_argument("--dry-run", action="store_true", help="print the expanded matrix, its run order, the warm-up "
                      "and iterations, and an estimated duration; run nothing")
     out.add_argument("--estimate-from", metavar="FILE", help="with --dry-run: a previous result of these configs, "
-                     "whose times estimate this run's duration (default: the --resume file)")
+                     "whose times estimate this run's duration (default: the --resume file, else the --output "
+                     "file when it exists)")
     ranks = bench.add_argument_group("several ranks (or launch under torchrun / deepspeed yourself)")
     ranks.add_argument("--nproc", type=int, metavar="N", help="run on N local ranks: relaunches this command "
                        "under torchrun; each rank rolls out its own prompts, rank 0 gathers and writes")
@@ -375,6 +423,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.argv, args.verbose = argv, getattr(args, "verbose", False)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s")
+    show_accelerator_fallback(args.verbose)
     try:
         _apply_local_rank(getattr(args, "local_rank", None))
         return int(args.func(args) or 0)

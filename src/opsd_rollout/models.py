@@ -1,25 +1,32 @@
 """Models by name: a built-in preset (``opsd_rollout.presets``, with a byte-level tokenizer built in code: a real
 transformers fast tokenizer, so it saves and reloads like any other) or a local checkpoint directory. Nothing
 here ever downloads.
+
+Light at import (torch, tokenizers and transformers load inside the functions that build something): the
+command line's dry run reads ``max_positions`` from here without paying for them.
 """
 
 from __future__ import annotations
 
+import json
 import os
+from typing import TYPE_CHECKING
 
-import torch
-from tokenizers import Tokenizer, decoders, pre_tokenizers
-from tokenizers.models import BPE
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
-
-from opsd_rollout.modeling import max_positions_of
 from opsd_rollout.presets import (BOS_ID, BOS_TOKEN, BYTE_OFFSET, DEFAULT_MODEL, EOS_ID, EOS_TOKEN, PAD_ID,
                                   PAD_TOKEN, PRESETS, VOCAB_SIZE, ModelPreset)
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["BOS_ID", "DEFAULT_MODEL", "EOS_ID", "PAD_ID", "PRESETS", "VOCAB_SIZE", "ModelPreset", "byte_tokenizer",
            "dtype_name", "load_model", "max_positions", "model_config", "parse_dtype"]
 
-_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+def _dtypes() -> dict[str, torch.dtype]:
+    """The dtype names the command line and configs accept (a function: torch loads on first use)."""
+    import torch
+
+    return {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 def _byte_alphabet() -> dict[int, str]:
@@ -36,6 +43,9 @@ def _byte_alphabet() -> dict[int, str]:
 
 
 def _byte_tokenizer_object():
+    from tokenizers import Tokenizer, decoders, pre_tokenizers
+    from tokenizers.models import BPE
+
     vocab = {PAD_TOKEN: PAD_ID, BOS_TOKEN: BOS_ID, EOS_TOKEN: EOS_ID}
     vocab.update({char: BYTE_OFFSET + byte for byte, char in _byte_alphabet().items()})
     tokenizer = Tokenizer(BPE(vocab=vocab, merges=[]))  # no merges: one token per byte
@@ -46,22 +56,27 @@ def _byte_tokenizer_object():
 
 def byte_tokenizer():
     """A transformers fast tokenizer over bytes: pad 0, bos 1, eos 2, byte b is b + 3; pads on the left."""
+    from transformers import PreTrainedTokenizerFast
+
     return PreTrainedTokenizerFast(tokenizer_object=_byte_tokenizer_object(), pad_token=PAD_TOKEN,
                                    bos_token=BOS_TOKEN, eos_token=EOS_TOKEN, padding_side="left")
 
 
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:
     """``fp32``/``fp16``/``bf16`` (or a ``torch.dtype``) to a ``torch.dtype``."""
+    import torch
+
     if isinstance(name, torch.dtype):
         return name
+    dtypes = _dtypes()
     try:
-        return _DTYPES[name]
+        return dtypes[name]
     except KeyError:
-        raise ValueError(f"dtype must be one of {sorted(_DTYPES)}; got {name!r}") from None
+        raise ValueError(f"dtype must be one of {sorted(dtypes)}; got {name!r}") from None
 
 
 def dtype_name(dtype: torch.dtype) -> str:
-    return {v: k for k, v in _DTYPES.items()}.get(dtype, str(dtype).removeprefix("torch."))
+    return {v: k for k, v in _dtypes().items()}.get(dtype, str(dtype).removeprefix("torch."))
 
 
 def load_model(name_or_path: str, *, dtype: str | torch.dtype = "fp32", device: str | torch.device = "cpu"):
@@ -74,7 +89,12 @@ def load_model(name_or_path: str, *, dtype: str | torch.dtype = "fp32", device: 
         return PRESETS[name_or_path].build(dtype=torch_dtype, device=device), byte_tokenizer()
     if os.path.isdir(name_or_path):
         return _load_local(name_or_path, torch_dtype, device)
-    raise ValueError(
+    raise _refuse(name_or_path)
+
+
+def _refuse(name_or_path: str) -> ValueError:
+    """Neither a preset nor a local directory: the error that says this tool never downloads."""
+    return ValueError(
         f"model {name_or_path!r} is neither a built-in preset ({', '.join(PRESETS)}) nor a local directory. "
         "opsd-rollout never downloads weights: download the checkpoint yourself "
         "(e.g. `huggingface-cli download <id> --local-dir DIR`) and pass the local path.")
@@ -85,17 +105,48 @@ def model_config(name_or_path: str):
     if name_or_path in PRESETS:
         return PRESETS[name_or_path].make_config()
     if os.path.isdir(name_or_path):
+        from transformers import AutoConfig
+
         return AutoConfig.from_pretrained(name_or_path, local_files_only=True)
-    load_model(name_or_path)  # raises the "never downloads" error
-    raise AssertionError("unreachable")
+    raise _refuse(name_or_path)
 
 
 def max_positions(name_or_path: str) -> int | None:
-    """The model's position limit, from its config alone (no weights); ``None`` when it has none."""
+    """The model's position limit, from its config alone (no weights); ``None`` when it has none. A preset's
+    config numbers and a checkpoint's ``config.json`` are read directly (no transformers import: the dry run
+    stays quick); transformers reads the config only when they do not name the limit."""
+    if name_or_path in PRESETS:
+        limit = PRESETS[name_or_path].max_positions
+    elif os.path.isdir(name_or_path):
+        limit = _positions_in_config_file(os.path.join(name_or_path, "config.json"))
+    else:
+        raise _refuse(name_or_path)
+    if limit is not None:
+        return limit
+    from opsd_rollout.modeling import max_positions_of  # heavy: see the module docstring
+
     return max_positions_of(model_config(name_or_path))
 
 
+def _positions_in_config_file(path: str) -> int | None:
+    """``max_position_embeddings`` (or GPT-2's ``n_positions``) of a checkpoint's ``config.json``, its text
+    config's for a multimodal model, as ``modeling.max_positions_of`` reads it; ``None`` when absent or unreadable."""
+    try:
+        with open(path) as handle:
+            config = json.load(handle)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(config, dict):
+        return None
+    text = config.get("text_config")
+    config = text if isinstance(text, dict) else config
+    limit = config.get("max_position_embeddings") or config.get("n_positions")
+    return limit if isinstance(limit, int) else None
+
+
 def _load_local(path: str, dtype: torch.dtype, device: str | torch.device):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     if tokenizer.pad_token_id is None and tokenizer.eos_token_id is not None:

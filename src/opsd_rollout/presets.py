@@ -45,8 +45,19 @@ class ModelPreset:
         common = dict(vocab_size=VOCAB_SIZE, pad_token_id=PAD_ID, bos_token_id=BOS_ID, eos_token_id=EOS_ID)
         return AutoConfig.for_model(self.arch, **{**common, **self.config_kwargs})
 
+    @property
+    def max_positions(self) -> int | None:
+        """The position limit, from the config numbers (no transformers import: a dry run reads it)."""
+        kwargs = self.config_kwargs
+        return kwargs.get("max_position_embeddings") or kwargs.get("n_positions")
+
     def num_parameters(self) -> int:
-        return sum(p.numel() for p in self.build(device="meta").parameters())
+        """Counted from the config numbers, so ``opsd-rollout models`` lists sizes without importing torch or
+        transformers; an architecture without a formula here is built on the meta device and counted."""
+        count = _COUNTS[self.arch](self.config_kwargs, self.vocab_size) if self.arch in _COUNTS else None
+        if count is None:
+            count = sum(p.numel() for p in self.build(device="meta").parameters())
+        return count
 
     def build(self, *, dtype: Any = None, device: Any = "cpu"):
         """Instantiate in eval mode with weights from ``PRESET_SEED`` (global RNG state untouched); ``dtype``
@@ -63,6 +74,34 @@ class ModelPreset:
             torch.manual_seed(PRESET_SEED)
             model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         return model.to(device=device, dtype=dtype).eval()
+
+
+def _llama_parameters(c: dict[str, Any], vocab: int, *, qkv_bias: bool = False) -> int:
+    """LlamaForCausalLM's (and Qwen2's, with ``qkv_bias``) parameter count from its config numbers: embedding,
+    per layer attention (q, k, v, o), gated MLP and two RMSNorms, the final norm, and an untied LM head."""
+    hidden, heads, ffn = c["hidden_size"], c["num_attention_heads"], c["intermediate_size"]
+    kv_heads = c.get("num_key_value_heads", heads)
+    head_dim = c.get("head_dim") or hidden // heads
+    q, kv = heads * head_dim, kv_heads * head_dim
+    attention = hidden * (q + 2 * kv) + q * hidden + ((q + 2 * kv) if qkv_bias else 0)
+    layer = attention + 3 * hidden * ffn + 2 * hidden
+    head = 0 if c.get("tie_word_embeddings", False) else vocab * hidden
+    return vocab * hidden + c["num_hidden_layers"] * layer + hidden + head
+
+
+def _gpt2_parameters(c: dict[str, Any], vocab: int) -> int:
+    """GPT2LMHeadModel's parameter count: token and position embeddings, per block two LayerNorms, the fused
+    qkv and output projections and the MLP (all with biases), the final LayerNorm; the LM head is tied."""
+    hidden, inner = c["n_embd"], c.get("n_inner") or 4 * c["n_embd"]
+    block = 2 * 2 * hidden + (hidden * 3 * hidden + 3 * hidden) + (hidden * hidden + hidden) + (
+        hidden * inner + inner) + (inner * hidden + hidden)
+    head = 0 if c.get("tie_word_embeddings", True) else vocab * hidden
+    return vocab * hidden + c["n_positions"] * hidden + c["n_layer"] * block + 2 * hidden + head
+
+
+_COUNTS = {"llama": _llama_parameters, "qwen2": lambda c, vocab: _llama_parameters(c, vocab, qkv_bias=True),
+           "gpt2": _gpt2_parameters}
+"""Parameter-count formulas by architecture (checked against the models built on the meta device in the tests)."""
 
 
 def _llama_like(hidden: int, layers: int, heads: int, kv_heads: int, ffn: int, positions: int) -> dict[str, Any]:

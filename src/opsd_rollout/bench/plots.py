@@ -11,7 +11,6 @@ from typing import Any
 from opsd_rollout.bench.report import ConfigResult, display_labels
 from opsd_rollout.bench.stats import median
 from opsd_rollout.metrics import label
-from opsd_rollout.profiling import RolloutProfile
 
 
 def _pyplot():
@@ -30,6 +29,8 @@ def _median_stage_ms(result: ConfigResult, stages: tuple[str, ...]) -> dict[str,
     so rollout iterations are read through their profile)."""
     rows: list[Any] = result.iterations
     if rows and "generation_overhead_ms" in stages:
+        from opsd_rollout.profiling.profile import RolloutProfile  # torch: only when plotting rollouts
+
         rows = [RolloutProfile(**it) for it in rows]
     return {stage: median((row[stage] or 0.0) if stage in row else 0.0 for row in rows) for stage in stages}
 

@@ -14,7 +14,11 @@ from pathlib import Path
 from typing import Any
 
 from rich import box
+from rich.cells import cell_len
+from rich.console import Console, ConsoleOptions, RenderResult
+from rich.measure import Measurement
 from rich.table import Table
+from rich.text import Text
 
 from opsd_rollout.bench.stats import Stats, is_number
 
@@ -206,18 +210,125 @@ def mib(value: float | None) -> str:
     return fmt(value / 2**20 if value is not None else None, 0)
 
 
+LABEL_WIDTH = 16
+"""Cells a table's label column keeps at the least (its labels fold onto more lines below that): the value
+columns fold into another table before the labels get narrower."""
+
+
+def phrase_starts(text: str) -> list[int]:
+    """Offsets where the phrases of ``text`` begin: after ``, `` ``; `` or ``: `` outside brackets (so
+    "(at most 10 calls, 60 s)" is one phrase)."""
+    starts, depth = [0], 0
+    for index, char in enumerate(text):
+        if char in "([{":
+            depth += 1
+        elif char in ")]}":
+            depth = max(0, depth - 1)
+        elif char in ",;:" and depth == 0 and text[index + 1:index + 2] == " ":
+            starts.append(index + 2)
+    return starts
+
+
+def phrase_breaks(text: str, width: int) -> list[int]:
+    """Where lines start when ``text`` is packed into ``width`` cells a whole phrase at a time."""
+    starts = phrase_starts(text)
+    breaks, line_start = [], 0
+    for start, end in zip(starts, [*starts[1:], len(text)]):
+        if start > line_start and cell_len(text[line_start:end].rstrip()) > width:
+            breaks.append(start)
+            line_start = start
+    return breaks
+
+
+class PhraseText:
+    """Text that wraps between phrases rather than between any two words, so a title reads "5 iterations after
+    warm-up until steady" on one line, not "...after" / "warm-up..."; a phrase wider than the line wraps
+    between its words. A renderable of its own (not a ``Text``: ``Console.print`` joins ``Text`` arguments
+    into one plain ``Text``, which would wrap word by word)."""
+
+    def __init__(self, text: str, style: str = ""):
+        self.text, self.style = text, style
+
+    def lines(self, width: int) -> list[str]:
+        """The text's lines at ``width`` cells, broken between phrases."""
+        out = []
+        for line in self.text.split("\n"):
+            starts = [0, *phrase_breaks(line, width), len(line)]
+            out += [line[start:end].rstrip() for start, end in zip(starts, starts[1:])]
+        return out
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        yield Text("\n".join(self.lines(options.max_width)), style=self.style)
+
+    def __rich_measure__(self, console: Console, options: ConsoleOptions) -> Measurement:
+        return Measurement.get(console, options, Text(self.text))
+
+
+def _cell_width(text: str) -> int:
+    """Cells the widest line of a table cell (markup and all) takes."""
+    return max((cell_len(line) for line in Text.from_markup(text).plain.split("\n")), default=0)
+
+
+def _table_width(label: int, values: Sequence[int]) -> int:
+    """Cells a compact table takes: its edges, the label, and each value column with its separator and padding."""
+    return 2 + label + sum(value + 2 for value in values)
+
+
+def fold_columns(label: int, values: Sequence[int], max_width: int) -> list[range]:
+    """The value columns in as few consecutive, even groups as fit ``max_width`` beside a label ``label`` wide
+    (one column per group when even that does not fit)."""
+    count = len(values)
+    for parts in range(1, count + 1):
+        size = -(-count // parts)
+        groups = [range(start, min(start + size, count)) for start in range(0, count, size)]
+        if all(_table_width(label, [values[i] for i in group]) <= max_width for group in groups):
+            return groups
+    return [range(i, i + 1) for i in range(count)]
+
+
+class CompactTable(Table):
+    """A table that fits the width it is rendered at: the label column (first) folds its labels, the value
+    columns (numbers, verdicts) never wrap nor get cut; when they do not all fit beside the label, they fold
+    into several tables one under the other, each with the labels again. The title wraps between phrases at
+    the full width (not the table's)."""
+
+    def __init__(self, title: str, columns: Sequence[str], rows: Sequence[tuple[Sequence[str], str | None]],
+                 caption: str | None = None):
+        super().__init__(title=title, title_justify="left", caption=caption, caption_justify="left",
+                         box=box.SIMPLE_HEAD, padding=(0, 1), collapse_padding=True, pad_edge=False)
+        self.headers = [columns[0], *(_two_lines(column) for column in columns[1:])]
+        self.cells = [(list(cells), style) for cells, style in rows]
+        self._add(self, range(len(self.headers) - 1))
+
+    def _add(self, table: Table, group: range) -> Table:
+        """Fill ``table`` with the label column and the value columns ``group``."""
+        table.add_column(self.headers[0], justify="left", overflow="fold", ratio=1)
+        for index in group:
+            table.add_column(self.headers[index + 1], justify="right", no_wrap=True)
+        for cells, style in self.cells:
+            table.add_row(*([cells[0]] + [cells[i + 1] if i + 1 < len(cells) else "" for i in group]), style=style)
+        return table
+
+    def groups(self, max_width: int) -> list[range]:
+        """The value columns of each table this one renders as at ``max_width``."""
+        values = [max([_cell_width(self.headers[i])] + [_cell_width(cells[i]) for cells, _ in self.cells
+                                                          if i < len(cells)]) for i in range(1, len(self.headers))]
+        longest = max([_cell_width(cells[0]) for cells, _ in self.cells] + [_cell_width(self.headers[0])])
+        return fold_columns(min(longest, LABEL_WIDTH), values, max_width) if values else [range(0)]
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        if self.title:
+            yield PhraseText(str(self.title), style="table.title")
+        for group in self.groups(options.max_width):
+            yield self._add(Table(box=self.box, padding=(0, 1), collapse_padding=True, pad_edge=False), group)
+        if self.caption:
+            yield PhraseText(str(self.caption), style="table.caption")
+
+
 def compact_table(title: str, columns: Sequence[str], rows: Sequence[tuple[Sequence[str], str | None]],
                   caption: str | None = None) -> Table:
-    """A table that fits an 80-column terminal: the first column (a label) and the headers wrap, the other
-    cells (numbers, verdicts) never wrap nor get cut. ``rows``: (cells, style)."""
-    table = Table(title=title, title_justify="left", caption=caption, caption_justify="left", box=box.SIMPLE_HEAD,
-                  padding=(0, 1), collapse_padding=True, pad_edge=False)
-    table.add_column(columns[0], justify="left", overflow="fold", ratio=1)
-    for column in columns[1:]:
-        table.add_column(_two_lines(column), justify="right", no_wrap=True)
-    for cells, style in rows:
-        table.add_row(*cells, style=style)
-    return table
+    """A table that fits the terminal (``CompactTable``). ``rows``: (cells, style)."""
+    return CompactTable(title, columns, rows, caption)
 
 
 def _two_lines(header: str) -> str:
@@ -231,11 +342,12 @@ def _two_lines(header: str) -> str:
 
 def config_table(results: list[ConfigResult], title: str, columns: Sequence[str],
                  row: Callable[[ConfigResult], Sequence[str]], caption: str | None = None) -> Table:
-    """One row per config: its display label, then ``row(result)`` for a measured config or its status for one
-    that was not (its error is printed below the tables)."""
+    """One row per config: its display label, then ``row(result)`` for a measured config; one that was not
+    has its status beside its label (its error is printed below the tables), leaving the value columns as
+    narrow as their numbers."""
     labels = display_labels([r.config for r in results])
     rows = [([labels[r.config.key], *row(r)], None) if r.status == "ok"
-            else ([labels[r.config.key], f"{r.status} (see below)"], "red") for r in results]
+            else ([f"{labels[r.config.key]}: {r.status} (see below)"], "red") for r in results]
     return compact_table(title, ["config", *columns], rows, caption)
 
 

@@ -1,15 +1,44 @@
 """Opt-in profiling: one clock abstraction, stage recording, forward-pass timing, phase probes, peak memory,
-train/eval switch timing and trace export."""
+train/eval switch timing and trace export.
 
-from opsd_rollout.profiling.clock import Clock, synchronize
-from opsd_rollout.profiling.forward import ForwardTime, ForwardTimer
-from opsd_rollout.profiling.memory import PeakMemory
-from opsd_rollout.profiling.model_time import HiddenForwardsError, ModelTimeProfiler, profile_model_time
-from opsd_rollout.profiling.probes import PhaseProbes, PhaseTotal
-from opsd_rollout.profiling.profile import DEEPSPEED_ALIASES, RolloutProfile
-from opsd_rollout.profiling.recorder import NULL_RECORDER, Span, StageRecorder
-from opsd_rollout.profiling.transitions import ModeSwitchTimes, timed_eval
+The names load on first use (PEP 562): importing one submodule (``profiling.clock``) does not import the others
+(the forward timer imports torch's compiler, the phase probes DeepSpeed).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+_EXPORTS = {
+    "Clock": "clock", "synchronize": "clock",
+    "ForwardTime": "forward", "ForwardTimer": "forward",
+    "PeakMemory": "memory",
+    "HiddenForwardsError": "model_time", "ModelTimeProfiler": "model_time", "profile_model_time": "model_time",
+    "PhaseProbes": "probes", "PhaseTotal": "probes",
+    "DEEPSPEED_ALIASES": "profile", "RolloutProfile": "profile",
+    "NULL_RECORDER": "recorder", "Span": "recorder", "StageRecorder": "recorder",
+    "ModeSwitchTimes": "transitions", "timed_eval": "transitions",
+}
 
 __all__ = ["Clock", "DEEPSPEED_ALIASES", "ForwardTime", "ForwardTimer", "HiddenForwardsError", "ModeSwitchTimes",
            "ModelTimeProfiler", "NULL_RECORDER", "PeakMemory", "PhaseProbes", "PhaseTotal", "RolloutProfile", "Span",
            "StageRecorder", "profile_model_time", "synchronize", "timed_eval"]
+
+if TYPE_CHECKING:
+    from opsd_rollout.profiling.clock import Clock, synchronize
+    from opsd_rollout.profiling.forward import ForwardTime, ForwardTimer
+    from opsd_rollout.profiling.memory import PeakMemory
+    from opsd_rollout.profiling.model_time import HiddenForwardsError, ModelTimeProfiler, profile_model_time
+    from opsd_rollout.profiling.probes import PhaseProbes, PhaseTotal
+    from opsd_rollout.profiling.profile import DEEPSPEED_ALIASES, RolloutProfile
+    from opsd_rollout.profiling.recorder import NULL_RECORDER, Span, StageRecorder
+    from opsd_rollout.profiling.transitions import ModeSwitchTimes, timed_eval
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'opsd_rollout.profiling' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"opsd_rollout.profiling.{_EXPORTS[name]}"), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
