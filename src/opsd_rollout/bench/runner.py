@@ -190,6 +190,7 @@ class BenchRunner:
         try:
             measurement = self.scenario.prepare(pool, config)
             self._spec = pool.get(config).spec
+            progress("first_call", config, 0)  # the engine is built: the first call (compiles, allocates) starts
             torch.manual_seed(self.settings.seed)
             s = self.settings
 
