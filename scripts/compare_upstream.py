@@ -34,16 +34,16 @@ import statistics
 from opsd_rollout.bench.timing import interleaved_times
 from opsd_rollout.deepspeed_engine import build_engine
 from opsd_rollout.models import load_model
-from opsd_rollout.rollout.length_forcing import as_logits_processor
-from opsd_rollout.rollout.lengths import LengthModel
+from opsd_rollout.bench.lengths import LengthModel
+from opsd_rollout.bench.workload import LengthForcing, WorkloadRollout
 
-CONTENDERS = ("static", "static-compiled", "static-no-compaction", "static-model-weights", "static-copied-prompts",
+CONTENDERS = ("static", "static-compiled", "static-no-compaction", "static-weight-copies", "static-copied-prompts",
               "static-no-shared-prefill", "static-whole-cache", "static-release", "per-layer-gather", "generate",
               "deepspeed", "transformers")
-OPT_IN = ("static-compiled", "static-no-compaction", "static-model-weights")
+OPT_IN = ("static-compiled", "static-no-compaction", "static-weight-copies")
 """Contenders run only when named: the compiled step's first call compiles (tens of seconds on a CPU, in the
 warm-up round), no compaction is the baseline of the long-tail comparison, and the model's own weight layout
-the baseline of the CPU weight copies."""
+the CPU weight copies are opt-in."""
 LENGTH_SEED = 0
 """Our rollouts' seed: it forces the lengths (the processors use the same) and, sampling, draws the same random
 numbers for a row of a call in every one of our contenders, so they sample the same tokens and do the same work
@@ -54,8 +54,9 @@ def length_processors(lengths: LengthModel, sampling, eos: int, prompt_mask: tor
     """``generate`` keyword arguments forcing ``lengths`` on the expanded prompts with ``prompt_mask``."""
     if not lengths.synthetic:
         return {}
-    return {"logits_processor": LogitsProcessorList([as_logits_processor(
-        lengths, sampling.max_new_tokens, eos, LENGTH_SEED, prompt_mask, sampling.n_samples_per_prompt)])}
+    forcing = LengthForcing(lengths, sampling.max_new_tokens, eos, LENGTH_SEED)
+    return {"logits_processor": LogitsProcessorList([forcing.as_logits_processor(prompt_mask,
+                                                                                 sampling.n_samples_per_prompt)])}
 
 
 class PlainGenerate:
@@ -164,26 +165,27 @@ def parse_lengths(text: str) -> LengthModel:
 
 def contenders_for(engine, tokenizer, args) -> dict:
     lengths = args.lengths
-    ours = dict(enable_profiling=False, ignore_eos=lengths.kind == "fixed", seed=LENGTH_SEED,
-                response_lengths=lengths.spec if lengths.synthetic else None)
+    def ours(**options):  # the workload's lengths forced by the bench's hook, the same seed everywhere
+        rollout = HybridEngineRollout(engine, tokenizer, HybridEngineRolloutConfig.from_flat(
+            enable_profiling=False, seed=LENGTH_SEED, **options))
+        return WorkloadRollout(rollout, lengths, rollout.eos_token_ids, seed=LENGTH_SEED)
 
     def static(**options):
-        return HybridEngineRollout(engine, tokenizer, HybridEngineRolloutConfig(strategy="static", **ours, **options))
+        return ours(strategy="static", **options)
 
     table = {
         "static": ("opsd static", lambda: static()),
         "static-compiled": ("opsd static, compiled step", lambda: static(compile_decode=True)),
         "static-no-compaction": ("opsd static, no row compaction", lambda: static(compact_rows=False)),
-        "static-model-weights": ("opsd static, the model's weight layout (CPU)",
-                                 lambda: static(cpu_transposed_weights=False)),
+        "static-weight-copies": ("opsd static, the CPU weight copies (opt-in)",
+                                 lambda: static(cpu_transposed_weights=True)),
         "static-copied-prompts": ("opsd static, prompt keys/values copied to every row",
                                   lambda: static(shared_prefix=False)),
         "static-no-shared-prefill": ("opsd static, no shared prefill", lambda: static(shared_prefill=False)),
-        "static-whole-cache": ("opsd static, whole cache every step", lambda: static(static_shapes=True)),
+        "static-whole-cache": ("opsd static, whole cache every step", lambda: whole_cache(static())),
         "static-release": ("opsd static, release workspace", lambda: static(cache_policy="release")),
         "per-layer-gather": ("opsd static, per-layer gather", lambda: static(zero3_gather="per_layer")),
-        "generate": ("opsd generate", lambda: HybridEngineRollout(engine, tokenizer, HybridEngineRolloutConfig(
-            strategy="generate", **ours))),
+        "generate": ("opsd generate", lambda: ours(strategy="generate")),
         "deepspeed": ("DeepSpeed HybridEngineRollout", lambda: ForcedDeepSpeed(engine, tokenizer, lengths)),
         "transformers": ("transformers generate", lambda: PlainGenerate(engine, tokenizer, lengths)),
     }
@@ -193,6 +195,12 @@ def contenders_for(engine, tokenizer, args) -> dict:
         chosen[f"opsd static, continuous_batch_size={args.continuous}"] = Continuous(static(), args.continuous)
         chosen[f"opsd static, calls of {args.continuous} rows one after another"] = Chunked(static(), args.continuous)
     return chosen
+
+
+def whole_cache(rollout: WorkloadRollout) -> WorkloadRollout:
+    """Every decode step over the whole cache, masked, as the compiled step runs it (here eagerly)."""
+    rollout.rollout.strategy.whole_cache = True
+    return rollout
 
 
 def main() -> None:

@@ -34,6 +34,7 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 import torch  # noqa: E402
 
 from opsd_rollout.bench.timing import interleaved_times  # noqa: E402
+from opsd_rollout.bench.workload import workload_rollout  # noqa: E402
 from opsd_rollout.profiling.memory import PeakMemory  # noqa: E402
 
 GiB = 2**30
@@ -119,7 +120,7 @@ def qwen2_shaped(hidden: int, layers: int, heads: int, vocab: int):
 
 
 def step_setup(args: argparse.Namespace) -> Callable[[bool, str], Any]:
-    from opsd_rollout import HybridEngineRollout, HybridEngineRolloutConfig, SamplingConfig
+    from opsd_rollout import SamplingConfig
     from opsd_rollout.bench.prompts import synthetic_prompts
     from opsd_rollout.deepspeed_engine import build_engine
     from opsd_rollout.models import byte_tokenizer
@@ -129,8 +130,7 @@ def step_setup(args: argparse.Namespace) -> Callable[[bool, str], Any]:
     student = qwen2_shaped(args.student_hidden, args.student_layers, 4, args.vocab).train()
     teacher = qwen2_shaped(args.teacher_hidden, args.teacher_layers, 4, args.vocab).requires_grad_(False)
     engine = build_engine(student, 0, lr=1e-5)
-    rollout = HybridEngineRollout(engine, tokenizer, HybridEngineRolloutConfig(enable_profiling=True,
-                                                                               ignore_eos=True))
+    rollout = workload_rollout(engine, tokenizer, "fixed", enable_profiling=True)
     request = synthetic_prompts(args.batch_size, args.prompt_length, vocab_size=args.vocab, seed=0)
     sampling = SamplingConfig(max_new_tokens=args.response_length, n_samples_per_prompt=args.samples_per_prompt,
                               temperature=1.0, top_k=50)

@@ -31,9 +31,9 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from opsd_rollout import HybridEngineRollout, HybridEngineRolloutConfig, RolloutRequest, SamplingConfig
+from opsd_rollout import RolloutRequest, SamplingConfig
 from opsd_rollout.bench.prompts import synthetic_prompts
-from opsd_rollout.bench.workload import WorkloadRollout
+from opsd_rollout.bench.workload import workload_rollout
 from opsd_rollout.bench.timing import interleaved_medians
 from opsd_rollout.models import load_model, parse_dtype
 from opsd_rollout.rollout import compiled as compiled_module
@@ -308,12 +308,10 @@ class Context:
                 **config: Any) -> Any:
         """A rollout from flat config and option names; ``lengths``: a benchmark workload's response lengths,
         through the bench's hook; ``whole_cache``: the compiled step's cache layout, eagerly."""
-        rollout = HybridEngineRollout(model if model is not None else self.fp32, self.tokenizer,
-                                      HybridEngineRolloutConfig.from_flat(**config))
-        rollout.strategy.whole_cache = whole_cache
-        if lengths is None:
-            return rollout
-        return WorkloadRollout(rollout, lengths, rollout.eos_token_ids, seed=rollout.cfg.seed or 0)
+        workload = workload_rollout(model if model is not None else self.fp32, self.tokenizer, lengths or "natural",
+                                    **config)
+        workload.rollout.strategy.whole_cache = whole_cache
+        return workload if lengths else workload.rollout
 
     def medians(self, contenders: dict[str, Callable[[], Any]], rounds: int = 3, **kwargs: Any) -> dict[str, float]:
         """Interleaved medians; the rehearsal runs one round, for the code and not the figure."""

@@ -24,16 +24,16 @@ LENGTHS = "lognormal:median=48,sigma=1.0"
 def measure(args: argparse.Namespace) -> list[dict]:
     import torch
 
-    from opsd_rollout import HybridEngineRollout, HybridEngineRolloutConfig, SamplingConfig
+    from opsd_rollout import SamplingConfig
     from opsd_rollout.bench.prompts import synthetic_prompts
     from opsd_rollout.bench.timing import interleaved_times
+    from opsd_rollout.bench.workload import workload_rollout
     from opsd_rollout.models import load_model
     from opsd_rollout.rollout import shared_prefix
 
     model, tokenizer = load_model(args.model, dtype="fp32", device=torch.device("cpu"))
     request = synthetic_prompts(SHAPE["prompts"], SHAPE["prompt_length"], vocab_size=model.config.vocab_size, seed=0)
-    rollout = HybridEngineRollout(model, tokenizer, HybridEngineRolloutConfig(
-        enable_profiling=False, ignore_eos=False, seed=0, response_lengths=LENGTHS))
+    rollout = workload_rollout(model, tokenizer, LENGTHS, enable_profiling=False, seed=0)
     live_only = shared_prefix.SharedPrefix._bucket
 
     def every_slot(self, groups):  # noqa: ARG001 - the signature patched

@@ -16,9 +16,10 @@ from types import SimpleNamespace
 
 import torch
 
-from opsd_rollout import HybridEngineRollout, HybridEngineRolloutConfig, SamplingConfig
+from opsd_rollout import SamplingConfig
 from opsd_rollout.bench.argtypes import positive_int, positive_ints
 from opsd_rollout.bench.prompts import synthetic_prompts
+from opsd_rollout.bench.workload import workload_rollout
 from opsd_rollout.bench.timing import interleaved_medians
 from opsd_rollout.models import load_model
 from opsd_rollout.rollout.sampling import sample
@@ -64,7 +65,7 @@ def main() -> None:
     args = parser.parse_args()
 
     model, tokenizer = load_model(args.model)
-    rollout = HybridEngineRollout(model, tokenizer, HybridEngineRolloutConfig(strategy="static", ignore_eos=True))
+    rollout = workload_rollout(model, tokenizer, "fixed", strategy="static")
     request = synthetic_prompts(args.batch_size, args.prompt_length, vocab_size=model.config.vocab_size, seed=0)
     print(f"{args.model}, B={args.batch_size}, prompt {args.prompt_length}, {args.max_new_tokens} new tokens, "
           f"{torch.get_num_threads()} threads, median of {args.rounds} interleaved rounds (ms)")

@@ -17,9 +17,10 @@ import statistics
 
 import torch
 
-from opsd_rollout import HybridEngineRollout, HybridEngineRolloutConfig, SamplingConfig
+from opsd_rollout import HybridEngineRollout, SamplingConfig
 from opsd_rollout.bench.argtypes import positive_int, positive_ints
 from opsd_rollout.bench.prompts import synthetic_prompts
+from opsd_rollout.bench.workload import workload_rollout
 from opsd_rollout.bench.timing import interleaved_times
 from opsd_rollout.models import load_model
 
@@ -44,8 +45,8 @@ def measure(model, tokenizer, batch: int, samples: int, prompt: int, response: i
         rollout.generate(request, sampling)
         profiles[name].append(rollout.get_last_profile())
 
-    rollouts = {name: HybridEngineRollout(model, tokenizer, HybridEngineRolloutConfig(
-        enable_profiling=True, ignore_eos=True, **options)) for name, options in LAYOUTS.items()}
+    rollouts = {name: workload_rollout(model, tokenizer, "fixed", enable_profiling=True, **options)
+                for name, options in LAYOUTS.items()}
     times = interleaved_times({name: (lambda name=name, r=r: call(name, r)) for name, r in rollouts.items()}, rounds)
     out = {}
     for name, recorded in profiles.items():

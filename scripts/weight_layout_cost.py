@@ -24,6 +24,7 @@ import time
 
 from opsd_rollout.bench.argtypes import positive_int, positive_ints
 from opsd_rollout.bench.report import write_text_atomic
+from opsd_rollout.bench.workload import workload_rollout
 
 SHORT, LONG = 8, 40
 
@@ -108,7 +109,7 @@ def per_token(model, tokenizer, args: argparse.Namespace) -> list[dict]:
     ``default_applies`` says whether a rollout would use them by default."""
     import torch
 
-    from opsd_rollout import HybridEngineRollout, HybridEngineRolloutConfig, SamplingConfig
+    from opsd_rollout import SamplingConfig
     from opsd_rollout.bench.prompts import synthetic_prompts
     from opsd_rollout.bench.timing import interleaved_times
     from opsd_rollout.rollout import weight_layout
@@ -117,9 +118,9 @@ def per_token(model, tokenizer, args: argparse.Namespace) -> list[dict]:
                           if weight_layout._eligible(m)) <= weight_layout.MAX_BYTES
     weight_layout.MAX_BYTES = float("inf")
 
-    rollouts = {name: HybridEngineRollout(model, tokenizer, HybridEngineRolloutConfig(
-        ignore_eos=True, cpu_transposed_weights=name == "transposed", compile_decode=args.compile, seed=0))
-        for name in ("model", "transposed")}
+    rollouts = {name: workload_rollout(model, tokenizer, "fixed", cpu_transposed_weights=name == "transposed",
+                                       compile_decode=args.compile, seed=0)
+                for name in ("model", "transposed")}
     rows = []
     for batch in args.batch_sizes:
         request = synthetic_prompts(batch, args.prompt_length, vocab_size=model.config.vocab_size, seed=batch)
@@ -130,8 +131,8 @@ def per_token(model, tokenizer, args: argparse.Namespace) -> list[dict]:
         times = interleaved_times(calls, args.rounds)
         ms = {name: (statistics.median(times[f"{name} {LONG}"]) - statistics.median(times[f"{name} {SHORT}"]))
               / (LONG - SHORT) for name in rollouts}
-        profiled = HybridEngineRollout(model, tokenizer, HybridEngineRolloutConfig(
-            ignore_eos=True, enable_profiling=True, profile_forwards=False))
+        profiled = workload_rollout(model, tokenizer, "fixed", enable_profiling=True, profile_forwards=False,
+                                    cpu_transposed_weights=True)
         for _ in range(2):  # the second call's copy: into copies allocated by the first, as in a training loop
             profiled.generate(request, sampling[SHORT])
         profile = profiled.get_last_profile()

@@ -138,15 +138,12 @@ def rollout_engine(model, tokenizer, *, whole_cache: bool = False, ignore_eos: b
     """A ``HybridEngineRollout`` from flat keyword arguments (``RolloutOptions``' names go into ``options``);
     ``whole_cache``: decode steps over the whole cache, masked, eagerly; ``ignore_eos``/``response_lengths``: a
     benchmark workload's lengths, through the bench's own hook (``WorkloadRollout``)."""
-    from opsd_rollout import HybridEngineRollout, HybridEngineRolloutConfig
-    from opsd_rollout.bench.workload import WorkloadRollout
+    from opsd_rollout.bench.workload import workload_rollout
 
-    engine = HybridEngineRollout(model, tokenizer, HybridEngineRolloutConfig.from_flat(**fields))
-    engine.strategy.whole_cache = whole_cache
-    if ignore_eos or response_lengths is not None:
-        return WorkloadRollout(engine, "fixed" if ignore_eos else response_lengths, engine.eos_token_ids,
-                               seed=engine.cfg.seed or 0)
-    return engine
+    lengths = "fixed" if ignore_eos else response_lengths
+    workload = workload_rollout(model, tokenizer, lengths or "natural", **fields)
+    workload.rollout.strategy.whole_cache = whole_cache
+    return workload if lengths else workload.rollout
 
 
 def make_tokenizer(pad_token_id, eos_token_id):

@@ -19,7 +19,6 @@ from torch.utils._pytree import tree_leaves
 
 from opsd_rollout import HybridEngineRollout, RolloutRequest, SamplingConfig
 from opsd_rollout.deepspeed_engine import deepspeed_config, init_distributed
-from opsd_rollout.models import PRESETS
 from opsd_rollout.opsd import DivergenceConfig, TeacherCacheConfig, chunked_divergence, opsd_step
 from opsd_rollout.opsd.fused import chunk_tokens, fused_divergence, fusion_problem, head_divergence
 

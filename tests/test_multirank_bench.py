@@ -66,7 +66,7 @@ def test_a_rank_that_fails_stops_the_run_with_its_error(tmp_path):
         if os.environ.get("RANK") == "1":  # rank 1 fails on its second rollout
             import opsd_rollout.rollout.engine as engine
             original, calls = engine.HybridEngineRollout.generate, []
-            def failing(self, request, sampling):
+            def failing(self, request, sampling, **kwargs):
                 calls.append(1)
                 if len(calls) == 2:
                     raise RuntimeError("planted failure on rank 1")

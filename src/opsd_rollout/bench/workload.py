@@ -159,3 +159,12 @@ class WorkloadRollout:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.rollout, name)
+
+
+def workload_rollout(engine: Any, tokenizer: Any, lengths: LengthModel | str, **fields: Any) -> WorkloadRollout:
+    """Our ``HybridEngineRollout`` on ``engine`` (its config from flat field and option names, see
+    ``HybridEngineRolloutConfig.from_flat``), running the workload's ``lengths`` with the config's seed."""
+    from opsd_rollout.rollout import HybridEngineRollout, HybridEngineRolloutConfig
+
+    rollout = HybridEngineRollout(engine, tokenizer, HybridEngineRolloutConfig.from_flat(**fields))
+    return WorkloadRollout(rollout, lengths, rollout.eos_token_ids, seed=rollout.cfg.seed or 0)
