@@ -199,7 +199,7 @@ def test_step_benchmark_end_to_end(tmp_path, capsys):
     for result in document["results"]:
         assert result["status"] == "ok", result["error"]
         it = result["iterations"][0]
-        assert it["rollout"]["strategy"] == "static" and 0 < it["rollout_share"] < 1
+        assert it["rollout/strategy"] == "static" and 0 < it["rollout_share"] < 1
         assert result["summary"]["backward_ms"]["count"] == 2
         assert 0 < result["derived"]["rollout_share"] < 1
     full, top8 = document["results"][0]["iterations"][0], document["results"][1]["iterations"][0]

@@ -79,15 +79,22 @@ def dtype_name(dtype: torch.dtype) -> str:
     return {v: k for k, v in _dtypes().items()}.get(dtype, str(dtype).removeprefix("torch."))
 
 
-def load_model(name_or_path: str, *, dtype: str | torch.dtype = "fp32", device: str | torch.device = "cpu"):
+def load_model(name_or_path: str, *, dtype: str | torch.dtype = "fp32", device: str | torch.device = "cpu",
+               seed: int | None = None):
     """Return ``(model, tokenizer)`` for a preset name or a local checkpoint directory.
 
+    ``seed``: a preset's weights are drawn from it (``None``: the preset's own seed, the weights every result
+    here was measured with); a teacher built from the student's preset needs another one, or it is the student
+    and the distillation loss is 0. A checkpoint has its weights already, so a seed for one is refused.
     Hub ids are refused: this tool never downloads. Download the checkpoint yourself and pass its path.
     """
     torch_dtype = parse_dtype(dtype)
     if name_or_path in PRESETS:
-        return PRESETS[name_or_path].build(dtype=torch_dtype, device=device), byte_tokenizer()
+        return PRESETS[name_or_path].build(dtype=torch_dtype, device=device, seed=seed), byte_tokenizer()
     if os.path.isdir(name_or_path):
+        if seed is not None:
+            raise ValueError(f"seed={seed!r} draws a built-in preset's weights, and {name_or_path!r} is a checkpoint "
+                             "directory, which keeps its own: drop the seed, or name a preset")
         return _load_local(name_or_path, torch_dtype, device)
     raise _refuse(name_or_path)
 

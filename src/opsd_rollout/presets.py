@@ -1,7 +1,8 @@
 """The built-in model presets: real transformers architectures (Llama, Qwen2, GPT-2) at named sizes, with random
-weights drawn from a fixed seed; ``tiny`` presets run in milliseconds for tests, ``small`` ones have tens of
-millions of parameters for benchmarks, and the realistic ones (``qwen2-0.5b``, ``llama-1b``) have the shapes and
-vocabularies of real small models, to show what a real vocabulary does to sampling, the LM head and the loss.
+weights drawn from a fixed seed (or one given to ``build``); ``tiny`` presets run in milliseconds for tests,
+``small`` ones have tens of millions of parameters for benchmarks, and the realistic ones (``qwen2-0.5b``,
+``llama-1b``) have the shapes and vocabularies of real small models, to show what a real vocabulary does to
+sampling, the LM head and the loss.
 Nothing here downloads. Every preset's tokenizer is the byte tokenizer: its 259 ids are valid in every preset,
 and the realistic presets' other ids are tokens the model can sample (without text).
 
@@ -24,7 +25,7 @@ PRESET_SEED = 1234
 
 @dataclass(frozen=True, kw_only=True)
 class ModelPreset:
-    """A named architecture and size; ``build()`` makes the model, always with the same weights."""
+    """A named architecture and size; ``build()`` makes the model, with the same weights for the same seed."""
 
     name: str
     """``<arch>-<size>``, e.g. ``llama-tiny``."""
@@ -59,21 +60,33 @@ class ModelPreset:
             count = sum(p.numel() for p in self.build(device="meta").parameters())
         return count
 
-    def build(self, *, dtype: Any = None, device: Any = "cpu"):
-        """Instantiate in eval mode with weights from ``PRESET_SEED`` (global RNG state untouched); ``dtype``
-        defaults to float32."""
+    def build(self, *, dtype: Any = None, device: Any = "cpu", seed: int | None = None):
+        """Instantiate in eval mode with weights drawn from ``seed`` (global RNG state untouched); ``dtype``
+        defaults to float32.
+
+        ``seed=None`` is ``PRESET_SEED``, so every result measured on a preset keeps its weights. Another seed gives
+        the same architecture other weights: a teacher of the student's preset that is not the student itself
+        (with equal weights the distillation loss is 0)."""
         import torch  # heavy: see the module docstring
         from transformers import AutoModelForCausalLM
 
         dtype = dtype or torch.float32
+        seed = PRESET_SEED if seed is None else _seed(seed)
         config = self.make_config()
         if torch.device(device).type == "meta":
             with torch.device("meta"):
                 return AutoModelForCausalLM.from_config(config)
         with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(PRESET_SEED)
+            torch.manual_seed(seed)
             model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         return model.to(device=device, dtype=dtype).eval()
+
+
+def _seed(seed: Any) -> int:
+    """``seed`` checked: an int, as ``torch.manual_seed`` takes it (a float or a bool would be taken silently)."""
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise TypeError(f"seed must be an int (or None for the preset's own weights); got {seed!r}")
+    return seed
 
 
 def _llama_parameters(c: dict[str, Any], vocab: int, *, qkv_bias: bool = False) -> int:

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from opsd_rollout.metrics import STEP_PARTS
+from opsd_rollout.metrics import STEP_PARTS, STEP_STAGES, label
 from opsd_rollout.modeling import innermost_model, position_ids, text_config
 from opsd_rollout.opsd.divergence import DivergenceConfig, chunked_divergence
 from opsd_rollout.opsd.fused import fusion_problem, head_divergence
@@ -20,6 +20,7 @@ from opsd_rollout.opsd.sampled import head_sampled_divergence, sampled_divergenc
 from opsd_rollout.opsd.targets import response_targets
 from opsd_rollout.opsd.teacher import TeacherCacheConfig, build_teacher_cache
 from opsd_rollout.profiling import Clock, PeakMemory, RolloutProfile, StageRecorder, timed_eval
+from opsd_rollout.profiling.profile import byte_size, json_safe
 
 
 logger = logging.getLogger(__name__)
@@ -69,14 +70,32 @@ class StepProfile:
         return self.response_tokens / (self.total_ms / 1e3) if self.total_ms > 0 else 0.0
 
     def to_dict(self) -> dict[str, Any]:
-        """Flat numbers first (what benchmark summaries read), the nested rollout profile under ``rollout``."""
-        data = dataclasses.asdict(self)
-        data["rollout"] = self.rollout.to_dict() if self.rollout is not None else None
-        for part, peak in data.pop("peak_memory_bytes").items():
-            data[f"peak_{part}_bytes"] = peak
-        data["peak_memory_bytes"] = max(self.peak_memory_bytes.values(), default=0)
+        """One flat, JSON-safe record with stable names, for a JSON line or a scalar logger: the step's fields,
+        ``tokens_per_second``, ``peak_memory_bytes`` (the largest part's) and ``peak_<part>_bytes``,
+        ``<part>_start_ms``, and the rollout profile's record under ``rollout/`` (absent when it was not profiled)."""
+        data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if f.name not in ("rollout", "peak_memory_bytes", "part_start_ms")}
         data["tokens_per_second"] = self.tokens_per_second
+        data["peak_memory_bytes"] = max(self.peak_memory_bytes.values(), default=0)
+        data.update({f"peak_{part}_bytes": peak for part, peak in self.peak_memory_bytes.items()})
+        data.update({f"{part}_start_ms": start for part, start in self.part_start_ms.items()})
+        data = json_safe(data)
+        if self.rollout is not None:
+            data.update({f"rollout/{key}": value for key, value in self.rollout.to_dict().items()})
         return data
+
+    def __str__(self) -> str:
+        """A few lines for a person: loss, the parts in ms, throughput and memory, then the rollout's first line."""
+        parts = ", ".join(f"{label(name)} {getattr(self, name):.1f}" for name in STEP_STAGES)
+        peak = byte_size(max(self.peak_memory_bytes.values(), default=0))
+        lines = [f"StepProfile: loss {self.loss:.4f}, {self.total_ms:.1f} ms, rollout share {self.rollout_share:.0%}",
+                 f"  parts ms: {parts}",
+                 f"  {self.response_tokens} response tokens, {self.tokens_per_second:.1f} tok/s; peak memory {peak}; "
+                 f"teacher cache {self.teacher_cache_mode} {byte_size(self.teacher_cache_bytes)}; "
+                 f"fused loss {'on' if self.fused_loss else 'off'}"]
+        if self.rollout is not None:
+            lines.append("  rollout: " + str(self.rollout).splitlines()[0].removeprefix("RolloutProfile: "))
+        return "\n".join(lines)
 
 
 class _Parts:
@@ -116,6 +135,35 @@ def _student_hidden(engine: Any, targets) -> torch.Tensor:
 
 
 _WARNED: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
+_TEACHER_CHECKED: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
+"""Students already warned about (a fused loss they cannot run) or checked against their teacher: said once."""
+
+
+def _same_weights(student: torch.nn.Module, teacher: torch.nn.Module) -> bool:
+    """Whether the teacher is the student: the same module, or an equal first parameter (cheap, and enough for
+    what happens in practice: one preset loaded twice with one seed, one checkpoint loaded twice). Parameters of
+    different shapes (one side a ZeRO-3 partition, the other whole), dtypes or devices say nothing."""
+    if student is teacher:
+        return True
+    first = [next(m.parameters(), None) for m in (student, teacher)]
+    if first[0] is None or first[1] is None:
+        return False
+    a, b = (getattr(p, "ds_tensor", p) for p in first)  # a ZeRO-3 parameter's data is its rank's partition
+    return (a.shape == b.shape and a.dtype == b.dtype and a.device == b.device and a.numel() > 0
+            and torch.equal(a, b))
+
+
+def _warn_if_teacher_is_student(student: torch.nn.Module, teacher: torch.nn.Module) -> None:
+    """Once per student, at its first step (afterwards its weights have moved): a teacher equal to the student
+    makes every divergence 0, so the step would train nothing and report ``loss 0.0000`` without a word."""
+    if student in _TEACHER_CHECKED:
+        return
+    _TEACHER_CHECKED.add(student)
+    if _same_weights(student, teacher):
+        logger.warning("the teacher has the student's weights (the same model, or the same preset and seed): the "
+                       "loss and its gradient are 0 at every step. Distil from another model: another preset, a "
+                       "checkpoint, or the same preset with other weights (opsd_rollout.models.load_model(name, "
+                       "seed=...))")
 
 
 def _fuses(model: torch.nn.Module, divergence: DivergenceConfig) -> bool:
@@ -199,6 +247,7 @@ def opsd_step(student_engine: Any, teacher: Any, rollout: Any, request: Any, sam
     if student_vocab != teacher_vocab:  # before any work: a partitioned teacher would fail inside its gathers
         raise ValueError(f"the teacher's vocabulary ({teacher_vocab:,} tokens) differs from the student's "
                          f"({student_vocab:,}): distillation compares their distributions token by token")
+    _warn_if_teacher_is_student(innermost_model(student_engine), innermost_model(teacher))
     fused = _fuses(innermost_model(student_engine), divergence)
     device = torch.device(student_engine.device)
     recorder = StageRecorder(Clock(device), time_forwards=False)

@@ -2,11 +2,15 @@
 
 A frozen dataclass that also reads as a mapping, with DeepSpeed's profile key names as aliases, so
 code written against ``deepspeed.runtime.rollout.HybridEngineRollout.get_last_profile()`` keeps working.
+``to_dict()`` is that mapping as one flat, JSON-safe record (a JSON line, a scalar logger's input), and a record
+reads back as a profile; ``str()`` is a few lines for a person.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 import statistics
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -14,7 +18,7 @@ from typing import Any
 
 import torch
 
-from opsd_rollout.metrics import ATTRIBUTED_PHASES, ROLLOUT_STAGES
+from opsd_rollout.metrics import ATTRIBUTED_PHASES, ROLLOUT_STAGES, label
 
 # DeepSpeed's key -> ours.
 DEEPSPEED_ALIASES: dict[str, str] = {
@@ -28,14 +32,35 @@ DERIVED_KEYS = ("generation_overhead_ms",)
 ATTRIBUTED_FIELDS = tuple(f"{phase}_ms" for phase in ATTRIBUTED_PHASES)
 
 
-@dataclass(frozen=True, kw_only=True, eq=True)
-class RolloutProfile(Mapping):
-    """Stage timings (ms), throughput, peak memory and metadata of one rollout.
+def json_safe(record: dict[str, Any]) -> dict[str, Any]:
+    """``record`` with values any JSON encoder or scalar logger takes as they are: a tensor or numpy scalar as a
+    Python number, NaN and infinities as ``None`` (JSON has no spelling for them; ``json.dumps`` would write
+    ``NaN``, which strict readers refuse)."""
+    return {key: _plain(value) for key, value in record.items()}
 
-    Nesting: ``prompt_expansion_ms + generation_ms + post_processing_ms <= total_ms``;
-    ``prefill_ms + decode_ms <= generation_ms``; ``attention_mask_ms <= post_processing_ms``.
-    Attributed phases are ``None`` when they did not occur in the call.
-    """
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, torch.Tensor) or (isinstance(value, numbers.Number) and not isinstance(value, (int, float))):
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+def byte_size(count: int | None) -> str:
+    """``count`` bytes for a person: GiB, MiB or KiB, the largest that keeps the figure at 1 or more."""
+    if count is None:
+        return "n/a"
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20)):
+        if count >= size:
+            return f"{count / size:,.1f} {unit}"
+    return f"{count / 2**10:,.1f} KiB"
+
+
+@dataclass(frozen=True, kw_only=True, eq=True)
+class _ProfileFields:
+    """The fields of ``RolloutProfile``, apart so that the dataclass's generated ``__init__`` lives here and
+    ``RolloutProfile``'s own can take a ``to_dict()`` record, DeepSpeed's names and derived keys included."""
 
     # stages
     prompt_expansion_ms: float
@@ -160,6 +185,26 @@ class RolloutProfile(Mapping):
     timer: str
     """``cuda_events`` or ``synchronized_clock``."""
 
+
+class RolloutProfile(_ProfileFields, Mapping):
+    """Stage timings (ms), throughput, peak memory and metadata of one rollout.
+
+    Nesting: ``prompt_expansion_ms + generation_ms + post_processing_ms <= total_ms``;
+    ``prefill_ms + decode_ms <= generation_ms``; ``attention_mask_ms <= post_processing_ms``.
+    Attributed phases are ``None`` when they did not occur in the call.
+    """
+
+    def __init__(self, **values: Any) -> None:
+        """By field name. A ``to_dict()`` record (a JSON line, a benchmark's iteration) reads back as it is,
+        ``RolloutProfile(**record)``: the fields win, a DeepSpeed name stands for its field only where the field is
+        absent, and derived keys are recomputed, not trusted (ranks' merged records may disagree on them)."""
+        for alias, name in DEEPSPEED_ALIASES.items():
+            if alias in values:
+                values.setdefault(name, values.pop(alias))
+        for key in DERIVED_KEYS:
+            values.pop(key, None)
+        super().__init__(**values)
+
     @property
     def attributed_ms(self) -> float:
         """All attributed phases together."""
@@ -187,8 +232,26 @@ class RolloutProfile(Mapping):
         return len(_FIELD_NAMES) + len(DERIVED_KEYS) + len(DEEPSPEED_ALIASES)
 
     def to_dict(self) -> dict[str, Any]:
-        """Fields only (no aliases), for JSON."""
-        return dataclasses.asdict(self)
+        """Every key the mapping answers (fields, ``generation_overhead_ms``, DeepSpeed's names), flat and
+        JSON-safe: one record per rollout for a JSON line or a scalar logger, under names that stay put."""
+        return json_safe({key: self[key] for key in self})
+
+    def __str__(self) -> str:
+        """A few lines for a person (``repr`` keeps every field): shapes, stages in ms, tokens/s, memory."""
+        stages = ", ".join(f"{label(name)} {self[name]:.1f}" for name in ROLLOUT_STAGES if self[name] is not None)
+        speed = [f"{self.tokens_per_second:.1f} tok/s"] + [
+            f"{name} {value:.1f}{unit}" for name, value, unit in (
+                ("decode", self.decode_tokens_per_second, " tok/s"), ("TTFT", self.ttft_ms, " ms"),
+                ("TPOT", self.tpot_ms, " ms")) if value is not None]
+        kv = f", KV workspace {byte_size(self.kv_workspace_bytes)} ({self.kv_layout})" if self.kv_layout else ""
+        return "\n".join([
+            f"RolloutProfile: {self.batch_size} prompts x {self.samples_per_prompt} samples, prompt "
+            f"{self.prompt_length}, response {self.response_length} of {self.max_new_tokens} tokens, {self.decoding}, "
+            f"{self.strategy}, {self.dtype} on {self.device}, ZeRO-{self.zero_stage}, rank {self.rank} of "
+            f"{self.world_size}",
+            f"  stages ms: total {self.total_ms:.1f} = {stages}",
+            f"  {self.generated_tokens} tokens ({self.padded_tokens} padding), {', '.join(speed)}",
+            f"  peak memory {byte_size(self.peak_memory_bytes)} ({self.peak_memory_source}){kv}, timer {self.timer}"])
 
     def stage_shares(self) -> dict[str, float]:
         """Each top-level stage and attributed phase as a fraction of ``total_ms``."""
