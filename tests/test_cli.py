@@ -57,17 +57,23 @@ def test_unknown_subcommand_exits_2():
     assert exit_info.value.code == 2
 
 
-def test_every_readme_command_matches_the_parser():
-    """Each ``opsd-rollout`` command in the README's shell blocks parses with today's flags."""
+def documentation() -> str:
+    """The README and every page of docs/, where the commands users copy are."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    return "\n".join(page.read_text() for page in [root / "README.md", *sorted((root / "docs").glob("*.md"))])
+
+
+def test_every_documented_command_matches_the_parser():
+    """Each ``opsd-rollout`` command in the README's and docs/'s shell blocks parses with today's flags."""
     import re
     import shlex
-    from pathlib import Path
 
     from opsd_rollout.cli import build_parser
 
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     commands = []
-    for block in re.findall(r"```bash\n(.*?)```", readme, flags=re.S):
+    for block in re.findall(r"```bash\n(.*?)```", documentation(), flags=re.S):
         for line in block.replace("\\\n", " ").splitlines():
             for part in line.split("#")[0].split(";"):
                 words = shlex.split(part)
@@ -79,7 +85,7 @@ def test_every_readme_command_matches_the_parser():
         try:
             parser.parse_args(argv)
         except SystemExit as error:  # --help and --version exit 0; a bad flag exits 2
-            assert error.code == 0, f"README command does not parse: opsd-rollout {' '.join(argv)}"
+            assert error.code == 0, f"documented command does not parse: opsd-rollout {' '.join(argv)}"
 
 
 @pytest.mark.parametrize("argv,local_rank", [
@@ -116,21 +122,19 @@ def test_local_rank_is_not_passed_on_when_nproc_relaunches():
                            "--zero-stages", "3"]) == ["bench", "--zero-stages", "3"]
 
 
-def test_the_readme_launcher_commands_parse_as_the_launcher_runs_them():
+def test_the_documented_launcher_commands_parse_as_the_launcher_runs_them():
     """``deepspeed ... --module opsd_rollout ARGS`` runs ``python -m opsd_rollout --local_rank=N ARGS``."""
     import re
     import shlex
-    from pathlib import Path
 
     from opsd_rollout.cli import build_parser
 
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     commands = []
-    for block in re.findall(r"```bash\n(.*?)```", readme, flags=re.S):
+    for block in re.findall(r"```bash\n(.*?)```", documentation(), flags=re.S):
         for line in block.replace("\\\n", " ").splitlines():
             words = shlex.split(line.split("#")[0].replace("...", ""))
             if words[:1] == ["deepspeed"] and "opsd_rollout" in words:
                 commands.append(["--local_rank=0", *words[words.index("opsd_rollout") + 1:]])
-    assert commands, "the README shows the DeepSpeed launcher"
+    assert commands, "the docs show the DeepSpeed launcher (docs/MULTIRANK.md)"
     for argv in commands:
         build_parser().parse_args(argv)

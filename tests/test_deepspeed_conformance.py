@@ -3,7 +3,7 @@ the exported names, ``build_rollout`` (signature, defaults, errors, configs), co
 and DeepSpeed's config objects), ``.engine``, ``.tokenizer``, ``sync_weights(step)`` returning ``None``,
 ``shutdown()``, the ``RolloutBatch`` invariants, ``SamplingConfig``'s defaults (``top_k <= 0`` disables top-k,
 ``temperature <= 0`` is greedy), the profile's keys; and every field of DeepSpeed's rollout configs honoured,
-mapped or refused as the README's table says, none ignored."""
+mapped or refused as docs/MIGRATING.md says, none ignored."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from conftest import left_padded, reference_rollout
 from opsd_rollout import (HybridEngineRollout, HybridEngineRolloutConfig, ResponseTokenBatch, RolloutBatch,
                           RolloutConfig, RolloutEngine, RolloutRequest, SamplingConfig, build_rollout)
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+MIGRATING = Path(__file__).resolve().parents[1] / "docs" / "MIGRATING.md"
 
 
 @pytest.fixture()
@@ -232,9 +232,8 @@ DEEPSPEED_CONFIGS = {"HybridEngineRolloutConfig": DeepSpeedRolloutConfig, "Rollo
 
 
 def readme_field_rows() -> dict[str, str]:
-    """``Class.field`` -> its verdict in the README's table of DeepSpeed's config fields."""
-    rows = re.findall(r"^\| `(\w+)\.(\w+)` \|[^|]*\| \*\*(honoured|mapped|refused)\*\*", README.read_text(),
-                      flags=re.M)
+    """``Class.field`` -> its verdict in docs/MIGRATING.md's list of DeepSpeed's config fields."""
+    rows = re.findall(r"^- `(\w+)\.(\w+)` \*\*(honoured|mapped|refused)\*\*", MIGRATING.read_text(), flags=re.M)
     return {f"{cls}.{field}": verdict for cls, field, verdict in rows}
 
 
