@@ -102,7 +102,7 @@ def test_dry_run_prints_the_matrix_and_its_order(capsys):
     (["--batch-sizes", "0,x"], "batch_sizes: '0' is not an integer >= 1"),
     (["--dtypes", "fp8"], "dtypes: 'fp8' is not one of fp32, fp16, bf16"),
     (["--prompt-lengths", "1020", "--response-lengths", "8"], "beyond the model's 1024 positions"),
-    (["--iterations", "0"], "iterations must be an integer >= 1"),
+    (["--iterations", "0"], "iterations must be an int >= 1"),
     (["--model", "someone/model"], "never downloads"),
     (["--config", "missing.toml"], "cannot read it"),
     (["--resume", "missing.json"], "does not exist"),

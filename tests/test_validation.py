@@ -104,6 +104,23 @@ def test_non_tensor_prompts_and_wrong_sampling_type_are_type_errors(rollout):
         engine.generate(ok_request(), {"max_new_tokens": 2})
 
 
+def test_a_list_a_missing_mask_and_a_float_mask_are_refused_by_name(rollout):
+    """DeepSpeed's RolloutRequest needs tensors at construction; ``generate`` checks whatever request it is given
+    (any object with the two fields) and names the field; a float mask is refused with its fix, not accepted."""
+    from types import SimpleNamespace
+
+    engine, _ = rollout
+    sampling = SamplingConfig(max_new_tokens=2)
+    with pytest.raises(TypeError, match="request.prompt_ids must be a torch.Tensor .*got list"):
+        engine.generate(SimpleNamespace(prompt_ids=[[5, 6]], prompt_attention_mask=[[1, 1]]), sampling)
+    with pytest.raises(TypeError, match="request.prompt_attention_mask must be a torch.Tensor .*got NoneType"):
+        engine.generate(SimpleNamespace(prompt_ids=torch.tensor([[5, 6]]), prompt_attention_mask=None), sampling)
+    with pytest.raises(ValueError, match="integers or bools .*float32: pass mask.long"):
+        engine.generate(RolloutRequest(torch.tensor([[5, 6]]), torch.ones(1, 2)), sampling)
+    bools = engine.generate(RolloutRequest(torch.tensor([[5, 6]]), torch.ones(1, 2, dtype=torch.bool)), sampling)
+    assert bools.attention_mask.dtype == torch.bool and bools.attention_mask[0, :2].all()
+
+
 def test_engine_must_be_a_model():
     with pytest.raises(TypeError, match="DeepSpeed engine or a transformers causal LM"):
         HybridEngineRollout(object(), make_tokenizer(0, 2))

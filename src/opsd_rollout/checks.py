@@ -1,18 +1,23 @@
 """One way to check a value: one function per kind of check, used alike by every config's ``__post_init__``, the
-bench's settings and axes, and the command line's argument types (``argument``).
+rollout's input checks, the bench's settings and matrix axes, and the command line's argument types.
 
-Each raises ``ValueError`` (``TypeError`` for a value of the wrong type where a config takes it from code)
-with the argument's name, what was expected and the value given, and returns the value.
+Each takes the argument's name and its value, returns the value, and raises ``ValueError`` (``TypeError`` for a
+flag that is not a bool) naming the argument, what was expected and what was given. ``rule`` turns a check into
+a settings rule, ``argument`` into an argparse type, ``from_text`` reads a number a flag or a file gave as text.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 T = TypeVar("T")
+
+ON = ("on", "true", "yes", "1")
+OFF = ("off", "false", "no", "0")
 
 
 def boolean(name: str, value: Any) -> bool:
@@ -22,30 +27,44 @@ def boolean(name: str, value: Any) -> bool:
     return value
 
 
-def integer(name: str, value: Any, *, minimum: int = 1, optional: bool = False) -> int | None:
-    """An int ``>= minimum`` (``None`` too when ``optional``); a bool is not an int here."""
+def integer(name: str, value: Any, *, minimum: int | None = 1, optional: bool = False, hint: str = "") -> Any:
+    """An int ``>= minimum`` (any int when ``minimum`` is ``None``; ``None`` too when ``optional``); a bool is
+    not an int here."""
     if value is None and optional:
         return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}{' or None' if optional else ''}; got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, int) or (minimum is not None and value < minimum):
+        bound = f" >= {minimum}" if minimum is not None else ""
+        raise ValueError(f"{name} must be an int{bound}{f' ({hint})' if hint else ''}{' or None' if optional else ''}; "
+                         f"got {value!r}")
     return value
 
 
+def _expected(above: float | None, at_least: float | None, at_most: float | None, below: float | None) -> str:
+    low = f"({above:g}" if above is not None else f"[{at_least:g}" if at_least is not None else None
+    high = f"{at_most:g}]" if at_most is not None else f"{below:g})" if below is not None else None
+    if low and high:
+        return f"in {low}, {high}"
+    if low:
+        return f"a number > {above:g}" if above is not None else f"a number >= {at_least:g}"
+    if high:
+        return f"a number <= {at_most:g}" if at_most is not None else f"a number < {below:g}"
+    return "a finite number"
+
+
 def number(name: str, value: Any, *, above: float | None = None, at_least: float | None = None,
-           at_most: float | None = None, optional: bool = False) -> float | None:
-    """A finite real number within the bounds given (``above`` exclusive, ``at_least``/``at_most`` inclusive)."""
+           at_most: float | None = None, below: float | None = None, optional: bool = False,
+           hint: str = "") -> Any:
+    """A finite real number within the bounds given (``above``/``below`` exclusive, ``at_least``/``at_most``
+    inclusive)."""
     if value is None and optional:
         return None
-    bounds = [f"> {above}" if above is not None else "", f">= {at_least}" if at_least is not None else "",
-              f"<= {at_most}" if at_most is not None else ""]
-    expected = " and ".join(b for b in bounds if b)
     ok = (not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
           and (above is None or value > above) and (at_least is None or value >= at_least)
-          and (at_most is None or value <= at_most))
+          and (at_most is None or value <= at_most) and (below is None or value < below))
     if not ok:
-        raise ValueError(f"{name} must be a finite number{' ' + expected if expected else ''}"
-                         f"{' or None' if optional else ''}; got {value!r}")
-    return float(value)
+        raise ValueError(f"{name} must be {_expected(above, at_least, at_most, below)}"
+                         f"{f' ({hint})' if hint else ''}{' or None' if optional else ''}; got {value!r}")
+    return value
 
 
 def choice(name: str, value: Any, choices: Sequence[T]) -> T:
@@ -55,23 +74,57 @@ def choice(name: str, value: Any, choices: Sequence[T]) -> T:
     return value
 
 
-def argument(check: Callable[..., Any], convert: Callable[[str], Any] = int, **bounds: Any) -> Callable[[str], Any]:
-    """An argparse ``type`` from a check: ``convert`` the text, then ``check`` it; argparse prints the message
-    under the flag's name."""
-    def parse(text: str) -> Any:
+def text(name: str, value: Any, *, what: str = "a non-empty string") -> str:
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"{name} must be {what}; got {value!r}")
+    return value
+
+
+def on_off(name: str, value: Any) -> bool:
+    """``on``/``off`` as a flag or a file gives it (true/false, yes/no, 1/0, or a bool)."""
+    if isinstance(value, bool):
+        return value
+    spelled = str(value).strip().lower()
+    if spelled not in ON + OFF:
+        raise ValueError(f"{name} must be on or off; got {value!r}")
+    return spelled in ON
+
+
+def from_text(value: Any, kind: type) -> Any:
+    """``value`` as an int or a float when it is that number spelled as text (a flag, a config file); anything
+    else as it is, for the check to refuse."""
+    if isinstance(value, str):
         try:
-            return check("the value", convert(text), **bounds)
+            return kind(value.strip())
+        except ValueError:
+            return value
+    return value
+
+
+def rule(check: Callable[..., Any], **bounds: Any) -> Callable[[str, Any], Any]:
+    """A settings rule: ``rule(integer, minimum=0)(name, value)``."""
+    return functools.partial(check, **bounds)
+
+
+def failures(rules: dict[str, Callable[[str, Any], Any]], owner: Any) -> list[str]:
+    """Every rule ``owner``'s attributes break, one message each."""
+    errors = []
+    for name, check in rules.items():
+        try:
+            check(name, getattr(owner, name))
         except (TypeError, ValueError) as error:
-            message = str(error) if "must be" in str(error) else f"expected {convert.__name__}; got {text!r}"
-            raise argparse.ArgumentTypeError(message.replace("the value must be", "expected")) from None
+            errors.append(str(error))
+    return errors
 
-    parse.__name__ = check.__name__
+
+def argument(check: Callable[..., Any], kind: type = int, **bounds: Any) -> Callable[[str], Any]:
+    """An argparse ``type`` from a check: read the text as ``kind``, then ``check`` it; argparse prints the
+    message under the flag's name."""
+    def parse(value: str) -> Any:
+        try:
+            return check("the value", from_text(value, kind), **bounds)
+        except (TypeError, ValueError) as error:
+            raise argparse.ArgumentTypeError(str(error).replace("the value must be", "expected")) from None
+
+    parse.__name__ = check.__name__  # argparse names the type in its message
     return parse
-
-
-def on_off(text: str) -> bool:
-    """argparse type: ``on`` or ``off``."""
-    value = text.strip().lower()
-    if value not in ("on", "off"):
-        raise argparse.ArgumentTypeError(f"expected on or off; got {text!r}")
-    return value == "on"

@@ -21,9 +21,8 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from opsd_rollout import __version__
+from opsd_rollout import __version__, checks
 from opsd_rollout.bench.configfile import read_config_file, split_config
-from opsd_rollout.bench.axes import on_off
 from opsd_rollout.bench.matrix import Matrix
 from opsd_rollout.bench.report import PhraseText, load_document, write_text_atomic
 from opsd_rollout.bench.scenarios import RolloutScenario, Scenario, StepScenario
@@ -76,12 +75,8 @@ def _warmup(text: str) -> int | str:
         raise argparse.ArgumentTypeError(f"expected auto or a whole number, got {text!r}") from None
 
 
-def _on_off(text: str) -> bool:
-    """argparse type of on/off flags."""
-    try:
-        return on_off(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected on or off, got {text!r}") from None
+_on_off = checks.argument(checks.on_off, str)
+"""argparse type of on/off flags."""
 
 
 _UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -208,8 +203,7 @@ def _estimate_source(args: argparse.Namespace, existing: dict[str, Any] | None,
 
 
 def _run_matrix(args: argparse.Namespace, scenario: type[Scenario]) -> int:
-    if args.nproc is not None and args.nproc < 1:
-        raise ValueError(f"--nproc must be >= 1; got {args.nproc}")
+    checks.integer("--nproc", args.nproc, optional=True)
     console = _console()
     existing = None
     if args.resume:

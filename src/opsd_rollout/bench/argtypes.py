@@ -1,19 +1,14 @@
-"""argparse types the benchmark scripts share (``scripts/*.py``): positive integers, alone or in a list."""
+"""argparse types the benchmark scripts share (``scripts/*.py``): positive integers, alone or in a list, from the
+checks every config uses (``opsd_rollout.checks``)."""
 
 from __future__ import annotations
 
 import argparse
 
+from opsd_rollout import checks
 
-def positive_int(text: str) -> int:
-    """argparse type: a positive integer."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
+positive_int = checks.argument(checks.integer)
+"""argparse type: a positive integer."""
 
 
 def positive_ints(text: str, separator: str = ",") -> list[int]:

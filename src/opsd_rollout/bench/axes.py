@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from opsd_rollout.rollout.config import CACHE_POLICIES, STRATEGIES
+from opsd_rollout import checks
 from opsd_rollout.bench.lengths import KINDS, LengthModel
 
 DTYPES = ("fp32", "fp16", "bf16")
@@ -16,31 +17,25 @@ ZERO_STAGES = ("none", 0, 1, 2, 3)
 LOSSES = ("forward_kl", "reverse_kl", "jsd", "sampled_reverse_kl")
 
 
+# An axis value comes from a flag or a config file (text or a number): read it, then the checks every config
+# uses (``opsd_rollout.checks``); a matrix lists what each refused value should have been (``Axis.expected``).
+
+
 def positive_int(value: Any) -> int:
-    if isinstance(value, bool):
-        raise ValueError
-    number = int(str(value).strip())
-    if number < 1:
-        raise ValueError
-    return number
+    return checks.integer("value", checks.from_text(value, int))
 
 
 def choice(options: Sequence[Any]) -> Callable[[Any], Any]:
+    spelled = {str(option): option for option in options}
+
     def parse(value: Any) -> Any:
-        text = str(value).strip().lower()
-        for option in options:
-            if text == str(option):
-                return option
-        raise ValueError
+        return spelled[checks.choice("value", str(value).strip().lower(), tuple(spelled))]
 
     return parse
 
 
 def unit_float(value: Any) -> float:
-    number = float(str(value).strip())
-    if not 0.0 <= number <= 1.0:
-        raise ValueError
-    return number
+    return checks.number("value", checks.from_text(value, float), at_least=0, at_most=1)
 
 
 def teacher_cache(value: Any) -> str:
@@ -69,12 +64,7 @@ def split_specs(text: str) -> list[str]:
 
 
 def on_off(value: Any) -> bool:
-    text = str(value).strip().lower()
-    if text in ("on", "true", "1", "yes"):
-        return True
-    if text in ("off", "false", "0", "no"):
-        return False
-    raise ValueError
+    return checks.on_off("value", value)
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,8 @@ import torch.nn.functional as F
 from deepspeed.runtime.rollout.opsd import JSDLossOutput
 from torch.utils.checkpoint import checkpoint
 
+from opsd_rollout import checks
+
 LOSSES = ("forward_kl", "reverse_kl", "jsd", "sampled_reverse_kl")
 ESTIMATORS = ("k1", "k3")
 WHOLE_DISTRIBUTION = ("forward_kl", "reverse_kl", "jsd")
@@ -59,11 +61,8 @@ class DivergenceConfig:
     chunk (``[tokens, V]``, or the gathered top-k head rows) takes about 32 MiB."""
 
     def __post_init__(self) -> None:
-        if self.loss not in LOSSES:
-            raise ValueError(f"loss must be one of {list(LOSSES)}; got {self.loss!r}")
-        if self.estimator not in ESTIMATORS:
-            raise ValueError(f"estimator must be one of {list(ESTIMATORS)} (sampled_reverse_kl's per-token KL "
-                             f"estimate); got {self.estimator!r}")
+        checks.choice("loss", self.loss, LOSSES)
+        checks.choice("estimator", self.estimator, ESTIMATORS)  # sampled_reverse_kl's per-token KL estimate
         if self.loss == "sampled_reverse_kl" and self.temperature != 1.0:
             raise ValueError(f"sampled_reverse_kl compares the sampled tokens' log-probabilities at temperature 1; "
                              f"got temperature {self.temperature!r}")
@@ -71,11 +70,8 @@ class DivergenceConfig:
             raise ValueError(f"beta must be in [0, 1]; got {self.beta!r}")
         if not self.temperature > 0:
             raise ValueError(f"temperature must be positive; got {self.temperature!r}")
-        if self.chunk_size < 1:
-            raise ValueError(f"chunk_size must be >= 1; got {self.chunk_size!r}")
-        chunk = self.fused_chunk_tokens
-        if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
-            raise ValueError(f"fused_chunk_tokens must be an int >= 1 or None; got {chunk!r}")
+        checks.integer("chunk_size", self.chunk_size)
+        checks.integer("fused_chunk_tokens", self.fused_chunk_tokens, optional=True)
         clip = self.pointwise_clip
         if clip is not None and (isinstance(clip, bool) or not isinstance(clip, (int, float)) or not clip >= 0):
             raise ValueError(f"pointwise_clip must be non-negative when specified (a number >= 0 or None); "

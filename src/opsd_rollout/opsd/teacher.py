@@ -19,6 +19,7 @@ from typing import Any
 import psutil
 import torch
 
+from opsd_rollout import checks
 from opsd_rollout.distributed import agree_max, partitioned
 from opsd_rollout.modeling import innermost_model, logit_transform, position_ids, text_config
 from opsd_rollout.opsd.targets import response_targets
@@ -53,21 +54,12 @@ class TeacherCacheConfig:
     ``full`` cache as the ``top_k`` cache instead (with a warning), and refuses if even that does not fit."""
 
     def __post_init__(self) -> None:
-        if self.mode not in CACHE_MODES:
-            raise ValueError(f"teacher cache mode must be one of {list(CACHE_MODES)}; got {self.mode!r}")
+        checks.choice("teacher cache mode", self.mode, CACHE_MODES)
         for name in ("top_k", "micro_batch_size", "chunk_size"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"teacher cache {name} must be an int >= 1; got {value!r}")
-        budget = self.host_budget_bytes
-        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
-            raise ValueError(f"teacher cache host_budget_bytes must be an int >= 1 or None; got {budget!r}")
-        fraction = self.host_budget_fraction
-        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
-            raise ValueError(f"teacher cache host_budget_fraction must be in (0, 1]; got {fraction!r}")
-        if self.over_budget not in OVER_BUDGET:
-            raise ValueError(f"teacher cache over_budget must be one of {list(OVER_BUDGET)}; got "
-                             f"{self.over_budget!r}")
+            checks.integer(f"teacher cache {name}", getattr(self, name))
+        checks.integer("teacher cache host_budget_bytes", self.host_budget_bytes, optional=True)
+        checks.number("teacher cache host_budget_fraction", self.host_budget_fraction, above=0, at_most=1)
+        checks.choice("teacher cache over_budget", self.over_budget, OVER_BUDGET)
 
     def budget(self, reusable_bytes: int = 0) -> int:
         """The host-memory budget in bytes: ``host_budget_bytes``, or ``host_budget_fraction`` of what is

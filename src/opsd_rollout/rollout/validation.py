@@ -3,12 +3,12 @@ the argument, the value and what was expected. The result is a ``RolloutPlan``: 
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from opsd_rollout import checks
 from opsd_rollout.rollout.target import RolloutTarget
 
 
@@ -67,29 +67,15 @@ def resolve_special_tokens(tokenizer: Any, target: RolloutTarget) -> tuple[int, 
     return int(pad), tuple(eos_ids)
 
 
-def _require_int(name: str, value: Any, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}; got {value!r}")
-    return value
-
-
 def _check_sampling(sampling: Any) -> tuple[float, int, float]:
     for name in ("max_new_tokens", "temperature", "top_p", "top_k", "n_samples_per_prompt"):
         if not hasattr(sampling, name):
             raise TypeError(f"sampling must be a SamplingConfig; {type(sampling).__name__} has no {name!r}")
-    slots = getattr(sampling, "continuous_batch_size", None)
-    if slots is not None and (isinstance(slots, bool) or not isinstance(slots, int) or slots < 1):
-        raise ValueError(f"sampling.continuous_batch_size must be an int >= 1 or None; got {slots!r}")
-    temperature = sampling.temperature
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or math.isnan(temperature) \
-            or math.isinf(temperature):
-        raise ValueError(f"sampling.temperature must be a finite number (<= 0 means greedy); got {temperature!r}")
-    top_p = sampling.top_p
-    if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0.0 < top_p <= 1.0:
-        raise ValueError(f"sampling.top_p must be in (0, 1]; got {top_p!r}")
-    top_k = sampling.top_k
-    if isinstance(top_k, bool) or not isinstance(top_k, int):
-        raise ValueError(f"sampling.top_k must be an int (<= 0 disables top-k); got {top_k!r}")
+    checks.integer("sampling.continuous_batch_size", getattr(sampling, "continuous_batch_size", None),
+                   optional=True)
+    temperature = checks.number("sampling.temperature", sampling.temperature, hint="<= 0 means greedy")
+    top_p = checks.number("sampling.top_p", sampling.top_p, above=0, at_most=1)
+    top_k = checks.integer("sampling.top_k", sampling.top_k, minimum=None, hint="<= 0 disables top-k")
     return float(temperature), top_k, float(top_p)
 
 
@@ -107,6 +93,11 @@ def _check_prompts(request: Any) -> tuple[torch.Tensor, torch.Tensor]:
     if mask.shape != ids.shape:
         raise ValueError(f"request.prompt_attention_mask must have the shape of prompt_ids {tuple(ids.shape)}; "
                          f"got {tuple(mask.shape)}")
+    if mask.dtype.is_floating_point or mask.dtype.is_complex:
+        # DeepSpeed's contract is a tokenizer's mask (integers, 1 on real tokens), and the batch's mask repeats the
+        # prompt's as given: a float mask would come back float. Refused, with the one-call fix
+        raise ValueError(f"request.prompt_attention_mask must hold integers or bools (1 on real tokens); got dtype "
+                         f"{mask.dtype}: pass mask.long()")
     if ids.shape[0] == 0:
         raise ValueError("request.prompt_ids is an empty batch (B = 0); pass at least one prompt")
     if ids.shape[1] == 0:
@@ -118,8 +109,8 @@ def plan_rollout(request: Any, sampling: Any, target: RolloutTarget, tokenizer: 
     """Validate a ``generate`` call and resolve its plan. Raises before any model work."""
     pad_token_id, eos_token_ids = resolve_special_tokens(tokenizer, target)
     temperature, top_k, top_p = _check_sampling(sampling)
-    n = _require_int("sampling.n_samples_per_prompt", sampling.n_samples_per_prompt, 1)
-    max_new_tokens = _require_int("sampling.max_new_tokens", sampling.max_new_tokens, 1)
+    n = checks.integer("sampling.n_samples_per_prompt", sampling.n_samples_per_prompt)
+    max_new_tokens = checks.integer("sampling.max_new_tokens", sampling.max_new_tokens)
     ids, mask = _check_prompts(request)
     batch_size, prompt_length = ids.shape
     if target.max_positions is not None and prompt_length + max_new_tokens > target.max_positions:

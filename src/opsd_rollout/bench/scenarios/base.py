@@ -11,29 +11,13 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 from rich.table import Table
 
+from opsd_rollout import checks
 from opsd_rollout.bench.axes import Axis
 
 if TYPE_CHECKING:
     from opsd_rollout.bench.report import ConfigResult
     from opsd_rollout.bench.runner import EnginePool
     from opsd_rollout.profiling.recorder import Span
-
-
-def integer(low: int) -> tuple[Callable[[Any], bool], str]:
-    return (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= low), f"an integer >= {low}"
-
-
-def number(test: Callable[[float], bool], expected: str) -> tuple[Callable[[Any], bool], str]:
-    return (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and test(v)), expected
-
-
-def optional(rule: tuple[Callable[[Any], bool], str]) -> tuple[Callable[[Any], bool], str]:
-    test, expected = rule
-    return (lambda v: v is None or test(v)), f"{expected} or None"
-
-
-def one_of(options: tuple[Any, ...]) -> tuple[Callable[[Any], bool], str]:
-    return (lambda v: v in options), f"one of {', '.join(map(str, options))}"
 
 
 def threads_phrase(environment: dict[str, Any], world_size: int) -> str:
@@ -50,14 +34,13 @@ def threads_phrase(environment: dict[str, Any], world_size: int) -> str:
 
 
 class Settings:
-    """Base of a scenario's settings dataclass: ``rules`` (field -> (test, what a valid value is)) are checked
-    together when it is built, every failure listed in one ``ValueError``."""
+    """Base of a scenario's settings dataclass: ``rules`` (field -> a check of ``opsd_rollout.checks``, the same
+    the configs use) are checked together when it is built, every failure listed in one ``ValueError``."""
 
-    rules: ClassVar[dict[str, tuple[Callable[[Any], bool], str]]] = {}
+    rules: ClassVar[dict[str, Callable[[str, Any], Any]]] = {}
 
     def __post_init__(self) -> None:
-        errors = [f"{name} must be {expected}; got {getattr(self, name)!r}"
-                  for name, (test, expected) in self.rules.items() if not test(getattr(self, name))]
+        errors = checks.failures(self.rules, self)
         if errors:
             raise ValueError("invalid benchmark settings:\n  " + "\n  ".join(errors))
 

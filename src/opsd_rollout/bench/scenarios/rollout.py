@@ -11,7 +11,8 @@ from rich.table import Table
 from opsd_rollout.bench.axes import ROLLOUT_AXES
 from opsd_rollout.bench.facts import decode_bytes_per_step, prefill_flops
 from opsd_rollout.bench.report import ConfigResult, config_table, fmt, mib, stability_table
-from opsd_rollout.bench.scenarios.base import Scenario, Settings, integer, number, one_of, optional
+from opsd_rollout.bench.scenarios.base import Scenario, Settings
+from opsd_rollout.checks import choice, integer, number, rule
 from opsd_rollout.bench.stats import median_index
 from opsd_rollout.metrics import ROLLOUT_STAGES, label
 from opsd_rollout.presets import DEFAULT_MODEL
@@ -97,14 +98,14 @@ class RolloutSettings(Settings):
         super().__post_init__()
 
     rules: ClassVar = {
-        "warmup": optional(integer(0)), "warmup_max_iterations": integer(2),
-        "warmup_max_seconds": number(lambda v: v >= 0, "a number of seconds >= 0"),
-        "steady_tolerance": number(lambda v: 0 < v < 1, "in (0, 1)"), "iterations": integer(1),
-        "prompts": one_of(PROMPT_KINDS),
-        "pad_fraction": number(lambda v: 0 <= v < 1, "in [0, 1)"),
-        "temperature": number(lambda v: v > 0, "> 0 for sampling (greedy is decoding=greedy)"),
-        "top_k": (lambda v: isinstance(v, int) and not isinstance(v, bool), "an integer (<= 0 disables top-k)"),
-        "top_p": number(lambda v: 0 < v <= 1, "in (0, 1]")}
+        "warmup": rule(integer, minimum=0, optional=True), "warmup_max_iterations": rule(integer, minimum=2),
+        "warmup_max_seconds": rule(number, at_least=0, hint="seconds"),
+        "steady_tolerance": rule(number, above=0, below=1), "iterations": rule(integer),
+        "prompts": rule(choice, choices=PROMPT_KINDS),
+        "pad_fraction": rule(number, at_least=0, below=1),
+        "temperature": rule(number, above=0, hint="for sampling; greedy is decoding=greedy"),
+        "top_k": rule(integer, minimum=None, hint="<= 0 disables top-k"),
+        "top_p": rule(number, above=0, at_most=1)}
 
 
 class RolloutMeasurement:

@@ -10,8 +10,9 @@ from rich.table import Table
 
 from opsd_rollout.bench.axes import STEP_AXES
 from opsd_rollout.bench.report import ConfigResult, config_table, fmt, mib, stability_table
-from opsd_rollout.bench.scenarios.base import Scenario, integer, number, one_of, optional
+from opsd_rollout.bench.scenarios.base import Scenario
 from opsd_rollout.bench.scenarios.rollout import RolloutConfig, RolloutSettings
+from opsd_rollout.checks import boolean, choice, integer, number, rule, text
 from opsd_rollout.metrics import STEP_STAGES, label
 
 OVER_BUDGET = ("error", "topk")
@@ -74,12 +75,11 @@ class StepSettings(RolloutSettings):
     """0: the teacher is a plain module beside the student on every rank; 3: a DeepSpeed inference engine (no
     optimizer), its parameters partitioned across the ranks."""
 
-    rules: ClassVar = {**RolloutSettings.rules, "lr": number(lambda v: v > 0, "a number > 0"),
-                       "teacher": (lambda v: isinstance(v, str) and bool(v), "a preset name or a checkpoint directory"),
-                       "fused_loss": (lambda v: isinstance(v, bool), "true or false"),
-                       "teacher_cache_budget_bytes": optional(integer(1)),
-                       "teacher_cache_over_budget": one_of(OVER_BUDGET), "estimator": one_of(ESTIMATORS),
-                       "teacher_zero_stage": one_of((0, 3))}
+    rules: ClassVar = {**RolloutSettings.rules, "lr": rule(number, above=0),
+                       "teacher": rule(text, what="a preset name or a checkpoint directory"),
+                       "fused_loss": boolean, "teacher_cache_budget_bytes": rule(integer, optional=True),
+                       "teacher_cache_over_budget": rule(choice, choices=OVER_BUDGET),
+                       "estimator": rule(choice, choices=ESTIMATORS), "teacher_zero_stage": rule(choice, choices=(0, 3))}
 
 
 class StepMeasurement:

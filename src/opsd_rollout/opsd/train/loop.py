@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from opsd_rollout import checks
 from opsd_rollout.bench.report import write_text_atomic
 from opsd_rollout.opsd.divergence import LOSSES, DivergenceConfig
 from opsd_rollout.opsd.step import check_pairing, opsd_step
@@ -111,33 +112,22 @@ class TrainConfig:
     progress: bool = True
 
     def __post_init__(self) -> None:
-        if self.objective not in OBJECTIVES:
-            raise ValueError(f"objective must be one of {list(OBJECTIVES)}; got {self.objective!r}")
+        checks.choice("objective", self.objective, OBJECTIVES)
         if self.objective == "opsd" and self.teacher is None:
             raise ValueError("teacher is needed to distil (objective opsd): a preset or a local checkpoint directory")
         for name in ("steps", "prompts_per_micro_batch", "samples_per_prompt", "max_new_tokens",
                      "gradient_accumulation_steps", "eval_every", "eval_prompts", "teacher_top_k"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1; got {value!r}")
+            checks.integer(name, getattr(self, name))
         for name in ("save_every", "max_prompt_tokens"):
-            value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise ValueError(f"{name} must be an integer >= 1 or None; got {value!r}")
-        if not 0.0 <= self.lmbda <= 1.0:
-            raise ValueError(f"lmbda must be in [0, 1]; got {self.lmbda!r}")
-        if not self.lr > 0:
-            raise ValueError(f"lr must be positive; got {self.lr!r}")
-        if self.zero_stage not in (0, 1, 2, 3):
-            raise ValueError(f"zero_stage must be 0, 1, 2 or 3; got {self.zero_stage!r}")
-        if self.teacher_zero_stage not in (0, 3):
-            raise ValueError(f"teacher_zero_stage must be 0 or 3; got {self.teacher_zero_stage!r}")
-        if self.loss not in LOSSES:
-            raise ValueError(f"loss must be one of {list(LOSSES)}; got {self.loss!r}")
-        if self.off_policy not in OFF_POLICY:
-            raise ValueError(f"off_policy must be one of {list(OFF_POLICY)}; got {self.off_policy!r}")
-        if self.teacher_cache is not None and self.teacher_cache not in CACHE_MODES:
-            raise ValueError(f"teacher_cache must be one of {list(CACHE_MODES)}; got {self.teacher_cache!r}")
+            checks.integer(name, getattr(self, name), optional=True)
+        checks.number("lmbda", self.lmbda, at_least=0, at_most=1)
+        checks.number("lr", self.lr, above=0)
+        checks.choice("zero_stage", self.zero_stage, (0, 1, 2, 3))
+        checks.choice("teacher_zero_stage", self.teacher_zero_stage, (0, 3))
+        checks.choice("loss", self.loss, LOSSES)
+        checks.choice("off_policy", self.off_policy, OFF_POLICY)
+        if self.teacher_cache is not None:
+            checks.choice("teacher_cache", self.teacher_cache, CACHE_MODES)
         check_pairing(self.divergence, self.cache)  # and DivergenceConfig's own checks
         if self.loss == "sampled_reverse_kl" and self.lmbda < 1 and self.objective == "opsd":
             raise ValueError("sampled_reverse_kl is an on-policy policy gradient over the student's own samples: "
