@@ -2,7 +2,7 @@
 
     python scripts/gpu_bundle.py                  # or: make gpu-bundle; writes .gpu-bundle/
 
-The GPU machine (see the README, "Checking on a GPU") has Python 3.12, torch 2.11 (CUDA 13),
+The GPU machine (see docs/GPU.md) has Python 3.12, torch 2.11 (CUDA 13),
 transformers 5.17, peft, numpy, rich, psutil and the rest of DeepSpeed's needs, but no DeepSpeed and no
 network. The bundle holds what is missing: this package's wheel, a DeepSpeed 0.19.8 wheel built here from
 its source distribution (pure Python: its CUDA ops compile just in time there), and DeepSpeed's needs the

@@ -168,10 +168,10 @@ def test_the_readmes_floor_versions_are_what_make_test_floor_installs():
                 if "==" in line and not line.startswith("#"))
     rows = {row[0]: row[1] for row in table_rows(README.read_text(), "| | `make test-floor`")}
     floor_python = re.search(r"python(3\.\d+) -c", (ROOT / "Makefile").read_text()).group(1)
-    assert rows["Python"] == floor_python
+    assert f"`make test-floor` runs on Python {floor_python}" in README.read_text()
     for name, version in pins.items():
         assert rows[name] == version, f"{name}: README says {rows.get(name)}, requirements/floor.txt pins {version}"
-    assert set(rows) == {"Python", *pins}
+    assert set(rows) == set(pins)
     declared = re.search(r'requires-python = ">=(3\.\d+)"', (ROOT / "pyproject.toml").read_text()).group(1)
     assert f"Python {declared}" in README.read_text(), "the README states the oldest Python pyproject.toml allows"
 

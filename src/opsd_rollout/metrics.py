@@ -113,10 +113,28 @@ STEP_STAGES = ("eval_ms", "rollout_ms", "train_ms", "teacher_forward_ms", "cache
 """An OPSD step's time, broken down: disjoint parts that add up to (at most) its ``total_ms``."""
 
 
+DEEPSPEED_ALIASES: dict[str, str] = {
+    "prefill_forward_ms": "prefill_ms",
+    "decode_forward_ms": "decode_ms",
+    "num_decode_forwards": "decode_steps",
+    "num_generated_tokens": "generated_tokens",
+    "num_samples_per_prompt": "samples_per_prompt",
+}
+"""DeepSpeed's profile keys -> ours (a profile answers to both; records carry both)."""
+
+ROLLOUT_PREFIX = "rollout/"
+"""A step's flat record names its rollout's figures ``rollout/<key>``."""
+
+
 def metric(name: str) -> Metric:
-    """The registered metric, or a default one for an unregistered field (a time if it ends in ``_ms``)."""
+    """The registered metric (also under DeepSpeed's name, or a step record's ``rollout/`` name, so ranks merge
+    every spelling of a figure by its rule), or a default one for an unregistered field (a time if it ends in
+    ``_ms``)."""
+    own = DEEPSPEED_ALIASES.get(name.removeprefix(ROLLOUT_PREFIX), name.removeprefix(ROLLOUT_PREFIX))
     if name in METRICS:
         return METRICS[name]
+    if own in METRICS:
+        return METRICS[own]
     unit = "ms" if name.endswith("_ms") else ("bytes" if name.endswith("_bytes") else "")
     return Metric(name, name.removesuffix("_ms"), unit, lower_is_better=True if unit else None)
 

@@ -25,6 +25,7 @@ from opsd_rollout.deepspeed_engine import DEFAULT_COLLECTIVE_TIMEOUT_S, build_en
 from opsd_rollout.distributed import rank_info
 from opsd_rollout.modeling import ModelSpec
 from opsd_rollout.models import load_model, parse_dtype
+from opsd_rollout.presets import PRESETS
 from opsd_rollout.rollout import HybridEngineRollout, HybridEngineRolloutConfig, RolloutOptions
 
 
@@ -74,7 +75,9 @@ class EnginePool:
         ``zero_stage`` 3 a DeepSpeed inference engine, its parameters partitioned across the ranks."""
         key = (name, dtype, zero_stage)
         if key not in self._frozen:
-            model = load_model(name, dtype=dtype, device=self.device)[0].requires_grad_(False)
+            # a preset teacher that is also the student gets other random weights: the same would make the loss 0
+            seed = 1 if name == self.model and name in PRESETS else None
+            model = load_model(name, dtype=dtype, device=self.device, seed=seed)[0].requires_grad_(False)
             self._frozen = {key: build_inference_engine(model, 3) if zero_stage == 3 else model}
         return self._frozen[key]
 

@@ -18,16 +18,7 @@ from typing import Any
 
 import torch
 
-from opsd_rollout.metrics import ATTRIBUTED_PHASES, ROLLOUT_STAGES, label
-
-# DeepSpeed's key -> ours.
-DEEPSPEED_ALIASES: dict[str, str] = {
-    "prefill_forward_ms": "prefill_ms",
-    "decode_forward_ms": "decode_ms",
-    "num_decode_forwards": "decode_steps",
-    "num_generated_tokens": "generated_tokens",
-    "num_samples_per_prompt": "samples_per_prompt",
-}
+from opsd_rollout.metrics import ATTRIBUTED_PHASES, DEEPSPEED_ALIASES, ROLLOUT_STAGES, label
 DERIVED_KEYS = ("generation_overhead_ms",)
 ATTRIBUTED_FIELDS = tuple(f"{phase}_ms" for phase in ATTRIBUTED_PHASES)
 

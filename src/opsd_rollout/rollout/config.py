@@ -132,8 +132,8 @@ class HybridEngineRolloutConfig:
 
     @classmethod
     def from_any(cls, cfg: Any) -> "HybridEngineRolloutConfig":
-        """Ours as is; ``None`` gives the defaults; a DeepSpeed config object is read by field name (the README
-        says how each of its fields maps onto ours).
+        """Ours as is; ``None`` gives the defaults; a DeepSpeed config object is read by field name
+        (docs/MIGRATING.md says how each of its fields maps onto ours).
 
         DeepSpeed's continuous-batching layout options need no counterpart here: each slot's decode front is its
         own column (``align_decode_fronts``: aligned either way), and a slot never holds more than its prompt

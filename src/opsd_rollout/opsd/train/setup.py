@@ -13,6 +13,7 @@ import torch
 
 from opsd_rollout.modeling import max_positions_of, text_config
 from opsd_rollout.models import load_model, model_config
+from opsd_rollout.presets import PRESETS
 from opsd_rollout.opsd.train.data import Example
 
 HELD_OUT_EVERY = 10
@@ -52,7 +53,10 @@ def load_models(config: Any) -> Models:
         raise ValueError(f"max_prompt_tokens {longest} + max_new_tokens {config.max_new_tokens} exceed the models' "
                          f"{positions} positions")
     student, tokenizer = load_model(config.student)
-    teacher = load_model(config.teacher)[0].eval().requires_grad_(False) if config.teacher is not None else None
+    # a preset teacher that is also the student gets other random weights: the same would make the loss 0
+    seed = 1 if config.teacher == config.student and config.teacher in PRESETS else None
+    teacher = (load_model(config.teacher, seed=seed)[0].eval().requires_grad_(False) if config.teacher is not None
+               else None)
     return Models(student, tokenizer, teacher, longest)
 
 
