@@ -23,6 +23,7 @@ from rich.table import Table
 
 from opsd_rollout import __version__, checks
 from opsd_rollout.bench.configfile import read_config_file, split_config
+from opsd_rollout.bench.axes import byte_size
 from opsd_rollout.bench.matrix import Matrix
 from opsd_rollout.bench.report import PhraseText, load_document, write_text_atomic
 from opsd_rollout.bench.scenarios import RolloutScenario, Scenario, StepScenario
@@ -79,21 +80,13 @@ _on_off = checks.argument(checks.on_off, str)
 """argparse type of on/off flags."""
 
 
-_UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-
-
 def _bytes(text: str) -> int:
     """argparse type of sizes: bytes, or a number with KiB, MiB, GiB or TiB (``8GiB``, ``1.5GiB``)."""
-    number = text.strip().lower().rstrip("kmgtib")
-    unit = text.strip().lower()[len(number):]
     try:
-        size = int(float(number) * _UNITS[unit])
-    except (KeyError, ValueError):
-        raise argparse.ArgumentTypeError(f"expected a size such as 8GiB, 512MiB or 1000000 (bytes), got {text!r}") \
-            from None
-    if size < 1:
-        raise argparse.ArgumentTypeError(f"expected a size of at least 1 byte, got {text!r}")
-    return size
+        return byte_size(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a size of at least 1 byte such as 8GiB, 512MiB or 1000000 "
+                                         f"(bytes), got {text!r}") from None
 
 
 def _bench_inputs(args: argparse.Namespace, scenario: type[Scenario]) -> tuple[Matrix, Any]:
@@ -335,6 +328,11 @@ def _add_bench_flags(bench: argparse.ArgumentParser, scenario: type[Scenario]) -
     runs.add_argument("--temperature", type=float, help=f"sampling temperature (default {defaults.temperature})")
     runs.add_argument("--top-k", type=int, help=f"sampling top-k, <= 0 disables (default {defaults.top_k})")
     runs.add_argument("--top-p", type=float, help=f"sampling top-p (default {defaults.top_p})")
+    runs.add_argument("--interleave", action="store_true", default=None, help="run the contenders of each config "
+                      "(alike but for --strategies and their own knobs) round by round in one process, one iteration "
+                      "of each per round, the order reversed every other round, so they see the same machine")
+    runs.add_argument("--baseline", metavar="NAME", help="the contender each config's ratio is against (default: the "
+                      "first of --strategies)")
     out = bench.add_argument_group("output")
     out.add_argument("--output", metavar="FILE", default=f"bench-results/{scenario.kind}.json",
                      help="result JSON, rewritten atomically after every config (default %(default)s)")

@@ -1,5 +1,10 @@
 """Benchmark matrix axes: what each one is called, how its values are read from a flag or a config file, and
-what a valid value is. A scenario lists the axes it has; nothing else parses axis values."""
+what a valid value is. A scenario lists the axes it has; nothing else parses axis values.
+
+The ``strategies`` axis names the contenders: our rollout's strategies (``static``, ``generate``) and
+``deepspeed``, DeepSpeed's own ``HybridEngineRollout`` on the same engine. A knob axis that only one engine has
+says so (``Axis.applies_to``): for a contender it does not apply to, its value is ``None`` (n/a) in the config,
+so its values do not multiply that contender's configs (``for_contender``)."""
 
 from __future__ import annotations
 
@@ -11,6 +16,8 @@ from opsd_rollout.rollout.config import CACHE_POLICIES, STRATEGIES
 from opsd_rollout import checks
 from opsd_rollout.bench.lengths import KINDS, LengthModel
 
+CONTENDERS = (*STRATEGIES, "deepspeed")
+"""The ``strategies`` axis: our rollout's strategies, and DeepSpeed's own ``HybridEngineRollout`` (``deepspeed``)."""
 DTYPES = ("fp32", "fp16", "bf16")
 DECODINGS = ("greedy", "sampling")
 ZERO_STAGES = ("none", 0, 1, 2, 3)
@@ -63,6 +70,39 @@ def split_specs(text: str) -> list[str]:
     return items
 
 
+_UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def byte_size(value: Any) -> int:
+    """Bytes, or a number with KiB, MiB, GiB or TiB (``8GiB``, ``1.5GiB``), at least 1."""
+    if isinstance(value, bool):
+        raise ValueError
+    text = str(value).strip().lower()
+    number = text.rstrip("kmgtib")
+    size = int(float(number) * _UNITS[text[len(number):]]) if text[len(number):] in _UNITS else 0
+    if size < 1:
+        raise ValueError
+    return size
+
+
+def size_text(size: int) -> str:
+    """``8388608`` -> ``8MiB``: the largest unit that divides it exactly."""
+    for unit, factor in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if size % factor == 0:
+            return f"{size // factor}{unit}"
+    return str(size)
+
+
+def or_none(parse: Callable[[Any], Any], *words: str) -> Callable[[Any], Any]:
+    """``parse``, or ``None`` for null (a result file's) or one of ``words`` (``none``, ``auto``)."""
+    def parse_or_none(value: Any) -> Any:
+        if value is None or str(value).strip().lower() in words:
+            return None
+        return parse(value)
+
+    return parse_or_none
+
+
 def on_off(value: Any) -> bool:
     return checks.on_off("value", value)
 
@@ -80,6 +120,8 @@ class Axis:
     """The flag's help."""
     split: Callable[[str], list[str]] = lambda text: text.split(",")
     """How a flag's comma list splits into values."""
+    applies_to: tuple[str, ...] = CONTENDERS
+    """The contenders (``strategies``) the knob exists for; for the others the config holds ``None`` (n/a)."""
 
     @property
     def flag(self) -> str:
@@ -98,20 +140,48 @@ ROLLOUT_AXES = (
          "greedy, sampling (temperature/top-k/top-p below)"),
     Axis("zero_stages", "zero_stage", choice(ZERO_STAGES), "none (bare model) or a ZeRO stage 0-3",
          "0-3 (a DeepSpeed engine built from the model) or none (the bare model)"),
-    Axis("strategies", "strategy", choice(STRATEGIES), f"one of {', '.join(STRATEGIES)}",
-         "static (default: our decode loop, shared prefill) or generate (transformers' generate)"),
+    Axis("strategies", "strategy", choice(CONTENDERS), f"one of {', '.join(CONTENDERS)}",
+         "the contenders: static (default: our decode loop, shared prefill), generate (transformers' generate "
+         "behind our rollout), deepspeed (DeepSpeed's own HybridEngineRollout on the same engine: ZeRO 0-3); with "
+         "several, each config's ratio to --baseline"),
     Axis("cache_policies", "cache_policy", choice(CACHE_POLICIES), f"one of {', '.join(CACHE_POLICIES)}",
-         "retain (keep inference workspaces between calls) or release (free after each call)"),
+         "retain (keep inference workspaces between calls) or release (free after each call); static, generate",
+         applies_to=STRATEGIES),
     Axis("forward_timing", "forward_timing", on_off, "on or off", "on, off: time every forward pass "
-         "(prefill/decode split)"),
+         "(prefill/decode split); static, generate (deepspeed always times its forwards)", applies_to=STRATEGIES),
     Axis("compile_decode", "compile_decode", on_off, "on or off", "off (default), on: the compiled decode step "
-         "(strategy static; inductor, CUDA graphs on CUDA), compiled during warm-up (warmup_compile_ms)"),
+         "(strategy static; inductor, CUDA graphs on CUDA), compiled during warm-up (warmup_compile_ms)",
+         applies_to=("static",)),
+    Axis("continuous_batch_sizes", "continuous_batch_size", or_none(positive_int, "none", "off"),
+         "none or an integer >= 1", "none (default): every row decodes at once; or the rows decoding at once "
+         "(SamplingConfig.continuous_batch_size: pending prompts fill the slots rows leave); static",
+         applies_to=("static",)),
+    Axis("kv_budgets", "kv_budget_bytes", or_none(byte_size, "none", "off"), "none or a size such as 64MiB",
+         "none (default) or the most bytes the decode batch's KV cache may take, e.g. 64MiB (kv_budget_bytes: the "
+         "slots are chosen from it); static", applies_to=("static",)),
+    Axis("compaction", "compact_rows", on_off, "on or off", "on (default), off: finished rows leave the decode "
+         "batch and it shrinks (compact_rows); static", applies_to=("static",)),
+    Axis("shared_prefix", "shared_prefix", on_off, "on or off", "on (default), off: n samples read their "
+         "prompt's keys/values once (options.shared_prefix; prompts of at least shared_prefix_min_prompt "
+         "columns); static", applies_to=("static",)),
+    Axis("stop_check_intervals", "stop_check_interval", or_none(positive_int, "auto", "none"),
+         "auto or an integer >= 1", "auto (default): every step on CPU, every 8 on CUDA; or k: check for finished "
+         "rows every k decode steps (options.stop_check_interval); static", applies_to=("static",)),
     Axis("length_models", "lengths", length_model,
          "fixed, natural, lognormal:median=M,sigma=S, geometric:mean=M or uniform:low=L,high=H",
          "response lengths: fixed (EOS ignored: every row runs to the cap), natural (the model's EOS), or a synthetic "
          "distribution forced alike on every engine, e.g. lognormal:median=48,sigma=1.0 or geometric:mean=64 (capped "
          "at the response length)", split_specs),
 )
+
+
+def for_contender(axes: Sequence[Axis], fields: dict[str, Any]) -> dict[str, Any]:
+    """A config's fields with every knob that does not apply to its contender (``fields["strategy"]``) set to
+    ``None`` (n/a): the knob's values then give that contender one config, not one each."""
+    return {**fields, **{axis.field: None for axis in axes
+                         if axis.field in fields and fields["strategy"] not in axis.applies_to}}
+
+
 STEP_AXES = ROLLOUT_AXES + (
     Axis("losses", "loss", choice(LOSSES), f"one of {', '.join(LOSSES)}", "forward_kl, reverse_kl, jsd over the "
          "teacher's distribution, or sampled_reverse_kl (the sampled tokens' log-probabilities: --estimator, the "

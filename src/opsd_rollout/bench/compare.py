@@ -43,8 +43,10 @@ hundred kB of RSS move on a shared machine without any code change."""
 EXIT_REGRESSION, EXIT_BAD_INPUT, EXIT_NOTHING_COMPARED, EXIT_PARTIAL, EXIT_DISTURBED = 1, 2, 3, 4, 5
 """Exit statuses of ``opsd-rollout compare`` (0: compared, no regression); see the module docstring."""
 
-PROCEDURE = ("warmup", "warmup_max_iterations", "warmup_max_seconds", "steady_tolerance", "iterations")
-"""Settings that change how a config is measured, not the work measured: the files may differ in them. Every
+PROCEDURE = ("warmup", "warmup_max_iterations", "warmup_max_seconds", "steady_tolerance", "iterations", "interleave",
+             "baseline")
+"""Settings that change how a config is measured (or which contender its ratio is against), not the work measured:
+the files may differ in them. Every
 other setting, one added later included, must agree."""
 SIDES = {(True, False): "before", (False, True): "after", (True, True): "both"}
 """Which file a disturbed config was disturbed in."""

@@ -38,5 +38,6 @@ def rollout_inputs(config: Any, settings: Any, tokenizer: Any, vocab_size: int, 
     greedy = config.decoding == "greedy"
     sampling = SamplingConfig(max_new_tokens=config.response_length, n_samples_per_prompt=config.samples_per_prompt,
                               temperature=0.0 if greedy else settings.temperature, top_k=settings.top_k,
-                              top_p=settings.top_p)
+                              top_p=settings.top_p,
+                              continuous_batch_size=getattr(config, "continuous_batch_size", None))
     return RolloutRequest(request.prompt_ids.to(device), request.prompt_attention_mask.to(device)), sampling

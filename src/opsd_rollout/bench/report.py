@@ -20,10 +20,16 @@ from rich.measure import Measurement
 from rich.table import Table
 from rich.text import Text
 
+from opsd_rollout.bench.axes import ROLLOUT_AXES, size_text
 from opsd_rollout.bench.stats import Stats, is_number
 
-SCHEMA_VERSION = 3
-"""3: the response-length model is an axis (``length_models``, config ``lengths``) instead of the setting
+SCHEMA_VERSION = 4
+"""4: contenders and knobs: the ``strategies`` axis also takes ``deepspeed``; the knob axes ``continuous_batch_sizes``,
+``kv_budgets``, ``compaction``, ``shared_prefix`` and ``stop_check_intervals`` (config fields
+``continuous_batch_size``, ``kv_budget_bytes``, ``compact_rows``, ``shared_prefix``, ``stop_check_interval``, in a
+key only away from their defaults); a knob that does not apply to a config's contender is ``null``; each result's
+``baseline`` (its ratio to the baseline contender's config); the settings ``interleave`` and ``baseline``. A
+version 3 file reads as it is (the new fields at their defaults, its keys unchanged). 3: the response-length model is an axis (``length_models``, config ``lengths``) instead of the setting
 ``fixed_length`` (true: ``fixed``, false: ``natural``). 2: a rollout config has only rollout axes (1 carried the
 OPSD step's as ``null``); a step's part starts are ``part_start_ms`` (1: ``phase_start_ms``). Older files are
 read and upgraded in memory."""
@@ -49,6 +55,10 @@ class ConfigResult:
     """How the config was warmed up (``stability.Warmup``: calls, first call's ms, steady or not)."""
     interference: dict[str, Any] | None = None
     """What could have disturbed the measured calls (``stability.Interference``), and whether it did."""
+    baseline: dict[str, Any] | None = None
+    """With several contenders: this config against its baseline's (``bench/contenders.py``): the baseline's
+    ``strategy`` and ``key``, the ``confidence``, and per metric the Hodges-Lehmann ``ratio`` (this / baseline)
+    with its ``low`` and ``high`` bounds (``high`` null: too few iterations to bound it)."""
 
     def metric(self, name: str) -> Stats | None:
         return Stats.from_values(it.get(name) for it in self.iterations)
@@ -67,14 +77,14 @@ class ConfigResult:
                 "iterations": self.iterations,
                 "summary": {name: stats.to_dict() for name, stats in self.summary().items()},
                 "derived": self.derived, "warnings": self.warnings, "per_rank": self.per_rank, "skew": self.skew,
-                "warmup": self.warmup, "interference": self.interference}
+                "warmup": self.warmup, "interference": self.interference, "baseline": self.baseline}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], config_type: type) -> "ConfigResult":
         return cls(config=config_type(**data["config"]), status=data["status"], error=data.get("error"),
                    iterations=list(data.get("iterations", [])), derived=dict(data.get("derived", {})),
                    warnings=list(data.get("warnings", [])), per_rank=data.get("per_rank"), skew=data.get("skew"),
-                   warmup=data.get("warmup"), interference=data.get("interference"))
+                   warmup=data.get("warmup"), interference=data.get("interference"), baseline=data.get("baseline"))
 
     @property
     def disturbed(self) -> bool:
@@ -136,6 +146,8 @@ def upgrade(document: dict[str, Any]) -> dict[str, Any]:
     if version == SCHEMA_VERSION:
         return document
     document = dict(document, schema_version=SCHEMA_VERSION)
+    if version >= 3:  # what came after 3 is new fields, read at their defaults
+        return document
     kind = document.setdefault("kind", "rollout")
     settings = dict(document.get("settings") or {})
     lengths = "fixed" if settings.pop("fixed_length", True) else "natural"
@@ -178,25 +190,32 @@ def results_of(document: dict[str, Any], config_type: type) -> list[ConfigResult
 
 # ---- tables for people -------------------------------------------------------------------------------------
 
-VARIANT_AXES = {"dtype": "", "decoding": "", "zero_stage": "zero", "strategy": "", "cache_policy": "",
-                "forward_timing": "fwd ", "lengths": "", "compile_decode": ""}
-"""Axes outside a config's ``label`` that a display label adds when they vary, with their prefix."""
+VARIANT_AXES: dict[str, Callable[[Any], str]] = {
+    "dtype": str, "decoding": str, "zero_stage": lambda v: f"zero{v}", "strategy": str, "cache_policy": str,
+    "forward_timing": lambda v: f"fwd {'on' if v else 'off'}", "lengths": str,
+    "compile_decode": lambda v: "compiled" if v else "eager",
+    "continuous_batch_size": lambda v: f"cb {v}" if v is not None else "cb off",
+    "kv_budget_bytes": lambda v: f"kv {size_text(v)}" if v is not None else "kv none",
+    "compact_rows": lambda v: "compact" if v else "no compact",
+    "shared_prefix": lambda v: "prefix shared" if v else "prefix copied",
+    "stop_check_interval": lambda v: f"stop {v}" if v is not None else "stop auto"}
+"""Axes outside a config's ``label`` that a display label adds when they vary, each with how it reads."""
+_APPLIES = {axis.field: axis.applies_to for axis in ROLLOUT_AXES}
+
+
+def _applies(config: Any, axis: str) -> bool:
+    return getattr(config, "strategy", None) in _APPLIES.get(axis, (getattr(config, "strategy", None),))
 
 
 def display_labels(configs: Sequence[Any]) -> dict[str, str]:
-    """Short labels per config key: ``config.label`` plus whichever other axes vary across ``configs``."""
+    """Short labels per config key: ``config.label`` plus whichever other axes vary across ``configs`` (a knob
+    among the configs it applies to; it is left out of the others' labels)."""
     names = {f.name for config in configs for f in fields(config)}
-    varying = [axis for axis in VARIANT_AXES if axis in names and len({getattr(c, axis) for c in configs}) > 1]
+    varying = [axis for axis in VARIANT_AXES if axis in names
+               and len({getattr(c, axis) for c in configs if _applies(c, axis)}) > 1]
 
     def variant(config: Any) -> str:
-        parts = []
-        for axis in varying:
-            value = getattr(config, axis)
-            if axis == "forward_timing":
-                value = "on" if value else "off"
-            elif axis == "compile_decode":
-                value = "compiled" if value else "eager"
-            parts.append(f"{VARIANT_AXES[axis]}{value}")
+        parts = [VARIANT_AXES[axis](getattr(config, axis)) for axis in varying if _applies(config, axis)]
         return (" " + "/".join(parts)) if parts else ""
 
     return {c.key: c.label + variant(c) for c in configs}
@@ -364,3 +383,38 @@ def stability_table(results: list[ConfigResult]) -> Table:
     flagged = any(r.spread_flag for r in results if r.status == "ok")
     return config_table(results, "warm-up and noise", ["warm-up calls", "1st call ms", "spread %", "disturbed"], row,
                         caption="* spread (IQR/median) over 10%: see its warning below" if flagged else None)
+
+
+def _ratio_cells(baseline: dict[str, Any], metric: str) -> list[str]:
+    """A metric's ratio and its interval, for a table: ``0.52``, ``0.48-0.57`` (``too few`` when unbounded)."""
+    figures = (baseline.get("metrics") or {}).get(metric)
+    if figures is None:
+        return ["-", "-"]
+    high = figures.get("high")
+    bounded = high is not None and math.isfinite(high)
+    return [f"{figures['ratio']:.2f}", f"{figures['low']:.2f}-{high:.2f}" if bounded else "too few"]
+
+
+def baseline_table(results: list[ConfigResult]) -> Table | None:
+    """Per config with a baseline (several contenders): its time and throughput against its baseline's, each the
+    Hodges-Lehmann ratio with its interval; ``None`` when no config has one."""
+    compared = [r for r in results if r.status == "ok" and r.baseline]
+    if not compared:
+        return None
+    baseline = compared[0].baseline
+    confidence = baseline.get("confidence", 0.95)
+
+    def row(result: ConfigResult) -> list[str]:
+        if not result.baseline:
+            return ["-"] * 4
+        return _ratio_cells(result.baseline, "total_ms") + _ratio_cells(result.baseline, "tokens_per_second")
+
+    from opsd_rollout.bench.ratio_test import fewest_iterations  # numpy: only when there are ratios to show
+
+    title = (f"against {baseline['strategy']} (Hodges-Lehmann ratio over every pair of iterations, {confidence:.0%} "
+             "interval)")
+    caption = ("time ratio < 1 or tok/s ratio > 1: faster than the baseline; an interval that excludes 1 is beyond "
+               "the runs' noise")
+    if any("too few" in _ratio_cells(r.baseline, "total_ms") for r in compared):
+        caption += f"; too few: bounding it takes {fewest_iterations(confidence)} iterations a config (--iterations)"
+    return config_table(results, title, ["time ratio", "time CI", "tok/s ratio", "tok/s CI"], row, caption=caption)

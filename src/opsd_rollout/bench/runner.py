@@ -13,10 +13,12 @@ from typing import Any
 
 import torch
 
+from opsd_rollout.bench.contenders import set_baselines, workload_groups
 from opsd_rollout.bench.environment import environment_block, measure_ceilings
 from opsd_rollout.bench.matrix import Matrix, run_order
 from opsd_rollout.bench.ranks import gather_from_ranks, merge_iterations, stage_skew
 from opsd_rollout.bench.report import SCHEMA_VERSION, ConfigResult, write_json_atomic
+from opsd_rollout.bench.scenarios.base import Measurement
 from opsd_rollout.bench.stability import (Interference, InterferenceMonitor, Warmup, merge_interference,
                                           spread_warning, warm_up)
 from opsd_rollout.bench.threads import share_cores
@@ -26,7 +28,7 @@ from opsd_rollout.distributed import rank_info
 from opsd_rollout.modeling import ModelSpec
 from opsd_rollout.models import load_model, parse_dtype
 from opsd_rollout.presets import PRESETS
-from opsd_rollout.rollout import HybridEngineRollout, HybridEngineRolloutConfig, RolloutOptions
+from opsd_rollout.rollout import HybridEngineRollout, HybridEngineRolloutConfig
 
 
 class RankFailure(RuntimeError):
@@ -57,7 +59,8 @@ class BuiltEngine:
     tokenizer: Any
     spec: ModelSpec
     """Read before any wrapper (ZeRO-3 empties parameters)."""
-    rollouts: dict[tuple, HybridEngineRollout] = field(default_factory=dict)
+    rollouts: dict[tuple, Any] = field(default_factory=dict)
+    """The contenders built on it, by their knobs."""
 
 
 class EnginePool:
@@ -90,16 +93,21 @@ class EnginePool:
             self._key, self._current = config.engine_key, BuiltEngine(engine, tokenizer, spec)
         return self._current
 
-    def rollout(self, config: Any) -> tuple[HybridEngineRollout, BuiltEngine]:
+    def rollout(self, config: Any) -> tuple[Any, BuiltEngine]:
+        """The config's contender on the current engine, built once per its knobs: our rollout (the workload's
+        lengths through ``WorkloadRollout``) or DeepSpeed's (``bench/upstream.py``: forced inside its generate)."""
         built = self.get(config)
-        key = (config.strategy, config.cache_policy, config.forward_timing, config.lengths, config.compile_decode)
+        key = (config.lengths, config.strategy, tuple(sorted(config.rollout_fields.items())))
         if key not in built.rollouts:
-            cfg = HybridEngineRolloutConfig(enable_profiling=True, strategy=config.strategy,
-                                            cache_policy=config.cache_policy, compile_decode=config.compile_decode,
-                                            options=RolloutOptions(profile_forwards=config.forward_timing))
-            rollout = HybridEngineRollout(built.engine, built.tokenizer, cfg)
-            # the workload's response lengths, forced alike on every engine by the bench's own hook
-            built.rollouts[key] = WorkloadRollout(rollout, config.lengths, rollout.eos_token_ids)
+            if config.strategy == "deepspeed":
+                from opsd_rollout.bench.upstream import DeepSpeedRollout  # DeepSpeed's rollout: only when named
+
+                built.rollouts[key] = DeepSpeedRollout(built.engine, built.tokenizer, config.lengths)
+            else:
+                cfg = HybridEngineRolloutConfig.from_flat(enable_profiling=True, **config.rollout_fields)
+                rollout = HybridEngineRollout(built.engine, built.tokenizer, cfg)
+                # the workload's response lengths, forced alike on every engine by the bench's own hook
+                built.rollouts[key] = WorkloadRollout(rollout, config.lengths, rollout.eos_token_ids)
         return built.rollouts[key], built
 
     def close(self) -> None:
@@ -164,6 +172,13 @@ class BenchRunner:
         if self.output is not None and self.ranks.is_main:  # only rank 0 writes
             write_json_atomic(self.output, self.document())
 
+    def batches(self) -> list[list[Any]]:
+        """The pending configs as they run: one at a time, or with ``interleave`` each workload's contenders
+        together (``bench/contenders.py``), in run order."""
+        if not getattr(self.settings, "interleave", False):
+            return [[config] for config in self.pending]
+        return workload_groups(self.pending, self.matrix.scenario.axes)
+
     def run(self, progress: Progress | None = None) -> list[ConfigResult]:
         progress = progress or (lambda *_: None)
         if self.environment is None:
@@ -173,23 +188,62 @@ class BenchRunner:
         pool = EnginePool(self.settings.model, self.device, lr=getattr(self.settings, "lr", 1e-4),
                           rank=self.ranks.rank)
         try:
-            for config in self.pending:
-                progress("config", config, 0)
-                self._run_config(pool, config, progress)
-                if self.ranks.world_size > 1:
-                    self._merge_ranks(self.results[config.key])
+            for batch in self.batches():
+                self._run_batch(pool, batch, progress)
+                for config in batch:
+                    if self.ranks.world_size > 1:
+                        self._merge_ranks(self.results[config.key])
+                self._set_baselines()
                 self._save()
         finally:
             pool.close()
         progress("done", None, 0)
         return [self.results[c.key] for c in self.configs]
 
-    def _run_config(self, pool: EnginePool, config: Any, progress: Progress) -> None:
+    def _set_baselines(self) -> None:
+        baseline = getattr(self.settings, "baseline", None) or self.matrix["strategies"][0]
+        set_baselines([self.results[c.key] for c in self.configs], self.matrix.scenario.axes, baseline)
+
+    def _run_batch(self, pool: EnginePool, batch: list[Any], progress: Progress) -> None:
+        """Warm up each config of ``batch``, then measure them round by round: one iteration of each per round,
+        the order reversed every other round (one config: its iterations one after the other)."""
+        started = {}
+        for config in batch:
+            measurement = self._start(pool, config, progress)
+            if measurement is not None:
+                started[config.key] = (config, measurement)
+        monitor = InterferenceMonitor()
+        monitor.start()
+        for index in range(self.settings.iterations):
+            order = list(started.values())
+            for config, measurement in (order if index % 2 == 0 else order[::-1]):
+                try:
+                    self.results[config.key].iterations.append(measurement.run())
+                except Exception as error:  # noqa: BLE001 - a failed config is recorded and the run goes on
+                    self._fail(config, error)
+                    del started[config.key]
+                    continue
+                progress("iteration", config, index + 1)
+        interference = monitor.stop()  # the same machine for every config of the batch
+        for config, measurement in started.values():
+            result = self.results[config.key]
+            try:
+                self.timelines[config.key] = measurement.timeline()
+            except Exception as error:  # noqa: BLE001 - a failed config is recorded and the run goes on
+                self._fail(config, error)
+                continue
+            result.interference, result.status = interference.to_dict(), "ok"
+            if self.ranks.world_size == 1:
+                self._finish(result)
+
+    def _start(self, pool: EnginePool, config: Any, progress: Progress) -> Measurement | None:
+        """The config prepared and warmed up, or ``None`` (recorded as skipped or failed)."""
+        progress("config", config, 0)
         result = self.results[config.key]
-        reason = dtype_unsupported(self.device, parse_dtype(config.dtype))
+        reason = dtype_unsupported(self.device, parse_dtype(config.dtype)) or self.scenario.skip_reason(config)
         if reason:
             result.status, result.error = "skipped", reason
-            return
+            return None
         try:
             measurement = self.scenario.prepare(pool, config)
             self._spec = pool.get(config).spec
@@ -205,27 +259,23 @@ class BenchRunner:
             warmup_times: list[float | None] = []
             warmup = warm_up(warmup_call, fixed=s.warmup, max_iterations=s.warmup_max_iterations,
                              max_seconds=s.warmup_max_seconds, tolerance=s.steady_tolerance, all_ranks=self._all_ranks)
-            monitor = InterferenceMonitor()
-            monitor.start()
-            for index in range(s.iterations):
-                result.iterations.append(measurement.run())
-                progress("iteration", config, index + 1)
-            interference = monitor.stop()
-            result.warmup, result.interference = warmup.to_dict(), interference.to_dict()
-            compiles = [ms for ms in warmup_times if ms is not None]
-            self._compile_ms[config.key] = sum(compiles) if compiles else None
-            self.timelines[config.key] = measurement.timeline()
-            result.status = "ok"
-            if self.ranks.world_size == 1:
-                self._finish(result)
         except Exception as error:  # noqa: BLE001 - a failed config is recorded and the run goes on
-            if self.ranks.world_size > 1:  # the other ranks may be waiting in a collective: stop them all
-                raise RankFailure(self.ranks.rank, config.key, error) from error
-            result.status, result.iterations = "failed", []
-            result.error = f"{type(error).__name__}: {error}"
-            result.warnings.append(traceback.format_exc(limit=3).splitlines()[-1])
-            if self.device.type == "cuda":
-                torch.cuda.empty_cache()
+            self._fail(config, error)
+            return None
+        result.warmup = warmup.to_dict()
+        compiles = [ms for ms in warmup_times if ms is not None]
+        self._compile_ms[config.key] = sum(compiles) if compiles else None
+        return measurement
+
+    def _fail(self, config: Any, error: Exception) -> None:
+        if self.ranks.world_size > 1:  # the other ranks may be waiting in a collective: stop them all
+            raise RankFailure(self.ranks.rank, config.key, error) from error
+        result = self.results[config.key]
+        result.status, result.iterations = "failed", []
+        result.error = f"{type(error).__name__}: {error}"
+        result.warnings.append(traceback.format_exception(error, limit=3)[-1].strip())
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     def _all_ranks(self, done: bool) -> bool:
         """Whether every rank is done warming up (each rank's collectives must pair with the others')."""

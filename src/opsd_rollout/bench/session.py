@@ -14,6 +14,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.text import Text
 
+from opsd_rollout.bench.contenders import knob_notes
 from opsd_rollout.bench.matrix import Matrix, run_order
 from opsd_rollout.bench.plots import write_plots
 from opsd_rollout.bench.report import (ConfigResult, PhraseText, compact_table, display_labels, fmt, results_of,
@@ -81,6 +82,8 @@ def run_bench_session(matrix: Matrix, settings: Any, *, output: str | None, plot
                          collective_timeout_s=collective_timeout_s)
     if not runner.ranks.is_main:
         console.quiet = True
+    for line in knob_notes(matrix):
+        console.print(f"note: {line}", markup=False, highlight=False)
     with Progress(TextColumn("{task.description}"), BarColumn(bar_width=20), MofNCompleteColumn(),
                   TimeElapsedColumn(), console=console, transient=True, disable=not runner.ranks.is_main) as bar:
         progress = ProgressLine(bar, settings, len(runner.pending),
@@ -158,6 +161,8 @@ def print_dry_run(matrix: Matrix, settings: Any, previous: dict[str, Any] | None
             for i, c in enumerate(configs, start=1)]
     console.print(compact_table(f"{len(configs)} configs on {settings.model}: {warmup}, then {settings.iterations} "
                                 "iterations each ('run': the order they run in)", ["config", "#", "run", "est. s"], rows))
+    for line in knob_notes(matrix):
+        console.print(f"note: {line}", markup=False, highlight=False)
     known = [v for v in estimates.values() if v is not None]
     origin = f" (from {source})" if source else ""
     if known:

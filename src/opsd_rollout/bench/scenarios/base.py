@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 from rich.table import Table
 
 from opsd_rollout import checks
-from opsd_rollout.bench.axes import Axis
+from opsd_rollout.bench.axes import Axis, for_contender
+from opsd_rollout.bench.contenders import check_contenders
 
 if TYPE_CHECKING:
     from opsd_rollout.bench.report import ConfigResult
@@ -79,12 +80,20 @@ class Scenario:
 
     @classmethod
     def make_config(cls, **fields: Any) -> Any:
-        return cls.config_type(**fields)
+        """The config of one combination of axis values (``None``: the scenario has none); a knob that does not
+        apply to the contender is ``None`` (``axes.for_contender``)."""
+        return cls.config_type(**for_contender(cls.axes, fields))
 
     def check(self, matrix: Any, max_positions: Any) -> None:
-        """Refuse what the axes alone cannot (e.g. lengths beyond a model); ``max_positions(name)`` reads a
-        model's position limit without building it."""
+        """Refuse what the axes alone cannot (e.g. lengths beyond a model, a baseline that is not a contender);
+        ``max_positions(name)`` reads a model's position limit without building it."""
+        check_contenders(matrix, self.settings.baseline)
         matrix.check_positions(max_positions(self.settings.model))
+
+    def skip_reason(self, config: Any) -> str | None:
+        """Why ``config`` cannot be measured (its contender lacks what it asks for), or ``None``; such a config is
+        recorded ``skipped`` with the reason, and the run goes on."""
+        return None
 
     def prepare(self, pool: "EnginePool", config: Any) -> Measurement:
         raise NotImplementedError
@@ -104,6 +113,8 @@ class Scenario:
         warmup = "warm-up until steady" if s.warmup is None else f"{s.warmup} warm-up call{'s' * (s.warmup != 1)}"
         title = (f"{s.model} on {environment['device_name']} ({threads_phrase(environment, world_size)}), "
                  f"{s.iterations} iterations after {warmup}")
+        if getattr(s, "interleave", False):
+            title += "; contenders interleaved round by round"
         if world_size > 1:
             title += (f"; {world_size} ranks: batch sizes are per rank, times are the slowest rank's, "
                       "tokens/s the sum over ranks")

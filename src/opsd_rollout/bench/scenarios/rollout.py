@@ -8,21 +8,25 @@ from typing import Any, ClassVar
 
 from rich.table import Table
 
-from opsd_rollout.bench.axes import ROLLOUT_AXES
+from opsd_rollout.bench.axes import CONTENDERS, ROLLOUT_AXES, size_text
 from opsd_rollout.bench.facts import decode_bytes_per_step, prefill_flops
-from opsd_rollout.bench.report import ConfigResult, config_table, fmt, mib, stability_table
+from opsd_rollout.bench.report import ConfigResult, baseline_table, config_table, fmt, mib, stability_table
 from opsd_rollout.bench.scenarios.base import Scenario, Settings
-from opsd_rollout.checks import choice, integer, number, rule
+from opsd_rollout.checks import boolean, choice, integer, number, rule
 from opsd_rollout.bench.stats import median_index
 from opsd_rollout.metrics import ROLLOUT_STAGES, label
 from opsd_rollout.presets import DEFAULT_MODEL
 
 PROMPT_KINDS = ("synthetic", "variable")
+KNOB_DEFAULTS: dict[str, list[Any]] = {"continuous_batch_sizes": [None], "kv_budgets": [None], "compaction": [True],
+                                       "shared_prefix": [True], "stop_check_intervals": [None]}
+"""The knob axes' defaults: the engine's own."""
 
 
 @dataclass(frozen=True, kw_only=True)
 class RolloutConfig:
-    """One point of a rollout matrix."""
+    """One point of a rollout matrix. A knob that does not apply to the config's contender (``strategy``) is
+    ``None`` (n/a: ``axes.for_contender``)."""
 
     batch_size: int
     samples_per_prompt: int
@@ -32,12 +36,23 @@ class RolloutConfig:
     decoding: str
     zero_stage: int | str
     strategy: str
-    cache_policy: str
-    forward_timing: bool
+    """The contender: ``static``, ``generate`` (our rollout's strategies) or ``deepspeed`` (DeepSpeed's own)."""
+    cache_policy: str | None
+    forward_timing: bool | None
     lengths: str = "fixed"
     """The response-length model (``fixed``, ``natural``, or a synthetic distribution's spec)."""
-    compile_decode: bool = False
+    compile_decode: bool | None = False
     """The compiled decode step (strategy ``static``); compiling happens during warm-up."""
+    continuous_batch_size: int | None = None
+    """``SamplingConfig.continuous_batch_size``: rows decoding at once (``None``: every row)."""
+    kv_budget_bytes: int | None = None
+    """``HybridEngineRolloutConfig.kv_budget_bytes`` (``None``: no budget)."""
+    compact_rows: bool | None = True
+    """``HybridEngineRolloutConfig.compact_rows``."""
+    shared_prefix: bool | None = True
+    """``RolloutOptions.shared_prefix``."""
+    stop_check_interval: int | None = None
+    """``RolloutOptions.stop_check_interval`` (``None``: the engine's choice)."""
 
     @property
     def effective_batch_size(self) -> int:
@@ -50,16 +65,36 @@ class RolloutConfig:
 
     @property
     def key(self) -> str:
-        """Stable identity, used to match results across runs (``--resume``, ``compare``)."""
-        return (f"B{self.batch_size}-n{self.samples_per_prompt}-P{self.prompt_length}-R{self.response_length}-"
-                f"{self.dtype}-{self.decoding}-zero{self.zero_stage}-{self.strategy}-{self.cache_policy}-"
-                f"fwd{'on' if self.forward_timing else 'off'}" + (f"-len{self.lengths}" if self.lengths != "fixed" else "")
-                + ("-compiled" if self.compile_decode else ""))
+        """Stable identity, used to match results across runs (``--resume``, ``compare``). A knob appears only
+        away from its default (so files written before it was an axis keep their keys), and not at all where it
+        does not apply (``None``)."""
+        parts = [f"B{self.batch_size}-n{self.samples_per_prompt}-P{self.prompt_length}-R{self.response_length}",
+                 self.dtype, self.decoding, f"zero{self.zero_stage}", self.strategy]
+        parts += [self.cache_policy] if self.cache_policy is not None else []
+        parts += [f"fwd{'on' if self.forward_timing else 'off'}"] if self.forward_timing is not None else []
+        parts += [f"len{self.lengths}"] if self.lengths != "fixed" else []
+        parts += ["compiled"] if self.compile_decode else []
+        parts += [f"cb{self.continuous_batch_size}"] if self.continuous_batch_size is not None else []
+        parts += [f"kv{size_text(self.kv_budget_bytes)}"] if self.kv_budget_bytes is not None else []
+        parts += ["nocompact"] if self.compact_rows is False else []
+        parts += ["noshared"] if self.shared_prefix is False else []
+        parts += [f"stop{self.stop_check_interval}"] if self.stop_check_interval is not None else []
+        return "-".join(parts)
 
     @property
     def label(self) -> str:
         """Short, for tables and plots: the axes that usually vary."""
         return f"B{self.batch_size} n{self.samples_per_prompt} P{self.prompt_length} R{self.response_length}"
+
+    @property
+    def rollout_fields(self) -> dict[str, Any]:
+        """Our rollout's ``HybridEngineRolloutConfig.from_flat`` fields of this config's knobs (those n/a left at
+        their defaults)."""
+        knobs = {"cache_policy": self.cache_policy, "compile_decode": self.compile_decode,
+                 "kv_budget_bytes": self.kv_budget_bytes, "compact_rows": self.compact_rows,
+                 "shared_prefix": self.shared_prefix, "stop_check_interval": self.stop_check_interval,
+                 "profile_forwards": self.forward_timing}
+        return {"strategy": self.strategy, **{name: value for name, value in knobs.items() if value is not None}}
 
 
 @dataclass(kw_only=True)
@@ -91,6 +126,12 @@ class RolloutSettings(Settings):
     """Sampling top-k (decoding=sampling; <= 0 disables, as in DeepSpeed)."""
     top_p: float = 1.0
     """Sampling top-p (decoding=sampling)."""
+    interleave: bool = False
+    """Run the configs of one workload (alike but for the contender and its own knobs: ``bench/contenders.py``)
+    round by round in one process, one iteration of each per round, the order reversed every other round, each
+    warmed up first; ``False``: one config after the other."""
+    baseline: str | None = None
+    """The contender (one of the ``strategies``) each config's ratio is against; ``None``: the first listed."""
 
     def __post_init__(self) -> None:
         if isinstance(self.warmup, str) and self.warmup.strip().lower() == "auto":  # the flag's spelling of None
@@ -105,7 +146,8 @@ class RolloutSettings(Settings):
         "pad_fraction": rule(number, at_least=0, below=1),
         "temperature": rule(number, above=0, hint="for sampling; greedy is decoding=greedy"),
         "top_k": rule(integer, minimum=None, hint="<= 0 disables top-k"),
-        "top_p": rule(number, above=0, at_most=1)}
+        "top_p": rule(number, above=0, at_most=1),
+        "interleave": boolean, "baseline": rule(choice, choices=(None, *CONTENDERS))}
 
 
 class RolloutMeasurement:
@@ -172,7 +214,8 @@ class RolloutScenario(Scenario):
     defaults: ClassVar[dict[str, list[Any]]] = {
         "batch_sizes": [1, 4], "samples_per_prompt": [1, 4], "prompt_lengths": [128], "response_lengths": [32],
         "dtypes": ["fp32"], "decoding": ["greedy"], "zero_stages": [0], "strategies": ["static"],
-        "cache_policies": ["retain"], "forward_timing": [True], "length_models": ["fixed"], "compile_decode": [False]}
+        "cache_policies": ["retain"], "forward_timing": [True], "length_models": ["fixed"], "compile_decode": [False],
+        **KNOB_DEFAULTS}
     stages = ROLLOUT_STAGES
     what = "rollout"
     throughput_label = "generated tokens/s (p50)"
@@ -206,6 +249,7 @@ class RolloutScenario(Scenario):
 
         shares = {r.config.key: median_shares(r) for r in results if r.status == "ok"}
         stages = [k for k in self.stages if any(s.get(k, 0) >= 0.005 for s in shares.values())]
+        ratios = baseline_table(results)
         tables = [config_table(results, "latency and throughput (medians over the iterations; tok/s: real tokens)",
                                ["p50 ms", "p95 ms", "TTFT ms", "TPOT ms", "tok/s", "peak MiB"], figures),
                   config_table(results, "where the time goes (% of the median iteration)", [label(k) for k in stages],
@@ -213,4 +257,4 @@ class RolloutScenario(Scenario):
         if any(r.config.lengths != "fixed" for r in results):  # rows end at different times: how they were served
             tables.append(config_table(results, "rows (medians; live rows: real tokens / row-steps computed)",
                                        ["live rows %", "row-steps", "row p50 ms", "row p95 ms", "row max ms"], rows))
-        return tables + [stability_table(results)]
+        return tables + ([ratios] if ratios is not None else []) + [stability_table(results)]

@@ -8,10 +8,10 @@ from typing import Any, ClassVar
 
 from rich.table import Table
 
-from opsd_rollout.bench.axes import STEP_AXES
-from opsd_rollout.bench.report import ConfigResult, config_table, fmt, mib, stability_table
+from opsd_rollout.bench.axes import STEP_AXES, for_contender
+from opsd_rollout.bench.report import ConfigResult, baseline_table, config_table, fmt, mib, stability_table
 from opsd_rollout.bench.scenarios.base import Scenario
-from opsd_rollout.bench.scenarios.rollout import RolloutConfig, RolloutSettings
+from opsd_rollout.bench.scenarios.rollout import KNOB_DEFAULTS, RolloutConfig, RolloutSettings
 from opsd_rollout.checks import boolean, choice, integer, number, rule, text
 from opsd_rollout.metrics import STEP_STAGES, label
 
@@ -119,6 +119,21 @@ class StepMeasurement:
                         for s in self.rollout.get_last_timeline() or []]
 
 
+class DeepSpeedStepMeasurement(StepMeasurement):
+    """The ``deepspeed`` contender's step (``bench/upstream.py``'s ``deepspeed_step``): DeepSpeed's rollout, the
+    teacher's full logits, ``generalized_jsd_loss`` over the student's logits; our loss's beta (0 for forward_kl,
+    1 for reverse_kl) and, for a ``top<k>`` teacher cache, its ``teacher_top_k``."""
+
+    def run(self) -> dict[str, Any]:
+        from opsd_rollout.bench.upstream import DEEPSPEED_LOSSES, deepspeed_step  # heavy: see scenarios/base.py
+
+        beta = DEEPSPEED_LOSSES[self.divergence.loss]
+        top_k = self.cache.top_k if self.cache.mode == "topk" else None
+        self._last = deepspeed_step(self.engine, self.teacher, self.rollout, self.request, self.sampling,
+                                    beta=self.divergence.beta if beta is None else beta, teacher_top_k=top_k)
+        return self._last.to_dict()
+
+
 def step_figures(result: ConfigResult) -> dict[str, Any]:
     """Medians a step benchmark reader wants first."""
     step_ms, rollout_ms = result.p50("total_ms"), result.p50("rollout_ms")
@@ -138,7 +153,7 @@ class StepScenario(Scenario):
         "batch_sizes": [2], "samples_per_prompt": [2], "prompt_lengths": [32], "response_lengths": [32],
         "dtypes": ["fp32"], "decoding": ["greedy"], "zero_stages": [0, 3], "strategies": ["static"],
         "cache_policies": ["retain"], "forward_timing": [True], "length_models": ["fixed"], "compile_decode": [False],
-        "losses": ["jsd"],
+        **KNOB_DEFAULTS, "losses": ["jsd"],
         "betas": [0.5],
         "teacher_caches": ["full"]}
     stages = STEP_STAGES
@@ -149,6 +164,7 @@ class StepScenario(Scenario):
 
     @classmethod
     def make_config(cls, **fields: Any) -> StepConfig | None:
+        fields = for_contender(cls.axes, fields)
         if fields["loss"] != "jsd":  # beta only varies the generalized JSD; the KLs appear once
             fields["beta"] = None
         if fields["loss"] == "sampled_reverse_kl":  # the one cache it reads
@@ -163,6 +179,12 @@ class StepScenario(Scenario):
         super().check(matrix, max_positions)
         matrix.check_positions(max_positions(self.settings.teacher))
 
+    def skip_reason(self, config: StepConfig) -> str | None:
+        if config.strategy == "deepspeed" and config.loss == "sampled_reverse_kl":
+            return ("DeepSpeed's own step has no sampled-token loss: its generalized_jsd_loss takes the teacher's "
+                    "distribution (forward_kl, reverse_kl, jsd)")
+        return None
+
     def prepare(self, pool: Any, config: StepConfig) -> StepMeasurement:
         from opsd_rollout.bench.prompts import rollout_inputs  # heavy: see scenarios/base.py
 
@@ -170,8 +192,8 @@ class StepScenario(Scenario):
         request, sampling = rollout_inputs(config, self.settings, built.tokenizer, built.spec.vocab_size,
                                            pool.rank, pool.device)
         teacher = pool.frozen(self.settings.teacher, config.dtype, self.settings.teacher_zero_stage)
-        return StepMeasurement(built.engine, teacher, rollout, request,
-                               sampling, config, self.settings)
+        measurement = DeepSpeedStepMeasurement if config.strategy == "deepspeed" else StepMeasurement
+        return measurement(built.engine, teacher, rollout, request, sampling, config, self.settings)
 
     def derive(self, result: ConfigResult, spec: Any, ceilings: dict[str, Any] | None,
                world_size: int) -> dict[str, Any]:
@@ -189,9 +211,10 @@ class StepScenario(Scenario):
                     fmt(result.p50("loss"), 4), mib(result.p50("peak_memory_bytes")),
                     fmt(result.p50("teacher_cache_bytes") / 2**20, 2)]
 
+        ratios = baseline_table(results)
         return [config_table(results, "steps (medians over the iterations)",
                              ["step ms", "p95 ms", "rollout %", "loss", "peak MiB", "cache MiB"],
                              figures, caption="rollout share = (eval + rollout + train) / step"),
                 config_table(results, "where the step's time goes (median ms; eval/train switches in the JSON)",
                              [label(k) for k in self.columns], lambda r: [fmt(r.p50(k)) for k in self.columns]),
-                stability_table(results)]
+                *([ratios] if ratios is not None else []), stability_table(results)]
