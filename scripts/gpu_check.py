@@ -506,17 +506,14 @@ def check_forward_timer(ctx: Context) -> Finding:
 
 
 def check_compiled_speed(ctx: Context) -> Finding:
-    """``scripts/compile_cost.py``'s per-token comparison: eager vs compiled (CUDA graphs) at B = 1, 4, 16, 32,
-    equal tokens asserted (fp32), the speed-up and each side's share of the measured copy bandwidth reported."""
-    import importlib.util
-    from pathlib import Path
+    """The ``compile`` kernel's per-token comparison (``opsd-rollout kernels --kernels compile``): eager vs compiled
+    (CUDA graphs) at B = 1, 4, 16, 32, equal tokens asserted (fp32), the speed-up and each side's share of the
+    measured copy bandwidth reported."""
+    from opsd_rollout.bench.kernels.compile import compiled_speed
 
-    spec = importlib.util.spec_from_file_location("compile_cost", Path(__file__).with_name("compile_cost.py"))
-    compile_cost = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(compile_cost)
-    args = argparse.Namespace(model=ctx.name, batch_sizes=ctx.gpu.size([1, 4, 16, 32], [1]),
-                              prompt_length=ctx.gpu.size(64, 8), rounds=ctx.gpu.size(5, 1))
-    rows = compile_cost.per_token(args, device=str(ctx.device), dtype=ctx.dtype_name)
+    model, tokenizer = load_model(ctx.name, dtype=ctx.dtype_name, device=ctx.device)  # a fresh model: no other check's
+    rows = compiled_speed(model, tokenizer, ctx.gpu.size([1, 4, 16, 32], [1]), prompt_length=ctx.gpu.size(64, 8),
+                          rounds=ctx.gpu.size(5, 1), device=ctx.device)
     assert all(row["equal_tokens"] for row in rows) or ctx.dtype_name != "fp32", "compiled tokens differ"
     return Finding(", ".join(f"B{row['batch_size']} {row['eager_ms_per_token']:.2f} -> "
                              f"{row['compiled_ms_per_token']:.2f} ms/token" for row in rows),

@@ -26,7 +26,7 @@ from opsd_rollout.bench.configfile import read_config_file, split_config
 from opsd_rollout.bench.axes import byte_size
 from opsd_rollout.bench.matrix import Matrix
 from opsd_rollout.bench.report import PhraseText, load_document, write_text_atomic
-from opsd_rollout.bench.scenarios import RolloutScenario, Scenario, StepScenario
+from opsd_rollout.bench.scenarios import KernelsScenario, RolloutScenario, Scenario, StepScenario
 from opsd_rollout.bench.scenarios.rollout import PROMPT_KINDS
 from opsd_rollout.bench.scenarios.step import OVER_BUDGET
 from opsd_rollout.cli_train import add_train_parser
@@ -106,6 +106,14 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 def _cmd_step(args: argparse.Namespace) -> int:
     return _run_matrix(args, StepScenario)
+
+
+def _cmd_kernels(args: argparse.Namespace) -> int:
+    return _run_matrix(args, KernelsScenario)
+
+
+SUBCOMMANDS = {"rollout": "bench", "step": "step", "kernels": "kernels"}
+"""The subcommand of each benchmark kind."""
 
 
 def _relaunch(argv: Sequence[str], nproc: int) -> int:
@@ -203,7 +211,7 @@ def _run_matrix(args: argparse.Namespace, scenario: type[Scenario]) -> int:
         existing = load_document(args.resume)
         if existing["kind"] != scenario.kind:
             raise ValueError(f"--resume {args.resume!r} holds a {existing['kind']} benchmark; resume it with "
-                             f"`opsd-rollout {'step' if existing['kind'] == 'step' else 'bench'}`")
+                             f"`opsd-rollout {SUBCOMMANDS.get(existing['kind'], 'bench')}`")
         matrix = Matrix.parse(scenario, existing["matrix"])
         settings = scenario.settings_type(**existing["settings"])
         args.output = args.resume
@@ -309,9 +317,30 @@ def _add_bench_flags(bench: argparse.ArgumentParser, scenario: type[Scenario]) -
         runs.add_argument("--teacher-cache-over-budget", dest="teacher_cache_over_budget", choices=OVER_BUDGET,
                           help="a teacher cache over its budget: error (default: refuse, naming the fixes) or topk "
                           "(cache the top-k logits instead)")
+    elif scenario is KernelsScenario:
+        _add_kernel_settings(runs, defaults)
     else:
         runs.add_argument("--model", help="preset name (see `opsd-rollout models`) or a local checkpoint "
                           f"directory (default {defaults.model})")
+    _add_measuring_flags(runs, defaults)
+    if scenario is not KernelsScenario:  # its sampling knobs are axes; it makes no prompts
+        _add_workload_flags(runs, defaults)
+    _add_output_flags(bench, scenario)
+
+
+def _add_kernel_settings(runs: argparse._ArgumentGroup, defaults: Any) -> None:
+    runs.add_argument("--model", help="the model of the attention, weight_layout, compile and profiling kernels: "
+                      f"preset name or local checkpoint directory (default {defaults.model})")
+    runs.add_argument("--temperature", type=float, help=f"the sampling kernel's temperature (default "
+                      f"{defaults.temperature})")
+    runs.add_argument("--repeats", type=int, metavar="N", help="calls of each side per timed sample in the sampling "
+                      f"and weight_layout kernels, for calls too short to time alone (default {defaults.repeats})")
+    runs.add_argument("--hidden-size", dest="hidden_size", type=int, metavar="H", help="the fused_loss student's "
+                      f"hidden size: its LM head is [vocab, H] (default {defaults.hidden_size})")
+    runs.add_argument("--beta", type=float, help=f"the fused_loss generalized JSD's beta (default {defaults.beta})")
+
+
+def _add_measuring_flags(runs: argparse._ArgumentGroup, defaults: Any) -> None:
     runs.add_argument("--warmup", type=_warmup, metavar="auto|N", help="unmeasured calls per config before "
                       "measuring: auto (default) warms up until two consecutive calls agree within "
                       f"{defaults.steady_tolerance:.0%}%, N makes exactly N")
@@ -321,6 +350,9 @@ def _add_bench_flags(bench: argparse.ArgumentParser, scenario: type[Scenario]) -
                       f"with --warmup auto (default {defaults.warmup_max_seconds:g})")
     runs.add_argument("--iterations", type=int, help=f"measured iterations per config (default {defaults.iterations})")
     runs.add_argument("--seed", type=int, help=f"seed for prompts and sampling (default {defaults.seed})")
+
+
+def _add_workload_flags(runs: argparse._ArgumentGroup, defaults: Any) -> None:
     runs.add_argument("--prompts", choices=PROMPT_KINDS, help="synthetic: exact-length prompts (default); "
                       "variable: left-padded prompts of varying length")
     runs.add_argument("--pad-fraction", type=float, help=f"mean padding fraction with --prompts variable (default "
@@ -333,6 +365,9 @@ def _add_bench_flags(bench: argparse.ArgumentParser, scenario: type[Scenario]) -
                       "of each per round, the order reversed every other round, so they see the same machine")
     runs.add_argument("--baseline", metavar="NAME", help="the contender each config's ratio is against (default: the "
                       "first of --strategies)")
+
+
+def _add_output_flags(bench: argparse.ArgumentParser, scenario: type[Scenario]) -> None:
     out = bench.add_argument_group("output")
     out.add_argument("--output", metavar="FILE", default=f"bench-results/{scenario.kind}.json",
                      help="result JSON, rewritten atomically after every config (default %(default)s)")
@@ -380,6 +415,14 @@ def build_parser() -> argparse.ArgumentParser:
                           "jsd(0.5), ZeRO 0 and 3.")
     _add_bench_flags(step, StepScenario)
     step.set_defaults(func=_cmd_step)
+    kernels = sub.add_parser("kernels", parents=[common], help="benchmark kernels: ours against a baseline, side by "
+                             "side (sampling, post-processing, attention layouts, fused loss, weight layout, ...)",
+                             description="Benchmark the pieces that are neither a rollout nor a step, each ours "
+                             "against a baseline (the code it replaced, or upstream's), both in every iteration, their "
+                             "order alternating. Default: every kernel but compile at 16 rows, vocabulary 32,000, "
+                             "prompt 128, response 32, 4 samples per prompt, on llama-small.")
+    _add_bench_flags(kernels, KernelsScenario)
+    kernels.set_defaults(func=_cmd_kernels)
     compare = sub.add_parser(
         "compare", parents=[common], help="compare two result files; exit 1 on a regression",
         description="Compare two result files config by config: each metric's Hodges-Lehmann ratio (after / "

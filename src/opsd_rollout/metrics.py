@@ -2,6 +2,10 @@
 which way is better. The profile's attributed phases, the stage breakdowns, the comparison's metrics and the
 multi-rank merge rules are all read from here; a new figure is added here and nowhere else.
 
+A kernel (``opsd-rollout kernels``) times two implementations of one piece of work in every iteration: ours
+(``kernel_ms``) and a baseline (``baseline_ms``: the code we replaced or upstream's), and their ratio (``speedup``:
+baseline / ours, per iteration); the baseline is not judged by ``compare`` (its speed is not this package's).
+
 Three words, three meanings: an **attributed phase** is work probed inside a rollout (a ZeRO-3 gather,
 LoRA fuse, ``gc.collect``); a **forward kind** is ``prefill`` or ``decode``; a **step part** is one part of an
 OPSD step (rollout, teacher, student forward, loss, backward, optimizer).
@@ -98,6 +102,15 @@ METRICS: dict[str, Metric] = {m.name: m for m in [
     Metric("loss", "loss", "loss", merge="mean", lower_is_better=None),
     Metric("teacher_cache_bytes", "cache", "bytes", lower_is_better=None),
     Metric("teacher_parameter_bytes", "teacher params", "bytes", merge="max", lower_is_better=None),
+    # kernels (``opsd-rollout kernels``): ours against a baseline implementation, both in every iteration
+    _ms("kernel_ms", "ours", compared=True),
+    _ms("baseline_ms", "baseline"),
+    Metric("speedup", "speed-up", "ratio", merge="mean", lower_is_better=False, compared=True),
+    _ms("greedy_ms", "greedy"),
+    _ms("call_ms", "ours call"),
+    _ms("baseline_call_ms", "baseline call"),
+    Metric("baseline_peak_memory_bytes", "baseline peak", "bytes"),
+    Metric("baseline_kv_workspace_bytes", "baseline KV", "bytes"),
 ]}
 
 ATTRIBUTED_PHASES = ("param_gather", "inference_cache", "lora_fuse", "lora_unfuse", "gc", "empty_cache",

@@ -77,7 +77,7 @@ class Matrix:
 
 def run_order(configs: Sequence[Any]) -> list[Any]:
     """Engines in order of first appearance; within one engine, largest effective batch then longest
-    sequence first (ties keep the user's order)."""
+    sequence first (ties keep the user's order; a length a kernel does not read counts as 0)."""
     engines = list(dict.fromkeys(config.engine_key for config in configs))
     return sorted(configs, key=lambda c: (engines.index(c.engine_key), -c.effective_batch_size,
-                                          -(c.prompt_length + c.response_length)))
+                                          -((c.prompt_length or 0) + (c.response_length or 0))))

@@ -1,17 +1,33 @@
 """Side-by-side timing on a shared machine: every contender runs once per round, the order alternating from
 round to round (so drift and a busy neighbour hit all alike), after unrecorded warm-up rounds; medians
-compare. The one helper the comparison scripts share."""
+compare. The kernels scenario (``bench/kernels/contest.py``) times its rounds with the same two pieces."""
 
 from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 
 from opsd_rollout.profiling.clock import synchronize
+
+
+def round_order(names: Sequence[str], index: int) -> list[str]:
+    """The contenders' order in round ``index``: reversed in even rounds, as given in odd ones."""
+    return list(names) if index % 2 else list(names)[::-1]
+
+
+def timed(call: Callable[[], Any], device: torch.device, repeats: int = 1) -> tuple[float, Any]:
+    """Wall-clock ms per call of ``repeats`` calls of ``call`` and what the last one returned; ``device`` is
+    synchronized before and after (asynchronous work counts where it was launched)."""
+    synchronize(device)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        result = call()
+    synchronize(device)
+    return (time.perf_counter() - start) * 1e3 / repeats, result
 
 
 def interleaved_times(contenders: Mapping[str, Callable[[], Any]], rounds: int, *, warmup: int = 1,
@@ -25,17 +41,13 @@ def interleaved_times(contenders: Mapping[str, Callable[[], Any]], rounds: int, 
         raise ValueError(f"rounds must be >= 1; got {rounds}")
     device = torch.device(device) if device is not None else torch.device("cpu")
     times: dict[str, list[float]] = {name: [] for name in contenders}
-    names = list(contenders)
     for round_ in range(warmup + rounds):
-        for name in (names if round_ % 2 else names[::-1]):
+        for name in round_order(list(contenders), round_):
             if before_each is not None:
                 before_each()
-            synchronize(device)
-            start = time.perf_counter()
-            contenders[name]()
-            synchronize(device)
+            ms, _ = timed(contenders[name], device)
             if round_ >= warmup:
-                times[name].append((time.perf_counter() - start) * 1e3)
+                times[name].append(ms)
     return times
 
 

@@ -10,10 +10,12 @@ registered in ``SCENARIOS``; a CLI subcommand that names it (``cli.py``). See do
 from __future__ import annotations
 
 from opsd_rollout.bench.scenarios.base import Measurement, Scenario
+from opsd_rollout.bench.scenarios.kernels import KernelConfig, KernelSettings, KernelsScenario
 from opsd_rollout.bench.scenarios.rollout import RolloutConfig, RolloutScenario, RolloutSettings
 from opsd_rollout.bench.scenarios.step import StepConfig, StepScenario, StepSettings
 
-SCENARIOS: dict[str, type[Scenario]] = {scenario.kind: scenario for scenario in (RolloutScenario, StepScenario)}
+SCENARIOS: dict[str, type[Scenario]] = {scenario.kind: scenario for scenario in (RolloutScenario, StepScenario,
+                                                                               KernelsScenario)}
 
 
 def scenario_class(kind: str) -> type[Scenario]:
@@ -23,5 +25,5 @@ def scenario_class(kind: str) -> type[Scenario]:
     return SCENARIOS[kind]
 
 
-__all__ = ["Measurement", "RolloutConfig", "RolloutScenario", "RolloutSettings", "SCENARIOS", "Scenario",
-           "StepConfig", "StepScenario", "StepSettings", "scenario_class"]
+__all__ = ["KernelConfig", "KernelSettings", "KernelsScenario", "Measurement", "RolloutConfig", "RolloutScenario",
+           "RolloutSettings", "SCENARIOS", "Scenario", "StepConfig", "StepScenario", "StepSettings", "scenario_class"]

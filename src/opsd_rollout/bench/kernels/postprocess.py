@@ -1,0 +1,86 @@
+"""``postprocess``: a rollout's post-processing, ours against DeepSpeed's ``HybridEngineRollout``, on one batch.
+
+Both rollouts run over a stand-in model whose ``generate`` returns a precomputed output at once, so each
+profile's ``post_processing_ms`` is post-processing alone, on identical tensors."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+from opsd_rollout.bench.kernels.contest import Contest, Timed
+
+VOCAB, PAD, EOS = 32000, 0, 2
+
+
+class ReplayLM(torch.nn.Module):
+    """A causal-LM stand-in whose ``generate`` returns the prompt + precomputed responses [rows, R]."""
+
+    def __init__(self, responses: torch.Tensor):
+        super().__init__()
+        self.responses = responses
+        self.anchor = torch.nn.Parameter(torch.zeros(1))  # a parameter: the rollouts read the device from it
+        self.config = SimpleNamespace(vocab_size=VOCAB, max_position_embeddings=1 << 20)
+        self.generation_config = SimpleNamespace(eos_token_id=EOS)
+
+    def generate(self, input_ids: torch.Tensor | None = None, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return torch.cat([input_ids, self.responses[:input_ids.shape[0]]], dim=1)
+
+
+def replay_batch(prompts: int, samples: int, prompt_length: int, response_length: int,
+                 seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Left-padded prompts [B, P] with their mask, and responses [B*n, R] of which about half stop at an EOS."""
+    g = torch.Generator().manual_seed(seed)
+    prompt_ids = torch.randint(3, VOCAB, (prompts, prompt_length), generator=g)
+    lengths = torch.randint(1, prompt_length + 1, (prompts, 1), generator=g)
+    mask = (torch.arange(prompt_length) >= prompt_length - lengths).long()
+    responses = torch.randint(3, VOCAB, (prompts * samples, response_length), generator=g)
+    stop = torch.randint(0, response_length * 2, (prompts * samples,), generator=g)
+    early = stop < response_length
+    responses[early, stop[early]] = EOS
+    return prompt_ids.masked_fill(mask == 0, PAD), mask, responses
+
+
+class PostprocessContest(Contest):
+    def __init__(self, config: Any, settings: Any, device: torch.device):
+        from deepspeed.runtime.rollout import HybridEngineRollout as DeepSpeedRollout
+        from deepspeed.runtime.rollout.hybrid_engine_rollout import HybridEngineRolloutConfig as DeepSpeedConfig
+
+        from opsd_rollout import HybridEngineRollout, HybridEngineRolloutConfig, RolloutRequest, SamplingConfig
+
+        super().__init__(torch.device("cpu"))  # the stand-in model lives on the CPU
+        n = config.samples_per_prompt
+        prompt_ids, mask, responses = replay_batch(config.rows // n, n, config.prompt_length,
+                                                   config.response_length, settings.seed)
+        model = ReplayLM(responses)
+        tokenizer = SimpleNamespace(pad_token_id=PAD, eos_token_id=EOS)
+        self.mine = HybridEngineRollout(model, tokenizer, HybridEngineRolloutConfig(enable_profiling=True,
+                                                                                   strategy="generate"))
+        self.theirs = DeepSpeedRollout(SimpleNamespace(module=model), tokenizer, DeepSpeedConfig(enable_profiling=True))
+        self.request = RolloutRequest(prompt_ids, mask)
+        self.sampling = SamplingConfig(max_new_tokens=config.response_length, n_samples_per_prompt=n, temperature=0.0)
+
+    def ours(self) -> tuple[float, torch.Tensor]:
+        batch = self.mine.generate(self.request, self.sampling)
+        return self.mine.get_last_profile()["post_processing_ms"], batch.input_ids
+
+    def baseline(self) -> tuple[float, torch.Tensor]:
+        batch = self.theirs.generate(self.request, self.sampling)
+        return self.theirs.get_last_profile()["post_processing_ms"], batch.input_ids
+
+    def figures(self, sides: dict[str, Timed]) -> dict[str, Any]:
+        return {"kernel_ms": sides["ours"].result[0], "baseline_ms": sides["baseline"].result[0],
+                "call_ms": sides["ours"].ms, "baseline_call_ms": sides["baseline"].ms}
+
+    def same(self, ours: Any, baseline: Any) -> bool:
+        """The same token ids, DeepSpeed's ``max_new_tokens`` wide where ours ends at the longest response (the rest
+        padding); the masks differ by design (DeepSpeed masks by value, wrong for generated pad tokens)."""
+        mine, theirs = ours[1], baseline[1]
+        width = mine.shape[1]
+        return torch.equal(mine, theirs[:, :width]) and bool((theirs[:, width:] == PAD).all())
+
+
+def build(config: Any, settings: Any, built: Any, device: torch.device) -> PostprocessContest:
+    return PostprocessContest(config, settings, device)

@@ -1,0 +1,276 @@
+"""``opsd-rollout kernels``: the pieces that are neither a whole rollout nor a whole step (token selection,
+post-processing, attention layouts, the fused loss, the CPU weight layout, the compiled step, profiling's cost),
+each ours against a baseline, both in every iteration (``bench/kernels/``), under the same runner, statistics,
+schema and ``compare`` as ``bench`` and ``step``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from rich.table import Table
+
+from opsd_rollout.bench.axes import DTYPES, Axis, choice, positive_int, teacher_cache
+from opsd_rollout.bench.kernels import DEFAULT_KERNELS, KERNELS, LONG
+from opsd_rollout.bench.report import ConfigResult, config_table, fmt, mib, stability_table
+from opsd_rollout.bench.scenarios.base import Scenario, Settings, integer, number, optional, threads_phrase
+from opsd_rollout.presets import DEFAULT_MODEL
+
+
+def any_int(value: Any) -> int:
+    if isinstance(value, bool):
+        raise ValueError
+    return int(str(value).strip())
+
+
+def top_p(value: Any) -> float:
+    number_ = float(str(value).strip())
+    if not 0.0 < number_ <= 1.0:
+        raise ValueError
+    return number_
+
+
+def weight_shape(value: Any) -> str:
+    """``model`` or ``KxN`` (inputs x outputs, both >= 1), e.g. ``1024x4096``."""
+    text = str(value).strip().lower()
+    if text == "model":
+        return text
+    inputs, outputs = text.split("x")
+    return f"{positive_int(inputs)}x{positive_int(outputs)}"
+
+
+KERNEL_AXES = (
+    Axis("kernels", "kernel", choice(tuple(KERNELS)), f"one of {', '.join(KERNELS)}",
+         "what to measure: " + "; ".join(f"{k.name}: {k.what}" for k in KERNELS.values())),
+    Axis("dtypes", "dtype", choice(DTYPES), f"one of {', '.join(DTYPES)}",
+         "the logits' (sampling), the tensors' (fused_loss) or the model's dtype (a dtype the device cannot run is "
+         "reported as skipped)"),
+    Axis("rows", "rows", positive_int, "an integer >= 1",
+         "rows of the batch: logits rows (sampling), prompts x samples (postprocess, attention, profiling), loss "
+         "rows (fused_loss), rows of one token (weight_layout), prompts (compile)"),
+    Axis("vocab_sizes", "vocab_size", positive_int, "an integer >= 1", "vocabulary sizes (sampling, fused_loss)"),
+    Axis("samples_per_prompt", "samples_per_prompt", positive_int, "an integer >= 1",
+         "samples per prompt (postprocess, attention: at least 2, profiling); it divides --rows"),
+    Axis("prompt_lengths", "prompt_length", positive_int, "an integer >= 1",
+         "prompt lengths in tokens (postprocess, attention, compile, profiling)"),
+    Axis("response_lengths", "response_length", positive_int, "an integer >= 1",
+         "response lengths: new tokens (postprocess, attention, profiling), trained tokens per row (fused_loss)"),
+    Axis("top_k", "top_k", any_int, "an integer (<= 0 disables top-k)", "sampling top-k, <= 0 disables"),
+    Axis("top_p", "top_p", top_p, "a number in (0, 1]", "sampling top-p"),
+    Axis("teacher_caches", "teacher_cache", teacher_cache, "full or top<k> (e.g. top64)",
+         "the teacher's cache (fused_loss): full (every logit) or top<k>"),
+    Axis("weight_shapes", "weight_shape", weight_shape, "model or KxN (e.g. 1024x4096)",
+         "weight_layout: model (every nn.Linear of --model) or KxN (one weight of K inputs and N outputs)"),
+)
+
+
+@dataclass(frozen=True, kw_only=True)
+class KernelConfig:
+    """One point of a kernels matrix: the kernel and the axes it reads (``None``: an axis it does not read)."""
+
+    kernel: str
+    dtype: str = "fp32"
+    rows: int | None = None
+    vocab_size: int | None = None
+    samples_per_prompt: int | None = None
+    prompt_length: int | None = None
+    response_length: int | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    teacher_cache: str | None = None
+    weight_shape: str | None = None
+
+    SPELLING: ClassVar[dict[str, str]] = {
+        "rows": "rows{}", "vocab_size": "V{}", "samples_per_prompt": "n{}", "prompt_length": "P{}",
+        "response_length": "R{}", "top_k": "topk{}", "top_p": "topp{:g}", "teacher_cache": "{}", "weight_shape": "W{}"}
+    """How each axis a kernel reads appears in its key and label."""
+
+    def _parts(self) -> list[str]:
+        return [spelling.format(getattr(self, name)) for name, spelling in self.SPELLING.items()
+                if getattr(self, name) is not None]
+
+    @property
+    def key(self) -> str:
+        """Stable identity (``--resume``, ``compare``): the kernel, its dtype if it reads one, its other axes."""
+        dtype = [self.dtype] if "dtype" in KERNELS[self.kernel].reads else []
+        return "-".join([self.kernel, *dtype, *self._parts()])
+
+    @property
+    def label(self) -> str:
+        return " ".join([self.kernel, *self._parts()])
+
+    @property
+    def engine_key(self) -> tuple[str, str]:
+        """Configs of one dtype share the settings' model (loaded once, bare: no DeepSpeed engine)."""
+        return (self.dtype, "none")
+
+    @property
+    def zero_stage(self) -> str:
+        return "none"
+
+    @property
+    def effective_batch_size(self) -> int:
+        """No workspace is shared between configs: the run order is the user's (within a dtype)."""
+        return 0
+
+
+@dataclass(kw_only=True)
+class KernelSettings(Settings):
+    """Everything about a kernels benchmark that is not an axis."""
+
+    model: str = DEFAULT_MODEL
+    """The model the attention, weight_layout (``model``), compile and profiling kernels run: a preset name or a
+    local checkpoint directory."""
+    warmup: int | None = None
+    """Unrecorded rounds per config before measuring: ``None`` (``--warmup auto``) warms up until two consecutive
+    rounds agree within ``steady_tolerance``, within the two budgets below; a number makes exactly that many."""
+    warmup_max_iterations: int = 10
+    """Most warm-up rounds per config with ``warmup=None``."""
+    warmup_max_seconds: float = 60.0
+    """Most seconds of warm-up per config with ``warmup=None``."""
+    steady_tolerance: float = 0.05
+    """Two consecutive warm-up rounds within this relative difference: the config is steady."""
+    iterations: int = 5
+    """Measured rounds per config, each running both sides."""
+    seed: int = 0
+    """Seeds every kernel's random tensors and prompts, and, before each config, torch's RNG."""
+    temperature: float = 1.0
+    """The sampling kernel's temperature."""
+    repeats: int = 1
+    """Calls of each side per timed sample in the sampling and weight_layout kernels (ms per call): raise it
+    when one call is too short to time alone (tens of microseconds)."""
+    hidden_size: int = 64
+    """The fused_loss student's hidden size (its LM head is ``[vocab, hidden_size]``)."""
+    beta: float = 0.5
+    """The fused_loss generalized JSD's beta (0 = forward KL, 1 = reverse KL)."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.warmup, str) and self.warmup.strip().lower() == "auto":  # the flag's spelling of None
+            self.warmup = None
+        super().__post_init__()
+
+    rules: ClassVar = {
+        "model": (lambda v: isinstance(v, str) and bool(v), "a preset name or a checkpoint directory"),
+        "warmup": optional(integer(0)), "warmup_max_iterations": integer(2),
+        "warmup_max_seconds": number(lambda v: v >= 0, "a number of seconds >= 0"),
+        "steady_tolerance": number(lambda v: 0 < v < 1, "in (0, 1)"), "iterations": integer(1),
+        "temperature": number(lambda v: v > 0, "> 0"), "repeats": integer(1), "hidden_size": integer(1),
+        "beta": number(lambda v: 0 <= v <= 1, "in [0, 1]")}
+
+
+def _ms(value: float | None) -> str:
+    """Three or four significant figures: kernels take from microseconds to minutes."""
+    if value is None:
+        return "-"
+    return fmt(value, 0 if abs(value) >= 100 else 1 if abs(value) >= 10 else 2 if abs(value) >= 1 else 3)
+
+
+def _mib(value: float | None) -> str:
+    return _ms(value / 2**20 if value is not None else None)
+
+
+def _also(result: ConfigResult) -> str:
+    """The kernel's own figures beside its times, ours / baseline."""
+    kernel, d = result.config.kernel, result.derived
+    if kernel == "sampling":
+        return f"greedy {_ms(result.p50('greedy_ms'))} ms"
+    if kernel == "attention":
+        return f"KV {_mib(result.p50('kv_workspace_bytes'))} / {_mib(result.p50('baseline_kv_workspace_bytes'))} MiB"
+    if kernel == "fused_loss":
+        return f"peak {mib(result.p50('peak_memory_bytes'))} / {mib(result.p50('baseline_peak_memory_bytes'))} MiB"
+    if kernel == "compile" and d.get("kernel_bandwidth_utilisation") is not None:
+        shares = [d[f"{side}_bandwidth_utilisation"] for side in ("kernel", "baseline")]
+        return "bandwidth " + " / ".join(f"{v:.0%}" if v >= 0.1 else f"{v:.1%}" for v in shares)
+    return ""
+
+
+class KernelsScenario(Scenario):
+    kind = "kernels"
+    axes = KERNEL_AXES
+    config_type = KernelConfig
+    settings_type = KernelSettings
+    defaults: ClassVar[dict[str, list[Any]]] = {
+        "kernels": list(DEFAULT_KERNELS), "dtypes": ["fp32"], "rows": [16], "vocab_sizes": [32000],
+        "samples_per_prompt": [4], "prompt_lengths": [128], "response_lengths": [32], "top_k": [50],
+        "top_p": [0.95], "teacher_caches": ["full"], "weight_shapes": ["model"]}
+    stages = ("kernel_ms", "baseline_ms", "greedy_ms")
+    what = "kernel round"
+    throughput_label = "speed-up (baseline / ours, p50)"
+
+    @classmethod
+    def make_config(cls, **fields: Any) -> KernelConfig:
+        reads = KERNELS[fields["kernel"]].reads
+        kept = {name: value for name, value in fields.items() if name == "kernel" or name in reads}
+        return KernelConfig(**kept)
+
+    def check(self, matrix: Any, max_positions: Any) -> None:
+        """Refuse, by name and before any work, what a kernel cannot measure: rows a sample count does not divide,
+        attention without a decode step or without samples to share a prompt, a sampled teacher cache, lengths
+        beyond the model's positions."""
+        configs, errors = matrix.expand(), []
+        for c in configs:
+            if c.samples_per_prompt is not None and c.rows % c.samples_per_prompt:
+                errors.append(f"{c.kernel}: rows {c.rows} are not a whole number of prompts of "
+                              f"{c.samples_per_prompt} samples")
+            if c.kernel == "attention" and c.samples_per_prompt < 2:
+                errors.append("attention: samples_per_prompt must be >= 2 (one sample has no prompt to share)")
+            if c.kernel == "attention" and c.response_length < 2:
+                errors.append("attention: response_lengths must be >= 2 (decode steps follow the first token)")
+            if c.kernel == "fused_loss" and c.teacher_cache == "sampled":
+                errors.append("fused_loss: teacher_caches takes full or top<k> (the JSD reads the teacher's "
+                              "distribution), not sampled")
+        if errors:
+            raise ValueError("invalid benchmark matrix:\n  " + "\n  ".join(dict.fromkeys(errors)))
+        limit = max_positions(self.settings.model)  # also refuses a model that does not exist: every config loads it
+        bad = {f"{c.kernel}: prompt {c.prompt_length} + response {c.response_length or LONG}" for c in configs
+               if KERNELS[c.kernel].model and c.prompt_length is not None and limit is not None
+               and c.prompt_length + (c.response_length or LONG) > limit}
+        if bad:
+            raise ValueError(f"invalid benchmark matrix: beyond the model's {limit} positions: "
+                             + "; ".join(sorted(bad)))
+
+    def prepare(self, pool: Any, config: KernelConfig) -> Any:
+        from opsd_rollout.bench.kernels import prepare  # heavy: see scenarios/base.py
+
+        return prepare(config, self.settings, pool.get(config), pool.device)
+
+    def derive(self, result: ConfigResult, spec: Any, ceilings: dict[str, Any] | None,
+               world_size: int) -> dict[str, Any]:
+        """Medians of both sides and of their per-round ratio; whether every round's outputs agreed; for the
+        compiled step, each side's share of the copy bandwidth."""
+        out: dict[str, Any] = {name: result.p50(name) for name in ("kernel_ms", "baseline_ms", "speedup")}
+        equal = [it["outputs_equal"] for it in result.iterations if "outputs_equal" in it]
+        out["outputs_equal"] = all(equal) if equal else None
+        c, positive = result.config, min(out["kernel_ms"] or 0, out["baseline_ms"] or 0) > 0
+        if c.kernel == "compile" and ceilings and spec is not None and positive:
+            from opsd_rollout.bench.kernels.compile import bandwidth_share
+
+            bandwidth = ceilings["memory_bandwidth_bytes_per_s"]
+            for side in ("kernel", "baseline"):
+                out[f"{side}_bandwidth_utilisation"] = bandwidth_share(spec, c.rows, c.prompt_length,
+                                                                       out[f"{side}_ms"], bandwidth)
+        return out
+
+    def title(self, environment: dict[str, Any], world_size: int) -> str:
+        s = self.settings
+        warmup = "warm-up until steady" if s.warmup is None else f"{s.warmup} warm-up round{'s' * (s.warmup != 1)}"
+        return (f"kernels on {environment['device_name']} ({threads_phrase(environment, world_size)}), "
+                f"{s.iterations} rounds after {warmup}; each round both sides, their order alternating; the model "
+                f"kernels on {s.model}")
+
+    def tables(self, results: list[ConfigResult]) -> list[Table]:
+        """Both sides and their ratio, with each kernel's own figures; who the sides are; warm-up and noise."""
+
+        def row(result: ConfigResult) -> list[str]:
+            speedup, equal = result.p50("speedup"), result.derived.get("outputs_equal")
+            return [_ms(result.p50("kernel_ms")) + result.spread_flag, _ms(result.p50("baseline_ms")),
+                    f"{speedup:.2f}x" if speedup is not None else "-", _also(result),
+                    {True: "yes", False: "NO", None: "-"}[equal]]
+
+        kernels = dict.fromkeys(r.config.kernel for r in results)
+        caption = "\n".join(f"{name}: ours = {KERNELS[name].ours}; baseline = {KERNELS[name].baseline}"
+                            for name in kernels)
+        return [config_table(results, "kernels (medians over the rounds; speed-up: baseline / ours, per round)",
+                             ["ours ms", "baseline ms", "speed-up", "also (ours / baseline)", "same output"], row,
+                             caption=caption),
+                stability_table(results)]
