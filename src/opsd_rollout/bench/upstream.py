@@ -2,10 +2,9 @@
 
 ``DeepSpeedRollout`` is ``deepspeed.runtime.rollout.HybridEngineRollout`` (``enable_profiling=True``) with the
 workload's response lengths forced inside the transformers ``generate`` it calls (the ``LogitsProcessor`` of
-``LengthForcing.as_logits_processor``: the same coins on the same rows as our rollout's, as
-``scripts/compare_upstream.py`` does), each call's profile read into a ``RolloutProfile``: DeepSpeed's own stage
-times, real response tokens counted on the batch it returned (its profile counts every position), the peak
-memory, and the bench's clock for any time its profile lacks.
+``LengthForcing.as_logits_processor``: the same coins on the same rows as our rollout's), each call's profile
+read into a ``RolloutProfile``: DeepSpeed's own stage times, real response tokens counted on the batch it returned
+(its profile counts every position), the peak memory, and the bench's clock for any time its profile lacks.
 
 ``deepspeed_step`` is an OPSD step from DeepSpeed's pieces: that rollout, the teacher's full logits (a plain
 forward), DeepSpeed's ``generalized_jsd_loss`` over the student's materialized logits, backward, optimizer
