@@ -113,7 +113,7 @@ def test_axes_a_kernel_does_not_read_add_no_configs():
     (["--kernels", "fused_loss", "--teacher-caches", "sampled"], "fused_loss: teacher_caches takes full or top<k>"),
     (["--kernels", "attention", "--prompt-lengths", "100000"], "beyond the model's"),
     (["--kernels", "sampling", "--model", "no-such-model"], "no-such-model"),
-    (["--repeats", "0"], "repeats must be an integer >= 1"),
+    (["--repeats", "0"], "repeats must be an int >= 1"),
 ])
 def test_bad_kernels_and_axes_are_refused_by_name_before_any_work(flags, named, monkeypatch, capsys):
     import opsd_rollout.bench.session as session

@@ -86,9 +86,16 @@ def set_baselines(results: Sequence[ConfigResult], axes: Sequence[Axis], baselin
                                "metrics": ratio_figures(result, base)}
 
 
+def has_contenders(matrix: Any) -> bool:
+    """Whether the matrix's scenario puts contenders side by side (a ``strategies`` axis)."""
+    return any(axis.name == "strategies" for axis in matrix.scenario.axes)
+
+
 def check_contenders(matrix: Any, baseline: str | None) -> None:
     """Refuse, before any work, a baseline that is not a contender of the run and DeepSpeed's rollout on a bare
     model (it needs a DeepSpeed engine)."""
+    if not has_contenders(matrix):
+        return
     strategies = matrix["strategies"]
     if baseline is not None and baseline not in strategies:
         raise ValueError(f"--baseline {baseline}: not among --strategies {','.join(strategies)}; name one of them "
@@ -102,6 +109,8 @@ def check_contenders(matrix: Any, baseline: str | None) -> None:
 def knob_notes(matrix: Any) -> list[str]:
     """For each knob the matrix varies or moves off its default: the contenders it does not apply to, which are
     measured once for it (the knob recorded as null in their configs)."""
+    if not has_contenders(matrix):
+        return []
     strategies = matrix["strategies"]
     notes = []
     for axis in matrix.scenario.axes:

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from opsd_rollout.bench.contenders import set_baselines, workload_groups
+from opsd_rollout.bench.contenders import has_contenders, set_baselines, workload_groups
 from opsd_rollout.bench.environment import environment_block, measure_ceilings
 from opsd_rollout.bench.matrix import Matrix, run_order
 from opsd_rollout.bench.ranks import gather_from_ranks, merge_iterations, stage_skew
@@ -201,6 +201,8 @@ class BenchRunner:
         return [self.results[c.key] for c in self.configs]
 
     def _set_baselines(self) -> None:
+        if not has_contenders(self.matrix):  # kernels: each config is its own contest
+            return
         baseline = getattr(self.settings, "baseline", None) or self.matrix["strategies"][0]
         set_baselines([self.results[c.key] for c in self.configs], self.matrix.scenario.axes, baseline)
 

@@ -13,7 +13,8 @@ from rich.table import Table
 from opsd_rollout.bench.axes import DTYPES, Axis, choice, positive_int, teacher_cache
 from opsd_rollout.bench.kernels import DEFAULT_KERNELS, KERNELS, LONG
 from opsd_rollout.bench.report import ConfigResult, config_table, fmt, mib, stability_table
-from opsd_rollout.bench.scenarios.base import Scenario, Settings, integer, number, optional, threads_phrase
+from opsd_rollout.bench.scenarios.base import Scenario, Settings, threads_phrase
+from opsd_rollout.checks import integer, number, rule, text
 from opsd_rollout.presets import DEFAULT_MODEL
 
 
@@ -150,12 +151,12 @@ class KernelSettings(Settings):
         super().__post_init__()
 
     rules: ClassVar = {
-        "model": (lambda v: isinstance(v, str) and bool(v), "a preset name or a checkpoint directory"),
-        "warmup": optional(integer(0)), "warmup_max_iterations": integer(2),
-        "warmup_max_seconds": number(lambda v: v >= 0, "a number of seconds >= 0"),
-        "steady_tolerance": number(lambda v: 0 < v < 1, "in (0, 1)"), "iterations": integer(1),
-        "temperature": number(lambda v: v > 0, "> 0"), "repeats": integer(1), "hidden_size": integer(1),
-        "beta": number(lambda v: 0 <= v <= 1, "in [0, 1]")}
+        "model": rule(text, what="a preset name or a checkpoint directory"),
+        "warmup": rule(integer, minimum=0, optional=True), "warmup_max_iterations": rule(integer, minimum=2),
+        "warmup_max_seconds": rule(number, at_least=0, hint="seconds"),
+        "steady_tolerance": rule(number, above=0, below=1), "iterations": rule(integer),
+        "temperature": rule(number, above=0), "repeats": rule(integer), "hidden_size": rule(integer),
+        "beta": rule(number, at_least=0, at_most=1)}
 
 
 def _ms(value: float | None) -> str:
