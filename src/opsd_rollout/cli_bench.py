@@ -1,0 +1,142 @@
+"""The benchmark subcommands' flags (``bench``, ``step``, ``kernels``): one flag per matrix axis, then the
+scenario's settings; ``cli.py`` maps them onto the scenario's dataclasses. Light: no torch at import."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from opsd_rollout import checks
+from opsd_rollout.bench.axes import byte_size
+from opsd_rollout.bench.scenarios import KernelsScenario, Scenario, StepScenario
+from opsd_rollout.bench.scenarios.rollout import PROMPT_KINDS
+from opsd_rollout.bench.scenarios.step import OVER_BUDGET
+
+
+def _warmup(text: str) -> int | str:
+    """argparse type of --warmup: ``auto`` or a count."""
+    if text.strip().lower() == "auto":
+        return "auto"
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected auto or a whole number, got {text!r}") from None
+
+
+_on_off = checks.argument(checks.on_off, str)
+"""argparse type of on/off flags."""
+
+
+def _bytes(text: str) -> int:
+    """argparse type of sizes: bytes, or a number with KiB, MiB, GiB or TiB (``8GiB``, ``1.5GiB``)."""
+    try:
+        return byte_size(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a size of at least 1 byte such as 8GiB, 512MiB or 1000000 "
+                                         f"(bytes), got {text!r}") from None
+
+
+SINGULAR = {"losses": "--loss", "betas": "--beta", "teacher_caches": "--teacher-cache"}
+"""Short spellings accepted beside the plural axis flags: ``--loss jsd --beta 0.5``."""
+
+
+def add_bench_flags(bench: argparse.ArgumentParser, scenario: type[Scenario]) -> None:
+    axes = bench.add_argument_group("matrix axes (comma lists; override --config)")
+    for axis in scenario.axes:
+        names = [axis.flag] + ([SINGULAR[axis.name]] if axis.name in SINGULAR else [])
+        default = ",".join(("on" if v else "off") if isinstance(v, bool) else str(v)
+                           for v in scenario.defaults[axis.name])
+        said = "(default)" in axis.help  # the help names its default already
+        axes.add_argument(*names, dest=axis.name, metavar="LIST",
+                          help=axis.help if said else f"{axis.help} (default {default})")
+    defaults = scenario.settings_type()
+    runs = bench.add_argument_group("settings (override --config)")
+    runs.add_argument("--config", metavar="FILE", help="TOML, JSON or YAML file with axes and settings")
+    if scenario is StepScenario:
+        runs.add_argument("--student", dest="model", help=f"student: preset name or local checkpoint (default "
+                          f"{defaults.model})")
+        runs.add_argument("--teacher", help=f"teacher of the same vocabulary (default {defaults.teacher})")
+        runs.add_argument("--lr", type=float, help=f"student AdamW learning rate (default {defaults.lr:g})")
+        runs.add_argument("--fused-loss", dest="fused_loss", type=_on_off, metavar="on|off", help="on (default): "
+                          "the student's LM head computed inside the loss, a chunk of tokens at a time, its logits "
+                          "never whole; off: the model's logits [N, R, V], then the chunked divergence")
+        runs.add_argument("--teacher-zero-stage", dest="teacher_zero_stage", type=int, choices=(0, 3),
+                          help="0 (default): the teacher whole on every rank; 3: a DeepSpeed ZeRO-3 inference "
+                          "engine, its parameters partitioned across the ranks")
+        runs.add_argument("--estimator", choices=("k1", "k3"), help="sampled_reverse_kl's per-token estimate: k1 "
+                          "(default), or k3 (verl's low-variance estimator)")
+        runs.add_argument("--teacher-cache-budget", dest="teacher_cache_budget_bytes", type=_bytes, metavar="SIZE",
+                          help="host memory the teacher cache may take, e.g. 8GiB (default: half of the memory "
+                          "available when it is built); checked before the teacher runs")
+        runs.add_argument("--teacher-cache-over-budget", dest="teacher_cache_over_budget", choices=OVER_BUDGET,
+                          help="a teacher cache over its budget: error (default: refuse, naming the fixes) or topk "
+                          "(cache the top-k logits instead)")
+    elif scenario is KernelsScenario:
+        _add_kernel_settings(runs, defaults)
+    else:
+        runs.add_argument("--model", help="preset name (see `opsd-rollout models`) or a local checkpoint "
+                          f"directory (default {defaults.model})")
+    _add_measuring_flags(runs, defaults)
+    if scenario is not KernelsScenario:  # its sampling knobs are axes; it makes no prompts
+        _add_workload_flags(runs, defaults)
+    _add_output_flags(bench, scenario)
+
+
+def _add_kernel_settings(runs: argparse._ArgumentGroup, defaults: Any) -> None:
+    runs.add_argument("--model", help="the model of the attention, weight_layout, compile and profiling kernels: "
+                      f"preset name or local checkpoint directory (default {defaults.model})")
+    runs.add_argument("--temperature", type=float, help=f"the sampling kernel's temperature (default "
+                      f"{defaults.temperature})")
+    runs.add_argument("--repeats", type=int, metavar="N", help="calls of each side per timed sample in the sampling "
+                      f"and weight_layout kernels, for calls too short to time alone (default {defaults.repeats})")
+    runs.add_argument("--hidden-size", dest="hidden_size", type=int, metavar="H", help="the fused_loss student's "
+                      f"hidden size: its LM head is [vocab, H] (default {defaults.hidden_size})")
+    runs.add_argument("--beta", type=float, help=f"the fused_loss generalized JSD's beta (default {defaults.beta})")
+
+
+def _add_measuring_flags(runs: argparse._ArgumentGroup, defaults: Any) -> None:
+    runs.add_argument("--warmup", type=_warmup, metavar="auto|N", help="unmeasured calls per config before "
+                      "measuring: auto (default) warms up until two consecutive calls agree within "
+                      f"{defaults.steady_tolerance:.0%}%, N makes exactly N")
+    runs.add_argument("--warmup-max-iterations", type=int, metavar="N", help="most warm-up calls per config with "
+                      f"--warmup auto (default {defaults.warmup_max_iterations})")
+    runs.add_argument("--warmup-max-seconds", type=float, metavar="S", help="most seconds of warm-up per config "
+                      f"with --warmup auto (default {defaults.warmup_max_seconds:g})")
+    runs.add_argument("--iterations", type=int, help=f"measured iterations per config (default {defaults.iterations})")
+    runs.add_argument("--seed", type=int, help=f"seed for prompts and sampling (default {defaults.seed})")
+
+
+def _add_workload_flags(runs: argparse._ArgumentGroup, defaults: Any) -> None:
+    runs.add_argument("--prompts", choices=PROMPT_KINDS, help="synthetic: exact-length prompts (default); "
+                      "variable: left-padded prompts of varying length")
+    runs.add_argument("--pad-fraction", type=float, help=f"mean padding fraction with --prompts variable (default "
+                      f"{defaults.pad_fraction})")
+    runs.add_argument("--temperature", type=float, help=f"sampling temperature (default {defaults.temperature})")
+    runs.add_argument("--top-k", type=int, help=f"sampling top-k, <= 0 disables (default {defaults.top_k})")
+    runs.add_argument("--top-p", type=float, help=f"sampling top-p (default {defaults.top_p})")
+    runs.add_argument("--interleave", action="store_true", default=None, help="run the contenders of each config "
+                      "(alike but for --strategies and their own knobs) round by round in one process, one iteration "
+                      "of each per round, the order reversed every other round, so they see the same machine")
+    runs.add_argument("--baseline", metavar="NAME", help="the contender each config's ratio is against (default: the "
+                      "first of --strategies)")
+
+
+def _add_output_flags(bench: argparse.ArgumentParser, scenario: type[Scenario]) -> None:
+    out = bench.add_argument_group("output")
+    out.add_argument("--output", metavar="FILE", default=f"bench-results/{scenario.kind}.json",
+                     help="result JSON, rewritten atomically after every config (default %(default)s)")
+    out.add_argument("--plot", metavar="DIR", help="write stages.png, throughput.png and latency.png here")
+    out.add_argument("--trace", metavar="FILE", help="Chrome/Perfetto trace of one measured iteration per config")
+    out.add_argument("--resume", metavar="FILE", help="finish an interrupted run: runs only the configs FILE "
+                     "lacks (or that failed), with FILE's own matrix and settings, and writes back to FILE")
+    out.add_argument("--dry-run", action="store_true", help="print the expanded matrix, its run order, the warm-up "
+                     "and iterations, and an estimated duration; run nothing")
+    out.add_argument("--estimate-from", metavar="FILE", help="with --dry-run: a previous result of these configs, "
+                     "whose times estimate this run's duration (default: the --resume file, else the --output "
+                     "file when it exists)")
+    ranks = bench.add_argument_group("several ranks (or launch under torchrun / deepspeed yourself)")
+    ranks.add_argument("--nproc", type=int, metavar="N", help="run on N local ranks: relaunches this command "
+                       "under torchrun; each rank rolls out its own prompts, rank 0 gathers and writes")
+    ranks.add_argument("--collective-timeout", type=float, default=600.0, metavar="S",
+                       help="seconds any collective may wait for the other ranks before failing (default "
+                       "%(default)s)")
