@@ -25,7 +25,8 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from opsd_rollout.bench.ratio_test import fewest_iterations, ratio_interval
-from opsd_rollout.bench.report import ConfigResult, display_labels, results_of
+from opsd_rollout.bench.report import ConfigResult, results_of
+from opsd_rollout.bench.tables import display_labels
 from opsd_rollout.bench.scenarios import scenario_class
 from opsd_rollout.bench.stats import Stats
 from opsd_rollout.metrics import METRICS

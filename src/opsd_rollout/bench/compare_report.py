@@ -9,7 +9,7 @@ from rich.console import Console
 from rich.table import Table
 
 from opsd_rollout.bench.compare import CONFIDENCE, MIN_ABSOLUTE, TEST_NAME, Comparison, MetricChange
-from opsd_rollout.bench.report import compact_table, fmt
+from opsd_rollout.bench.tables import compact_table, fmt
 from opsd_rollout.metrics import METRICS
 
 DROPPED_FIRST = (("before", "after"), ("95% CI",))

@@ -15,7 +15,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from opsd_rollout.bench.report import ConfigResult, display_labels
+from opsd_rollout.bench.report import ConfigResult
+from opsd_rollout.bench.tables import display_labels
 from opsd_rollout.bench.stats import median
 from opsd_rollout.metrics import label
 

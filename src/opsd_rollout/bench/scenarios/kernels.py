@@ -12,7 +12,8 @@ from rich.table import Table
 
 from opsd_rollout.bench.axes import DTYPES, Axis, choice, positive_int, teacher_cache
 from opsd_rollout.bench.kernels import DEFAULT_KERNELS, KERNELS, LONG
-from opsd_rollout.bench.report import ConfigResult, config_table, fmt, mib, stability_table
+from opsd_rollout.bench.report import ConfigResult
+from opsd_rollout.bench.tables import config_table, fmt, mib, stability_table
 from opsd_rollout.bench.scenarios.base import Scenario, Settings, threads_phrase
 from opsd_rollout.checks import integer, number, rule, text
 from opsd_rollout.presets import DEFAULT_MODEL

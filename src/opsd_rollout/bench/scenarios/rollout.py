@@ -10,7 +10,8 @@ from rich.table import Table
 
 from opsd_rollout.bench.axes import CONTENDERS, ROLLOUT_AXES, size_text
 from opsd_rollout.bench.facts import decode_bytes_per_step, prefill_flops
-from opsd_rollout.bench.report import ConfigResult, baseline_table, config_table, fmt, mib, stability_table
+from opsd_rollout.bench.report import ConfigResult
+from opsd_rollout.bench.tables import baseline_table, config_table, fmt, mib, stability_table
 from opsd_rollout.bench.scenarios.base import Scenario, Settings
 from opsd_rollout.checks import boolean, choice, integer, number, rule
 from opsd_rollout.bench.stats import median_index

@@ -9,7 +9,8 @@ from typing import Any, ClassVar
 from rich.table import Table
 
 from opsd_rollout.bench.axes import STEP_AXES, for_contender
-from opsd_rollout.bench.report import ConfigResult, baseline_table, config_table, fmt, mib, stability_table
+from opsd_rollout.bench.report import ConfigResult
+from opsd_rollout.bench.tables import baseline_table, config_table, fmt, mib, stability_table
 from opsd_rollout.bench.scenarios.base import Scenario
 from opsd_rollout.bench.scenarios.rollout import KNOB_DEFAULTS, RolloutConfig, RolloutSettings
 from opsd_rollout.checks import boolean, choice, integer, number, rule, text
