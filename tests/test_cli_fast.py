@@ -19,7 +19,8 @@ from rich.progress import Progress
 
 from conftest import run_named
 from opsd_rollout.bench.matrix import Matrix
-from opsd_rollout.bench.report import SCHEMA_VERSION, ConfigResult, PhraseText, compact_table, fold_columns
+from opsd_rollout.bench.report import SCHEMA_VERSION, ConfigResult
+from opsd_rollout.bench.tables import PhraseText, compact_table, fold_columns
 from opsd_rollout.bench.scenarios import RolloutScenario, StepScenario
 from opsd_rollout.bench.session import BUILDING, FIRST_CALL, ProgressLine, print_dry_run
 from opsd_rollout.cli import CpuFallbackFilter, main, show_accelerator_fallback
