@@ -25,7 +25,7 @@ from transformers import LogitsProcessorList
 from opsd_rollout.bench.workload import workload_processor
 from opsd_rollout.metrics import STEP_PARTS
 from opsd_rollout.models import dtype_name
-from opsd_rollout.opsd.step import StepProfile, resident_bytes
+from opsd_rollout.opsd.step import StepParts, StepProfile, resident_bytes
 from opsd_rollout.profiling import Clock, PeakMemory, RolloutProfile, StageRecorder, timed_eval
 from opsd_rollout.profiling.recorder import Span
 
@@ -167,21 +167,6 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
-class _Parts:
-    """The step's parts as stages of one recorder, each with the peak memory it reached."""
-
-    def __init__(self, recorder: StageRecorder, device: torch.device):
-        self.recorder, self.device, self.peaks = recorder, device, {}
-
-    def run(self, name: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
-        memory = PeakMemory(self.device)
-        memory.start()
-        with self.recorder.stage(name):
-            result = fn(*args, **kwargs)
-        self.peaks[name] = memory.stop()[0]
-        return result
-
-
 def _logits(model: Any, batch: ResponseTokenBatch) -> torch.Tensor:
     """[N, T - 1, V]: the logits that predict each next token, over the whole sequence (DeepSpeed's recipe)."""
     out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask)
@@ -199,7 +184,7 @@ def deepspeed_step(engine: Any, teacher: Any, rollout: DeepSpeedRollout, request
     ``generalized_jsd_loss``'s (top-k: both distributions renormalized over the teacher's top k)."""
     device = torch.device(engine.device)
     recorder = StageRecorder(Clock(device), time_forwards=False)
-    parts = _Parts(recorder, device)
+    parts = StepParts(recorder, device)
     with recorder.stage("total"):
         with timed_eval(engine, device, train_after=True) as switch:
             rollout_batch = parts.run("rollout", rollout.generate, request, sampling)

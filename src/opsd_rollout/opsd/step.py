@@ -98,7 +98,7 @@ class StepProfile:
         return "\n".join(lines)
 
 
-class _Parts:
+class StepParts:
     """The step's parts as stages of one deferred recorder (marks read once, at the end), each with the peak
     memory it reached."""
 
@@ -177,7 +177,7 @@ def _fuses(model: torch.nn.Module, divergence: DivergenceConfig) -> bool:
     return problem is None
 
 
-def _student_loss(parts: "_Parts", engine: Any, targets, cache, divergence: DivergenceConfig,
+def _student_loss(parts: "StepParts", engine: Any, targets, cache, divergence: DivergenceConfig,
                   fused: bool, behaviour_logp: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The student forward and the divergence's sum and count: fused with the LM head, or over whole logits."""
     if divergence.loss == "sampled_reverse_kl":
@@ -251,7 +251,7 @@ def opsd_step(student_engine: Any, teacher: Any, rollout: Any, request: Any, sam
     fused = _fuses(innermost_model(student_engine), divergence)
     device = torch.device(student_engine.device)
     recorder = StageRecorder(Clock(device), time_forwards=False)
-    parts = _Parts(recorder, device)
+    parts = StepParts(recorder, device)
     with recorder.stage("total"):
         with timed_eval(student_engine, device, train_after=True) as switch:
             batch = parts.run("rollout", rollout.generate, request, sampling)

@@ -8,21 +8,15 @@ from typing import Any
 
 import torch
 
-from opsd_rollout.bench.kernels.contest import Contest
+from opsd_rollout.bench.kernels.contest import Contest, rollout_inputs
 
 
 class ProfilingContest(Contest):
     def __init__(self, config: Any, settings: Any, built: Any, device: torch.device):
-        from opsd_rollout import RolloutRequest, SamplingConfig
-        from opsd_rollout.bench.prompts import synthetic_prompts
         from opsd_rollout.bench.workload import workload_rollout
 
         super().__init__(device)
-        n = config.samples_per_prompt
-        request = synthetic_prompts(config.rows // n, config.prompt_length, vocab_size=built.spec.vocab_size,
-                                    seed=settings.seed)
-        self.request = RolloutRequest(request.prompt_ids.to(device), request.prompt_attention_mask.to(device))
-        self.sampling = SamplingConfig(max_new_tokens=config.response_length, n_samples_per_prompt=n, temperature=0.0)
+        self.request, self.sampling = rollout_inputs(config, settings, built, device)
         self.on, self.off = (workload_rollout(built.engine, built.tokenizer, "fixed", enable_profiling=profiled)
                              for profiled in (True, False))
 
