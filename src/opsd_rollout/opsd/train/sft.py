@@ -9,7 +9,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from opsd_rollout.opsd.step import StepProfile, _Parts, _student_logits, _token_mean
+from opsd_rollout.opsd.step import StepProfile, StepParts, _student_logits, _token_mean
 from opsd_rollout.opsd.targets import response_targets
 from opsd_rollout.profiling import Clock, StageRecorder
 
@@ -27,7 +27,7 @@ def sft_step(student_engine: Any, batch: Any) -> StepProfile:
     references): cross-entropy over the response tokens, mean over every rank's tokens, backward, step."""
     device = torch.device(student_engine.device)
     recorder = StageRecorder(Clock(device), time_forwards=False)
-    parts = _Parts(recorder, device)
+    parts = StepParts(recorder, device)
     with recorder.stage("total"):
         targets = response_targets(batch)
         logits = parts.run("student_forward", _student_logits, student_engine, targets)
