@@ -16,6 +16,7 @@ The decode loop calls the same methods on either: ``prompts_to_prefill``, ``pref
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -81,16 +82,16 @@ class KVLayout:
 
     # ---- one decode forward ------------------------------------------------------------------------------------
 
-    def step_inputs(self, active: int, running: torch.Tensor, width: int | None) -> tuple[torch.Tensor | None,
-                                                                                          dict[str, Any]]:
-        """Before a decode forward of the first ``active`` slots (``width``: the columns written, when the slots'
-        fronts differ; ``None`` for a step that only joins other ranks): the mask and the attention's keyword
-        arguments."""
+    def step_inputs(self, active: int, running: torch.Tensor, width: Callable[[], int] | None) -> tuple[
+            torch.Tensor | None, dict[str, Any]]:
+        """Before a decode forward of the first ``active`` slots (``width()``: the columns written, asked only when
+        the slots' fronts differ; ``None`` for a step that only joins other ranks): the mask and the attention's
+        keyword arguments."""
         front = self.front
         if width is not None:
             front.active = active
             if not front.aligned:
-                front.width = width
+                front.width = width()
         front.begin(1)
         return self._step_mask(active), {}
 
@@ -217,8 +218,8 @@ class SharedPrefixLayout(KVLayout):
         slots = torch.tensor([a.slot for a in admissions], dtype=torch.int64, device=self.prompt_ids.device)
         self.prefix.place(slots, [a.row for a in admissions])
 
-    def step_inputs(self, active: int, running: torch.Tensor, width: int | None) -> tuple[torch.Tensor | None,
-                                                                                          dict[str, Any]]:
+    def step_inputs(self, active: int, running: torch.Tensor, width: Callable[[], int] | None) -> tuple[
+            torch.Tensor | None, dict[str, Any]]:
         mask, attention = super().step_inputs(active, running, width)
         return mask, {**attention, "shared_prefix": self.prefix.step(active, running)}
 

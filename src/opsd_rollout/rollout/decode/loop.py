@@ -82,7 +82,7 @@ class DecodeLoop:
     def step(self) -> None:
         active, idle = self.scheduler.active, self.idle
         # an idle rank joins the other ranks' forward: it rewrites the same columns and moves nothing
-        width = None if idle else self.scheduler.width(self.layout.start, self.step_count)
+        width = None if idle else self.written_width
         mask, attention = self.layout.step_inputs(active, self.state.running, width)
         logits = self.forward(active, mask, attention)
         self.layout.step_done(moved=not idle)
@@ -94,6 +94,10 @@ class DecodeLoop:
         live, rows, count = self.state.live(active)
         token = self.sample(logits, rows, count)
         self.state.advance(active, token, live & self.finished(token, count), self.stats.forwards - 1)
+
+    def written_width(self) -> int:
+        """Columns the rows in the batch have written (a host loop over the slots: asked only when needed)."""
+        return self.scheduler.width(self.layout.start, self.step_count)
 
     def forward(self, active: int, mask: torch.Tensor | None, attention: dict[str, Any]) -> torch.Tensor:
         """One decode forward of the first ``active`` slots; a compiled step's new shapes compiled apart first."""
@@ -157,7 +161,7 @@ class DecodeLoop:
 
     def compact(self, order: list[int]) -> None:
         """Rows ``order`` become the batch's first ``len(order)`` slots."""
-        self.layout.compact(order, self.scheduler.width(self.layout.start, self.step_count) + 1)
+        self.layout.compact(order, self.written_width() + 1)
         self.state.compact(torch.tensor(order, dtype=torch.int64, device=self.prompt_ids.device))
         self.stats.compactions += 1
 
