@@ -177,6 +177,7 @@ KNOBS = [
     ("compaction", "off", lambda cfg, sampling: cfg.compact_rows is False),
     ("shared_prefix", "off", lambda cfg, sampling: cfg.options.shared_prefix is False),
     ("stop_check_intervals", "4", lambda cfg, sampling: cfg.options.stop_check_interval == 4),
+    ("weight_copies", "on", lambda cfg, sampling: cfg.options.cpu_transposed_weights is True),
 ]
 
 

@@ -164,6 +164,9 @@ ROLLOUT_AXES = (
     Axis("shared_prefix", "shared_prefix", on_off, "on or off", "on (default), off: n samples read their "
          "prompt's keys/values once (options.shared_prefix; prompts of at least shared_prefix_min_prompt "
          "columns); static", applies_to=("static",)),
+    Axis("weight_copies", "cpu_transposed_weights", on_off, "on or off", "off (default), on: the CPU weight copies "
+         "(options.cpu_transposed_weights, opt-in: float32 on the CPU, 16 or more decode rows); static",
+         applies_to=("static",)),
     Axis("stop_check_intervals", "stop_check_interval", or_none(positive_int, "auto", "none"),
          "auto or an integer >= 1", "auto (default): every step on CPU, every 8 on CUDA; or k: check for finished "
          "rows every k decode steps (options.stop_check_interval); static", applies_to=("static",)),

@@ -28,7 +28,8 @@ VARIANT_AXES: dict[str, Callable[[Any], str]] = {
     "kv_budget_bytes": lambda v: f"kv {size_text(v)}" if v is not None else "kv none",
     "compact_rows": lambda v: "compact" if v else "no compact",
     "shared_prefix": lambda v: "prefix shared" if v else "prefix copied",
-    "stop_check_interval": lambda v: f"stop {v}" if v is not None else "stop auto"}
+    "stop_check_interval": lambda v: f"stop {v}" if v is not None else "stop auto",
+    "cpu_transposed_weights": lambda v: "weight copies" if v else "model weights"}
 """Axes outside a config's ``label`` that a display label adds when they vary, each with how it reads."""
 _APPLIES = {axis.field: axis.applies_to for axis in ROLLOUT_AXES}
 

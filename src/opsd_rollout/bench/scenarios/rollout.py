@@ -20,7 +20,8 @@ from opsd_rollout.presets import DEFAULT_MODEL
 
 PROMPT_KINDS = ("synthetic", "variable")
 KNOB_DEFAULTS: dict[str, list[Any]] = {"continuous_batch_sizes": [None], "kv_budgets": [None], "compaction": [True],
-                                       "shared_prefix": [True], "stop_check_intervals": [None]}
+                                       "shared_prefix": [True], "weight_copies": [False],
+                                       "stop_check_intervals": [None]}
 """The knob axes' defaults: the engine's own."""
 
 
@@ -54,6 +55,8 @@ class RolloutConfig:
     """``RolloutOptions.shared_prefix``."""
     stop_check_interval: int | None = None
     """``RolloutOptions.stop_check_interval`` (``None``: the engine's choice)."""
+    cpu_transposed_weights: bool | None = False
+    """``RolloutOptions.cpu_transposed_weights``: the CPU weight copies (opt-in)."""
 
     @property
     def effective_batch_size(self) -> int:
@@ -80,6 +83,7 @@ class RolloutConfig:
         parts += ["nocompact"] if self.compact_rows is False else []
         parts += ["noshared"] if self.shared_prefix is False else []
         parts += [f"stop{self.stop_check_interval}"] if self.stop_check_interval is not None else []
+        parts += ["wcopies"] if self.cpu_transposed_weights else []
         return "-".join(parts)
 
     @property
@@ -94,6 +98,7 @@ class RolloutConfig:
         knobs = {"cache_policy": self.cache_policy, "compile_decode": self.compile_decode,
                  "kv_budget_bytes": self.kv_budget_bytes, "compact_rows": self.compact_rows,
                  "shared_prefix": self.shared_prefix, "stop_check_interval": self.stop_check_interval,
+                 "cpu_transposed_weights": self.cpu_transposed_weights,
                  "profile_forwards": self.forward_timing}
         return {"strategy": self.strategy, **{name: value for name, value in knobs.items() if value is not None}}
 
