@@ -23,7 +23,6 @@ from deepspeed.runtime.rollout.hybrid_engine_rollout import HybridEngineRolloutC
 from transformers import LogitsProcessorList
 
 from opsd_rollout.bench.workload import workload_processor
-from opsd_rollout.metrics import STEP_PARTS
 from opsd_rollout.models import dtype_name
 from opsd_rollout.opsd.step import StepParts, StepProfile, resident_bytes
 from opsd_rollout.profiling import Clock, PeakMemory, RolloutProfile, StageRecorder, timed_eval
@@ -196,8 +195,7 @@ def deepspeed_step(engine: Any, teacher: Any, rollout: DeepSpeedRollout, request
                         beta=beta, teacher_top_k=teacher_top_k)
         parts.run("backward", engine.backward, out.loss)
         parts.run("optimizer", engine.step)
-    resolved = recorder.resolve()
-    ms = resolved.stages
+    ms, starts = parts.times()
     peaks = {("teacher" if name == "teacher_forward" else name): peak for name, peak in parts.peaks.items()}
     producing = switch.eval_ms + ms["rollout"] + (switch.train_ms or 0.0)
     return StepProfile(
@@ -206,7 +204,7 @@ def deepspeed_step(engine: Any, teacher: Any, rollout: DeepSpeedRollout, request
         student_forward_ms=ms["student_forward"], loss_ms=ms["loss"], backward_ms=ms["backward"],
         optimizer_ms=ms["optimizer"], total_ms=ms["total"],
         rollout_share=producing / ms["total"] if ms["total"] > 0 else 0.0, peak_memory_bytes=peaks,
-        part_start_ms={span.name: span.start_ms for span in resolved.spans if span.name in STEP_PARTS},
+        part_start_ms=starts,
         response_tokens=int(batch.response_mask.sum()),
         teacher_cache_bytes=teacher_logits.numel() * teacher_logits.element_size(),  # held whole on the device
         teacher_cache_budget_bytes=0, teacher_cache_mode="full", fused_loss=False,
