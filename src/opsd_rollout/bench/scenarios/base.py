@@ -7,6 +7,7 @@ by the methods that run it (``prepare``, ``derive``, ``table``, ``timeline``).""
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 from rich.table import Table
@@ -14,6 +15,7 @@ from rich.table import Table
 from opsd_rollout import checks
 from opsd_rollout.bench.axes import Axis, for_contender
 from opsd_rollout.bench.contenders import check_contenders
+from opsd_rollout.presets import DEFAULT_MODEL
 
 if TYPE_CHECKING:
     from opsd_rollout.bench.report import ConfigResult
@@ -44,6 +46,40 @@ class Settings:
         errors = checks.failures(self.rules, self)
         if errors:
             raise ValueError("invalid benchmark settings:\n  " + "\n  ".join(errors))
+
+
+@dataclass(kw_only=True)
+class MeasuringSettings(Settings):
+    """What every kind of benchmark has: the model, how a config is warmed up and measured, the seed. An
+    iteration is one call (``bench``, ``step``) or one round of both sides (``kernels``)."""
+
+    model: str = DEFAULT_MODEL
+    """Preset name or local checkpoint directory."""
+    warmup: int | None = None
+    """Unrecorded iterations per config before measuring: ``None`` (``--warmup auto``) warms up until two
+    consecutive iterations agree within ``steady_tolerance``, within the two budgets below; a number makes exactly
+    that many."""
+    warmup_max_iterations: int = 10
+    """Most warm-up iterations per config with ``warmup=None``."""
+    warmup_max_seconds: float = 60.0
+    """Most seconds of warm-up per config with ``warmup=None``."""
+    steady_tolerance: float = 0.05
+    """Two consecutive warm-up iterations within this relative difference: the config is steady."""
+    iterations: int = 5
+    """Measured iterations per config."""
+    seed: int = 0
+    """Seeds the prompts and random tensors and, before each config, torch's RNG (sampling)."""
+
+    rules: ClassVar = {
+        "warmup": checks.rule(checks.integer, minimum=0, optional=True),
+        "warmup_max_iterations": checks.rule(checks.integer, minimum=2),
+        "warmup_max_seconds": checks.rule(checks.number, at_least=0, hint="seconds"),
+        "steady_tolerance": checks.rule(checks.number, above=0, below=1), "iterations": checks.rule(checks.integer)}
+
+    def __post_init__(self) -> None:
+        if isinstance(self.warmup, str) and self.warmup.strip().lower() == "auto":  # the flag's spelling of None
+            self.warmup = None
+        super().__post_init__()
 
 
 class Measurement(Protocol):

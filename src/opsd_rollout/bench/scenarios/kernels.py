@@ -14,7 +14,7 @@ from opsd_rollout.bench.axes import DTYPES, Axis, choice, positive_int, teacher_
 from opsd_rollout.bench.kernels import DEFAULT_KERNELS, KERNELS, LONG
 from opsd_rollout.bench.report import ConfigResult
 from opsd_rollout.bench.tables import config_table, fmt, mib, stability_table
-from opsd_rollout.bench.scenarios.base import Scenario, Settings, threads_phrase
+from opsd_rollout.bench.scenarios.base import MeasuringSettings, Scenario, threads_phrase
 from opsd_rollout.checks import integer, number, rule, text
 from opsd_rollout.presets import DEFAULT_MODEL
 
@@ -117,25 +117,12 @@ class KernelConfig:
 
 
 @dataclass(kw_only=True)
-class KernelSettings(Settings):
+class KernelSettings(MeasuringSettings):
     """Everything about a kernels benchmark that is not an axis."""
 
     model: str = DEFAULT_MODEL
     """The model the attention, weight_layout (``model``), compile and profiling kernels run: a preset name or a
     local checkpoint directory."""
-    warmup: int | None = None
-    """Unrecorded rounds per config before measuring: ``None`` (``--warmup auto``) warms up until two consecutive
-    rounds agree within ``steady_tolerance``, within the two budgets below; a number makes exactly that many."""
-    warmup_max_iterations: int = 10
-    """Most warm-up rounds per config with ``warmup=None``."""
-    warmup_max_seconds: float = 60.0
-    """Most seconds of warm-up per config with ``warmup=None``."""
-    steady_tolerance: float = 0.05
-    """Two consecutive warm-up rounds within this relative difference: the config is steady."""
-    iterations: int = 5
-    """Measured rounds per config, each running both sides."""
-    seed: int = 0
-    """Seeds every kernel's random tensors and prompts, and, before each config, torch's RNG."""
     temperature: float = 1.0
     """The sampling kernel's temperature."""
     repeats: int = 1
@@ -146,16 +133,8 @@ class KernelSettings(Settings):
     beta: float = 0.5
     """The fused_loss generalized JSD's beta (0 = forward KL, 1 = reverse KL)."""
 
-    def __post_init__(self) -> None:
-        if isinstance(self.warmup, str) and self.warmup.strip().lower() == "auto":  # the flag's spelling of None
-            self.warmup = None
-        super().__post_init__()
-
     rules: ClassVar = {
-        "model": rule(text, what="a preset name or a checkpoint directory"),
-        "warmup": rule(integer, minimum=0, optional=True), "warmup_max_iterations": rule(integer, minimum=2),
-        "warmup_max_seconds": rule(number, at_least=0, hint="seconds"),
-        "steady_tolerance": rule(number, above=0, below=1), "iterations": rule(integer),
+        **MeasuringSettings.rules, "model": rule(text, what="a preset name or a checkpoint directory"),
         "temperature": rule(number, above=0), "repeats": rule(integer), "hidden_size": rule(integer),
         "beta": rule(number, at_least=0, at_most=1)}
 

@@ -12,11 +12,10 @@ from opsd_rollout.bench.axes import CONTENDERS, ROLLOUT_AXES, size_text
 from opsd_rollout.bench.facts import decode_bytes_per_step, prefill_flops
 from opsd_rollout.bench.report import ConfigResult
 from opsd_rollout.bench.tables import baseline_table, config_table, fmt, mib, stability_table
-from opsd_rollout.bench.scenarios.base import Scenario, Settings
+from opsd_rollout.bench.scenarios.base import MeasuringSettings, Scenario
 from opsd_rollout.checks import boolean, choice, integer, number, rule
 from opsd_rollout.bench.stats import median_index
 from opsd_rollout.metrics import ROLLOUT_STAGES, label
-from opsd_rollout.presets import DEFAULT_MODEL
 
 PROMPT_KINDS = ("synthetic", "variable")
 KNOB_DEFAULTS: dict[str, list[Any]] = {"continuous_batch_sizes": [None], "kv_budgets": [None], "compaction": [True],
@@ -104,24 +103,9 @@ class RolloutConfig:
 
 
 @dataclass(kw_only=True)
-class RolloutSettings(Settings):
+class RolloutSettings(MeasuringSettings):
     """Everything about a rollout benchmark that is not an axis."""
 
-    model: str = DEFAULT_MODEL
-    """Preset name or local checkpoint directory."""
-    warmup: int | None = None
-    """Unrecorded calls per config before measuring: ``None`` (``--warmup auto``) warms up until two consecutive
-    calls agree within ``steady_tolerance``, within the two budgets below; a number makes exactly that many."""
-    warmup_max_iterations: int = 10
-    """Most warm-up calls per config with ``warmup=None``."""
-    warmup_max_seconds: float = 60.0
-    """Most seconds of warm-up per config with ``warmup=None``."""
-    steady_tolerance: float = 0.05
-    """Two consecutive warm-up calls within this relative difference: the config is steady."""
-    iterations: int = 5
-    """Measured iterations per config."""
-    seed: int = 0
-    """Seeds the prompts and, before each config, torch's RNG (sampling)."""
     prompts: str = "synthetic"
     """``synthetic``: every prompt exactly ``prompt_length`` tokens; ``variable``: left-padded, lengths vary."""
     pad_fraction: float = 0.25
@@ -139,15 +123,8 @@ class RolloutSettings(Settings):
     baseline: str | None = None
     """The contender (one of the ``strategies``) each config's ratio is against; ``None``: the first listed."""
 
-    def __post_init__(self) -> None:
-        if isinstance(self.warmup, str) and self.warmup.strip().lower() == "auto":  # the flag's spelling of None
-            self.warmup = None
-        super().__post_init__()
-
     rules: ClassVar = {
-        "warmup": rule(integer, minimum=0, optional=True), "warmup_max_iterations": rule(integer, minimum=2),
-        "warmup_max_seconds": rule(number, at_least=0, hint="seconds"),
-        "steady_tolerance": rule(number, above=0, below=1), "iterations": rule(integer),
+        **MeasuringSettings.rules,
         "prompts": rule(choice, choices=PROMPT_KINDS),
         "pad_fraction": rule(number, at_least=0, below=1),
         "temperature": rule(number, above=0, hint="for sampling; greedy is decoding=greedy"),
