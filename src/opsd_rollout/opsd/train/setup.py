@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from opsd_rollout.deepspeed_config import check_deepspeed_config, refusal
 from opsd_rollout.modeling import max_positions_of, text_config
 from opsd_rollout.models import load_model, model_config
 from opsd_rollout.presets import PRESETS
@@ -40,7 +41,9 @@ class Models:
 
 def load_models(config: Any) -> Models:
     """Student and tokenizer, and the teacher when there is one (frozen, eval), once their configs show the same
-    vocabulary and positions that fit ``max_prompt_tokens + max_new_tokens``."""
+    vocabulary and positions that fit ``max_prompt_tokens + max_new_tokens``. The user's DeepSpeed config is
+    checked first: a run's first model work is here, and a bad config is refused (an unknown key warned of) before."""
+    deepspeed_config_of(config)
     names = [config.student] + ([config.teacher] if config.teacher is not None else [])
     configs = [text_config(model_config(name)) for name in names]
     if len(configs) == 2 and configs[0].vocab_size != configs[1].vocab_size:
@@ -72,9 +75,10 @@ def split_examples(config: Any, examples: list[Example] | None) -> tuple[list[Ex
     return ([e for i, e in enumerate(examples) if i not in held], [e for i, e in enumerate(examples) if i in held])
 
 
-def deepspeed_config_of(config: Any) -> dict[str, Any]:
-    """The user's DeepSpeed config (``config.deepspeed``: a JSON file or a dict), or one built from the fields,
-    with what the loop needs filled in where it is absent (micro-batch rows, accumulation, quiet logging)."""
+def deepspeed_config_of(config: Any, *, check: bool = True) -> dict[str, Any]:
+    """The user's DeepSpeed config (``config.deepspeed``: a JSON file or a dict), checked (``check_deepspeed_config``:
+    refused in one line or warned of, unless ``check`` is false), or one built from the fields, with what the loop
+    needs filled in where it is absent (micro-batch rows, accumulation, quiet logging)."""
     from opsd_rollout.deepspeed_engine import deepspeed_config
 
     if isinstance(config.deepspeed, dict):
@@ -93,6 +97,8 @@ def deepspeed_config_of(config: Any) -> dict[str, Any]:
         ds = deepspeed_config(config.zero_stage, lr=config.lr)
         ds["gradient_clipping"] = 1.0
         ds["gradient_accumulation_steps"] = config.gradient_accumulation_steps
+    if config.deepspeed is not None and check:
+        check_deepspeed_config(ds, _source(config))
     rows = config.prompts_per_micro_batch * config.samples_per_prompt
     if "train_batch_size" not in ds:
         ds.setdefault("train_micro_batch_size_per_gpu", rows)
@@ -101,20 +107,28 @@ def deepspeed_config_of(config: Any) -> dict[str, Any]:
     return ds
 
 
+def _source(config: Any) -> str:
+    """What a message about the DeepSpeed config names: its file, or ``deepspeed config`` for a dict."""
+    return "deepspeed config" if isinstance(config.deepspeed, dict) else str(config.deepspeed)
+
+
 def build_student_engine(config: Any, student: torch.nn.Module) -> Any:
     """The student's DeepSpeed engine, in train mode; AdamW at ``config.lr`` when the config names no optimizer."""
     import deepspeed
+    from deepspeed.runtime.config import DeepSpeedConfigError
+    from pydantic import ValidationError
 
     from opsd_rollout.deepspeed_engine import init_distributed
 
     init_distributed()
-    ds = deepspeed_config_of(config)
+    ds = deepspeed_config_of(config, check=False)  # load_models checked it (and warned once)
     params = [p for p in student.parameters() if p.requires_grad]
     optimizer = None if "optimizer" in ds else torch.optim.AdamW(params, lr=config.lr)
     try:
         engine, *_ = deepspeed.initialize(model=student.train(), config=ds, model_parameters=params,
                                           optimizer=optimizer)
-    except (AssertionError, KeyError, TypeError) as error:  # DeepSpeed's own config checks
-        raise ValueError(f"DeepSpeed refused the config: {type(error).__name__}: {error}") from None
+    except (AssertionError, KeyError, TypeError, ValidationError, DeepSpeedConfigError) as error:  # its own checks
+        source = _source(config) if config.deepspeed is not None else "the config built from the flags"
+        raise ValueError(f"DeepSpeed refused {source}: {refusal(error)}") from None
     engine.train()
     return engine
