@@ -170,8 +170,9 @@ def prompts_with_padding_and_holes(tokenizer) -> RolloutRequest:
     return RolloutRequest(enc.input_ids, mask)
 
 
-def reference_postprocess(sequences, prompt_ids, prompt_mask, eos_ids, pad_token_id):
-    """Plain per-row version of the batch contract, for equivalence tests."""
+def reference_postprocess(sequences, prompt_ids, prompt_mask, eos_ids, pad_token_id, width=None):
+    """Plain per-row version of the batch contract, for equivalence tests: ``width`` response columns (DeepSpeed's
+    ``max_new_tokens``), or ``None`` for the longest response's."""
     prompt_len = prompt_ids.shape[1]
     rows = []
     for row in range(sequences.shape[0]):
@@ -182,7 +183,7 @@ def reference_postprocess(sequences, prompt_ids, prompt_mask, eos_ids, pad_token
                 length = pos + 1
                 break
         rows.append((response[:length], length))
-    width = max((length for _, length in rows), default=0)
+    width = max((length for _, length in rows), default=0) if width is None else width
     ids = torch.full((sequences.shape[0], prompt_len + width), pad_token_id, dtype=prompt_ids.dtype)
     mask = torch.zeros((sequences.shape[0], prompt_len + width), dtype=prompt_mask.dtype)
     for row, (response, length) in enumerate(rows):
@@ -193,18 +194,21 @@ def reference_postprocess(sequences, prompt_ids, prompt_mask, eos_ids, pad_token
     return ids, mask
 
 
-def reference_rollout(model, request, *, n, max_new_tokens, pad_token_id, eos_ids):
-    """transformers' generate on the expanded prompts (greedy), then the per-row reference post-processing."""
+def reference_rollout(model, request, *, n, max_new_tokens, pad_token_id, eos_ids, trimmed=False):
+    """transformers' generate on the expanded prompts (greedy), then the per-row reference post-processing, to
+    ``max_new_tokens`` response columns (the default ``response_width``) or, ``trimmed``, the longest response's."""
     ids = request.prompt_ids.repeat_interleave(n, dim=0)
     mask = request.prompt_attention_mask.repeat_interleave(n, dim=0)
     with torch.no_grad():
         out = model.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
                              eos_token_id=list(eos_ids), pad_token_id=pad_token_id)
-    return reference_postprocess(out, ids, mask, list(eos_ids), pad_token_id)
+    return reference_postprocess(out, ids, mask, list(eos_ids), pad_token_id,
+                                 width=None if trimmed else max_new_tokens)
 
 
-def assert_batch_contract(batch, request, *, n, max_new_tokens, pad_token_id, eos_ids):
-    """Every clause of DESIGN.md's RolloutBatch contract that can be checked from the output alone."""
+def assert_batch_contract(batch, request, *, n, max_new_tokens, pad_token_id, eos_ids, trimmed=False):
+    """Every clause of the RolloutBatch contract (docs/CONTRACT.md) that can be checked from the output alone:
+    ``max_new_tokens`` response columns, or with ``trimmed`` (``response_width="longest"``) the longest's."""
     B, P = request.prompt_ids.shape
     ids, mask = batch.input_ids, batch.attention_mask
     assert ids.shape[0] == B * n and mask.shape == ids.shape
@@ -226,5 +230,8 @@ def assert_batch_contract(batch, request, *, n, max_new_tokens, pad_token_id, eo
         assert mask[row, P:P + length].eq(1).all(), f"row {row}: mask must be 1 up to and including EOS"
         assert mask[row, P + length:].eq(0).all(), f"row {row}: mask must be 0 after EOS"
         assert ids[row, P + length:].eq(pad_token_id).all(), f"row {row}: positions after EOS must be pad"
-    assert max(lengths) == R, "response width must be the longest response"
+    if trimmed:
+        assert max(lengths) == R, "response width must be the longest response"
+    else:
+        assert R == max_new_tokens, "response width must be max_new_tokens (DeepSpeed's)"
     return lengths

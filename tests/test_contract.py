@@ -22,9 +22,10 @@ def strategy(request):
     return request.param
 
 
-def rollout_of(table, *, pad=PAD, eos=EOS, config_eos=None, profile=False, strategy="generate"):
+def rollout_of(table, *, pad=PAD, eos=EOS, config_eos=None, profile=False, strategy="generate",
+               width="max_new_tokens"):
     model = transition_model(table, eos_token_id=config_eos)
-    cfg = HybridEngineRolloutConfig(enable_profiling=profile, strategy=strategy)
+    cfg = HybridEngineRolloutConfig(enable_profiling=profile, strategy=strategy, response_width=width)
     rollout = HybridEngineRollout(model, make_tokenizer(pad, eos), cfg)
     assert rollout.strategy.name == strategy
     return rollout, model
@@ -62,9 +63,14 @@ def test_several_samples_per_prompt_are_repeat_interleaved(B, strategy):
     assert_batch_contract(batch, request, n=3, max_new_tokens=6, pad_token_id=PAD, eos_ids=[EOS])
 
 
-def test_eos_at_first_response_position_and_all_rows_stop_early_trims_batch(strategy):
-    rollout, _ = rollout_of(chain_table(V, {7: EOS, 11: EOS}), strategy=strategy)
+def test_eos_at_first_response_position_keeps_deepspeeds_width_or_trims_when_asked(strategy):
+    table = chain_table(V, {7: EOS, 11: EOS})
+    rollout, _ = rollout_of(table, strategy=strategy)
     request, batch = run(rollout, [[5, 6, 7], [11]], n=2, max_new_tokens=8)
+    assert batch.input_ids.shape[1] == 3 + 8  # DeepSpeed's width: max_new_tokens columns, whatever the rows did
+    assert responses(batch, request) == ([[2] + [PAD] * 7] * 4, [[1] + [0] * 7] * 4)
+    trimmed, _ = rollout_of(table, strategy=strategy, width="longest")
+    request, batch = run(trimmed, [[5, 6, 7], [11]], n=2, max_new_tokens=8)
     assert batch.input_ids.shape[1] == 3 + 1  # trimmed to the longest response: one token
     assert responses(batch, request) == ([[2]] * 4, [[1]] * 4)
 
@@ -72,7 +78,7 @@ def test_eos_at_first_response_position_and_all_rows_stop_early_trims_batch(stra
 def test_generated_pad_token_before_eos_stays_in_the_mask(strategy):
     rollout, _ = rollout_of(chain_table(V, {7: PAD, PAD: 9, 9: EOS}), strategy=strategy)
     request, batch = run(rollout, [[5, 7]], max_new_tokens=6)
-    assert responses(batch, request) == ([[0, 9, 2]], [[1, 1, 1]])
+    assert responses(batch, request) == ([[0, 9, 2, 0, 0, 0]], [[1, 1, 1, 0, 0, 0]])
 
 
 def test_pad_equal_to_eos_keeps_the_eos_and_masks_what_follows(strategy):
@@ -137,12 +143,15 @@ def test_contract_and_generate_equivalence_on_random_tables(strategy_name, data)
     prompts = data.draw(st.lists(st.lists(st.integers(0, V - 1), min_size=1, max_size=5), min_size=1, max_size=4))
     n = data.draw(st.integers(1, 3), label="n")
     max_new = data.draw(st.integers(1, 7), label="max_new_tokens")
-    rollout, model = rollout_of(table, pad=pad, eos=eos, config_eos=extra_eos or None, strategy=strategy_name)
+    trimmed = data.draw(st.booleans(), label="trimmed")
+    rollout, model = rollout_of(table, pad=pad, eos=eos, config_eos=extra_eos or None, strategy=strategy_name,
+                                width="longest" if trimmed else "max_new_tokens")
     request, batch = run(rollout, prompts, n=n, max_new_tokens=max_new, pad=pad)
     eos_ids = [eos] + [e for e in extra_eos if e != eos]
-    assert_batch_contract(batch, request, n=n, max_new_tokens=max_new, pad_token_id=pad, eos_ids=eos_ids)
+    assert_batch_contract(batch, request, n=n, max_new_tokens=max_new, pad_token_id=pad, eos_ids=eos_ids,
+                          trimmed=trimmed)
     ref_ids, ref_mask = reference_rollout(model, request, n=n, max_new_tokens=max_new, pad_token_id=pad,
-                                          eos_ids=eos_ids)
+                                          eos_ids=eos_ids, trimmed=trimmed)
     assert torch.equal(batch.input_ids, ref_ids)
     assert torch.equal(batch.attention_mask, ref_mask)
 

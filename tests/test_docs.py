@@ -76,15 +76,19 @@ def _deepspeed_configs():
 
 
 def _what_from_any_sets(cfg) -> dict:
-    """The keyword arguments ``HybridEngineRolloutConfig.from_any(cfg)`` builds our config with: from_any run on a
-    subclass that records them, so a value equal to our default still shows (a diff of built configs would not)."""
+    """The fields of ours ``HybridEngineRolloutConfig.from_any(cfg)`` sets: the keywords it builds our config with
+    (from_any run on a subclass that records them, so a value equal to our default still shows, where a diff of
+    built configs would not), DeepSpeed's own names replaced by the fields of ours they set."""
     from opsd_rollout import HybridEngineRolloutConfig
+    from opsd_rollout.rollout.deepspeed_fields import NAMES, implied_fields
 
     class Recorded(HybridEngineRolloutConfig):
         def __init__(self, **values):  # noqa: D401 - records instead of building
             self.values = values
 
-    return HybridEngineRolloutConfig.from_any.__func__(Recorded, cfg).values
+    values = HybridEngineRolloutConfig.from_any.__func__(Recorded, cfg).values
+    deepspeed = {name: values.pop(name) for name in NAMES if name in values}
+    return {**values, **implied_fields(deepspeed, values)}
 
 
 def _probe(field: dataclasses.Field):

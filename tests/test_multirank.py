@@ -1,5 +1,5 @@
 """Two CPU ranks under ZeRO-3 (gloo, torchrun): ranks that finish at different steps do not hang, run the
-same number of forwards, and each returns its own trimmed, padded batch."""
+same number of forwards, and each returns its own padded batch, as wide as every other rank's."""
 
 from __future__ import annotations
 
@@ -30,9 +30,9 @@ def test_zero3_ranks_finishing_at_different_steps(tmp_path):
     ranks = run_two_ranks("rollout_worker.py", tmp_path)
     for variant in ("generate-per_layer", "static-per_layer", "static-once"):
         rank0, rank1 = ranks[0][variant], ranks[1][variant]
-        # rank 0 stopped at its first token: its batch is trimmed to one response column
-        assert [row[2:] for row in rank0["input_ids"]] == [[2], [2]], variant
-        assert [row[2:] for row in rank0["attention_mask"]] == [[1], [1]], variant
+        # rank 0 stopped at its first token: padding to DeepSpeed's width, max_new_tokens columns
+        assert [row[2:] for row in rank0["input_ids"]] == [[2] + [0] * 5] * 2, variant
+        assert [row[2:] for row in rank0["attention_mask"]] == [[1] + [0] * 5] * 2, variant
         # rank 1 ran the full budget
         assert [row[2:] for row in rank1["input_ids"]] == [[10, 11, 12, 13, 14, 15], [12, 13, 14, 15, 3, 4]], variant
         # lockstep: both ranks ran as many forwards as the longest rank needed
@@ -48,11 +48,17 @@ def test_zero3_ranks_finishing_at_different_steps(tmp_path):
     for variant, layout in (("shared-per_layer-1", "shared_prefix"), ("shared-once-None", "shared_prefix"),
                             ("copied-per_layer-1", "copied")):
         rank0, rank1 = ranks[0][variant], ranks[1][variant]
-        assert [row[2:] for row in rank0["input_ids"]] == [[2]] * 4, variant
+        assert [row[2:] for row in rank0["input_ids"]] == [[2] + [0] * 5] * 4, variant
         assert [row[2:] for row in rank1["input_ids"]] == [[10, 11, 12, 13, 14, 15]] * 2 + [
             [12, 13, 14, 15, 3, 4]] * 2, variant
         assert rank0["forwards"] == rank1["forwards"], variant
         assert rank0["profile"]["kv_layout"] == rank1["profile"]["kv_layout"] == layout, variant
+    # the trimmed width is the widest rank's: rank 0's rows end at 1 token, rank 1's at 12 and 10 of 14
+    for strategy in ("static", "generate"):
+        rank0, rank1 = ranks[0][f"{strategy}-longest"], ranks[1][f"{strategy}-longest"]
+        assert [len(row) for row in rank0["input_ids"]] == [len(row) for row in rank1["input_ids"]] == [2 + 12] * 2
+        assert [sum(row[2:]) for row in rank0["attention_mask"]] == [1, 1], strategy
+        assert [sum(row[2:]) for row in rank1["attention_mask"]] == [12, 10], strategy
     # gathering once never moves more than per-layer gathering (on this one-layer model DeepSpeed keeps
     # everything live anyway; benchmarks/RESULTS.md has the large difference on llama-small)
     for rank in ranks:

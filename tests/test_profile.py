@@ -149,7 +149,8 @@ def test_fixed_lengths_run_every_step_but_return_the_same_batch(strategy):
     assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.attention_mask, b.attention_mask)
     assert normal.get_last_profile().decode_steps == 1  # both rows stop after 2 tokens
     assert fixed.get_last_profile().decode_steps == 5  # ran the full budget
-    assert fixed.get_last_profile().response_length == 2
+    assert fixed.get_last_profile().response_length == 6  # the batch's response columns: max_new_tokens
+    assert fixed.get_last_profile().generated_tokens == 2 * 2
 
 
 def test_release_policy_times_the_release_and_timeline_nests(tiny_models, tokenizer):

@@ -230,7 +230,7 @@ def test_early_exit_when_every_row_has_finished():
     model = transition_model(chain_table(16, {6: 2, 9: 2}))
     rollout = static(model, make_tokenizer(0, 2))
     batch = rollout.generate(left_padded([[5], [8]], 0), SamplingConfig(max_new_tokens=12, temperature=0))
-    assert batch.input_ids[:, 1:].tolist() == [[6, 2], [9, 2]]
+    assert batch.input_ids[:, 1:].tolist() == [[6, 2] + [0] * 10, [9, 2] + [0] * 10]  # DeepSpeed's width: padding
     assert rollout.get_last_profile().decode_steps == 1  # stopped right after both rows' EOS
     checked_every_4 = static(model, make_tokenizer(0, 2), stop_check_interval=4)
     again = checked_every_4.generate(left_padded([[5], [8]], 0), SamplingConfig(max_new_tokens=12, temperature=0))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -9,6 +10,7 @@ import torch
 
 from conftest import chain_table, left_padded, make_tokenizer, transition_model
 from opsd_rollout import HybridEngineRollout, HybridEngineRolloutConfig, RolloutRequest, SamplingConfig
+from opsd_rollout.rollout.deepspeed_fields import DeepSpeedFields
 
 
 class Bare:
@@ -131,7 +133,9 @@ def test_unknown_strategy_is_refused_and_deepspeeds_options_map():
         HybridEngineRolloutConfig(strategy="vllm")
     from deepspeed.runtime.rollout.hybrid_engine_rollout import HybridEngineRolloutConfig as DSConfig
 
-    assert HybridEngineRolloutConfig.from_any(DSConfig(align_decode_fronts=True)) == HybridEngineRolloutConfig()
+    aligned = HybridEngineRolloutConfig.from_any(DSConfig(align_decode_fronts=True))
+    assert aligned.align_decode_fronts is True  # read back as given, and nothing of ours changes:
+    assert dataclasses.replace(aligned, deepspeed=DeepSpeedFields()) == HybridEngineRolloutConfig()
     with pytest.raises(ValueError, match="kv_budget_bytes must be an int >= 1"):
         HybridEngineRolloutConfig(kv_budget_bytes=0)
     assert HybridEngineRolloutConfig.from_any(DSConfig(enable_profiling=True)).enable_profiling is True

@@ -62,6 +62,9 @@ METRICS: dict[str, Metric] = {m.name: m for m in [
     _ms("compaction_ms", "compact"),
     _ms("compile_ms", "compile"),
     _ms("weight_layout_ms", "weights"),
+    _ms("scheduler_ms", "schedule"),
+    _ms("kv_placement_ms", "place KV"),
+    _ms("cache_management_ms", "cache mgmt"),
     Metric("compiled_graphs", "graphs", "count", merge="sum", lower_is_better=None),
     Metric("param_gather_count", "gathers", "count", merge="sum", lower_is_better=None),
     Metric("param_gather_bytes", "gathered", "bytes", merge="sum", lower_is_better=None),
@@ -81,6 +84,8 @@ METRICS: dict[str, Metric] = {m.name: m for m in [
     Metric("compactions", "compactions", "count", merge="sum", lower_is_better=None),
     Metric("admission_rounds", "admissions", "count", lower_is_better=None),
     Metric("decode_slots", "slots", "count", merge="sum", lower_is_better=None),
+    Metric("peak_active_rows", "peak rows", "count", merge="sum", lower_is_better=None),
+    Metric("prefill_forwards", "prefills", "count", lower_is_better=None),
     _ms("row_latency_p50_ms", "row p50"),
     _ms("row_latency_p95_ms", "row p95"),
     _ms("row_latency_max_ms", "row max"),
@@ -114,7 +119,7 @@ METRICS: dict[str, Metric] = {m.name: m for m in [
 ]}
 
 ATTRIBUTED_PHASES = ("param_gather", "inference_cache", "lora_fuse", "lora_unfuse", "gc", "empty_cache",
-                     "workspace_alloc", "compaction", "compile", "weight_layout")
+                     "workspace_alloc", "compaction", "compile", "weight_layout", "scheduler", "kv_placement")
 """The attributed phases a rollout profile reports, each as ``<phase>_ms``."""
 ROLLOUT_STAGES = ("prompt_expansion_ms", "prefill_ms", "decode_ms", *(f"{p}_ms" for p in ATTRIBUTED_PHASES),
                   "generation_overhead_ms", "post_processing_ms")
@@ -132,6 +137,11 @@ DEEPSPEED_ALIASES: dict[str, str] = {
     "num_decode_forwards": "decode_steps",
     "num_generated_tokens": "generated_tokens",
     "num_samples_per_prompt": "samples_per_prompt",
+    "num_prefill_forwards": "prefill_forwards",
+    "scheduler_overhead_ms": "scheduler_ms",
+    "cache_management_overhead_ms": "cache_management_ms",
+    "active_batch_size": "peak_active_rows",
+    "continuous_batch_size": "decode_slots",
 }
 """DeepSpeed's profile keys -> ours (a profile answers to both; records carry both)."""
 

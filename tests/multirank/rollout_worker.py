@@ -63,6 +63,14 @@ def main(out_dir: str) -> None:
         results[f"{strategy}-{gather}"] = {
             "input_ids": batch.input_ids.tolist(), "attention_mask": batch.attention_mask.tolist(),
             "forwards": len(forwards), "gathers": len(gathers), "profile": rollout.get_last_profile().to_dict()}
+    # the trimmed width, agreed across ranks: rank 0's rows stop at once, rank 1's after 12 and 10 of 14 tokens
+    for strategy in ("static", "generate"):
+        config = HybridEngineRolloutConfig(strategy=strategy, response_width="longest")
+        longer = [[5, 7], [6, 7]] if rank == 0 else [[9], [10, 11]]
+        batch = HybridEngineRollout(engine, make_tokenizer(0, 2), config).generate(
+            left_padded(longer, 0), SamplingConfig(max_new_tokens=14, temperature=0.0))
+        results[f"{strategy}-longest"] = {"input_ids": batch.input_ids.tolist(),
+                                          "attention_mask": batch.attention_mask.tolist()}
     # 2 samples per prompt, each rank admitting on its own schedule (one slot, or every row at once): a rank whose
     # admitted rows need no prefill (their prompt is already held) still joins the others' prefill collectives
     for layout, gather, slots in (("shared", "per_layer", 1), ("shared", "once", None), ("copied", "per_layer", 1)):

@@ -68,7 +68,11 @@ class ResponseTargets:
 
 def response_targets(batch: Any) -> ResponseTargets:
     """Targets from a ``RolloutBatch`` (all rows sharing ``response_start_idx``, as every rollout here returns),
-    from DeepSpeed's ``ResponseTokenBatch`` (any starts), or ours as they are."""
+    from DeepSpeed's ``ResponseTokenBatch`` (any starts), or ours as they are.
+
+    A ``RolloutBatch``'s targets keep the columns up to the last one any row holds a token in: a batch of
+    DeepSpeed's width (``max_new_tokens`` response columns whatever the rows did) costs the teacher, the student
+    and the loss no more than the trimmed one (one host read)."""
     if isinstance(batch, ResponseTargets):
         return batch
     if isinstance(batch, ResponseTokenBatch):
@@ -81,6 +85,21 @@ def response_targets(batch: Any) -> ResponseTargets:
     if prompt_length < 1:
         raise ValueError(f"response_start_idx must be >= 1 (a prompt token predicts the first response token); "
                          f"got {prompt_length}")
-    labels = batch.input_ids[:, prompt_length:]
-    mask = batch.attention_mask[:, prompt_length:].bool()
-    return ResponseTargets(batch.input_ids, batch.attention_mask, prompt_length, labels, mask)
+    input_ids, attention_mask = batch.input_ids, batch.attention_mask
+    width = filled_width(attention_mask[:, prompt_length:])
+    if prompt_length + width < input_ids.shape[1]:
+        input_ids = input_ids[:, :prompt_length + width].contiguous()
+        attention_mask = attention_mask[:, :prompt_length + width].contiguous()
+    labels = input_ids[:, prompt_length:]
+    mask = attention_mask[:, prompt_length:].bool()
+    return ResponseTargets(input_ids, attention_mask, prompt_length, labels, mask)
+
+
+def filled_width(response_mask: torch.Tensor) -> int:
+    """Columns up to and including the last one any row's ``response_mask`` [N, R] holds a token in (one host
+    read)."""
+    filled = response_mask.any(dim=0)  # [R]
+    if filled.numel() == 0:
+        return 0
+    last = filled.shape[0] - filled.flip(0).to(torch.int8).argmax()
+    return int(torch.where(filled.any(), last, 0))

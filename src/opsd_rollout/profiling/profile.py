@@ -19,7 +19,9 @@ from typing import Any
 import torch
 
 from opsd_rollout.metrics import ATTRIBUTED_PHASES, DEEPSPEED_ALIASES, ROLLOUT_STAGES, label
-DERIVED_KEYS = ("generation_overhead_ms",)
+DERIVED_KEYS = ("generation_overhead_ms", "cache_management_ms")
+CACHE_MANAGEMENT_PHASES = ("workspace_alloc_ms", "compaction_ms", "kv_placement_ms")
+"""The attributed phases that manage the key/value cache (DeepSpeed's ``cache_management_overhead_ms``)."""
 ATTRIBUTED_FIELDS = tuple(f"{phase}_ms" for phase in ATTRIBUTED_PHASES)
 
 
@@ -108,6 +110,12 @@ class _ProfileFields:
     weight_layout_ms: float | None = None
     """CPU: writing the linear layers' weights into their transposed copies at the call's start (``weight_layout``
     ``transposed``; ``None`` otherwise)."""
+    scheduler_ms: float | None = None
+    """Static strategy: the decode batch's host scheduling (retiring finished rows, admitting pending ones into
+    freed slots, planning a compaction), the reads of which rows still run excluded."""
+    kv_placement_ms: float | None = None
+    """Static strategy: giving admitted rows their prompts' keys/values (copied from the prefill into their slots, or
+    pointed at the prefix store) and their slots' masks."""
     workspace: str | None = None
     """Static strategy: ``reused`` or ``allocated`` KV workspace for this call (``None`` for ``generate``)."""
     # throughput
@@ -134,7 +142,10 @@ class _ProfileFields:
     admission_rounds: int | None = None
     """Prefill rounds that admitted pending prompts into freed slots (``continuous_batch_size``)."""
     decode_slots: int | None = None
-    """Rows the decode batch could hold: ``continuous_batch_size``, or every row."""
+    """Rows the decode batch could hold: ``continuous_batch_size`` (at most every row, and what ``kv_budget_bytes``
+    holds), or every row."""
+    peak_active_rows: int | None = None
+    """The most rows decoding at once (admitted, not finished): DeepSpeed's ``active_batch_size``."""
     row_latency_p50_ms: float | None = None
     """Per row, the time from the call's start to its last token: the median over rows (forward timing on)."""
     row_latency_p95_ms: float | None = None
@@ -200,6 +211,13 @@ class RolloutProfile(_ProfileFields, Mapping):
     def attributed_ms(self) -> float:
         """All attributed phases together."""
         return sum(getattr(self, name) or 0.0 for name in ATTRIBUTED_FIELDS)
+
+    @property
+    def cache_management_ms(self) -> float | None:
+        """Key/value cache work outside forwards: allocating the workspace, placing admitted rows' prompts,
+        compaction (``None`` when none of them happened)."""
+        parts = [getattr(self, name) for name in CACHE_MANAGEMENT_PHASES if getattr(self, name) is not None]
+        return sum(parts) if parts else None
 
     @property
     def generation_overhead_ms(self) -> float:
@@ -306,6 +324,7 @@ def build_profile(*, stages: dict[str, float], forwards: list | None, phases: di
         stats = decode_stats
         attributed.update(row_steps=stats.row_steps, compactions=stats.compactions, compiled_graphs=stats.compiled_graphs,
                           admission_rounds=stats.admission_rounds, decode_slots=stats.slots,
+                          peak_active_rows=stats.peak_active_rows,
                           kv_layout=stats.kv_layout, weight_layout=stats.weight_layout,
                           live_row_utilisation=generated_tokens / stats.row_steps if stats.row_steps else None,
                           **_row_latencies(forwards, stats, lengths))

@@ -10,8 +10,11 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from opsd_rollout import checks
+from opsd_rollout.rollout.deepspeed_fields import NAMES as DEEPSPEED_NAMES
+from opsd_rollout.rollout.deepspeed_fields import DeepSpeedFields, contradiction, implied_fields
 
 STRATEGIES = ("static", "generate")
+RESPONSE_WIDTHS = ("max_new_tokens", "longest")
 ZERO3_GATHER = ("once", "per_layer")
 CACHE_POLICIES = ("retain", "release")
 SHARED_PREFIX_MIN_PROMPT = 128
@@ -60,11 +63,9 @@ class RolloutOptions:
 
 
 @dataclass(kw_only=True)
-class HybridEngineRolloutConfig:
-    """Configuration of :class:`opsd_rollout.HybridEngineRollout`.
-
-    Accepts DeepSpeed's own ``HybridEngineRolloutConfig`` / ``RolloutConfig`` through :meth:`from_any`.
-    """
+class _ConfigFields:
+    """The fields of ``HybridEngineRolloutConfig``, apart so that the dataclass's generated ``__init__`` lives here
+    and ``HybridEngineRolloutConfig``'s own can take DeepSpeed's field names too."""
 
     enable_profiling: bool = False
     """Record a ``RolloutProfile`` per call (``get_last_profile()``). Off: no synchronization, no hooks."""
@@ -107,9 +108,19 @@ class HybridEngineRolloutConfig:
     merge_adapters: bool = False
     """For a PEFT model: merge the LoRA adapters into the base weights for generation and unmerge them
     after (timed as ``lora_fuse_ms``/``lora_unfuse_ms``)."""
+    response_width: str = "max_new_tokens"
+    """The batch's response columns: ``max_new_tokens`` (DeepSpeed's width: ``P + max_new_tokens`` columns whatever
+    the rows did, so batches stack across steps and gather across ranks) or ``longest`` (the longest response;
+    under ZeRO-3 with several ranks, the longest on any rank, so every rank's batch has the same width). Columns
+    past a row's end are padding with mask 0 either way; ``opsd_step`` and ``train`` compute only on the columns
+    that hold tokens."""
     options: RolloutOptions = field(default_factory=RolloutOptions)
     """The engine's finer knobs: shared-prefix attention, stop-check interval, CPU weight copies, ZeRO-3 gather
     budget, forward timing."""
+    deepspeed: DeepSpeedFields = field(default_factory=DeepSpeedFields)
+    """DeepSpeed's own field names (``use_graph_capture``, ``use_shared_prefill``, ``align_decode_fronts``,
+    ``enable_cache_trimming``) as they were given, as keywords of this config or by ``from_any``; each maps onto
+    the fields above (docs/MIGRATING.md) and reads back as given."""
 
     def __post_init__(self) -> None:
         for name in ("enable_profiling", "compile_decode", "shared_prefill", "compact_rows", "merge_adapters"):
@@ -117,10 +128,68 @@ class HybridEngineRolloutConfig:
         checks.choice("strategy", self.strategy, STRATEGIES)
         checks.choice("zero3_gather", self.zero3_gather, ZERO3_GATHER)
         checks.choice("cache_policy", self.cache_policy, CACHE_POLICIES)
+        checks.choice("response_width", self.response_width, RESPONSE_WIDTHS)
         for name in ("kv_budget_bytes", "continuous_cache_capacity"):
             checks.integer(name, getattr(self, name), optional=True)
         if not isinstance(self.options, RolloutOptions):
             raise TypeError(f"options must be a RolloutOptions; got {type(self.options).__name__}")
+        if not isinstance(self.deepspeed, DeepSpeedFields):
+            raise TypeError(f"deepspeed must be a DeepSpeedFields; got {type(self.deepspeed).__name__}")
+        problem = contradiction(self.deepspeed, self)
+        if problem:
+            raise ValueError(problem)
+
+
+class HybridEngineRolloutConfig(_ConfigFields):
+    """Configuration of :class:`opsd_rollout.HybridEngineRollout`.
+
+    Takes DeepSpeed's six field names as keywords beside ours (``HybridEngineRolloutConfig(use_shared_prefill=True,
+    seed=0)``) and reads them back; DeepSpeed's own ``HybridEngineRolloutConfig`` / ``RolloutConfig`` objects are
+    read by :meth:`from_any`.
+    """
+
+    def __init__(self, **values: Any) -> None:
+        """By field name, and DeepSpeed's names (``use_graph_capture``, ``use_shared_prefill``,
+        ``align_decode_fronts``, ``enable_cache_trimming``): each kept in ``deepspeed`` and mapped onto the field
+        of ours that does its work; a contradiction between the two is a ``ValueError``."""
+        given = {name: values.pop(name) for name in DEEPSPEED_NAMES if name in values}
+        if given:
+            if "deepspeed" in values:
+                raise ValueError(f"give DeepSpeed's fields {sorted(given)} as keywords or in deepspeed=, not both")
+            values = {**implied_fields(given, values), **values, "deepspeed": DeepSpeedFields(**given)}
+        super().__init__(**values)
+
+    def replace(self, **changes: Any) -> "HybridEngineRolloutConfig":
+        """This config with ``changes`` (fields of ours or DeepSpeed's names) applied, validated again: a DeepSpeed
+        name sets the field of ours it maps onto unless ``changes`` sets that field too."""
+        given = {name: changes.pop(name) for name in DEEPSPEED_NAMES if name in changes}
+        values = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "deepspeed"}
+        values.update(changes, **implied_fields(given, changes))
+        return type(self)(**values, deepspeed=DeepSpeedFields(**{**self.deepspeed.given(), **given}))
+
+    # DeepSpeed's names, read back as given (or, not given, as what this config does)
+    @property
+    def use_graph_capture(self) -> bool:
+        """DeepSpeed's CUDA-graph decode: ``compile_decode``."""
+        return self.compile_decode
+
+    @property
+    def use_shared_prefill(self) -> bool:
+        """As given; else whether prompts are prefilled once for their n samples (``shared_prefill``, static)."""
+        given = self.deepspeed.use_shared_prefill
+        return given if given is not None else self.shared_prefill and self.strategy == "static"
+
+    @property
+    def align_decode_fronts(self) -> bool:
+        """As given; else ``True``: each slot decodes from its own column, right after its own prompt."""
+        given = self.deepspeed.align_decode_fronts
+        return given if given is not None else True
+
+    @property
+    def enable_cache_trimming(self) -> bool:
+        """As given; else ``compact_rows`` (finished rows leave the decode batch and free their memory)."""
+        given = self.deepspeed.enable_cache_trimming
+        return given if given is not None else self.compact_rows
 
     @classmethod
     def from_flat(cls, **values: Any) -> "HybridEngineRolloutConfig":
@@ -132,24 +201,12 @@ class HybridEngineRolloutConfig:
 
     @classmethod
     def from_any(cls, cfg: Any) -> "HybridEngineRolloutConfig":
-        """Ours as is; ``None`` gives the defaults; a DeepSpeed config object is read by field name
-        (docs/MIGRATING.md says how each of its fields maps onto ours).
-
-        DeepSpeed's continuous-batching layout options need no counterpart here: each slot's decode front is its
-        own column (``align_decode_fronts``: aligned either way), and a slot never holds more than its prompt
-        plus ``max_new_tokens`` columns (nothing to trim); ``enable_cache_trimming=True`` asks for finished rows'
-        memory back, which is our row compaction (``compact_rows``, on by default).
-        """
+        """Ours as is; ``None`` gives the defaults; a DeepSpeed config object (``HybridEngineRolloutConfig``,
+        ``RolloutConfig``) is read by field name: the names both configs have as they are, DeepSpeed's others as
+        keywords (kept, and mapped onto ours as docs/MIGRATING.md says)."""
         if cfg is None:
             return cls()
         if isinstance(cfg, cls):
             return cfg
-        known = {f.name for f in fields(cls)}
-        values = {name: getattr(cfg, name) for name in known if hasattr(cfg, name)}
-        if getattr(cfg, "use_graph_capture", False):  # DeepSpeed's CUDA-graph decode is our compiled decode
-            values.update(strategy="static", compile_decode=True)
-        if getattr(cfg, "use_shared_prefill", False):
-            values.update(strategy="static", shared_prefill=True)
-        if getattr(cfg, "enable_cache_trimming", False):
-            values.update(compact_rows=True)
-        return cls(**values)
+        names = [f.name for f in fields(_ConfigFields) if f.name not in ("options", "deepspeed")]
+        return cls(**{name: getattr(cfg, name) for name in (*names, *DEEPSPEED_NAMES) if hasattr(cfg, name)})

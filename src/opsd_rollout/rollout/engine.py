@@ -11,12 +11,14 @@ from typing import Any
 import torch
 from deepspeed.runtime.rollout.base import RolloutBatch, RolloutEngine, RolloutRequest, SamplingConfig
 
+from opsd_rollout.distributed import agree_max
 from opsd_rollout.models import dtype_name
 from opsd_rollout.profiling import NULL_RECORDER, Clock, PeakMemory, RolloutProfile, Span, StageRecorder
 from opsd_rollout.profiling.probes import PhaseProbes
 from opsd_rollout.profiling.profile import build_profile
 from opsd_rollout.rollout import postprocess
 from opsd_rollout.rollout.config import HybridEngineRolloutConfig
+from opsd_rollout.rollout.continuous_stats import continuous_stats
 from opsd_rollout.rollout.gather import GatherOnce
 from opsd_rollout.rollout.phases import add_rollout_probes, zero3_offload
 from opsd_rollout.rollout.processors import RowLogitsProcessor
@@ -68,24 +70,41 @@ class HybridEngineRollout(RolloutEngine):
                              and self.cfg.zero3_gather == "once" else None)
         self._last_profile: RolloutProfile | None = None
         self._last_timeline: list[Span] | None = None
+        self._last_continuous_stats: dict[str, Any] | None = None
         self._clock = Clock(self.target.device)
         self._closed = False
         self._warned_slots = False
 
+    # DeepSpeed's rollout exposes its config's six fields as attributes; these read ours under its names
     @property
     def enable_profiling(self) -> bool:
         return self.cfg.enable_profiling
 
-    # DeepSpeed's rollout exposes its options as attributes; these read ours under its names.
     @property
     def use_graph_capture(self) -> bool:
         """DeepSpeed's CUDA-graph decode: here ``compile_decode``."""
-        return self.cfg.compile_decode
+        return self.cfg.use_graph_capture
 
     @property
     def use_shared_prefill(self) -> bool:
-        """Whether prompts are prefilled once for their n samples (``shared_prefill``, with the static strategy)."""
-        return self.cfg.shared_prefill and self.strategy.name == "static"
+        """As given; else whether prompts are prefilled once for their n samples (``shared_prefill``, with the
+        static strategy, the one that ran: a model it cannot run falls back to ``generate``)."""
+        given = self.cfg.deepspeed.use_shared_prefill
+        return given if given is not None else self.cfg.shared_prefill and self.strategy.name == "static"
+
+    @property
+    def align_decode_fronts(self) -> bool:
+        """As given; else ``True``: each slot decodes from its own column, right after its own prompt."""
+        return self.cfg.align_decode_fronts
+
+    @property
+    def enable_cache_trimming(self) -> bool:
+        """As given; else ``compact_rows``: finished rows leave the decode batch."""
+        return self.cfg.enable_cache_trimming
+
+    @property
+    def continuous_cache_capacity(self) -> int | None:
+        return self.cfg.continuous_cache_capacity
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -95,6 +114,12 @@ class HybridEngineRollout(RolloutEngine):
     def get_last_profile(self) -> RolloutProfile | None:
         """The last call's profile; ``None`` before the first profiled call and after a call that raised."""
         return self._last_profile
+
+    def get_last_continuous_stats(self) -> dict[str, Any] | None:
+        """DeepSpeed's statistics of the last continuous-batching call (``SamplingConfig.continuous_batch_size``
+        set), under its keys (``rollout/continuous_stats.py``); ``None`` before the first. Times and throughput are
+        ``None`` unless the call was profiled."""
+        return self._last_continuous_stats
 
     def get_last_timeline(self) -> list[Span] | None:
         """The last profiled call's spans (stages and forwards, start offsets from the call's start), for traces."""
@@ -130,7 +155,10 @@ class HybridEngineRollout(RolloutEngine):
         prompt_ids = request.prompt_ids.to(self.target.device)
         prompt_mask = request.prompt_attention_mask.to(self.target.device)
         if not self.cfg.enable_profiling:
-            return self._rollout(prompt_ids, prompt_mask, plan, NULL_RECORDER, logits_processor)[0]
+            batch, lengths = self._rollout(prompt_ids, prompt_mask, plan, NULL_RECORDER, logits_processor)
+            if plan.continuous_batch_size is not None:
+                self._last_continuous_stats = continuous_stats(self.strategy.last_stats, lengths, plan.prompt_length)
+            return batch
 
         memory = PeakMemory(self.target.device)
         memory.start()
@@ -151,7 +179,16 @@ class HybridEngineRollout(RolloutEngine):
             kv_workspace_bytes=self.strategy.workspace.nbytes if self.strategy.workspace is not None else None,
             weight_layout_bytes=self.strategy.linears.nbytes if hasattr(self.strategy, "linears") else None,
             workspace=self.strategy.workspace.last_event if self.strategy.workspace is not None else None)
+        if plan.continuous_batch_size is not None:
+            self._last_continuous_stats = continuous_stats(self.strategy.last_stats, lengths, plan.prompt_length,
+                                                           self._last_profile)
         return batch
+
+    def _width(self, lengths: torch.Tensor, plan: RolloutPlan) -> int:
+        """The batch's response columns: ``max_new_tokens`` (DeepSpeed's), or the longest response on any rank."""
+        if self.cfg.response_width == "max_new_tokens":
+            return plan.max_new_tokens
+        return agree_max([int(lengths.max())], lengths.device)[0]
 
     def _probes(self) -> PhaseProbes:
         probes = PhaseProbes(self._clock)
@@ -195,7 +232,7 @@ class HybridEngineRollout(RolloutEngine):
             P = plan.prompt_length
             eos = torch.tensor(plan.eos_token_ids, dtype=sequences.dtype, device=sequences.device)
             lengths = postprocess.response_lengths(sequences[:, P:], eos)
-            width = int(lengths.max())  # R: the longest response
+            width = self._width(lengths, plan)
             input_ids = postprocess.finalize_input_ids(sequences, P, lengths, width, plan.pad_token_id)
             with recorder.stage("attention_mask"):
                 attention_mask = postprocess.build_attention_mask(mask, lengths, width)

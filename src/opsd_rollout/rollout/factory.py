@@ -1,17 +1,19 @@
 """``build_rollout``: DeepSpeed's rollout factory, building ours.
 
 The signature, defaults and errors are those of ``deepspeed.runtime.rollout.build_rollout``, so a trainer that
-calls DeepSpeed's factory runs unchanged on this package. Where DeepSpeed's factory would pass extra keyword
-arguments by in silence, this one reads them as fields of our ``HybridEngineRolloutConfig`` and refuses any
-other name.
+calls DeepSpeed's factory runs unchanged on this package. Extra keyword arguments that are fields of our
+``HybridEngineRolloutConfig`` (or DeepSpeed's names for them) are applied; any other is ignored, as DeepSpeed's
+factory ignores it, with a warning that names it (DeepSpeedExamples' OPSD trainer passes ``student_model_path=``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Any
 
 from opsd_rollout.rollout.config import HybridEngineRolloutConfig
+from opsd_rollout.rollout.deepspeed_fields import NAMES as DEEPSPEED_NAMES
 from opsd_rollout.rollout.engine import HybridEngineRollout
 
 ENGINES = ("hybrid_engine",)
@@ -28,13 +30,14 @@ def build_rollout(rollout_cfg: Any, student_engine: Any = None, tokenizer: Any =
             mean this engine. DeepSpeed's fields map onto ours as ``HybridEngineRolloutConfig.from_any`` says.
         student_engine: the DeepSpeed engine (or transformers model) to roll out with.
         tokenizer: anything with ``pad_token_id`` and ``eos_token_id``.
-        **kwargs: fields of our ``HybridEngineRolloutConfig`` (``enable_profiling=True``, ``seed=0``, ...),
-            applied over what ``rollout_cfg`` says.
+        **kwargs: fields of our ``HybridEngineRolloutConfig`` (``enable_profiling=True``, ``seed=0``, ...) or
+            DeepSpeed's names for them (``use_graph_capture=True``), applied over what ``rollout_cfg`` says; any
+            other keyword is ignored with a warning (DeepSpeed's factory ignores it in silence).
 
     Raises:
         ValueError: an engine other than ``hybrid_engine`` ("Unknown rollout engine"), or a missing
             ``student_engine`` or ``tokenizer`` ("needs both"), as DeepSpeed's factory raises.
-        TypeError: ``rollout_cfg`` is ``None``, or a keyword is not a field of our config.
+        TypeError: ``rollout_cfg`` is ``None``.
     """
     if rollout_cfg is None:
         raise TypeError("rollout_cfg must be a rollout config (DeepSpeed's RolloutConfig or "
@@ -47,12 +50,13 @@ def build_rollout(rollout_cfg: Any, student_engine: Any = None, tokenizer: Any =
                    if value is None]
         raise ValueError(f"hybrid_engine rollout needs both student_engine and tokenizer; {' and '.join(missing)} "
                          "is None")
-    fields = {f.name for f in dataclasses.fields(HybridEngineRolloutConfig)}
-    unknown = sorted(set(kwargs) - fields)
-    if unknown:
-        raise TypeError(f"build_rollout() got keyword arguments that are not HybridEngineRolloutConfig fields: "
-                        f"{unknown}; the fields are {sorted(fields)}")
+    known = ({f.name for f in dataclasses.fields(HybridEngineRolloutConfig)} - {"deepspeed"}) | set(DEEPSPEED_NAMES)
+    ignored = sorted(set(kwargs) - known)
+    if ignored:
+        warnings.warn(f"build_rollout() ignores keyword arguments that are not HybridEngineRolloutConfig fields: "
+                      f"{ignored} (as DeepSpeed's factory does); the fields are {sorted(known)}", stacklevel=2)
     cfg = HybridEngineRolloutConfig.from_any(rollout_cfg)
-    if kwargs:
-        cfg = dataclasses.replace(cfg, **kwargs)  # validated again by the dataclass
+    changes = {name: value for name, value in kwargs.items() if name in known}
+    if changes:
+        cfg = cfg.replace(**changes)  # validated again by the dataclass
     return HybridEngineRollout(student_engine, tokenizer, cfg=cfg)

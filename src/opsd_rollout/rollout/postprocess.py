@@ -37,12 +37,16 @@ def response_valid(lengths: torch.Tensor, width: int) -> torch.Tensor:
 
 def finalize_input_ids(sequences: torch.Tensor, prompt_length: int, lengths: torch.Tensor, width: int,
                        pad_token_id: int) -> torch.Tensor:
-    """``[N, P + width]`` from the strategy's ``[N, P + R']`` output (``R' >= width``), in place: the prompt
-    as generated from (the prompt exactly as given), then each response padded after its first EOS.
+    """``[N, P + width]`` from the strategy's ``[N, P + R']`` output, in place: the prompt as generated from (the
+    prompt exactly as given), then each response padded after its first EOS, to ``width`` columns (wider than
+    ``R'`` when every row stopped early and the batch keeps DeepSpeed's ``max_new_tokens`` columns).
 
-    Writing into the generated tensor instead of concatenating a new one saves a full-batch copy; a
-    copy is made only when the batch is trimmed (``width < R'``), so the result is always contiguous.
+    Writing into the generated tensor instead of concatenating a new one saves a full-batch copy; a copy is made
+    only when the batch is trimmed (``width < R'``) or widened, so the result is always contiguous.
     """
+    generated = sequences.shape[1] - prompt_length
+    if width > generated:  # one allocation, the new columns padding already
+        sequences = torch.nn.functional.pad(sequences, (0, width - generated), value=pad_token_id)
     input_ids = sequences[:, :prompt_length + width]
     input_ids[:, prompt_length:].masked_fill_(~response_valid(lengths, width), pad_token_id)
     return input_ids.contiguous()

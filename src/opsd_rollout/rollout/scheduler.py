@@ -127,6 +127,11 @@ class RowScheduler:
         return used
 
     @property
+    def occupied(self) -> int:
+        """Slots holding a row (admitted and not retired)."""
+        return sum(row is not None for row in self.row_of[:self.active])
+
+    @property
     def done(self) -> bool:
         """No row pending and none in a slot."""
         return not self.pending and all(row is None for row in self.row_of[:self.active])

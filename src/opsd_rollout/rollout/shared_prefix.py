@@ -233,10 +233,12 @@ class SharedPrefix:
         """Request row ``row``'s query place: its prompt's prefix slot times n, plus its sample index."""
         return self.slot_of[row // self.n] * self.n + row % self.n
 
-    def compact(self, rows: list[int | None]) -> None:
+    def compact(self, rows: list[int | None]) -> int:
         """The decode batch compacted (no row is pending): its slots now hold request ``rows`` in order (``None``:
         a finished row kept as filler). The prompts with a live row move to the store's first prefix slots, as
-        many as the size bucket of their count (the rest filler), and the prefix part reads those only."""
+        many as the size bucket of their count (the rest filler), and the prefix part reads those only. Returns
+        the bytes of keys/values moved."""
+        moved_bytes = 0
         live = list(dict.fromkeys(row // self.n for row in rows if row is not None))
         if self.narrow:
             old = [self.slot_of[prompt] for prompt in live]
@@ -250,6 +252,7 @@ class SharedPrefix:
             for keys, values in zip(self.store.keys, self.store.values):
                 for buffer in (keys, values):
                     buffer[:size] = buffer.index_select(0, index)
+                    moved_bytes += buffer[:size].numel() * buffer.element_size()
             self.store.mask[:size] = self.store.mask.index_select(0, index)
             # every slot's, as ``assign`` makes it: one shape, whichever slots a call ends up reading
             self._bias = additive_mask(self.store.mask[:, None, None, :], self.store.keys[0].dtype)
@@ -262,6 +265,7 @@ class SharedPrefix:
             [sink if row is None else self._place(row) for row in rows],
             dtype=torch.int64, device=self.slot_index.device)
         self.identity = False
+        return moved_bytes
 
     # ---- decoding ---------------------------------------------------------------------------------------------
 

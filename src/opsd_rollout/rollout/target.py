@@ -13,8 +13,8 @@ from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.runtime.hybrid_engine import DeepSpeedHybridEngine
 from packaging.version import Version
 
-from opsd_rollout.distributed import rank_info
-from opsd_rollout.modeling import ModelSpec, innermost_model
+from opsd_rollout.distributed import partitioned, rank_info
+from opsd_rollout.modeling import ModelSpec, device_of, innermost_model
 
 
 @dataclass(frozen=True)
@@ -104,6 +104,12 @@ def _eos_ids(value: Any) -> tuple[int, ...]:
     return tuple(int(v) for v in value)
 
 
+def is_causal_lm(obj: Any) -> bool:
+    """A module that generates itself: a transformers causal LM, or a PEFT wrapper of one."""
+    return isinstance(obj, torch.nn.Module) and callable(getattr(obj, "generate", None)) and \
+        getattr(innermost_model(obj), "config", None) is not None
+
+
 def resolve_target(engine_or_model: Any) -> RolloutTarget:
     """Inspect ``engine_or_model`` once; raises ``TypeError`` for anything that cannot generate."""
     if isinstance(engine_or_model, DeepSpeedEngine):
@@ -112,14 +118,22 @@ def resolve_target(engine_or_model: Any) -> RolloutTarget:
         hybrid = isinstance(engine_or_model, DeepSpeedHybridEngine)
         device = torch.device(engine_or_model.device)
         generate_fn = engine_or_model.generate if hybrid else model.generate
+    elif is_causal_lm(engine_or_model):
+        model, zero_stage, hybrid = engine_or_model, 0, False
+        device, generate_fn = device_of(model), model.generate
+    elif isinstance(getattr(engine_or_model, "module", None), torch.nn.Module):
+        # what DeepSpeed's rollout reads an engine as: anything whose ``.module`` is the model (a wrapper of
+        # DeepSpeed's engine, a user's own, DDP)
+        model, hybrid = engine_or_model.module, False
+        stage = getattr(engine_or_model, "zero_optimization_stage", None)
+        zero_stage = int(stage()) if callable(stage) else 3 if partitioned(model) else 0
+        device, generate_fn = device_of(model), getattr(model, "generate", None)
     elif isinstance(engine_or_model, torch.nn.Module):
         model, zero_stage, hybrid = engine_or_model, 0, False
-        param = next(model.parameters(), None)
-        device = param.device if param is not None else torch.device("cpu")
-        generate_fn = getattr(model, "generate", None)
+        device, generate_fn = device_of(model), getattr(model, "generate", None)
     else:
-        raise TypeError("engine must be a DeepSpeed engine or a transformers causal LM (torch.nn.Module); "
-                        f"got {type(engine_or_model).__name__}")
+        raise TypeError("engine must be a DeepSpeed engine or a transformers causal LM (a torch.nn.Module, or any "
+                        f"object whose .module is one); got {type(engine_or_model).__name__}")
     forward_module = innermost_model(model)
     if not callable(generate_fn) or getattr(forward_module, "config", None) is None:
         raise TypeError(f"engine's model {type(model).__name__} is not a transformers causal LM (it needs a config "

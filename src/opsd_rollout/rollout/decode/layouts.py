@@ -114,24 +114,38 @@ class KVLayout:
 
     # ---- compaction ----------------------------------------------------------------------------------------------
 
-    def compact(self, order: list[int], width: int) -> None:
+    def compact(self, order: list[int], width: int) -> int:
         """Slots ``order`` become the first ``len(order)`` (the scheduler's ``row_of`` already says so): their
-        keys/values over the ``width`` columns written, masks and fronts move in place."""
+        keys/values over the ``width`` columns written, masks and fronts move in place. Returns the bytes of
+        keys/values moved."""
         device = self.prompt_ids.device
         index = torch.tensor(order, dtype=torch.int64, device=device)
         width = self.front.length if self.front.whole else min(self.front.length, width)
         # only live rows that change slot (a filler row's keys/values are never read)
         moves = [(slot, source) for slot, (source, row) in enumerate(zip(order, self.scheduler.row_of))
                  if row is not None and slot != source]
+        moved = 0
         if moves:
             dst = torch.tensor([d for d, _ in moves], dtype=torch.int64, device=device)
             src = torch.tensor([s for _, s in moves], dtype=torch.int64, device=device)
             for layer in self.cache.layers:
                 for buffer in (layer.keys, layer.values):
                     buffer[dst, :, :width] = buffer[src, :, :width]
+                    moved += len(moves) * buffer[0, :, :width].numel() * buffer.element_size()
         self.front.columns[:len(order)] = self.front.columns.index_select(0, index)
         if self.mask is not None:
             self.mask[:len(order)] = self.mask.index_select(0, index)
+        return moved
+
+    @property
+    def positions(self) -> int:
+        """Key/value positions one row can span: its slot's columns."""
+        return self.front.length
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of this rollout's key/value cache (the slots)."""
+        return sum(t.numel() * t.element_size() for layer in self.cache.layers for t in (layer.keys, layer.values))
 
     def shape_key(self) -> tuple:
         """The sizes a compiled decode step's graph depends on besides its batch."""
@@ -227,9 +241,19 @@ class SharedPrefixLayout(KVLayout):
         self.prefix.check_step()
         super().step_done(moved)
 
-    def compact(self, order: list[int], width: int) -> None:
-        super().compact(order, width)
-        self.prefix.compact(self.scheduler.row_of[:len(order)])
+    def compact(self, order: list[int], width: int) -> int:
+        return super().compact(order, width) + self.prefix.compact(self.scheduler.row_of[:len(order)])
+
+    @property
+    def positions(self) -> int:
+        """A row's slot columns plus its prompt's positions in the prefix store."""
+        return super().positions + self.prefix.store.mask.shape[1]
+
+    @property
+    def nbytes(self) -> int:
+        """The slots and the prefix store."""
+        store = self.prefix.store
+        return super().nbytes + sum(t.numel() * t.element_size() for t in (*store.keys, *store.values))
 
     def shape_key(self) -> tuple:
         return super().shape_key() + self.prefix.shape_key()

@@ -61,7 +61,9 @@ class DecodeLoop:
         self.step_count = 0
 
     def run(self) -> torch.Tensor:
-        self.admit(self.scheduler.admit(0), first=True)
+        with self.recorder.phase("scheduler"):
+            admissions = self.scheduler.admit(0)
+        self.admit(admissions, first=True)
         while True:
             if self.checks and (self.step_count + 1) % self.check_every == 0 and self.check():  # every k tokens
                 break
@@ -87,6 +89,7 @@ class DecodeLoop:
         logits = self.forward(active, mask, attention)
         self.layout.step_done(moved=not idle)
         self.stats.forwards += 1
+        self.stats.decode_steps += 1
         self.stats.row_steps += active
         self.step_count += 1
         if idle:
@@ -145,15 +148,17 @@ class DecodeLoop:
         the rollout is done (on every rank)."""
         scheduler = self.scheduler
         live = self.state.running[:scheduler.active].tolist()
-        scheduler.retire(live)
-        admissions = scheduler.admit(self.step_count) if scheduler.pending else []
+        with self.recorder.phase("scheduler"):
+            scheduler.retire(live)
+            admissions = scheduler.admit(self.step_count) if scheduler.pending else []
         done, anyone_admits = self.lockstep.agree(scheduler.done and not admissions, bool(admissions))
         if done:
             return True
         if anyone_admits:
             self.admit(admissions)
         elif self.compact_rows:
-            order = scheduler.compaction(live)
+            with self.recorder.phase("scheduler"):
+                order = scheduler.compaction(live)
             if order is not None:
                 with self.recorder.phase("compaction"):
                     self.compact(order)
@@ -161,7 +166,7 @@ class DecodeLoop:
 
     def compact(self, order: list[int]) -> None:
         """Rows ``order`` become the batch's first ``len(order)`` slots."""
-        self.layout.compact(order, self.written_width() + 1)
+        self.stats.compacted_bytes += self.layout.compact(order, self.written_width() + 1)
         self.state.compact(torch.tensor(order, dtype=torch.int64, device=self.prompt_ids.device))
         self.stats.compactions += 1
 
@@ -182,7 +187,9 @@ class DecodeLoop:
             self.prompt_logits.update(zip(prompts, logits))
         else:  # every prompt already prefilled here; other ranks may prefill
             self.join_prefill()
-        self.layout.place(admissions, first)
+        with self.recorder.phase("kv_placement"):
+            self.layout.place(admissions, first)
+        self.stats.peak_active_rows = max(self.stats.peak_active_rows, self.scheduler.occupied)
         if not first:
             self.stats.admission_rounds += 1
         self.start_rows(admissions)

@@ -25,6 +25,16 @@ class DecodeStats:
     slots: int = 0
     """Rows the decode batch could hold (``continuous_batch_size``, or every row)."""
     forwards: int = 0
+    decode_steps: int = 0
+    """Decode forwards (one token per row in the batch)."""
+    peak_active_rows: int = 0
+    """The most rows decoding at once (admitted and not finished)."""
+    cache_capacity: int | None = None
+    """Key/value positions one row can span: its slot's columns, plus its prompt's in the prefix store."""
+    cache_bytes: int | None = None
+    """Bytes of this rollout's key/value cache: its slots, and the prefix store in the shared-prefix layout."""
+    compacted_bytes: int = 0
+    """Bytes of keys/values compactions moved (live rows to the front of the batch, their prompts in the store)."""
     compiled_graphs: int = 0
     """Graphs the compiled decode step compiled during this rollout (new shapes; 0 once every bucket was seen), and
     any compiled inside a decode step on a shape seen before (a failing guard, warned)."""

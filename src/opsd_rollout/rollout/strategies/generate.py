@@ -51,7 +51,8 @@ class TransformersGenerate:
                                        logits_processor=processors)
         rows, steps = prompt_ids.shape[0], sequences.shape[1] - prompt_ids.shape[1]
         # every row is computed at every step until the last one finishes
-        self.last_stats = DecodeStats(row_steps=rows * steps, slots=rows, forwards=steps)
+        self.last_stats = DecodeStats(row_steps=rows * steps, slots=rows, forwards=steps, decode_steps=steps - 1,
+                                      peak_active_rows=rows)
         return sequences
 
     def prepare(self, target: RolloutTarget) -> None:

@@ -96,7 +96,8 @@ class StaticDecode:
                              f"{P + plan.max_new_tokens} columns")
         compiled = self.compiled is not None and not plan.layerwise_gather  # DeepSpeed's per-layer hooks: eager
         layout = self._layout(target, prompt_ids, prompt_mask, plan, compiled)
-        stats = DecodeStats(slots=layout.scheduler.slots, kv_layout=layout.name)
+        stats = DecodeStats(slots=layout.scheduler.slots, kv_layout=layout.name, cache_capacity=layout.positions,
+                            cache_bytes=layout.nbytes)
         self.last_stats = stats
         transposed = self._transposed_weights(target, plan, layout.scheduler.slots)
         stats.weight_layout = "transposed" if transposed else "model"
