@@ -97,5 +97,6 @@ def test_a_zero3_teacher_stays_in_lockstep_and_caches_what_a_replicated_teacher_
         for mode in ("full", "topk", "sampled"):
             assert rank[mode]["max_difference"] < 1e-5 and rank[mode]["indices_equal"], (rank["rank"], mode, rank[mode])
         assert rank["parameter_bytes"] <= 0.55 * rank["replicated_bytes"]
-    assert ranks[0]["sampled"]["shape"] == [5, 3] and ranks[1]["sampled"]["shape"] == [1, 11]
+    # the cache covers the columns holding tokens: rank 1's one row ended a column early
+    assert ranks[0]["sampled"]["shape"] == [5, 3] and ranks[1]["sampled"]["shape"] == [1, 10]
     assert ranks[0]["sampled"]["bytes"] == 4 * 5 * 3
