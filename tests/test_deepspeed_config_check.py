@@ -10,8 +10,8 @@ import logging
 import pytest
 
 from opsd_rollout.deepspeed_config import check_deepspeed_config, known_keys, refusal
-from opsd_rollout.opsd.train import TrainConfig
-from opsd_rollout.opsd.train.setup import deepspeed_config_of
+from opsd_rollout.train import TrainConfig
+from opsd_rollout.train.setup import deepspeed_config_of
 
 MONITORS = {"tensorboard": {"enabled": True, "output_path": "runs/tb", "job_name": "opsd"},
             "wandb": {"enabled": True, "project": "opsd"},
@@ -115,7 +115,7 @@ def test_a_valid_config_with_monitors_passes_without_a_word(caplog):
 
 
 def test_a_bad_config_is_refused_before_any_model_loads(tmp_path, monkeypatch):
-    from opsd_rollout.opsd.train import setup, train
+    from opsd_rollout.train import setup, train
 
     monkeypatch.setattr(setup, "load_model", lambda *a, **k: pytest.fail("loaded a model"))
     with pytest.raises(ValueError, match="^deepspeed config: zero_optimization.stage: 7 is not allowed"):

@@ -12,8 +12,8 @@ import torch
 
 from opsd_rollout.cli import main
 from opsd_rollout.models import byte_tokenizer
-from opsd_rollout.opsd.train import Example, TrainConfig, read_examples, train
-from opsd_rollout.opsd.train.data import Encoder, batch_indices
+from opsd_rollout.train import Example, TrainConfig, read_examples, train
+from opsd_rollout.train.data import Encoder, batch_indices
 
 TINY = dict(student="llama-tiny", teacher="qwen2-tiny", prompts_per_micro_batch=2, max_new_tokens=8,
             eval_prompts=4, eval_every=2, progress=False, lr=1e-3)
@@ -151,7 +151,7 @@ def test_off_policy_steps_train_on_the_references_when_there_are_some(tmp_path):
 def test_sft_is_the_cross_entropy_on_the_references(tmp_path):
     from opsd_rollout.deepspeed_engine import build_engine
     from opsd_rollout.models import load_model
-    from opsd_rollout.opsd.train import sft_step
+    from opsd_rollout.train import sft_step
 
     model, tokenizer = load_model("llama-tiny")
     batch = Encoder(tokenizer, max_prompt_tokens=64, max_reference_tokens=8).with_references(
@@ -197,7 +197,7 @@ def test_distillation_brings_the_student_closer_to_the_teacher(tmp_path, confide
 
 
 def test_ctrl_c_saves_a_checkpoint_and_leaves_valid_files(tmp_path, monkeypatch):
-    from opsd_rollout.opsd.train import loop
+    from opsd_rollout.train import loop
 
     calls, step = [], loop.opsd_step
 
@@ -222,7 +222,7 @@ def test_metrics_reach_deepspeeds_csv_monitor_and_tensorboard(tmp_path):
     pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from opsd_rollout.opsd.train.setup import deepspeed_config_of
+    from opsd_rollout.train.setup import deepspeed_config_of
 
     ds = deepspeed_config_of(TrainConfig(output_dir="", steps=1, **TINY))
     ds["csv_monitor"] = {"enabled": True, "output_path": str(tmp_path / "csv"), "job_name": "run"}
@@ -253,7 +253,7 @@ def test_metrics_reach_deepspeeds_csv_monitor_and_tensorboard(tmp_path):
     (dict(objective="sft", prompts="NOREFS"), "objective sft trains on references"),
 ])
 def test_bad_input_is_refused_before_any_work(tmp_path, monkeypatch, change, message):
-    from opsd_rollout.opsd.train import loop
+    from opsd_rollout.train import loop
 
     monkeypatch.setattr(loop, "build_student_engine", lambda *a: pytest.fail("reached the engine"))
     monkeypatch.chdir(tmp_path)

@@ -88,8 +88,8 @@ def add_train_parser(sub: Any, common: argparse.ArgumentParser) -> argparse.Argu
 def run_train(args: argparse.Namespace) -> int:
     from transformers.utils import logging as transformers_logging
 
-    from opsd_rollout.opsd.train import TrainConfig, train  # heavy: see the module docstring
-    from opsd_rollout.opsd.train.default import default_run
+    from opsd_rollout.train import TrainConfig, train  # heavy: see the module docstring
+    from opsd_rollout.train.default import default_run
 
     transformers_logging.disable_progress_bar()  # loading and saving checkpoints: our progress line says enough
 

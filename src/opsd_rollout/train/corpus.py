@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import hashlib
 
-from opsd_rollout.opsd.train.data import Example
+from opsd_rollout.train.data import Example
 
 HELD_OUT_EVERY = 10
 """One topic in this many (by a hash of its name, stable across Pythons) is held out."""

@@ -17,8 +17,8 @@ from opsd_rollout.distributed import agree_max, partitioned
 from opsd_rollout.modeling import position_ids, text_config
 from opsd_rollout.opsd.divergence import DivergenceConfig, token_divergence
 from opsd_rollout.opsd.targets import response_targets
-from opsd_rollout.opsd.train.data import Encoder, Example
-from opsd_rollout.opsd.train.sft import cross_entropy_sum
+from opsd_rollout.train.data import Encoder, Example
+from opsd_rollout.train.sft import cross_entropy_sum
 
 REVERSE_KL = DivergenceConfig(loss="reverse_kl")
 LOGITS_BUDGET = 64 * 2**20

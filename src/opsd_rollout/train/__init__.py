@@ -1,8 +1,8 @@
 """Training with the OPSD step: ``train(TrainConfig(...))`` (``opsd-rollout train``), a loop from a prompt file
 to a checkpoint, with held-out evaluation, metrics where users look and exact resume."""
 
-from opsd_rollout.opsd.train.data import Example, read_examples
-from opsd_rollout.opsd.train.loop import TrainConfig, TrainResult, train
-from opsd_rollout.opsd.train.sft import sft_step
+from opsd_rollout.train.data import Example, read_examples
+from opsd_rollout.train.loop import TrainConfig, TrainResult, train
+from opsd_rollout.train.sft import sft_step
 
 __all__ = ["Example", "TrainConfig", "TrainResult", "read_examples", "sft_step", "train"]

@@ -15,7 +15,7 @@ from opsd_rollout.deepspeed_config import check_deepspeed_config, refusal
 from opsd_rollout.modeling import max_positions_of, text_config
 from opsd_rollout.models import load_model, model_config
 from opsd_rollout.presets import PRESETS
-from opsd_rollout.opsd.train.data import Example
+from opsd_rollout.train.data import Example
 
 HELD_OUT_EVERY = 10
 """A prompt file's every tenth example is held out (files of fewer than ten evaluate on their training prompts)."""
@@ -66,7 +66,7 @@ def load_models(config: Any) -> Models:
 def split_examples(config: Any, examples: list[Example] | None) -> tuple[list[Example], list[Example]]:
     """(train, held-out): the built-in corpus's own split when ``examples`` is ``None``."""
     if examples is None:
-        from opsd_rollout.opsd.train.corpus import corpus_examples
+        from opsd_rollout.train.corpus import corpus_examples
 
         return corpus_examples(reference_chars=config.max_new_tokens)
     if len(examples) < HELD_OUT_EVERY:

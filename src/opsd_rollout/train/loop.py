@@ -24,12 +24,12 @@ from opsd_rollout.bench.report import write_text_atomic
 from opsd_rollout.opsd.divergence import LOSSES, DivergenceConfig
 from opsd_rollout.opsd.step import check_pairing, opsd_step
 from opsd_rollout.opsd.teacher import CACHE_MODES, TeacherCacheConfig
-from opsd_rollout.opsd.train.checkpoint import find_checkpoint, save_model
-from opsd_rollout.opsd.train.data import Encoder, Example, batch_indices
-from opsd_rollout.opsd.train.evaluate import evaluate
-from opsd_rollout.opsd.train.report import MetricsLog, Progress, monitor_events, plot_eval, step_record
-from opsd_rollout.opsd.train.setup import Models, build_student_engine, load_models, split_examples
-from opsd_rollout.opsd.train.sft import sft_step
+from opsd_rollout.train.checkpoint import find_checkpoint, save_model
+from opsd_rollout.train.data import Encoder, Example, batch_indices
+from opsd_rollout.train.evaluate import evaluate
+from opsd_rollout.train.report import MetricsLog, Progress, monitor_events, plot_eval, step_record
+from opsd_rollout.train.setup import Models, build_student_engine, load_models, split_examples
+from opsd_rollout.train.sft import sft_step
 
 logger = logging.getLogger(__name__)
 
@@ -316,7 +316,7 @@ class _Run:
 def train(config: TrainConfig) -> TrainResult:
     """Run ``config``: every input checked before any model work, then the loop. Ctrl-C saves a checkpoint and
     returns with ``interrupted`` set."""
-    from opsd_rollout.opsd.train.data import read_examples
+    from opsd_rollout.train.data import read_examples
 
     if config.resume is not None:
         find_checkpoint(config.resume)  # before any work: a directory without a checkpoint is refused

@@ -15,7 +15,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-from opsd_rollout.opsd.train.loop import TrainConfig, TrainResult, train
+from opsd_rollout.train.loop import TrainConfig, TrainResult, train
 
 TEACHER = TrainConfig(output_dir="", objective="sft", student="llama-mini", steps=800, prompts_per_micro_batch=16,
                       lr=1e-3, eval_every=100, eval_prompts=64, max_new_tokens=32)
