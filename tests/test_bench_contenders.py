@@ -21,7 +21,8 @@ from opsd_rollout.bench.contenders import knob_notes, set_baselines
 from opsd_rollout.bench.matrix import Matrix
 from opsd_rollout.bench.prompts import rollout_inputs
 from opsd_rollout.bench.report import load_document, load_schema, results_of
-from opsd_rollout.bench.runner import BenchRunner, EnginePool
+from opsd_rollout.bench.engines import EnginePool
+from opsd_rollout.bench.runner import BenchRunner
 from opsd_rollout.bench.scenarios import RolloutConfig, RolloutScenario, RolloutSettings
 from opsd_rollout.bench.upstream import real_response_tokens
 from opsd_rollout.cli import main

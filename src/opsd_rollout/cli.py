@@ -24,7 +24,8 @@ from rich.table import Table
 from opsd_rollout import __version__, checks
 from opsd_rollout.bench.configfile import read_config_file, split_config
 from opsd_rollout.bench.matrix import Matrix
-from opsd_rollout.bench.report import load_document, write_text_atomic
+from opsd_rollout.bench.report import load_document
+from opsd_rollout.files import write_text_atomic
 from opsd_rollout.bench.tables import PhraseText
 from opsd_rollout.bench.scenarios import KernelsScenario, RolloutScenario, Scenario, StepScenario
 from opsd_rollout.cli_bench import add_bench_flags

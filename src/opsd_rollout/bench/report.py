@@ -6,13 +6,13 @@ from __future__ import annotations
 import json
 import math
 import os
-import tempfile
 from dataclasses import asdict, dataclass, field
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
 from opsd_rollout.bench.stats import Stats, is_number
+from opsd_rollout.files import write_text_atomic
 
 SCHEMA_VERSION = 4
 """4: contenders and knobs: the ``strategies`` axis also takes ``deepspeed``; the knob axes ``continuous_batch_sizes``,
@@ -85,27 +85,6 @@ class ConfigResult:
     def spread_flag(self) -> str:
         """``*`` when a spread warning was given (the table marks it; the warning says why)."""
         return "*" if any(w.startswith("total_ms spread") for w in self.warnings) else ""
-
-
-def write_text_atomic(path: str | os.PathLike, text: str) -> None:
-    """Write to a temporary file in the same folder, fsync, then rename over ``path``: a reader (or a crash)
-    sees the old file or the new one, never half of one."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; give the file the permissions open() would
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
 
 
 def write_json_atomic(path: str | os.PathLike, document: dict[str, Any]) -> None:

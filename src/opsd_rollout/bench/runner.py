@@ -3,17 +3,16 @@ writes the result file atomically after every config, and resumes an interrupted
 
 from __future__ import annotations
 
-import gc
 import os
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from opsd_rollout.bench.contenders import has_contenders, set_baselines, workload_groups
+from opsd_rollout.bench.engines import EnginePool
 from opsd_rollout.bench.environment import environment_block, measure_ceilings
 from opsd_rollout.bench.matrix import Matrix, run_order
 from opsd_rollout.bench.ranks import gather_from_ranks, merge_iterations, stage_skew
@@ -22,13 +21,10 @@ from opsd_rollout.bench.scenarios.base import Measurement
 from opsd_rollout.bench.stability import (Interference, InterferenceMonitor, Warmup, merge_interference,
                                           spread_warning, warm_up)
 from opsd_rollout.bench.threads import share_cores
-from opsd_rollout.bench.workload import WorkloadRollout
-from opsd_rollout.deepspeed_engine import DEFAULT_COLLECTIVE_TIMEOUT_S, build_engine, build_inference_engine, init_distributed
+from opsd_rollout.deepspeed_engine import DEFAULT_COLLECTIVE_TIMEOUT_S, init_distributed
 from opsd_rollout.distributed import rank_info
 from opsd_rollout.modeling import ModelSpec
-from opsd_rollout.models import load_model, parse_dtype
-from opsd_rollout.presets import PRESETS
-from opsd_rollout.rollout import HybridEngineRollout, HybridEngineRolloutConfig
+from opsd_rollout.models import parse_dtype
 
 
 class RankFailure(RuntimeError):
@@ -49,76 +45,6 @@ def dtype_unsupported(device: torch.device, dtype: torch.dtype) -> str | None:
     if device.type == "cuda" and dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported():
         return f"{torch.cuda.get_device_name(device)} does not support bf16"
     return None
-
-
-@dataclass
-class BuiltEngine:
-    """The model built for one ``engine_key`` (dtype, ZeRO stage), with its tokenizer, facts and rollouts."""
-
-    engine: Any
-    tokenizer: Any
-    spec: ModelSpec
-    """Read before any wrapper (ZeRO-3 empties parameters)."""
-    rollouts: dict[tuple, Any] = field(default_factory=dict)
-    """The contenders built on it, by their knobs."""
-
-
-class EnginePool:
-    """Keeps one engine alive at a time (the one the current config needs), and frozen models (teachers)
-    per (name, dtype)."""
-
-    def __init__(self, model: str, device: torch.device, *, lr: float = 1e-4, rank: int = 0):
-        self.model, self.device, self.lr, self.rank = model, device, lr, rank
-        self._key: tuple | None = None
-        self._current: BuiltEngine | None = None
-        self._frozen: dict[tuple[str, str], Any] = {}
-
-    def frozen(self, name: str, dtype: str, zero_stage: int = 0) -> Any:
-        """``name`` in ``dtype``, without gradients, loaded once (the frozen teacher of an OPSD step); at
-        ``zero_stage`` 3 a DeepSpeed inference engine, its parameters partitioned across the ranks."""
-        key = (name, dtype, zero_stage)
-        if key not in self._frozen:
-            # a preset teacher that is also the student gets other random weights: the same would make the loss 0
-            seed = 1 if name == self.model and name in PRESETS else None
-            model = load_model(name, dtype=dtype, device=self.device, seed=seed)[0].requires_grad_(False)
-            self._frozen = {key: build_inference_engine(model, 3) if zero_stage == 3 else model}
-        return self._frozen[key]
-
-    def get(self, config: Any) -> BuiltEngine:
-        if self._key != config.engine_key:
-            self.close()
-            model, tokenizer = load_model(self.model, dtype=config.dtype, device=self.device)
-            spec = ModelSpec.of(model)
-            engine = model if config.zero_stage == "none" else build_engine(model, int(config.zero_stage), lr=self.lr)
-            self._key, self._current = config.engine_key, BuiltEngine(engine, tokenizer, spec)
-        return self._current
-
-    def rollout(self, config: Any) -> tuple[Any, BuiltEngine]:
-        """The config's contender on the current engine, built once per its knobs: our rollout (the workload's
-        lengths through ``WorkloadRollout``) or DeepSpeed's (``bench/upstream.py``: forced inside its generate)."""
-        built = self.get(config)
-        key = (config.lengths, config.strategy, tuple(sorted(config.rollout_fields.items())))
-        if key not in built.rollouts:
-            if config.strategy == "deepspeed":
-                from opsd_rollout.bench.upstream import DeepSpeedRollout  # DeepSpeed's rollout: only when named
-
-                built.rollouts[key] = DeepSpeedRollout(built.engine, built.tokenizer, config.lengths)
-            else:
-                cfg = HybridEngineRolloutConfig.from_flat(enable_profiling=True, **config.rollout_fields)
-                rollout = HybridEngineRollout(built.engine, built.tokenizer, cfg)
-                # the workload's response lengths, forced alike on every engine by the bench's own hook
-                built.rollouts[key] = WorkloadRollout(rollout, config.lengths, rollout.eos_token_ids)
-        return built.rollouts[key], built
-
-    def close(self) -> None:
-        if self._current is not None:
-            for rollout in self._current.rollouts.values():
-                rollout.shutdown()
-        self._key = self._current = None
-        self._frozen = {}
-        gc.collect()
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
 
 
 Progress = Callable[[str, Any, int], None]

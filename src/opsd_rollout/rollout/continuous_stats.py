@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from opsd_rollout.rollout.strategies.base import DecodeStats
+from opsd_rollout.rollout.decode.stats import DecodeStats
 
 KEYS = ("cache_capacity", "peak_cache_length", "cache_memory_bytes", "trim_count", "trimmed_columns",
         "trim_latency_ms", "decode_steps", "end_to_end_ms", "tokens_per_second", "trim_bytes_moved",

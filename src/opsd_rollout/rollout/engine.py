@@ -177,7 +177,7 @@ class HybridEngineRollout(RolloutEngine):
             zero_stage=self.target.zero_stage, world_size=self.target.world_size, rank=self.target.rank,
             timer=self._clock.kind, decode_stats=self.strategy.last_stats, lengths=lengths,
             kv_workspace_bytes=self.strategy.workspace.nbytes if self.strategy.workspace is not None else None,
-            weight_layout_bytes=self.strategy.linears.nbytes if hasattr(self.strategy, "linears") else None,
+            weight_layout_bytes=self.strategy.weight_layout_bytes,
             workspace=self.strategy.workspace.last_event if self.strategy.workspace is not None else None)
         if plan.continuous_batch_size is not None:
             self._last_continuous_stats = continuous_stats(self.strategy.last_stats, lengths, plan.prompt_length,

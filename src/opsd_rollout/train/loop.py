@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from opsd_rollout import checks
-from opsd_rollout.bench.report import write_text_atomic
+from opsd_rollout.files import write_text_atomic
 from opsd_rollout.opsd.divergence import LOSSES, DivergenceConfig
 from opsd_rollout.opsd.step import check_pairing, opsd_step
 from opsd_rollout.opsd.teacher import CACHE_MODES, TeacherCacheConfig

@@ -14,7 +14,7 @@ from typing import Any
 
 import psutil
 
-from opsd_rollout.bench.report import write_text_atomic
+from opsd_rollout.files import write_text_atomic
 from opsd_rollout.metrics import STEP_STAGES
 
 ROLLOUT_STAGES = ("prompt_expansion_ms", "prefill_ms", "decode_ms", "post_processing_ms", "param_gather_ms",

@@ -19,7 +19,7 @@ from opsd_rollout.presets import DEFAULT_MODEL
 
 if TYPE_CHECKING:
     from opsd_rollout.bench.report import ConfigResult
-    from opsd_rollout.bench.runner import EnginePool
+    from opsd_rollout.bench.engines import EnginePool
     from opsd_rollout.profiling.recorder import Span
 
 

@@ -28,7 +28,7 @@ from opsd_rollout.rollout.decode.steps import prefill
 from opsd_rollout.rollout.processors import RowLogitsProcessor
 from opsd_rollout.rollout.sampling import precise_dtype, sample
 from opsd_rollout.rollout.scheduler import Admission, RowScheduler
-from opsd_rollout.rollout.strategies.base import DecodeStats
+from opsd_rollout.rollout.decode.stats import DecodeStats
 from opsd_rollout.rollout.validation import RolloutPlan
 from opsd_rollout.rollout.workspace import check_written
 

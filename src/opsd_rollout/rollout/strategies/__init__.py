@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from opsd_rollout.rollout.strategies.base import DecodeStats, GenerationStrategy
+from opsd_rollout.rollout.decode.stats import DecodeStats
+from opsd_rollout.rollout.strategies.base import GenerationStrategy
 from opsd_rollout.rollout.strategies.generate import TransformersGenerate
 from opsd_rollout.rollout.strategies.static import StaticDecode
 

@@ -8,7 +8,7 @@ import torch
 from transformers import GenerationConfig, LogitsProcessorList
 
 from opsd_rollout.rollout.processors import RowLogitsProcessor
-from opsd_rollout.rollout.strategies.base import DecodeStats
+from opsd_rollout.rollout.decode.stats import DecodeStats
 from opsd_rollout.rollout.target import RolloutTarget
 from opsd_rollout.rollout.validation import RolloutPlan
 
@@ -60,6 +60,11 @@ class TransformersGenerate:
 
     def release_workspace(self) -> None:
         """generate keeps no workspace of its own between calls."""
+
+    @property
+    def weight_layout_bytes(self) -> None:
+        """generate multiplies by the model's own weights."""
+        return None
 
     def probe_points(self) -> list[tuple[Any, str, str]]:
         return []

@@ -25,7 +25,7 @@ from opsd_rollout.rollout.processors import RowLogitsProcessor
 from opsd_rollout.rollout.scheduler import RowScheduler
 from opsd_rollout.rollout.shared_prefix import (SharedPrefix, install, installed, prefix_slots,
                                                 shared_prefix_problem, slots_within)
-from opsd_rollout.rollout.strategies.base import DecodeStats
+from opsd_rollout.rollout.decode.stats import DecodeStats
 from opsd_rollout.rollout.target import RolloutTarget
 from opsd_rollout.rollout.validation import RolloutPlan
 from opsd_rollout.rollout.weight_layout import TransposedLinears
@@ -182,6 +182,11 @@ class StaticDecode:
                                  f"over {length + prompt_length} positions take {need} bytes")
             slots = fit
         return slots
+
+    @property
+    def weight_layout_bytes(self) -> int:
+        """The CPU weight copies held after the call (0 when none are)."""
+        return self.linears.nbytes
 
     def probe_points(self) -> list[tuple[Any, str, str]]:
         return [(self.workspace, "allocate", "workspace_alloc")]
