@@ -29,7 +29,6 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -37,22 +36,10 @@ import torch.nn.functional as F
 
 from opsd_rollout.modeling import logit_transform
 from opsd_rollout.opsd.divergence import DivergenceConfig
+from opsd_rollout.opsd.head_chunks import HeadGrads, HeadOptions, rows_on
 
 CHUNK_BYTES = 32 << 20
 """Default size of one float32 intermediate of a chunk (see ``DivergenceConfig.fused_chunk_tokens``)."""
-
-
-@dataclass(frozen=True)
-class _Options:
-    beta: float
-    temperature: float
-    clip: float | None
-    scale: float
-    cap: float | None
-    chunk_tokens: int
-    dtype: torch.dtype
-    """What the divergence computes in: float32, or float64 for a float64 head (as ``token_divergence``)."""
-
 
 _TINY = torch.finfo(torch.float32).tiny  # the mixture's floor: log(0) would turn 0 * (-inf) into NaN
 
@@ -103,7 +90,7 @@ def _student_logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
 
 
 def _chunk(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, teacher: torch.Tensor,
-           indices: torch.Tensor | None, options: _Options,
+           indices: torch.Tensor | None, options: HeadOptions,
            need_grad: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """One chunk of c trained tokens: the divergence per token [c], dL/dz [c, W] per unit of token weight (in
     ``options.dtype``; ``None`` without ``need_grad``) and the gathered head rows (top-k)."""
@@ -131,79 +118,6 @@ def _chunk(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     return per_token, grad, rows
 
 
-def _rows(tensor: torch.Tensor, tokens: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``tensor[tokens]`` on ``device``; a slice (no gather, one contiguous copy) when the tokens are a run."""
-    first, last = int(tokens[0]), int(tokens[-1])
-    part = tensor[first:last + 1] if last - first + 1 == tokens.numel() else tensor.index_select(0, tokens)
-    return part.to(device, non_blocking=True)
-
-
-@dataclass
-class _Grads:
-    """The gradients the forward pass accumulates (``None`` where not needed), in ``_Options.dtype``."""
-
-    hidden: torch.Tensor | None
-    weight: torch.Tensor | None
-    bias: torch.Tensor | None
-
-    def add_full(self, tokens: torch.Tensor, states: torch.Tensor, grad: torch.Tensor, coef: torch.Tensor,
-                 weight: torch.Tensor) -> None:
-        """A chunk's share over the whole vocabulary: ``grad`` dL/dz [c, V] per unit of ``coef`` [c], which
-        scales the [c, H] factors (cheaper than a pass over [c, V])."""
-        if self.hidden is not None:
-            part = (grad.to(weight.dtype) @ weight).to(grad.dtype) * coef.unsqueeze(-1)  # [c, H]
-            self.hidden.index_add_(0, tokens, part.to(self.hidden.dtype))
-        if self.weight is not None:
-            self.weight.addmm_(grad.t(), states.to(grad.dtype) * coef.unsqueeze(-1))
-        if self.bias is not None:
-            self.bias += coef @ grad
-
-    @classmethod
-    def needed(cls, ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-               dtype: torch.dtype) -> "_Grads":
-        """Zeroed accumulators for the inputs (hidden, weight, bias) ``ctx`` needs gradients of."""
-        need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
-        return cls(torch.zeros_like(hidden) if need_hidden else None,
-                   torch.zeros(weight.shape, dtype=dtype, device=hidden.device) if need_weight else None,
-                   torch.zeros(bias.shape, dtype=dtype, device=hidden.device) if need_bias else None)
-
-    @property
-    def any(self) -> bool:
-        return any(g is not None for g in (self.hidden, self.weight, self.bias))
-
-    def save(self, ctx: Any, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-        """Keep the accumulated gradients for ``backward`` (with the dtypes they return in)."""
-        ctx.save_for_backward(self.hidden, self.weight, self.bias)
-        ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
-
-    @staticmethod
-    def scaled(ctx: Any, grad_total: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        """``backward``: the saved gradients times the incoming one, in their inputs' dtypes."""
-        grad_hidden, grad_weight, grad_bias = ctx.saved_tensors
-        weight_dtype, bias_dtype = ctx.dtypes
-        if grad_hidden is not None:
-            grad_hidden = grad_hidden * grad_total.to(grad_hidden.dtype)
-        if grad_weight is not None:
-            grad_weight = (grad_weight * grad_total).to(weight_dtype)
-        if grad_bias is not None:
-            grad_bias = (grad_bias * grad_total).to(bias_dtype)
-        return grad_hidden, grad_weight, grad_bias
-
-    def add_top_k(self, tokens: torch.Tensor, states: torch.Tensor, grad: torch.Tensor, coef: torch.Tensor,
-                  indices: torch.Tensor, rows: torch.Tensor) -> None:
-        """A chunk's share over the teacher's k entries: ``grad`` [c, k], ``indices`` [c, k], the gathered head
-        rows [c, k, H]; each entry's gradient goes back to its row of the head."""
-        grad = grad * coef.unsqueeze(-1)
-        if self.hidden is not None:
-            part = torch.bmm(grad.to(rows.dtype).unsqueeze(1), rows).squeeze(1)  # [c, H]
-            self.hidden.index_add_(0, tokens, part.to(self.hidden.dtype))
-        if self.weight is not None:
-            outer = grad.unsqueeze(-1) * states.to(grad.dtype).unsqueeze(1)  # [c, k, H]
-            self.weight.index_add_(0, indices.flatten(), outer.flatten(0, 1))
-        if self.bias is not None:
-            self.bias.index_add_(0, indices.flatten(), grad.flatten())
-
-
 class FusedHeadDivergence(torch.autograd.Function):
     """``apply(hidden [M, H], weight [V, H], bias [V] | None, teacher_values [M, W], teacher_indices [M, W] | None,
     token_weights [M], options)`` -> the weighted divergence sum (float32; float64 for a float64 head). The
@@ -212,9 +126,9 @@ class FusedHeadDivergence(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 teacher_values: torch.Tensor, teacher_indices: torch.Tensor | None, token_weights: torch.Tensor,
-                options: _Options) -> torch.Tensor:
+                options: HeadOptions) -> torch.Tensor:
         device, dtype = hidden.device, options.dtype
-        grads = _Grads.needed(ctx, hidden, weight, bias, dtype)
+        grads = HeadGrads.needed(ctx, hidden, weight, bias, dtype)
         need_grad = grads.any
         total = torch.zeros((), dtype=dtype, device=device)
         trained = token_weights.nonzero().squeeze(1)  # one host sync: which tokens to compute
@@ -222,8 +136,8 @@ class FusedHeadDivergence(torch.autograd.Function):
         for start in range(0, trained.numel(), options.chunk_tokens):
             tokens = trained[start:start + options.chunk_tokens]
             host_tokens = on_host[start:start + options.chunk_tokens]
-            teacher = _rows(teacher_values, host_tokens, device)
-            indices = None if teacher_indices is None else _rows(teacher_indices, host_tokens, device).long()
+            teacher = rows_on(teacher_values, host_tokens, device)
+            indices = None if teacher_indices is None else rows_on(teacher_indices, host_tokens, device).long()
             states = hidden.index_select(0, tokens)  # [c, H]
             per_token, grad, rows = _chunk(states, weight, bias, teacher, indices, options, need_grad)
             coef = token_weights.index_select(0, tokens).to(dtype)  # each token's weight
@@ -239,7 +153,7 @@ class FusedHeadDivergence(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad_total: torch.Tensor):
-        return *_Grads.scaled(ctx, grad_total), None, None, None, None
+        return *HeadGrads.scaled(ctx, grad_total), None, None, None, None
 
 
 def chunk_tokens(config: DivergenceConfig, vocab: int, hidden_size: int, top_k: int | None) -> int:
@@ -277,10 +191,10 @@ def fused_divergence(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
                          f"{[tuple(t.shape) for t in (values, indices) if t is not None]}")
     if tuple(mask.shape) != (rows, window):
         raise ValueError(f"mask must be [{rows}, {window}] like the hidden states; got {tuple(mask.shape)}")
-    options = _Options(beta=config.effective_beta, temperature=config.temperature, clip=config.pointwise_clip,
-                       scale=logit_scale, cap=softcap,
-                       chunk_tokens=chunk_tokens(config, weight.shape[0], size, None if indices is None else width),
-                       dtype=torch.promote_types(weight.dtype, torch.float32))
+    options = HeadOptions(beta=config.effective_beta, temperature=config.temperature, clip=config.pointwise_clip,
+                          scale=logit_scale, cap=softcap,
+                          chunk_tokens=chunk_tokens(config, weight.shape[0], size, None if indices is None else width),
+                          dtype=torch.promote_types(weight.dtype, torch.float32))
     weights = mask.reshape(-1).to(device=hidden.device, dtype=options.dtype)
     flat_indices = None if indices is None else indices.reshape(rows * window, width)
     total = FusedHeadDivergence.apply(hidden.reshape(rows * window, size), weight, bias,

@@ -28,7 +28,8 @@ import torch
 import torch.nn.functional as F
 
 from opsd_rollout.opsd.divergence import DivergenceConfig
-from opsd_rollout.opsd.fused import _Grads, _Options, _rows, chunk_tokens, through_head
+from opsd_rollout.opsd.fused import chunk_tokens, through_head
+from opsd_rollout.opsd.head_chunks import HeadGrads, HeadOptions, rows_on
 
 
 def estimate(student_logp: torch.Tensor, teacher_logp: torch.Tensor, estimator: str) -> torch.Tensor:
@@ -80,9 +81,9 @@ class FusedSampledLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 labels: torch.Tensor, teacher_logp: torch.Tensor, behaviour_logp: torch.Tensor | None,
-                token_weights: torch.Tensor, options: _Options, estimator: str) -> torch.Tensor:
+                token_weights: torch.Tensor, options: HeadOptions, estimator: str) -> torch.Tensor:
         device, dtype = hidden.device, options.dtype
-        grads = _Grads.needed(ctx, hidden, weight, bias, dtype)
+        grads = HeadGrads.needed(ctx, hidden, weight, bias, dtype)
         total = torch.zeros((), dtype=dtype, device=device)
         trained = token_weights.nonzero().squeeze(1)  # one host sync: which tokens to compute
         on_host = trained.to(teacher_logp.device)
@@ -99,8 +100,8 @@ class FusedSampledLoss(torch.autograd.Function):
             probs = torch.softmax(logits, dim=-1)
             token = labels.index_select(0, tokens).long()
             logp = logits.gather(1, token[:, None]).squeeze(1) - torch.logsumexp(logits, dim=-1)  # [c]
-            teacher = _rows(teacher_logp, host_tokens, device).to(dtype)
-            behaviour = None if behaviour_logp is None else _rows(behaviour_logp, host_tokens, device).to(dtype)
+            teacher = rows_on(teacher_logp, host_tokens, device).to(dtype)
+            behaviour = None if behaviour_logp is None else rows_on(behaviour_logp, host_tokens, device).to(dtype)
             loss, dlp = token_loss_and_grad(logp, teacher, behaviour, estimator)  # [c] each
             coef = token_weights.index_select(0, tokens).to(dtype)
             total += loss @ coef
@@ -115,7 +116,7 @@ class FusedSampledLoss(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad_total: torch.Tensor):
-        return *_Grads.scaled(ctx, grad_total), None, None, None, None, None, None
+        return *HeadGrads.scaled(ctx, grad_total), None, None, None, None, None, None
 
 
 def fused_sampled_divergence(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -130,9 +131,9 @@ def fused_sampled_divergence(hidden: torch.Tensor, weight: torch.Tensor, bias: t
                          ("behaviour_logp", behaviour_logp)):
         if tensor is not None and tuple(tensor.shape) != (rows, window):
             raise ValueError(f"{name} must be [{rows}, {window}] like the hidden states; got {tuple(tensor.shape)}")
-    options = _Options(beta=1.0, temperature=1.0, clip=None, scale=logit_scale, cap=softcap,
-                       chunk_tokens=chunk_tokens(config, weight.shape[0], size, None),
-                       dtype=torch.promote_types(weight.dtype, torch.float32))
+    options = HeadOptions(beta=1.0, temperature=1.0, clip=None, scale=logit_scale, cap=softcap,
+                          chunk_tokens=chunk_tokens(config, weight.shape[0], size, None),
+                          dtype=torch.promote_types(weight.dtype, torch.float32))
     weights = mask.reshape(-1).to(device=hidden.device, dtype=options.dtype)
     flat = [None if t is None else t.reshape(-1) for t in (labels.to(hidden.device), teacher_logp, behaviour_logp)]
     total = FusedSampledLoss.apply(hidden.reshape(rows * window, size), weight, bias, *flat, weights, options,

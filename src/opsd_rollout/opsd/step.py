@@ -18,7 +18,7 @@ from opsd_rollout.opsd.divergence import DivergenceConfig, chunked_divergence
 from opsd_rollout.opsd.fused import fusion_problem, head_divergence
 from opsd_rollout.opsd.sampled import head_sampled_divergence, sampled_divergence
 from opsd_rollout.opsd.targets import response_targets
-from opsd_rollout.opsd.teacher import TeacherCacheConfig, build_teacher_cache
+from opsd_rollout.opsd.teacher import TeacherCacheBuffers, TeacherCacheConfig, build_teacher_cache
 from opsd_rollout.profiling import Clock, PeakMemory, RolloutProfile, StageRecorder, timed_eval
 from opsd_rollout.profiling.profile import byte_size, json_safe
 
@@ -120,7 +120,9 @@ class StepParts:
         return resolved.stages, {span.name: span.start_ms for span in resolved.spans if span.name in STEP_PARTS}
 
 
-def _student_logits(engine: Any, targets) -> torch.Tensor:
+def student_logits(engine: Any, targets) -> torch.Tensor:
+    """The student's logits over the response window [N, R, V]: its whole forward (an OPSD step's unfused loss and
+    the SFT step's cross-entropy both read them), positions counted from each row's first real token."""
     out = engine(input_ids=targets.input_ids, attention_mask=targets.attention_mask,
                  position_ids=position_ids(targets.attention_mask))
     return out.logits[:, targets.window]  # [N, R, V]
@@ -134,9 +136,20 @@ def _student_hidden(engine: Any, targets) -> torch.Tensor:
     return out.hidden_states[-1][:, targets.window]
 
 
-_WARNED: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
-_TEACHER_CHECKED: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
-"""Students already warned about (a fused loss they cannot run) or checked against their teacher: said once."""
+@dataclass
+class StepState:
+    """What ``opsd_step`` keeps from one step to the next, held by the caller that runs the steps (train's loop, the
+    benchmark's step scenario) so that nothing lives in the module: ``opsd_step`` makes a fresh one when given none,
+    so a one-off step needs nothing, and a caller running many passes the same one to each."""
+
+    buffers: TeacherCacheBuffers = field(default_factory=TeacherCacheBuffers)
+    """The host memory the teacher cache is built in, reused from step to step (pinned on CUDA once, not every
+    step)."""
+    checked: "weakref.WeakSet[torch.nn.Module]" = field(default_factory=weakref.WeakSet)
+    """Students already compared with their teacher: at their first step only, since afterwards their weights
+    have moved (weak: a student dropped is forgotten)."""
+    warned: "weakref.WeakSet[torch.nn.Module]" = field(default_factory=weakref.WeakSet)
+    """Students already told that the fused loss cannot run on them: said once, not at every step."""
 
 
 def _same_weights(student: torch.nn.Module, teacher: torch.nn.Module) -> bool:
@@ -153,12 +166,13 @@ def _same_weights(student: torch.nn.Module, teacher: torch.nn.Module) -> bool:
             and torch.equal(a, b))
 
 
-def _warn_if_teacher_is_student(student: torch.nn.Module, teacher: torch.nn.Module) -> None:
-    """Once per student, at its first step (afterwards its weights have moved): a teacher equal to the student
-    makes every divergence 0, so the step would train nothing and report ``loss 0.0000`` without a word."""
-    if student in _TEACHER_CHECKED:
+def _warn_if_teacher_is_student(student: torch.nn.Module, teacher: torch.nn.Module, state: StepState) -> None:
+    """Once per student and ``state``, at its first step (afterwards its weights have moved): a teacher equal to
+    the student makes every divergence 0, so the step would train nothing and report ``loss 0.0000`` without a
+    word."""
+    if student in state.checked:
         return
-    _TEACHER_CHECKED.add(student)
+    state.checked.add(student)
     if _same_weights(student, teacher):
         logger.warning("the teacher has the student's weights (the same model, or the same preset and seed): the "
                        "loss and its gradient are 0 at every step. Distil from another model: another preset, a "
@@ -166,13 +180,14 @@ def _warn_if_teacher_is_student(student: torch.nn.Module, teacher: torch.nn.Modu
                        "seed=...))")
 
 
-def _fuses(model: torch.nn.Module, divergence: DivergenceConfig) -> bool:
-    """Whether the loss runs fused on ``model``; a model that cannot is said once, and runs the reference."""
+def _fuses(model: torch.nn.Module, divergence: DivergenceConfig, state: StepState) -> bool:
+    """Whether the loss runs fused on ``model``; a model that cannot is said once per ``state``, and runs the
+    reference."""
     if not divergence.fused:
         return False
     problem = fusion_problem(model)
-    if problem is not None and model not in _WARNED:
-        _WARNED.add(model)
+    if problem is not None and model not in state.warned:
+        state.warned.add(model)
         logger.warning("the fused loss cannot run on this student (%s): computing its logits whole instead", problem)
     return problem is None
 
@@ -185,19 +200,19 @@ def _student_loss(parts: "StepParts", engine: Any, targets, cache, divergence: D
             hidden = parts.run("student_forward", _student_hidden, engine, targets)
             return parts.run("loss", head_sampled_divergence, innermost_model(engine), hidden, targets.labels,
                              cache.values, targets.mask.to(hidden.device), divergence, behaviour_logp)
-        logits = parts.run("student_forward", _student_logits, engine, targets)
+        logits = parts.run("student_forward", student_logits, engine, targets)
         return parts.run("loss", sampled_divergence, logits, targets.labels, cache.values, targets.mask, divergence,
                          behaviour_logp)
     if fused:
         hidden = parts.run("student_forward", _student_hidden, engine, targets)
         return parts.run("loss", head_divergence, innermost_model(engine), hidden, cache.stored,
                          targets.mask.to(hidden.device), divergence)
-    logits = parts.run("student_forward", _student_logits, engine, targets)
+    logits = parts.run("student_forward", student_logits, engine, targets)
     return parts.run("loss", chunked_divergence, logits, lambda s, e: cache.chunk(s, e, logits.device),
                      targets.mask.to(logits.device), divergence)
 
 
-def _token_mean(total: torch.Tensor, count: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def token_mean(total: torch.Tensor, count: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The loss to backpropagate and the value to report (a device scalar, read after the step): the mean over
     every rank's valid tokens.
 
@@ -234,12 +249,14 @@ def check_pairing(divergence: DivergenceConfig, teacher_cache: TeacherCacheConfi
 
 def opsd_step(student_engine: Any, teacher: Any, rollout: Any, request: Any, sampling: Any, *,
               divergence: DivergenceConfig | None = None, teacher_cache: TeacherCacheConfig | None = None,
-              behaviour_logprobs: torch.Tensor | None = None) -> StepProfile:
+              behaviour_logprobs: torch.Tensor | None = None, state: StepState | None = None) -> StepProfile:
     """Run one step on ``student_engine`` (a DeepSpeed engine, ZeRO 0-3) and return its profile.
 
     ``behaviour_logprobs`` [N, R]: with ``sampled_reverse_kl``, the log-probabilities of the sampled tokens under
     the policy that sampled them, for an off-policy update (a second step on one rollout, a generation buffer);
-    ``None``: on-policy, the student as it is now."""
+    ``None``: on-policy, the student as it is now. ``state``: what a caller running many steps keeps across them
+    (the teacher cache's host buffers, the checks and warnings said once); ``None``: a fresh one, for one step."""
+    state = state if state is not None else StepState()
     divergence = divergence or DivergenceConfig()
     teacher_cache = teacher_cache or TeacherCacheConfig()
     check_pairing(divergence, teacher_cache)
@@ -247,8 +264,8 @@ def opsd_step(student_engine: Any, teacher: Any, rollout: Any, request: Any, sam
     if student_vocab != teacher_vocab:  # before any work: a partitioned teacher would fail inside its gathers
         raise ValueError(f"the teacher's vocabulary ({teacher_vocab:,} tokens) differs from the student's "
                          f"({student_vocab:,}): distillation compares their distributions token by token")
-    _warn_if_teacher_is_student(innermost_model(student_engine), innermost_model(teacher))
-    fused = _fuses(innermost_model(student_engine), divergence)
+    _warn_if_teacher_is_student(innermost_model(student_engine), innermost_model(teacher), state)
+    fused = _fuses(innermost_model(student_engine), divergence, state)
     device = torch.device(student_engine.device)
     recorder = StageRecorder(Clock(device), time_forwards=False)
     parts = StepParts(recorder, device)
@@ -256,9 +273,10 @@ def opsd_step(student_engine: Any, teacher: Any, rollout: Any, request: Any, sam
         with timed_eval(student_engine, device, train_after=True) as switch:
             batch = parts.run("rollout", rollout.generate, request, sampling)
         targets = response_targets(batch)
-        cache = parts.run("teacher", build_teacher_cache, teacher, targets, teacher_cache, recorder=recorder)
+        cache = parts.run("teacher", build_teacher_cache, teacher, targets, teacher_cache, recorder=recorder,
+                          buffers=state.buffers)
         total, count = _student_loss(parts, student_engine, targets, cache, divergence, fused, behaviour_logprobs)
-        loss, reported = _token_mean(total, count)
+        loss, reported = token_mean(total, count)
         parts.run("backward", student_engine.backward, loss)
         parts.run("optimizer", student_engine.step)
     ms, starts = parts.times()

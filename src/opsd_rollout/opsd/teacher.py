@@ -5,14 +5,14 @@ The teacher runs in micro-batches of rows; its final hidden states over the resp
 logits (or its top-k) is copied to host memory (pinned, non-blocking on CUDA). Flattening makes every chunk's
 destination one contiguous range of the host cache, so each copy is a single DMA into pinned memory (a
 strided destination would stage through pageable memory and synchronize). The device never holds more than
-``chunk_size x V`` teacher logits. The host buffers are kept between steps (``TeacherCacheBuffers``), and
-times are recorded as deferred marks (no synchronization per chunk), read once at the end of the step.
+``chunk_size x V`` teacher logits. The host buffers are kept between steps by whoever runs the steps (a
+``TeacherCacheBuffers`` it holds, e.g. in ``opsd.step.StepState``), and times are recorded as deferred marks (no
+synchronization per chunk), read once at the end of the step.
 """
 
 from __future__ import annotations
 
 import warnings
-import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,7 +46,7 @@ class TeacherCacheConfig:
     """Storage dtype on the host; ``None`` keeps the teacher's."""
     host_budget_bytes: int | None = None
     """Most host memory the cache may take, checked before the teacher runs; ``None``: ``host_budget_fraction``
-    of the memory available at that moment (psutil), counting the buffers this teacher's last cache holds."""
+    of the memory available at that moment (psutil), counting the buffers the cache is built into."""
     host_budget_fraction: float = 0.5
     """The share of available host memory the default budget allows, in (0, 1]."""
     over_budget: str = "error"
@@ -106,7 +106,8 @@ class TeacherCache:
 class TeacherCacheBuffers:
     """The host memory teacher caches are built in, kept from step to step (pinned on CUDA, where pinning is
     expensive enough that doing it every step would cost more than the copies it speeds up). A cache built
-    into these buffers is valid until the next build into them."""
+    into these buffers is valid until the next build into them. Whoever builds caches step after step owns one
+    (``opsd.step.StepState`` holds it for ``opsd_step``'s callers)."""
 
     def __init__(self) -> None:
         self._buffers: dict[str, torch.Tensor] = {}
@@ -114,6 +115,11 @@ class TeacherCacheBuffers:
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self._buffers.values())
+
+    @property
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The buffers held now, by name (a copy of the mapping): for checks of where they live (pinned or not)."""
+        return dict(self._buffers)
 
     def take(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, pin: bool) -> torch.Tensor:
         """A contiguous ``shape`` tensor in buffer ``name``, reallocated only when it does not fit."""
@@ -128,16 +134,6 @@ class TeacherCacheBuffers:
 
     def release(self) -> None:
         self._buffers.clear()
-
-
-_BUFFERS: "weakref.WeakKeyDictionary[torch.nn.Module, TeacherCacheBuffers]" = weakref.WeakKeyDictionary()
-
-
-def buffers_for(teacher: torch.nn.Module) -> TeacherCacheBuffers:
-    """The buffers kept for ``teacher`` (made on first use, dropped with the teacher)."""
-    if teacher not in _BUFFERS:
-        _BUFFERS[teacher] = TeacherCacheBuffers()
-    return _BUFFERS[teacher]
 
 
 def finalize_logits(config: Any, logits: torch.Tensor) -> torch.Tensor:
@@ -208,8 +204,8 @@ def build_teacher_cache(teacher: Any, targets: Any, config: TeacherCacheConfig, 
 
     ``targets``: our ``ResponseTargets``, DeepSpeed's ``ResponseTokenBatch`` (its window starts at the first
     position it trains on) or a ``RolloutBatch``. ``recorder`` (a ``StageRecorder``) gets ``teacher_forward``
-    (body and LM head) and ``cache_write`` spans; ``buffers`` default to the ones kept for ``teacher`` (see
-    ``buffers_for``)."""
+    (body and LM head) and ``cache_write`` spans. ``buffers``: the host memory to build the cache in, kept by a
+    caller that builds one every step; ``None``: fresh buffers, for a one-off cache (they go with it)."""
     targets = response_targets(targets)
     model = innermost_model(teacher)  # inside DeepSpeed and PEFT wrappers
     body, head = model.base_model, model.get_output_embeddings()
@@ -219,7 +215,7 @@ def build_teacher_cache(teacher: Any, targets: Any, config: TeacherCacheConfig, 
     vocab = text_config(model.config).vocab_size
     dtype = config.dtype or next(model.parameters()).dtype
     pin = device.type == "cuda"
-    buffers = buffers if buffers is not None else buffers_for(model)
+    buffers = buffers if buffers is not None else TeacherCacheBuffers()
     budget = config.budget(buffers.nbytes)
     mode = plan_mode(config, rows, window, vocab, dtype, budget)  # before the teacher runs
     sampled = mode == "sampled"

@@ -3,11 +3,14 @@
 ``reverse_kl``: the per-token KL(student || teacher), exact over the vocabulary, on the student's samples for the
 held-out prompts (the quantity on-policy distillation minimises); ``cross_entropy``: the student's per-token
 cross-entropy on the held-out references, when the data has them. Both in nats, means over response tokens. The
-samples are drawn from a fixed seed at every evaluation, and the training's random state is left as it was.
+samples are drawn from a fixed seed at every evaluation, and the training's random state is left as it was
+(``seeded``, which the training's micro-batches use too).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -23,6 +26,26 @@ from opsd_rollout.train.sft import cross_entropy_sum
 REVERSE_KL = DivergenceConfig(loss="reverse_kl")
 LOGITS_BUDGET = 64 * 2**20
 """Bytes of float32 logits one evaluation forward may hold (student and teacher each): rows are chunked to it."""
+
+
+@contextmanager
+def seeded(seed: int, device: torch.device) -> Iterator[None]:
+    """Inside the block, torch's default generators of the CPU and of ``device`` start from ``seed``; after it they
+    are as they were before, so a micro-batch or an evaluation leaves the process's random state unchanged.
+
+    For what draws from those generators and takes no seed or generator of its own: a rollout without
+    ``HybridEngineRolloutConfig.seed`` (each call's key, from the CPU generator: a seeded one would count its calls,
+    which a resumed run does not repeat), transformers' sampling (strategy ``generate``, the hybrid engine) and the
+    student's dropout. The teacher cache, the losses and the optimizer draw nothing; the data order and ``lmbda``'s
+    draws have their own seeds.
+    """
+    cuda = device.type == "cuda"
+    with torch.random.fork_rng(devices=[device] if cuda else []):
+        torch.default_generator.manual_seed(seed)
+        if cuda:
+            with torch.cuda.device(device):
+                torch.cuda.manual_seed(seed)
+        yield
 
 
 def _window_logits(model: torch.nn.Module, targets: Any, rows: slice) -> torch.Tensor:
@@ -85,8 +108,7 @@ def evaluate(engine: Any, teacher: torch.nn.Module | None, rollout: Any, encoder
     sums = {"eval_reverse_kl": [0.0, 0], "eval_cross_entropy": [0.0, 0]}
     references = all(e.reference is not None for e in examples)
     try:
-        with torch.random.fork_rng(devices=[]):  # the same samples' seed at every evaluation; training's untouched
-            torch.manual_seed(seed)
+        with seeded(seed, device):  # the same samples at every evaluation; training's random state untouched
             for start in range(0, len(examples), batch_size):
                 chunk = examples[start:start + batch_size]
                 if teacher is not None:

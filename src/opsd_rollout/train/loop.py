@@ -30,6 +30,8 @@ from opsd_rollout.train.evaluate import evaluate
 from opsd_rollout.train.report import MetricsLog, Progress, monitor_events, plot_eval, step_record
 from opsd_rollout.train.setup import Models, build_student_engine, load_models, split_examples
 from opsd_rollout.train.sft import sft_step
+from opsd_rollout.opsd.step import StepState
+from opsd_rollout.train.evaluate import seeded
 
 logger = logging.getLogger(__name__)
 
@@ -214,6 +216,7 @@ class _Run:
             config.off_policy == "auto" and all(e.reference is not None for e in train))
         self.teacher_rollout = (HybridEngineRollout(self.teacher, models.tokenizer, profiled)
                                 if self.teacher is not None and config.lmbda < 1 and not self.references else None)
+        self.step_state = StepState()  # opsd_step's, kept across the run's steps: buffers reused, warnings once
         self.step = 0
         if config.resume is not None:
             _, client = self.engine.load_checkpoint(str(find_checkpoint(config.resume)))
@@ -227,21 +230,21 @@ class _Run:
 
     def micro_batch(self, index: int, on_policy: bool) -> Any:
         config = self.config
-        torch.manual_seed(_seed_of(config.seed, index))  # the rollout's and everything else's random numbers
-        picked = batch_indices(len(self.train), config.prompts_per_micro_batch, config.seed,
-                               index * self.rank.world_size + self.rank.rank)
-        examples = [self.train[i] for i in picked]
-        if config.objective == "sft":
-            return sft_step(self.engine, self.encoder.with_references(examples, self.device))
-        request = self.encoder.request(examples, self.device)
-        if on_policy:
-            rollout = self.rollout
-        elif self.references:
-            rollout = _Fixed(self.encoder.with_references(examples, self.device, config.samples_per_prompt))
-        else:
-            rollout = self.teacher_rollout
-        return opsd_step(self.engine, self.teacher, rollout, request, config.sampling(), divergence=config.divergence,
-                         teacher_cache=config.cache)
+        with seeded(_seed_of(config.seed, index), self.device):  # the rollout's and dropout's random numbers
+            picked = batch_indices(len(self.train), config.prompts_per_micro_batch, config.seed,
+                                   index * self.rank.world_size + self.rank.rank)
+            examples = [self.train[i] for i in picked]
+            if config.objective == "sft":
+                return sft_step(self.engine, self.encoder.with_references(examples, self.device))
+            request = self.encoder.request(examples, self.device)
+            if on_policy:
+                rollout = self.rollout
+            elif self.references:
+                rollout = _Fixed(self.encoder.with_references(examples, self.device, config.samples_per_prompt))
+            else:
+                rollout = self.teacher_rollout
+            return opsd_step(self.engine, self.teacher, rollout, request, config.sampling(),
+                             divergence=config.divergence, teacher_cache=config.cache, state=self.step_state)
 
     def optimizer_step(self, step: int) -> dict[str, Any]:
         config = self.config

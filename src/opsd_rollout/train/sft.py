@@ -9,7 +9,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from opsd_rollout.opsd.step import StepProfile, StepParts, _student_logits, _token_mean
+from opsd_rollout.opsd.step import StepParts, StepProfile, student_logits, token_mean
 from opsd_rollout.opsd.targets import response_targets
 from opsd_rollout.profiling import Clock, StageRecorder
 
@@ -30,9 +30,9 @@ def sft_step(student_engine: Any, batch: Any) -> StepProfile:
     parts = StepParts(recorder, device)
     with recorder.stage("total"):
         targets = response_targets(batch)
-        logits = parts.run("student_forward", _student_logits, student_engine, targets)
+        logits = parts.run("student_forward", student_logits, student_engine, targets)
         total, count = parts.run("loss", cross_entropy_sum, logits, targets.labels, targets.mask.to(logits.device))
-        loss, reported = _token_mean(total, count)
+        loss, reported = token_mean(total, count)
         parts.run("backward", student_engine.backward, loss)
         parts.run("optimizer", student_engine.step)
     ms, starts = parts.times()

@@ -87,10 +87,13 @@ class StepMeasurement:
     """One config's OPSD step, built: each ``run()`` is one step."""
 
     def __init__(self, engine: Any, teacher: Any, rollout: Any, request: Any, sampling: Any, config: StepConfig,
-                 settings: StepSettings):
-        from opsd_rollout.opsd import DivergenceConfig, TeacherCacheConfig, opsd_step  # heavy: see scenarios/base.py
+                 settings: StepSettings, state: Any = None):
+        from opsd_rollout.opsd import (DivergenceConfig, StepState, TeacherCacheConfig,  # heavy: see scenarios/base.py
+                                       opsd_step)
 
         self._step = opsd_step
+        self.state = state if state is not None else StepState()
+        """``opsd_step``'s ``StepState``, kept across this config's steps (and shared with others: the scenario's)."""
         self.engine, self.teacher, self.rollout = engine, teacher, rollout
         self.request, self.sampling = request, sampling
         self.divergence = DivergenceConfig(loss=config.loss, beta=config.beta if config.beta is not None else 0.5,
@@ -102,7 +105,7 @@ class StepMeasurement:
 
     def run(self) -> dict[str, Any]:
         self._last = self._step(self.engine, self.teacher, self.rollout, self.request, self.sampling,
-                               divergence=self.divergence, teacher_cache=self.cache)
+                               divergence=self.divergence, teacher_cache=self.cache, state=self.state)
         return self._last.to_dict()
 
     def timeline(self) -> list[Any]:
@@ -163,6 +166,13 @@ class StepScenario(Scenario):
     columns = ("rollout_ms", "teacher_forward_ms", "cache_write_ms", "student_forward_ms", "loss_ms", "backward_ms",
                "optimizer_ms")
 
+    def __init__(self, settings: Any):
+        super().__init__(settings)
+        self.step_state: Any = None
+        """The ``StepState`` every config's steps share, made at the first ``prepare`` (this module imports no torch):
+        one set of teacher-cache host buffers for the run (configs run interleaved, each step done with its cache
+        before the next builds), and each warning said once per student."""
+
     @classmethod
     def make_config(cls, **fields: Any) -> StepConfig | None:
         fields = for_contender(cls.axes, fields)
@@ -194,7 +204,10 @@ class StepScenario(Scenario):
                                            pool.rank, pool.device)
         teacher = pool.frozen(self.settings.teacher, config.dtype, self.settings.teacher_zero_stage)
         measurement = DeepSpeedStepMeasurement if config.strategy == "deepspeed" else StepMeasurement
-        return measurement(built.engine, teacher, rollout, request, sampling, config, self.settings)
+        prepared = measurement(built.engine, teacher, rollout, request, sampling, config, self.settings,
+                               self.step_state)
+        self.step_state = prepared.state
+        return prepared
 
     def derive(self, result: ConfigResult, spec: Any, ceilings: dict[str, Any] | None,
                world_size: int) -> dict[str, Any]:
