@@ -525,19 +525,20 @@ def check_compiled_speed(ctx: Context) -> Finding:
 def check_opsd_step(ctx: Context) -> Finding:
     """A whole OPSD step on the device: teacher cache pinned on the host, loss finite, parameters move."""
     from opsd_rollout.deepspeed_engine import build_engine
-    from opsd_rollout.opsd import DivergenceConfig, TeacherCacheConfig, opsd_step
-    from opsd_rollout.opsd.teacher import buffers_for
+    from opsd_rollout.opsd import DivergenceConfig, StepState, TeacherCacheConfig, opsd_step
 
     student, _ = load_model("qwen2-tiny", device=ctx.device)  # not the teacher: something to learn
     engine = build_engine(student.train(), 0, lr=1e-3)
     rollout = ctx.rollout(engine, enable_profiling=True)
     before = [p.detach().clone() for p in engine.module.parameters()]
+    state = StepState()  # the steps' teacher-cache buffers, reused across them
     profiles = [opsd_step(engine, ctx.fp32, rollout, ctx.request(), sampled(16),
                           divergence=DivergenceConfig(loss="jsd", beta=0.5),
-                          teacher_cache=TeacherCacheConfig(mode=mode, top_k=64)) for mode in ("full", "topk", "topk")]
+                          teacher_cache=TeacherCacheConfig(mode=mode, top_k=64), state=state)
+                for mode in ("full", "topk", "topk")]
     assert all(0 < p.loss < float("inf") for p in profiles), [p.loss for p in profiles]
     assert any(not torch.equal(a, b) for a, b in zip(before, engine.module.parameters())), "no parameter moved"
-    buffers = buffers_for(ctx.fp32)._buffers
+    buffers = state.buffers.tensors
     assert buffers and all(ctx.gpu.pinned(t) for t in buffers.values()), "teacher cache not pinned"
     p = profiles[-1]
     return Finding(f"loss {p.loss:.3f}, {len(buffers)} host buffers pinned as the device wants",
