@@ -123,3 +123,26 @@ def test_one_pass_candidates_equal_the_whole_vocabularys(dtype):
         assert torch.equal(got[1], expected[1][:, :width]) and torch.equal(got[0], expected[0][:, :width])
         assert torch.isinf(expected[0][:, width:]).all()
 
+
+
+@pytest.mark.parametrize("strategy", ["static", "generate"])
+def test_a_calls_own_seed_gives_its_samples_whatever_came_before_and_leaves_torchs_generators(strategy, tiny_models,
+                                                                                             tokenizer):
+    """``generate(..., seed=)``: the samples are a function of the seed alone (a resumed trainer repeats them), not
+    of the calls before nor of the rollout's own seed, and torch's generators are as they were."""
+    from opsd_rollout import HybridEngineRollout, HybridEngineRolloutConfig, RolloutRequest, SamplingConfig
+
+    model = tiny_models["llama-tiny"]
+    enc = tokenizer(["Distil this:", "Hi"], padding=True, return_tensors="pt")
+    request = RolloutRequest(enc.input_ids, enc.attention_mask)
+    sampling = SamplingConfig(max_new_tokens=8, temperature=1.0, n_samples_per_prompt=3)
+    first = HybridEngineRollout(model, tokenizer, HybridEngineRolloutConfig(strategy=strategy))
+    expected = first.generate(request, sampling, seed=123).input_ids
+    other = HybridEngineRollout(model, tokenizer, HybridEngineRolloutConfig(strategy=strategy, seed=9))
+    other.generate(request, sampling)  # calls before change nothing
+    state = torch.random.get_rng_state()
+    assert torch.equal(other.generate(request, sampling, seed=123).input_ids, expected)
+    assert torch.equal(torch.random.get_rng_state(), state)
+    assert not torch.equal(other.generate(request, sampling, seed=124).input_ids, expected)
+    with pytest.raises(ValueError, match="seed must be an int >= 0"):
+        other.generate(request, sampling, seed=-1)

@@ -249,13 +249,16 @@ def check_pairing(divergence: DivergenceConfig, teacher_cache: TeacherCacheConfi
 
 def opsd_step(student_engine: Any, teacher: Any, rollout: Any, request: Any, sampling: Any, *,
               divergence: DivergenceConfig | None = None, teacher_cache: TeacherCacheConfig | None = None,
-              behaviour_logprobs: torch.Tensor | None = None, state: StepState | None = None) -> StepProfile:
+              behaviour_logprobs: torch.Tensor | None = None, state: StepState | None = None,
+              rollout_seed: int | None = None) -> StepProfile:
     """Run one step on ``student_engine`` (a DeepSpeed engine, ZeRO 0-3) and return its profile.
 
     ``behaviour_logprobs`` [N, R]: with ``sampled_reverse_kl``, the log-probabilities of the sampled tokens under
     the policy that sampled them, for an off-policy update (a second step on one rollout, a generation buffer);
     ``None``: on-policy, the student as it is now. ``state``: what a caller running many steps keeps across them
-    (the teacher cache's host buffers, the checks and warnings said once); ``None``: a fresh one, for one step."""
+    (the teacher cache's host buffers, the checks and warnings said once); ``None``: a fresh one, for one step.
+    ``rollout_seed``: handed to ``rollout.generate(..., seed=)`` (ours takes it: the samples a function of it alone,
+    what a trainer that resumes needs); ``None``: the rollout is called as DeepSpeed's is."""
     state = state if state is not None else StepState()
     divergence = divergence or DivergenceConfig()
     teacher_cache = teacher_cache or TeacherCacheConfig()
@@ -271,7 +274,8 @@ def opsd_step(student_engine: Any, teacher: Any, rollout: Any, request: Any, sam
     parts = StepParts(recorder, device)
     with recorder.stage("total"):
         with timed_eval(student_engine, device, train_after=True) as switch:
-            batch = parts.run("rollout", rollout.generate, request, sampling)
+            seeded = {} if rollout_seed is None else {"seed": rollout_seed}
+            batch = parts.run("rollout", rollout.generate, request, sampling, **seeded)
         targets = response_targets(batch)
         cache = parts.run("teacher", build_teacher_cache, teacher, targets, teacher_cache, recorder=recorder,
                           buffers=state.buffers)

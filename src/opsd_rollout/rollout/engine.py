@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from deepspeed.runtime.rollout.base import RolloutBatch, RolloutEngine, RolloutRequest, SamplingConfig
 
+from opsd_rollout import checks
 from opsd_rollout.distributed import agree_max
 from opsd_rollout.models import dtype_name
 from opsd_rollout.profiling import NULL_RECORDER, Clock, PeakMemory, RolloutProfile, Span, StageRecorder
@@ -140,13 +141,16 @@ class HybridEngineRollout(RolloutEngine):
 
     @torch.no_grad()
     def generate(self, request: RolloutRequest, sampling: SamplingConfig, *,
-                 logits_processor: RowLogitsProcessor | None = None) -> RolloutBatch:
-        """Roll out ``sampling.n_samples_per_prompt`` responses per prompt (the batch contract: docs/ROLLOUT.md).
-        ``logits_processor`` (ours, not DeepSpeed's): adjusts the logits of every sampled token, by request row
-        (``rollout/processors.py``); the benchmark forces its workloads' response lengths with one."""
+                 logits_processor: RowLogitsProcessor | None = None, seed: int | None = None) -> RolloutBatch:
+        """Roll out ``sampling.n_samples_per_prompt`` responses per prompt (the batch contract: docs/CONTRACT.md).
+        Ours, not DeepSpeed's: ``logits_processor`` adjusts the logits of every sampled token, by request row
+        (``rollout/processors.py``; the benchmark forces its workloads' response lengths with one); ``seed`` is this
+        call's own seed (the same seed, the same samples, whatever was called before: what a trainer that resumes
+        needs), over ``HybridEngineRolloutConfig.seed``."""
         self._last_profile = self._last_timeline = None
         if self._closed:
             raise RuntimeError("generate() called after shutdown()")
+        checks.integer("seed", seed, minimum=0, optional=True)
         plan = plan_rollout(request, sampling, self.target, self.tokenizer)
         if plan.continuous_batch_size and self.strategy.name == "generate" and not self._warned_slots:
             self._warned_slots = True
@@ -155,7 +159,7 @@ class HybridEngineRollout(RolloutEngine):
         prompt_ids = request.prompt_ids.to(self.target.device)
         prompt_mask = request.prompt_attention_mask.to(self.target.device)
         if not self.cfg.enable_profiling:
-            batch, lengths = self._rollout(prompt_ids, prompt_mask, plan, NULL_RECORDER, logits_processor)
+            batch, lengths = self._rollout(prompt_ids, prompt_mask, plan, NULL_RECORDER, logits_processor, seed)
             if plan.continuous_batch_size is not None:
                 self._last_continuous_stats = continuous_stats(self.strategy.last_stats, lengths, plan.prompt_length)
             return batch
@@ -164,7 +168,7 @@ class HybridEngineRollout(RolloutEngine):
         memory.start()
         recorder = StageRecorder(self._clock, time_forwards=self.cfg.options.profile_forwards)
         with recorder.stage("total"):
-            batch, lengths = self._rollout(prompt_ids, prompt_mask, plan, recorder, logits_processor)
+            batch, lengths = self._rollout(prompt_ids, prompt_mask, plan, recorder, logits_processor, seed)
         resolved = recorder.resolve()
         self._last_timeline = resolved.spans
         self._last_profile = build_profile(
@@ -215,7 +219,7 @@ class HybridEngineRollout(RolloutEngine):
             self.target.model.unmerge_adapter()
 
     def _rollout(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, plan: RolloutPlan, recorder: Any,
-                 processor: RowLogitsProcessor | None) -> tuple[RolloutBatch, torch.Tensor]:
+                 processor: RowLogitsProcessor | None, seed: int | None) -> tuple[RolloutBatch, torch.Tensor]:
         with recorder.stage("prompt_expansion"):
             ids, mask = postprocess.expand_prompts(prompt_ids, prompt_mask, plan.samples_per_prompt)
         probes = self._probes() if recorder.enabled else None  # the unprofiled path builds nothing
@@ -225,7 +229,8 @@ class HybridEngineRollout(RolloutEngine):
                 layerwise = self.target.zero_stage == 3 and not gathered
                 plan = dataclasses.replace(plan, layerwise_gather=layerwise,
                                            collective_forwards=plan.lockstep and layerwise)
-                sequences = self.strategy.generate(self.target, ids, mask, plan, recorder, processor)  # [N, P + R']
+                sequences = self.strategy.generate(self.target, ids, mask, plan, recorder, processor,
+                                                   seed)  # [N, P + R']
             if self.cfg.cache_policy == "release":
                 self.release_workspace()
         with recorder.stage("post_processing"):

@@ -9,8 +9,6 @@ samples are drawn from a fixed seed at every evaluation, and the training's rand
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -20,32 +18,13 @@ from opsd_rollout.distributed import agree_max, partitioned
 from opsd_rollout.modeling import position_ids, text_config
 from opsd_rollout.opsd.divergence import DivergenceConfig, token_divergence
 from opsd_rollout.opsd.targets import response_targets
+from opsd_rollout.seeding import seeded
 from opsd_rollout.train.data import Encoder, Example
 from opsd_rollout.train.sft import cross_entropy_sum
 
 REVERSE_KL = DivergenceConfig(loss="reverse_kl")
 LOGITS_BUDGET = 64 * 2**20
 """Bytes of float32 logits one evaluation forward may hold (student and teacher each): rows are chunked to it."""
-
-
-@contextmanager
-def seeded(seed: int, device: torch.device) -> Iterator[None]:
-    """Inside the block, torch's default generators of the CPU and of ``device`` start from ``seed``; after it they
-    are as they were before, so a micro-batch or an evaluation leaves the process's random state unchanged.
-
-    For what draws from those generators and takes no seed or generator of its own: a rollout without
-    ``HybridEngineRolloutConfig.seed`` (each call's key, from the CPU generator: a seeded one would count its calls,
-    which a resumed run does not repeat), transformers' sampling (strategy ``generate``, the hybrid engine) and the
-    student's dropout. The teacher cache, the losses and the optimizer draw nothing; the data order and ``lmbda``'s
-    draws have their own seeds.
-    """
-    cuda = device.type == "cuda"
-    with torch.random.fork_rng(devices=[device] if cuda else []):
-        torch.default_generator.manual_seed(seed)
-        if cuda:
-            with torch.cuda.device(device):
-                torch.cuda.manual_seed(seed)
-        yield
 
 
 def _window_logits(model: torch.nn.Module, targets: Any, rows: slice) -> torch.Tensor:

@@ -24,6 +24,7 @@ from opsd_rollout.files import write_text_atomic
 from opsd_rollout.opsd.divergence import LOSSES, DivergenceConfig
 from opsd_rollout.opsd.step import check_pairing, opsd_step
 from opsd_rollout.opsd.teacher import CACHE_MODES, TeacherCacheConfig
+from opsd_rollout.seeding import seeded
 from opsd_rollout.train.checkpoint import find_checkpoint, save_model
 from opsd_rollout.train.data import Encoder, Example, batch_indices
 from opsd_rollout.train.evaluate import evaluate
@@ -31,7 +32,6 @@ from opsd_rollout.train.report import MetricsLog, Progress, monitor_events, plot
 from opsd_rollout.train.setup import Models, build_student_engine, load_models, split_examples
 from opsd_rollout.train.sft import sft_step
 from opsd_rollout.opsd.step import StepState
-from opsd_rollout.train.evaluate import seeded
 
 logger = logging.getLogger(__name__)
 

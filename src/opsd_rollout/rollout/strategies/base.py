@@ -27,9 +27,9 @@ class GenerationStrategy(Protocol):
         ...
 
     def generate(self, target: RolloutTarget, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
-                 plan: RolloutPlan, recorder: Any, processor: Any = None) -> torch.Tensor:
+                 plan: RolloutPlan, recorder: Any, processor: Any = None, seed: int | None = None) -> torch.Tensor:
         """prompt_ids, prompt_mask: [N, P] left-padded; ``recorder`` records the phases it runs (compaction,
-        compile, ...); ``processor``: a ``RowLogitsProcessor`` or ``None``. Returns ``[N, P + R']``: the prompts exactly as given,
+        compile, ...); ``processor``: a ``RowLogitsProcessor`` or ``None``; ``seed``: this call's own seed, or ``None``. Returns ``[N, P + R']``: the prompts exactly as given,
         then the generated tokens (``R' <= max_new_tokens``), in a tensor the caller may write into."""
         ...
 

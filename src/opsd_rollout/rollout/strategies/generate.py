@@ -7,8 +7,9 @@ from typing import Any
 import torch
 from transformers import GenerationConfig, LogitsProcessorList
 
-from opsd_rollout.rollout.processors import RowLogitsProcessor
 from opsd_rollout.rollout.decode.stats import DecodeStats
+from opsd_rollout.rollout.processors import RowLogitsProcessor
+from opsd_rollout.seeding import seeded
 from opsd_rollout.rollout.target import RolloutTarget
 from opsd_rollout.rollout.validation import RolloutPlan
 
@@ -29,7 +30,8 @@ class TransformersGenerate:
         return None
 
     def generate(self, target: RolloutTarget, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
-                 plan: RolloutPlan, recorder: Any = None, processor: RowLogitsProcessor | None = None) -> torch.Tensor:
+                 plan: RolloutPlan, recorder: Any = None, processor: RowLogitsProcessor | None = None,
+                 seed: int | None = None) -> torch.Tensor:
         sampling = {} if plan.greedy else dict(temperature=plan.temperature, top_k=max(plan.top_k, 0),
                                                 top_p=plan.top_p)
         # Only the knobs the rollout owns are set; other generation options (e.g. repetition_penalty) follow
@@ -46,9 +48,10 @@ class TransformersGenerate:
             transformers_processor = processor.as_logits_processor(prompt_mask, plan.samples_per_prompt)
             if transformers_processor is not None:
                 processors.append(transformers_processor)
-        sequences = target.generate_fn(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=config,
-                                       synced_gpus=target.zero_stage == 3 and target.world_size > 1,
-                                       logits_processor=processors)
+        with seeded(seed, prompt_ids.device):  # transformers samples from torch's generators, taking no seed
+            sequences = target.generate_fn(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=config,
+                                           synced_gpus=target.zero_stage == 3 and target.world_size > 1,
+                                           logits_processor=processors)
         rows, steps = prompt_ids.shape[0], sequences.shape[1] - prompt_ids.shape[1]
         # every row is computed at every step until the last one finishes
         self.last_stats = DecodeStats(row_steps=rows * steps, slots=rows, forwards=steps, decode_steps=steps - 1,

@@ -79,15 +79,19 @@ class StaticDecode:
         if self.options.shared_prefix and self.shared_prefill and shared_prefix_problem(target.spec) is None:
             install(target.forward_module.config)
 
-    def _key(self) -> int:
-        """This call's random key: from ``seed`` and a count of calls (the same seed gives a repeatable sequence
-        of different rollouts), or without a seed from torch's global RNG (``torch.manual_seed`` repeats it)."""
+    def _key(self, call_seed: int | None = None) -> int:
+        """This call's random key: from the call's own seed alone when it has one; else from ``seed`` and a count of
+        calls (the same seed gives a repeatable sequence of different rollouts), or without a seed from torch's
+        global RNG (``torch.manual_seed`` repeats it)."""
+        if call_seed is not None:
+            return rollout_key(call_seed, 0)
         self._calls += 1
         seed = self.seed if self.seed is not None else int(torch.randint(0, 2**62, ()))
         return rollout_key(seed, self._calls if self.seed is not None else 0)
 
     def generate(self, target: RolloutTarget, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
-                 plan: RolloutPlan, recorder: Any, processor: RowLogitsProcessor | None = None) -> torch.Tensor:
+                 plan: RolloutPlan, recorder: Any, processor: RowLogitsProcessor | None = None,
+                 seed: int | None = None) -> torch.Tensor:
         """prompt_ids, prompt_mask: [N, P] expanded prompts. Returns [N, P + R'] (a fresh tensor)."""
         rows, P = prompt_ids.shape
         if self.cache_capacity is not None and P + plan.max_new_tokens > self.cache_capacity:
@@ -113,7 +117,7 @@ class StaticDecode:
             state=SlotState(rows, layout.scheduler.slots, plan.max_new_tokens, out),
             lockstep=lockstep_for(plan.lockstep, prompt_ids.device), recorder=recorder,
             step_fn=decode_one_token if self.compiled is not None and not compiled else self.decode_step,
-            warmed=self.warmed, key=self._key() if not plan.greedy else 0,
+            warmed=self.warmed, key=self._key(seed) if not plan.greedy else 0,
             check_every=self.options.stop_check_interval or (8 if prompt_ids.device.type == "cuda" else 1),
             compact=self.compact_rows, processor=processor, stats=stats)
         try:
