@@ -1,4 +1,4 @@
-# `make test` and `make bench` work from a fresh clone on a machine with only Python.
+# `make train`, `make test` and `make bench` work from a fresh clone on a machine with only Python.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -10,7 +10,7 @@ TORCH_SPEC ?= torch==2.13.0
 FLOOR_PYTHON ?= $(shell python3.12 -c 'import sys; print(sys.executable)' 2>/dev/null || PYENV_VERSION=$$(pyenv versions --bare 2>/dev/null | grep '^3\.12' | tail -1) python3.12 -c 'import sys; print(sys.executable)' 2>/dev/null || echo python3)
 FLOOR_VENV ?= .venv-floor
 
-.PHONY: test test-slow test-all test-floor bench install install-test gpu-bundle clean
+.PHONY: train test test-slow test-all test-floor bench install install-test gpu-bundle clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -53,6 +53,12 @@ test-floor: $(FLOOR_VENV)/.installed
 	$(FLOOR_VENV)/bin/python -c "import sys, torch, transformers; print('floor:', sys.version.split()[0], 'torch', torch.__version__, 'transformers', transformers.__version__)"
 	$(FLOOR_VENV)/bin/python -m pytest -q -m "not slow"
 
+# The built-in distillation run (the README's main job): a teacher trained by SFT on the Python documentation (or
+# the one cached in ~/.cache/opsd-rollout), distilled into a smaller student in runs/student; its last lines say
+# where the student model, metrics.jsonl and eval.png are.
+train: install
+	$(PY) -m opsd_rollout train --output-dir runs/student
+
 bench: install
 	$(PY) -m opsd_rollout bench --output bench-results/rollout.json --plot bench-results \
 		--trace bench-results/trace.json
@@ -61,4 +67,4 @@ gpu-bundle: install
 	$(PY) scripts/gpu_bundle.py --output .gpu-bundle
 
 clean:
-	rm -rf $(VENV) $(FLOOR_VENV) .gpu-bundle bench-results .pytest_cache .hypothesis
+	rm -rf $(VENV) $(FLOOR_VENV) .gpu-bundle bench-results runs/student .pytest_cache .hypothesis

@@ -41,7 +41,7 @@ def test_python_dash_m_help_works():
     assert result.returncode == 0 and "bench" in result.stdout and "models" in result.stdout
 
 
-@pytest.mark.parametrize("command", [[], ["bench"], ["step"], ["compare"], ["models"]])
+@pytest.mark.parametrize("command", [[], ["bench"], ["step"], ["kernels"], ["train"], ["compare"], ["models"]])
 def test_every_help_page_prints(command, capsys):
     """argparse formats help lazily: a stray ``%`` in a help text only fails when someone asks for --help."""
     from opsd_rollout.cli import build_parser
@@ -83,9 +83,11 @@ def test_every_documented_command_matches_the_parser():
     parser = build_parser()
     for argv in commands:
         try:
-            parser.parse_args(argv)
+            args = parser.parse_args(argv)
         except SystemExit as error:  # --help and --version exit 0; a bad flag exits 2
             assert error.code == 0, f"documented command does not parse: opsd-rollout {' '.join(argv)}"
+        else:
+            assert not getattr(args, "renamed", []), f"documented with an old spelling: {args.renamed}"
 
 
 @pytest.mark.parametrize("argv,local_rank", [
@@ -138,3 +140,129 @@ def test_the_documented_launcher_commands_parse_as_the_launcher_runs_them():
     assert commands, "the docs show the DeepSpeed launcher (docs/MULTIRANK.md)"
     for argv in commands:
         build_parser().parse_args(argv)
+
+
+# ---- one name, one meaning ------------------------------------------------------------------------------------------
+
+def visible_flags() -> dict[str, dict[str, object]]:
+    """Each subcommand's flags as ``--help`` shows them (old spellings are hidden) -> their action."""
+    import argparse
+
+    from opsd_rollout.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return {name: {option: action for action in parser._actions for option in action.option_strings
+                   if action.help is not argparse.SUPPRESS}
+            for name, parser in sub.choices.items()}
+
+
+def test_a_flag_has_one_type_in_every_subcommand():
+    """A list (a benchmark's axis) in one subcommand and one value in another, or another type or other choices:
+    the same name is one kind of value everywhere. ``--samples-per-prompt`` alone is a benchmark axis that lists
+    the values of ``train``'s flag of that name (docs/BENCHMARKS.md)."""
+    kinds: dict[str, dict[str, object]] = {}
+    for command, flags in visible_flags().items():
+        for option, action in flags.items():
+            kind = "list" if action.metavar == "LIST" else (getattr(action.type, "__name__", action.type),
+                                                           tuple(action.choices or ()), action.nargs)
+            kinds.setdefault(option, {})[command] = kind
+    mixed = {option: seen for option, seen in kinds.items() if len(set(seen.values())) > 1}
+    assert set(mixed) == {"--samples-per-prompt"}, mixed
+    assert mixed["--samples-per-prompt"]["train"] == ("int", (), None)
+
+
+def test_train_flags_set_the_train_config_fields_of_their_names():
+    from dataclasses import fields
+
+    from opsd_rollout.cli_train import FLAGS
+    from opsd_rollout.train import TrainConfig
+
+    names = {f.name for f in fields(TrainConfig)}
+    for flag, dest, _kwargs in FLAGS:
+        assert dest == flag[2:].replace("-", "_") and dest in names, flag
+
+
+@pytest.mark.parametrize("argv,old,new", [
+    (["bench", "--prompts", "variable"], "--prompts variable", "--prompt-kind variable"),
+    (["step", "--prompts", "variable"], "--prompts variable", "--prompt-kind variable"),
+    (["bench", "--resume", "r.json"], "--resume r.json", "--resume-results r.json"),
+    (["kernels", "--resume=r.json"], "--resume r.json", "--resume-results r.json"),
+    (["kernels", "--top-k", "5,50"], "--top-k 5,50", "--top-ks 5,50"),
+    (["kernels", "--top-p", "0.9"], "--top-p 0.9", "--top-ps 0.9"),
+    (["kernels", "--teacher-cache", "top8"], "--teacher-cache top8", "--teacher-caches top8"),
+    (["step", "--loss", "jsd,reverse_kl"], "--loss jsd,reverse_kl", "--losses jsd,reverse_kl"),
+    (["step", "--beta", "0.5"], "--beta 0.5", "--betas 0.5"),
+    (["step", "--teacher-cache", "top64"], "--teacher-cache top64", "--teacher-caches top64"),
+    (["train", "--output-dir", "o", "--batch-size", "4"], "--batch-size 4", "--prompts-per-micro-batch 4"),
+    (["train", "--output-dir", "o", "--teacher-cache-dir", "c"], "--teacher-cache-dir c", "--cache-dir c"),
+])
+def test_an_old_spelling_sets_what_the_new_one_sets_and_names_it(argv, old, new):
+    from opsd_rollout.cli import build_parser
+    from opsd_rollout.bench.configfile import renamed_note
+
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    spelled_new = [*argv[:-2], *new.split()] if "=" not in argv[-1] else [argv[0], *new.split()]
+    assert vars(args) | {"renamed": []} == vars(parser.parse_args(spelled_new)) | {"renamed": []}
+    assert args.renamed == [renamed_note(old, new)]
+    assert args.renamed[0] == f"opsd-rollout: {old} is now {new} (the old spelling goes in a later release)"
+
+
+def test_the_old_spelling_is_one_line_on_stderr_and_the_command_runs(capsys):
+    assert main(["bench", "--model", "llama-tiny", "--prompts", "variable", "--dry-run"]) == 0
+    captured = capsys.readouterr()
+    assert captured.err == ("opsd-rollout: --prompts variable is now --prompt-kind variable (the old spelling goes "
+                            "in a later release)\n")
+    assert main(["bench", "--model", "llama-tiny", "--prompt-kind", "variable", "--dry-run"]) == 0
+    assert capsys.readouterr().err == ""
+
+
+def test_config_files_take_the_flags_names_and_the_old_ones_with_the_same_line(tmp_path, capsys):
+    from opsd_rollout.bench.configfile import read_config_file, split_config
+    from opsd_rollout.bench.scenarios import KernelsScenario, RolloutScenario, StepScenario
+
+    path = tmp_path / "bench.toml"
+    path.write_text('prompt-kind = "variable"\n')
+    assert split_config(read_config_file(path), RolloutScenario) == ({}, {"prompts": "variable"})
+    path.write_text('student = "llama-tiny"\nteacher_cache_budget = "8GiB"\nprompt_kind = "variable"\n')
+    assert split_config(read_config_file(path), StepScenario)[1] == {
+        "model": "llama-tiny", "teacher_cache_budget_bytes": "8GiB", "prompts": "variable"}
+    assert capsys.readouterr().err == ""
+    path.write_text('prompts = "variable"\n')
+    assert split_config(read_config_file(path), RolloutScenario, f"--config {path}") == ({}, {"prompts": "variable"})
+    assert capsys.readouterr().err == (f'opsd-rollout: --config {path}: prompts = "variable" is now prompt_kind = '
+                                       '"variable" (the old spelling goes in a later release)\n')
+    path.write_text("top_k = [5, 50]\ntop-p = 0.9\n")
+    assert split_config(read_config_file(path), KernelsScenario)[0] == {"top_ks": [5, 50], "top_ps": [0.9]}
+    assert "top_k = [5, 50] is now top_ks = [5, 50]" in capsys.readouterr().err
+    path.write_text("top_k = [5]\ntop_ks = [50]\n")
+    with pytest.raises(ValueError, match="top_k and top_ks are one name"):
+        split_config(read_config_file(path), KernelsScenario)
+
+
+def test_every_setting_flag_is_a_config_key_by_its_name():
+    """``--config`` files take the flags' names: each setting a flag sets, a key of that name sets too."""
+    from opsd_rollout.bench.configfile import split_config
+    from opsd_rollout.bench.scenarios import SCENARIOS
+
+    flags = visible_flags()
+    for kind, scenario in SCENARIOS.items():
+        command = "bench" if kind == "rollout" else kind
+        axes = {axis.name for axis in scenario.axes}
+        for option, action in flags[command].items():
+            key = option[2:].replace("-", "_")
+            if action.dest in axes or action.dest not in scenario.settings_type.__dataclass_fields__:
+                continue  # an axis (keyed by its name), or not a setting (output, ranks, --config)
+            assert split_config({key: "x"}, scenario) == ({}, {action.dest: "x"}), (command, option)
+
+
+def test_an_old_kernels_result_resumes_by_the_new_axis_names(tmp_path):
+    import json
+
+    from opsd_rollout.bench.report import SCHEMA_VERSION
+    from opsd_rollout.cli import load_result
+
+    path = tmp_path / "kernels.json"
+    path.write_text(json.dumps({"schema_version": SCHEMA_VERSION, "kind": "kernels", "matrix": {
+        "kernels": ["sampling"], "top_k": [50], "top_p": [0.95]}, "settings": {}, "results": []}))
+    assert load_result(str(path))["matrix"] == {"kernels": ["sampling"], "top_ks": [50], "top_ps": [0.95]}

@@ -20,7 +20,7 @@ from opsd_rollout.bench.scenarios import KernelConfig, KernelSettings, KernelsSc
 from opsd_rollout.cli import main
 
 TINY = {"kernels": list(KERNELS), "rows": [4], "samples_per_prompt": [2], "prompt_lengths": [16],
-        "response_lengths": [4], "vocab_sizes": [300], "top_k": [20], "top_p": [0.9]}
+        "response_lengths": [4], "vocab_sizes": [300], "top_ks": [20], "top_ps": [0.9]}
 """Every kernel at shapes that take milliseconds on the tiny model."""
 QUIET = {"host": "planted", "load_average": [0.1, 0.1], "cpu_count": 2, "wall_seconds": 0.2,
          "process_cpu_seconds": 0.4, "machine_busy_seconds": 0.41, "machine_seconds": 0.4, "steal_seconds": 0.0,
@@ -105,7 +105,7 @@ def test_axes_a_kernel_does_not_read_add_no_configs():
 @pytest.mark.parametrize("flags,named", [
     (["--kernels", "sampling,nonsense"], "kernels: 'nonsense' is not one of sampling"),
     (["--rows", "0"], "rows: '0' is not an integer >= 1"),
-    (["--top-p", "1.5"], "top_p: '1.5' is not a number in (0, 1]"),
+    (["--top-ps", "1.5"], "top_ps: '1.5' is not a number in (0, 1]"),
     (["--weight-shapes", "64x"], "weight_shapes: '64x' is not model or KxN"),
     (["--teacher-caches", "top0"], "teacher_caches: 'top0' is not full or top<k>"),
     (["--kernels", "attention", "--samples-per-prompt", "1"], "attention: samples_per_prompt must be >= 2"),

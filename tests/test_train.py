@@ -267,7 +267,7 @@ def test_the_command_line_trains_and_says_where_it_wrote(tmp_path, capsys):
     prompts = write_prompts(tmp_path / "p.jsonl")
     out = tmp_path / "run"
     assert main(["train", "--student", "llama-tiny", "--teacher", "qwen2-tiny", "--prompts", str(prompts),
-                 "--steps", "2", "--batch-size", "2", "--max-new-tokens", "6", "--eval-every", "1",
+                 "--steps", "2", "--prompts-per-micro-batch", "2", "--max-new-tokens", "6", "--eval-every", "1",
                  "--output-dir", str(out), "--quiet"]) == 0
     printed = capsys.readouterr().out
     assert "held-out reverse KL to the teacher" in printed and str(out / "metrics.jsonl") in printed
@@ -289,7 +289,7 @@ def test_two_zero3_ranks_train_evaluate_and_checkpoint_together(tmp_path):
     out = tmp_path / "run"
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
                "--master_port", str(free_port()), "-m", "opsd_rollout", "train", "--student", "llama-tiny",
-               "--teacher", "qwen2-tiny", "--steps", "3", "--batch-size", "2", "--max-new-tokens", "8",
+               "--teacher", "qwen2-tiny", "--steps", "3", "--prompts-per-micro-batch", "2", "--max-new-tokens", "8",
                "--eval-every", "3", "--eval-prompts", "8", "--zero-stage", "3", "--teacher-zero-stage", "3",
                "--temperature", "1.0", "--output-dir", str(out), "--quiet"]
     result = run_named("train on 2 ZeRO-3 ranks (about 15 s on 2 quiet cores)", command,

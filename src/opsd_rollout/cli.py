@@ -22,7 +22,7 @@ from rich.console import Console
 from rich.table import Table
 
 from opsd_rollout import __version__, checks
-from opsd_rollout.bench.configfile import read_config_file, split_config
+from opsd_rollout.bench.configfile import current_names, read_config_file, split_config
 from opsd_rollout.bench.matrix import Matrix
 from opsd_rollout.bench.report import load_document
 from opsd_rollout.files import write_text_atomic
@@ -68,7 +68,8 @@ def _cmd_models(_args: argparse.Namespace) -> int:
 
 def _bench_inputs(args: argparse.Namespace, scenario: type[Scenario]) -> tuple[Matrix, Any]:
     """The matrix and settings of a run: the scenario's defaults, then the config file, then the flags."""
-    file_axes, file_settings = split_config(read_config_file(args.config), scenario) if args.config else ({}, {})
+    file_axes, file_settings = (split_config(read_config_file(args.config), scenario, f"--config {args.config}")
+                                if args.config else ({}, {}))
     flag_axes = {axis.name: axis.split(getattr(args, axis.name)) for axis in scenario.axes
                  if getattr(args, axis.name) is not None}
     matrix = Matrix.parse(scenario, {**file_axes, **flag_axes})
@@ -162,19 +163,25 @@ def show_accelerator_fallback(verbose: bool) -> None:
         logger.addFilter(CpuFallbackFilter())
 
 
+def load_result(path: str) -> dict[str, Any]:
+    """A result file, read (``load_document``), its matrix by today's axis names (``configfile.RENAMED``)."""
+    document = load_document(path)
+    return {**document, "matrix": current_names(document.get("matrix") or {}, document.get("kind"))}
+
+
 def _estimate_source(args: argparse.Namespace, existing: dict[str, Any] | None,
                      scenario: type[Scenario]) -> tuple[dict[str, Any] | None, str | None]:
-    """The previous result a dry run estimates from, and its path: ``--estimate-from``, else the ``--resume``
-    file, else the last run's result at ``--output`` (where ``make bench`` writes) when it holds this kind of
-    benchmark; an unreadable file there is no estimate, not an error."""
+    """The previous result a dry run estimates from, and its path: ``--estimate-from``, else the
+    ``--resume-results`` file, else the last run's result at ``--output`` (where ``make bench`` writes) when it
+    holds this kind of benchmark; an unreadable file there is no estimate, not an error."""
     if args.estimate_from:
-        return load_document(args.estimate_from), args.estimate_from
+        return load_result(args.estimate_from), args.estimate_from
     if existing is not None:
-        return existing, args.resume
+        return existing, args.resume_results
     if not args.output or not os.path.isfile(args.output):
         return None, None
     try:
-        document = load_document(args.output)
+        document = load_result(args.output)
     except ValueError:
         return None, None
     return (document, args.output) if document.get("kind") == scenario.kind else (None, None)
@@ -184,14 +191,14 @@ def _run_matrix(args: argparse.Namespace, scenario: type[Scenario]) -> int:
     checks.integer("--nproc", args.nproc, optional=True)
     console = _console()
     existing = None
-    if args.resume:
-        existing = load_document(args.resume)
+    if args.resume_results:
+        existing = load_result(args.resume_results)
         if existing["kind"] != scenario.kind:
-            raise ValueError(f"--resume {args.resume!r} holds a {existing['kind']} benchmark; resume it with "
-                             f"`opsd-rollout {SUBCOMMANDS.get(existing['kind'], 'bench')}`")
+            raise ValueError(f"--resume-results {args.resume_results!r} holds a {existing['kind']} benchmark; "
+                             f"resume it with `opsd-rollout {SUBCOMMANDS.get(existing['kind'], 'bench')}`")
         matrix = Matrix.parse(scenario, existing["matrix"])
         settings = scenario.settings_type(**existing["settings"])
-        args.output = args.resume
+        args.output = args.resume_results
     else:
         matrix, settings = _bench_inputs(args, scenario)
     from opsd_rollout.bench.session import print_dry_run, run_bench_session
@@ -221,7 +228,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     if args.threshold < 0:
         raise ValueError(f"--threshold must be >= 0 (percent); got {args.threshold}")
     ignore = tuple(a.strip() for a in args.ignore_axes.split(",") if a.strip()) if args.ignore_axes else ()
-    comparison = compare_documents(load_document(args.before), load_document(args.after),
+    comparison = compare_documents(load_result(args.before), load_result(args.after),
                                    threshold_pct=args.threshold, ignore=ignore, allow_disturbed=args.allow_disturbed)
     console = _console()
     if comparison.changes:
@@ -328,6 +335,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     args.argv, args.verbose = argv, getattr(args, "verbose", False)
+    if int(os.environ.get("RANK", "0")) == 0:  # an old spelling, said once (not by every rank of --nproc)
+        for note in getattr(args, "renamed", []):
+            print(note, file=sys.stderr)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s")
     show_accelerator_fallback(args.verbose)
     try:
@@ -338,8 +348,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         print("opsd-rollout: interrupted; " + ("nothing trained yet" if args.command == "train" else
-                                               "finished configs are in the result file (finish with --resume)"),
-              file=sys.stderr)
+                                               "finished configs are in the result file (finish with "
+                                               "--resume-results)"), file=sys.stderr)
         return 130
 
 

@@ -8,6 +8,8 @@ import os
 import sys
 from typing import Any
 
+from opsd_rollout.cli_bench import add_flag
+
 LOSSES = ("forward_kl", "reverse_kl", "jsd", "sampled_reverse_kl")
 FLAGS: list[tuple[str, str, dict[str, Any]]] = [  # (flag, TrainConfig field, argparse keywords)
     ("--student", "student", dict(help="preset or local checkpoint directory (default llama-tiny; with no model or "
@@ -28,8 +30,9 @@ FLAGS: list[tuple[str, str, dict[str, Any]]] = [  # (flag, TrainConfig field, ar
         type=int, metavar="N", help="micro-batches per optimizer step, each with its own rollout, in the built "
         "config (default 1)")),
     ("--steps", "steps", dict(type=int, metavar="N", help="optimizer steps (default 100)")),
-    ("--batch-size", "prompts_per_micro_batch", dict(type=int, metavar="N", help="prompts per micro-batch "
-                                                     "(default 8)")),
+    ("--prompts-per-micro-batch", "prompts_per_micro_batch", dict(
+        type=int, metavar="N", help="prompts per micro-batch, each rank's; DeepSpeed's micro-batch is this x "
+        "--samples-per-prompt rows (default 8)")),
     ("--samples-per-prompt", "samples_per_prompt", dict(type=int, metavar="N", help="samples per prompt (default 1)")),
     ("--max-new-tokens", "max_new_tokens", dict(type=int, metavar="N", help="response tokens (default 32)")),
     ("--max-prompt-tokens", "max_prompt_tokens", dict(type=int, metavar="N", help="longest prompt accepted "
@@ -65,6 +68,10 @@ FLAGS: list[tuple[str, str, dict[str, Any]]] = [  # (flag, TrainConfig field, ar
 ]
 DEFAULT_RUN_FLAGS = ("student", "teacher", "prompts")
 """With none of these (and objective opsd), ``train`` is the built-in run."""
+FORMERLY = {"--prompts-per-micro-batch": "--batch-size", "--cache-dir": "--teacher-cache-dir"}
+"""Renamed flags -> their old spellings, still accepted with a line naming the new: ``--batch-size`` counted
+prompts where DeepSpeed's batch sizes count rows (prompts x samples); ``--teacher-cache-dir`` (trained teachers)
+read as the place of ``--teacher-cache`` (the teacher's logits)."""
 
 
 def add_train_parser(sub: Any, common: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -73,13 +80,13 @@ def add_train_parser(sub: Any, common: argparse.ArgumentParser) -> argparse.Argu
         description="Train a student on DeepSpeed by on-policy distillation from a prompt file to a checkpoint: "
         "metrics.jsonl, DeepSpeed's monitors, checkpoints/ (exact --resume), model/ and eval.png in --output-dir. "
         "With no --student, --teacher or --prompts: the built-in run, a real one on the Python documentation that "
-        "ships with Python: a teacher trained on it by SFT (cached in --teacher-cache-dir), distilled into a "
+        "ships with Python: a teacher trained on it by SFT (cached in --cache-dir), distilled into a "
         "smaller student.")
     train.add_argument("--output-dir", required=True, metavar="DIR", help="where the run writes")
     for flag, dest, kwargs in FLAGS:
-        train.add_argument(flag, dest=dest, **kwargs)
-    train.add_argument("--teacher-cache-dir", metavar="DIR", help="the built-in run's trained teachers (default "
-                       "$OPSD_ROLLOUT_CACHE or ~/.cache/opsd-rollout)")
+        add_flag(train, flag, formerly=FORMERLY.get(flag), dest=dest, **kwargs)
+    add_flag(train, "--cache-dir", formerly=FORMERLY["--cache-dir"], metavar="DIR", help="where the built-in run "
+             "keeps the teachers it trains (default $OPSD_ROLLOUT_CACHE or ~/.cache/opsd-rollout)")
     train.add_argument("--quiet", action="store_true", help="no progress line")
     train.set_defaults(func=run_train)
     return train
@@ -95,7 +102,7 @@ def run_train(args: argparse.Namespace) -> int:
 
     given = {dest: getattr(args, dest) for _flag, dest, _kw in FLAGS if getattr(args, dest) is not None}
     if not any(name in given for name in DEFAULT_RUN_FLAGS) and given.get("objective", "opsd") == "opsd":
-        result = default_run(args.output_dir, cache_dir=args.teacher_cache_dir, progress=not args.quiet,
+        result = default_run(args.output_dir, cache_dir=args.cache_dir, progress=not args.quiet,
                              overrides=given)
     else:
         result = train(TrainConfig(output_dir=args.output_dir, progress=not args.quiet, **given))

@@ -57,8 +57,9 @@ KERNEL_AXES = (
          "prompt lengths in tokens (postprocess, attention, compile, profiling)"),
     Axis("response_lengths", "response_length", positive_int, "an integer >= 1",
          "response lengths: new tokens (postprocess, attention, profiling), trained tokens per row (fused_loss)"),
-    Axis("top_k", "top_k", any_int, "an integer (<= 0 disables top-k)", "sampling top-k, <= 0 disables"),
-    Axis("top_p", "top_p", top_p, "a number in (0, 1]", "sampling top-p"),
+    Axis("top_ks", "top_k", any_int, "an integer (<= 0 disables top-k)", "sampling top-k values (sampling), <= 0 "
+         "disables"),
+    Axis("top_ps", "top_p", top_p, "a number in (0, 1]", "sampling top-p values (sampling)"),
     Axis("teacher_caches", "teacher_cache", teacher_cache, "full or top<k> (e.g. top64)",
          "the teacher's cache (fused_loss): full (every logit) or top<k>"),
     Axis("weight_shapes", "weight_shape", weight_shape, "model or KxN (e.g. 1024x4096)",
@@ -172,8 +173,8 @@ class KernelsScenario(Scenario):
     settings_type = KernelSettings
     defaults: ClassVar[dict[str, list[Any]]] = {
         "kernels": list(DEFAULT_KERNELS), "dtypes": ["fp32"], "rows": [16], "vocab_sizes": [32000],
-        "samples_per_prompt": [4], "prompt_lengths": [128], "response_lengths": [32], "top_k": [50],
-        "top_p": [0.95], "teacher_caches": ["full"], "weight_shapes": ["model"]}
+        "samples_per_prompt": [4], "prompt_lengths": [128], "response_lengths": [32], "top_ks": [50],
+        "top_ps": [0.95], "teacher_caches": ["full"], "weight_shapes": ["model"]}
     stages = ("kernel_ms", "baseline_ms", "greedy_ms")
     what = "kernel round"
     throughput_label = "speed-up (baseline / ours, p50)"
