@@ -158,17 +158,23 @@ class HybridEngineRollout(RolloutEngine):
                            "(the rows returned are the same); strategy 'static' honours it", plan.continuous_batch_size)
         prompt_ids = request.prompt_ids.to(self.target.device)
         prompt_mask = request.prompt_attention_mask.to(self.target.device)
-        if not self.cfg.enable_profiling:
+        if self.cfg.enable_profiling:
+            batch, lengths = self._profiled_rollout(prompt_ids, prompt_mask, plan, logits_processor, seed)
+        else:
             batch, lengths = self._rollout(prompt_ids, prompt_mask, plan, NULL_RECORDER, logits_processor, seed)
-            if plan.continuous_batch_size is not None:
-                self._last_continuous_stats = continuous_stats(self.strategy.last_stats, lengths, plan.prompt_length)
-            return batch
+        if plan.continuous_batch_size is not None:  # times and throughput only from a profiled call
+            self._last_continuous_stats = continuous_stats(self.strategy.last_stats, lengths, plan.prompt_length,
+                                                           self._last_profile)
+        return batch
 
+    def _profiled_rollout(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, plan: RolloutPlan,
+                          processor: RowLogitsProcessor | None, seed: int | None) -> tuple[RolloutBatch, torch.Tensor]:
+        """``_rollout`` under a recorder; the call's profile and timeline kept."""
         memory = PeakMemory(self.target.device)
         memory.start()
         recorder = StageRecorder(self._clock, time_forwards=self.cfg.options.profile_forwards)
         with recorder.stage("total"):
-            batch, lengths = self._rollout(prompt_ids, prompt_mask, plan, recorder, logits_processor, seed)
+            batch, lengths = self._rollout(prompt_ids, prompt_mask, plan, recorder, processor, seed)
         resolved = recorder.resolve()
         self._last_timeline = resolved.spans
         self._last_profile = build_profile(
@@ -183,10 +189,7 @@ class HybridEngineRollout(RolloutEngine):
             kv_workspace_bytes=self.strategy.workspace.nbytes if self.strategy.workspace is not None else None,
             weight_layout_bytes=self.strategy.weight_layout_bytes,
             workspace=self.strategy.workspace.last_event if self.strategy.workspace is not None else None)
-        if plan.continuous_batch_size is not None:
-            self._last_continuous_stats = continuous_stats(self.strategy.last_stats, lengths, plan.prompt_length,
-                                                           self._last_profile)
-        return batch
+        return batch, lengths
 
     def _width(self, lengths: torch.Tensor, plan: RolloutPlan) -> int:
         """The batch's response columns: ``max_new_tokens`` (DeepSpeed's), or the longest response on any rank."""
