@@ -3,7 +3,10 @@
 ``generalized_jsd`` follows GKD (Agarwal et al., 2024): with ``M = beta * P_T + (1 - beta) * P_S``,
 ``JSD_beta = beta * KL(P_T || M) + (1 - beta) * KL(P_S || M)``; the endpoints are the two KLs the family
 interpolates: ``beta = 0`` is forward KL ``KL(P_T || P_S)``, ``beta = 1`` is reverse KL ``KL(P_S || P_T)``.
-With a top-k teacher cache, both distributions are renormalized over the teacher's k tokens. A
+With a top-k teacher cache (the teacher's k most likely tokens and their log-probabilities), ``top_k_rest`` says
+what becomes of the rest of the vocabulary: ``renormalize`` (DeepSpeed's definition) renormalizes both
+distributions over the k tokens; ``tail`` keeps the k tokens' probabilities as they are and adds one bucket holding
+each side's mass outside them (verl's and TRL's top-k distillation), so the divergence is over k + 1 entries. A
 ``pointwise_clip`` caps each vocabulary entry's contribution before the per-token sum, as DeepSpeed's
 ``generalized_jsd_loss`` defines it.
 
@@ -26,6 +29,7 @@ from opsd_rollout import checks
 
 LOSSES = ("forward_kl", "reverse_kl", "jsd", "sampled_reverse_kl")
 ESTIMATORS = ("k1", "k3")
+TOP_K_RESTS = ("renormalize", "tail")
 WHOLE_DISTRIBUTION = ("forward_kl", "reverse_kl", "jsd")
 """The losses that need the teacher's distribution (a ``full`` or ``topk`` cache), not one token's probability."""
 
@@ -51,6 +55,11 @@ class DivergenceConfig:
     pointwise_clip: float | None = None
     """Cap on each vocabulary entry's contribution to a token's divergence, applied before the sum over the
     vocabulary (DeepSpeed's ``pointwise_clip``); clipped entries pass no gradient. ``None``: no cap."""
+    top_k_rest: str = "renormalize"
+    """With a top-k teacher cache, the vocabulary outside the teacher's k tokens: ``renormalize`` drops it and
+    renormalizes both distributions over the k tokens (DeepSpeed's ``teacher_top_k``); ``tail`` keeps it as one
+    bucket on each side, the mass the distribution puts outside the k tokens (verl, TRL), which needs the teacher's
+    log-probabilities at temperature 1 (what a top-k cache and a served teacher hold), so temperature 1."""
     fused: bool = True
     """``opsd_step``: the student's LM head computed inside the loss, a chunk of response tokens at a time, with
     its gradients in the same pass (``opsd/fused.py``): the logits [N, R, V] are never whole. ``False``: the
@@ -70,6 +79,11 @@ class DivergenceConfig:
             raise ValueError(f"beta must be in [0, 1]; got {self.beta!r}")
         if not self.temperature > 0:
             raise ValueError(f"temperature must be positive; got {self.temperature!r}")
+        checks.choice("top_k_rest", self.top_k_rest, TOP_K_RESTS)
+        if self.top_k_rest == "tail" and self.temperature != 1.0:
+            raise ValueError(f"top_k_rest='tail' needs temperature 1: the teacher's mass outside its top-k is known at "
+                             f"temperature 1 only (a top-k cache, a served teacher's log-probabilities); got temperature "
+                             f"{self.temperature!r} (use top_k_rest='renormalize' to soften both distributions)")
         checks.integer("chunk_size", self.chunk_size)
         checks.integer("fused_chunk_tokens", self.fused_chunk_tokens, optional=True)
         clip = self.pointwise_clip
@@ -104,20 +118,54 @@ def generalized_jsd(student_logp: torch.Tensor, teacher_logp: torch.Tensor, beta
     return pointwise.sum(-1)
 
 
+LOG_TINY = math.log(torch.finfo(torch.float32).tiny)
+"""The floor of a tail bucket's log-probability: an empty tail (log 0) would turn 0 * (-inf) into NaN."""
+
+
+def tail_logp(top_logp: torch.Tensor) -> torch.Tensor:
+    """[..., k] log-probabilities of k tokens -> [..., 1] the log of the mass outside them, floored at ``LOG_TINY``
+    (rounding can make the k tokens' mass reach 1)."""
+    mass = torch.logsumexp(top_logp, dim=-1, keepdim=True).clamp(max=0.0)
+    return torch.log(-torch.expm1(mass)).clamp(min=LOG_TINY)
+
+
+def student_tail_logp(student: torch.Tensor, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """student [..., V] logits, indices [..., k] (k < V, distinct) -> the student's log-probabilities at the k
+    tokens [..., k] and of the rest of the vocabulary [..., 1] (floored at ``LOG_TINY``), differentiable."""
+    normalizer = torch.logsumexp(student, dim=-1, keepdim=True)
+    top = student.gather(-1, indices) - normalizer
+    rest = torch.logsumexp(student.scatter(-1, indices, float("-inf")), dim=-1, keepdim=True) - normalizer
+    return top, rest.clamp(min=LOG_TINY)
+
+
+def top_k_buckets(student: torch.Tensor, values: torch.Tensor, indices: torch.Tensor,
+                  rest: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The two distributions a top-k cache compares, as log-probabilities over the same entries: student logits
+    [..., V] (already over the temperature), the teacher's k values and indices [..., k] -> (student, teacher)
+    [..., k] renormalized (``rest="renormalize"``, or when k covers the vocabulary) or [..., k + 1] with the tail
+    bucket last (``rest="tail"``; ``values`` then are log-probabilities)."""
+    indices = indices.long()
+    if rest == "renormalize" or indices.shape[-1] >= student.shape[-1]:
+        return F.log_softmax(student.gather(-1, indices), dim=-1), F.log_softmax(values, dim=-1)
+    top, tail = student_tail_logp(student, indices)
+    return torch.cat([top, tail], dim=-1), torch.cat([values, tail_logp(values)], dim=-1)
+
+
 def token_divergence(student_logits: torch.Tensor, teacher: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
                      config: DivergenceConfig) -> torch.Tensor:
-    """student_logits: [..., V]; teacher: logits [..., V] or a top-k pair (values [..., k], indices [..., k]).
+    """student_logits: [..., V]; teacher: logits [..., V] or a top-k pair (values [..., k], indices [..., k]: logits
+    or log-probabilities with ``top_k_rest="renormalize"``, log-probabilities with ``"tail"``).
     Returns the per-position divergence [...] in float32 (float64 for float64 logits)."""
     dtype = torch.promote_types(student_logits.dtype, torch.float32)
     student = student_logits.to(dtype) / config.temperature
     if isinstance(teacher, tuple):
         values, indices = teacher
-        student = student.gather(-1, indices.long())  # the student restricted to the teacher's top-k support
-        teacher_logits = values.to(dtype)
+        student_logp, teacher_logp = top_k_buckets(student, values.to(dtype) / config.temperature, indices,
+                                                   config.top_k_rest)
     else:
-        teacher_logits = teacher.to(dtype)
-    teacher_logp = F.log_softmax(teacher_logits / config.temperature, dim=-1)
-    return generalized_jsd(F.log_softmax(student, dim=-1), teacher_logp, config.effective_beta, config.pointwise_clip)
+        student_logp = F.log_softmax(student, dim=-1)
+        teacher_logp = F.log_softmax(teacher.to(dtype) / config.temperature, dim=-1)
+    return generalized_jsd(student_logp, teacher_logp, config.effective_beta, config.pointwise_clip)
 
 
 def _chunk_sum(student_logits: torch.Tensor, mask: torch.Tensor, teacher_chunk, start: int, stop: int,

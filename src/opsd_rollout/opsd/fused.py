@@ -8,9 +8,11 @@ its gradient with respect to ``z``; two matmuls turn that into the chunk's share
 only scales the stored gradients by the incoming one. Memory: one chunk's float32 intermediates and a float32
 [V, H] gradient of ``W``, never [M, V]. Tokens with mask 0 (prompt, padding after EOS) are skipped, not computed.
 
-With a top-k teacher cache both distributions live on the teacher's k entries (DeepSpeed's definition), so only
-those k student logits are computed: each token's k rows of ``W`` are gathered, c x k x H work instead of
-c x V x H.
+With a top-k teacher cache renormalized (DeepSpeed's definition) both distributions live on the teacher's k
+entries, so only those k student logits are computed: each token's k rows of ``W`` are gathered, c x k x H work
+instead of c x V x H. With the tail bucket (``top_k_rest="tail"``) the student's mass outside the k entries needs
+its whole logits: the divergence is over k + 1 buckets, and the tail bucket's gradient reaches each token outside
+the k in proportion to its share of the tail (``_tail_chunk``).
 
 The gradient of one token's divergence with respect to the student's log-probabilities ``lp`` (teacher ``lq``,
 ``p = exp(lp)``, ``q = exp(lq)``), entry by entry:
@@ -35,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from opsd_rollout.modeling import logit_transform
-from opsd_rollout.opsd.divergence import DivergenceConfig
+from opsd_rollout.opsd.divergence import DivergenceConfig, student_tail_logp, tail_logp
 from opsd_rollout.opsd.head_chunks import HeadGrads, HeadOptions, rows_on
 
 CHUNK_BYTES = 32 << 20
@@ -89,12 +91,31 @@ def _student_logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     return (logits if bias is None else logits + bias[indices]), rows
 
 
+def _tail_chunk(student: torch.Tensor, teacher_logp: torch.Tensor, indices: torch.Tensor,
+                options: HeadOptions) -> tuple[torch.Tensor, torch.Tensor]:
+    """The divergence over the teacher's k tokens and one tail bucket: student logits [c, V] (temperature 1),
+    the teacher's k log-probabilities and token ids [c, k] -> the per-token divergence [c] and dL/dz [c, V].
+
+    With ``g`` the gradient with respect to the k + 1 buckets' logits (``_divergence_and_grad``'s), a top-k
+    token's logit gets its bucket's ``g``, and a token ``j`` outside the k gets ``g_tail * p_j / P_tail``: the
+    tail's log-probability is ``logsumexp`` over those tokens minus the whole ``logsumexp``."""
+    top, rest = student_tail_logp(student, indices)
+    teacher_logp = torch.cat([teacher_logp, tail_logp(teacher_logp)], dim=-1)  # [c, k + 1]
+    per_token, bucket_grad = _divergence_and_grad(torch.cat([top, rest], dim=-1), teacher_logp, options.beta,
+                                                  options.clip)
+    share = torch.softmax(student.scatter(-1, indices, float("-inf")), dim=-1)  # p_j / P_tail, 0 on the top-k
+    grad = share.mul_(bucket_grad[:, -1:]).scatter_(-1, indices, bucket_grad[:, :-1])
+    return per_token, grad
+
+
 def _chunk(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, teacher: torch.Tensor,
            indices: torch.Tensor | None, options: HeadOptions,
            need_grad: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """One chunk of c trained tokens: the divergence per token [c], dL/dz [c, W] per unit of token weight (in
-    ``options.dtype``; ``None`` without ``need_grad``) and the gathered head rows (top-k)."""
-    logits, rows = _student_logits(hidden, weight, bias, indices)
+    ``options.dtype``; ``None`` without ``need_grad``) and the gathered head rows (top-k renormalized; ``None``
+    when ``W`` is the vocabulary)."""
+    tail = options.tail and indices is not None and indices.shape[-1] < weight.shape[0]
+    logits, rows = _student_logits(hidden, weight, bias, None if tail else indices)
     logits = logits.to(options.dtype)
     factor = options.scale / options.temperature
     squashed = None
@@ -105,6 +126,13 @@ def _chunk(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         student = logits.mul_(factor)
     else:
         student = logits
+    if tail:  # temperature 1 (DivergenceConfig checks it)
+        per_token, grad = _tail_chunk(student, teacher.to(options.dtype), indices, options)
+        if not need_grad:
+            return per_token, None, None
+        if squashed is not None:
+            grad.mul_(squashed.square_().neg_().add_(1.0))
+        return per_token, grad, None
     student_logp = F.log_softmax(student, dim=-1)
     del student, logits
     teacher = teacher.to(options.dtype)
@@ -144,7 +172,7 @@ class FusedHeadDivergence(torch.autograd.Function):
             total += per_token @ coef
             if need_grad:
                 coef = coef * (options.scale / options.temperature)  # and the temperature's 1/T, the scale
-                if indices is None:
+                if rows is None:
                     grads.add_full(tokens, states, grad, coef, weight)
                 else:
                     grads.add_top_k(tokens, states, grad, coef, indices, rows)
@@ -191,10 +219,12 @@ def fused_divergence(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
                          f"{[tuple(t.shape) for t in (values, indices) if t is not None]}")
     if tuple(mask.shape) != (rows, window):
         raise ValueError(f"mask must be [{rows}, {window}] like the hidden states; got {tuple(mask.shape)}")
+    tail = config.top_k_rest == "tail" and indices is not None and width < weight.shape[0]
     options = HeadOptions(beta=config.effective_beta, temperature=config.temperature, clip=config.pointwise_clip,
                           scale=logit_scale, cap=softcap,
-                          chunk_tokens=chunk_tokens(config, weight.shape[0], size, None if indices is None else width),
-                          dtype=torch.promote_types(weight.dtype, torch.float32))
+                          chunk_tokens=chunk_tokens(config, weight.shape[0], size,
+                                                    None if indices is None or tail else width),
+                          dtype=torch.promote_types(weight.dtype, torch.float32), tail=tail)
     weights = mask.reshape(-1).to(device=hidden.device, dtype=options.dtype)
     flat_indices = None if indices is None else indices.reshape(rows * window, width)
     total = FusedHeadDivergence.apply(hidden.reshape(rows * window, size), weight, bias,

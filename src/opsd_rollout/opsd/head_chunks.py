@@ -32,6 +32,9 @@ class HeadOptions:
     """Trained tokens per chunk (``fused.chunk_tokens``)."""
     dtype: torch.dtype
     """What the divergence computes in: float32, or float64 for a float64 head (as ``token_divergence``)."""
+    tail: bool = False
+    """A top-k cache's rest of the vocabulary as one tail bucket (``DivergenceConfig.top_k_rest="tail"``): the
+    student's whole logits are computed, for its mass outside the teacher's k tokens."""
 
 
 def rows_on(tensor: torch.Tensor, tokens: torch.Tensor, device: torch.device) -> torch.Tensor:

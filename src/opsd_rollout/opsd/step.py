@@ -17,6 +17,7 @@ from opsd_rollout.modeling import innermost_model, position_ids, text_config
 from opsd_rollout.opsd.divergence import DivergenceConfig, chunked_divergence
 from opsd_rollout.opsd.fused import fusion_problem, head_divergence
 from opsd_rollout.opsd.sampled import head_sampled_divergence, sampled_divergence
+from opsd_rollout.opsd.served import ServedTeacher, refuse_full_cache
 from opsd_rollout.opsd.targets import response_targets
 from opsd_rollout.opsd.teacher import TeacherCacheBuffers, TeacherCacheConfig, build_teacher_cache
 from opsd_rollout.profiling import Clock, PeakMemory, RolloutProfile, StageRecorder, timed_eval
@@ -253,6 +254,10 @@ def opsd_step(student_engine: Any, teacher: Any, rollout: Any, request: Any, sam
               rollout_seed: int | None = None) -> StepProfile:
     """Run one step on ``student_engine`` (a DeepSpeed engine, ZeRO 0-3) and return its profile.
 
+    ``teacher``: a model (plain, or a DeepSpeed engine, ZeRO-3 partitioned or not) run here into the host cache, or
+    a ``ServedTeacher`` (``opsd/served.py``) whose server sends the cache's log-probabilities (``topk`` or
+    ``sampled`` caches; ``full`` is refused before any work).
+
     ``behaviour_logprobs`` [N, R]: with ``sampled_reverse_kl``, the log-probabilities of the sampled tokens under
     the policy that sampled them, for an off-policy update (a second step on one rollout, a generation buffer);
     ``None``: on-policy, the student as it is now. ``state``: what a caller running many steps keeps across them
@@ -263,11 +268,17 @@ def opsd_step(student_engine: Any, teacher: Any, rollout: Any, request: Any, sam
     divergence = divergence or DivergenceConfig()
     teacher_cache = teacher_cache or TeacherCacheConfig()
     check_pairing(divergence, teacher_cache)
-    student_vocab, teacher_vocab = (text_config(innermost_model(m).config).vocab_size for m in (student_engine, teacher))
-    if student_vocab != teacher_vocab:  # before any work: a partitioned teacher would fail inside its gathers
-        raise ValueError(f"the teacher's vocabulary ({teacher_vocab:,} tokens) differs from the student's "
-                         f"({student_vocab:,}): distillation compares their distributions token by token")
-    _warn_if_teacher_is_student(innermost_model(student_engine), innermost_model(teacher), state)
+    served = isinstance(teacher, ServedTeacher)
+    student_vocab = text_config(innermost_model(student_engine).config).vocab_size
+    if served:  # before any work: the cache it can give, the server, its model, tokenizer and vocabulary
+        refuse_full_cache(teacher_cache)
+        teacher.connect(student_vocab)
+    else:
+        teacher_vocab = text_config(innermost_model(teacher).config).vocab_size
+        if student_vocab != teacher_vocab:  # before any work: a partitioned teacher would fail inside its gathers
+            raise ValueError(f"the teacher's vocabulary ({teacher_vocab:,} tokens) differs from the student's "
+                             f"({student_vocab:,}): distillation compares their distributions token by token")
+        _warn_if_teacher_is_student(innermost_model(student_engine), innermost_model(teacher), state)
     fused = _fuses(innermost_model(student_engine), divergence, state)
     device = torch.device(student_engine.device)
     recorder = StageRecorder(Clock(device), time_forwards=False)
@@ -277,8 +288,12 @@ def opsd_step(student_engine: Any, teacher: Any, rollout: Any, request: Any, sam
             seeded = {} if rollout_seed is None else {"seed": rollout_seed}
             batch = parts.run("rollout", rollout.generate, request, sampling, **seeded)
         targets = response_targets(batch)
-        cache = parts.run("teacher", build_teacher_cache, teacher, targets, teacher_cache, recorder=recorder,
-                          buffers=state.buffers)
+        if served:
+            cache = parts.run("teacher", teacher.build_cache, targets, teacher_cache, recorder=recorder,
+                              buffers=state.buffers, pin=device.type == "cuda")
+        else:
+            cache = parts.run("teacher", build_teacher_cache, teacher, targets, teacher_cache, recorder=recorder,
+                              buffers=state.buffers)
         total, count = _student_loss(parts, student_engine, targets, cache, divergence, fused, behaviour_logprobs)
         loss, reported = token_mean(total, count)
         parts.run("backward", student_engine.backward, loss)
@@ -294,4 +309,4 @@ def opsd_step(student_engine: Any, teacher: Any, rollout: Any, request: Any, sam
         peak_memory_bytes=dict(parts.peaks), part_start_ms=starts, response_tokens=targets.tokens,
         teacher_cache_bytes=cache.nbytes, teacher_cache_budget_bytes=cache.budget_bytes,
         teacher_cache_mode=cache.mode, fused_loss=fused, loss=float(reported),
-        teacher_parameter_bytes=resident_bytes(teacher))
+        teacher_parameter_bytes=0 if served else resident_bytes(teacher))

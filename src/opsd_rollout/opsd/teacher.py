@@ -32,7 +32,8 @@ OVER_BUDGET = ("error", "topk")
 @dataclass(frozen=True, kw_only=True)
 class TeacherCacheConfig:
     mode: str = "full"
-    """``full``: every vocabulary logit; ``topk``: the ``top_k`` largest (values + indices); ``sampled``: the
+    """``full``: every vocabulary logit; ``topk``: the ``top_k`` most likely tokens (indices) and their
+    log-probabilities (values: what a served teacher returns, and what a tail bucket needs); ``sampled``: the
     teacher's log-probability of each sampled token only (float32, 4 bytes a token at any vocabulary), what
     ``DivergenceConfig(loss="sampled_reverse_kl")`` trains on."""
     top_k: int = 64
@@ -71,7 +72,8 @@ class TeacherCacheConfig:
 
 @dataclass
 class TeacherCache:
-    """Host-resident teacher logits over the response window: [N, R, V] or ([N, R, k], [N, R, k])."""
+    """Host-resident teacher logits over the response window: logits [N, R, V], the top-k's log-probabilities and
+    token ids ([N, R, k], [N, R, k]), or the sampled tokens' log-probabilities [N, R]."""
 
     values: torch.Tensor
     indices: torch.Tensor | None
@@ -246,8 +248,9 @@ def build_teacher_cache(teacher: Any, targets: Any, config: TeacherCacheConfig, 
             with recorder.stage("teacher_forward"):
                 logits = finalize_logits(model.config, head(hidden[start:stop]))  # [c, V]
                 chosen = None
-                if mode == "topk":
-                    logits, chosen = torch.topk(logits, width, dim=-1)
+                if mode == "topk":  # log q = z - logsumexp(z) over the whole vocabulary, in float32: [c, k]
+                    top, chosen = torch.topk(logits, width, dim=-1)
+                    logits = top.float() - torch.logsumexp(logits.float(), dim=-1, keepdim=True)
                 elif sampled:  # log q(y) = z_y - logsumexp(z), in float32: [c, 1]
                     token = labels[base + start:base + stop].to(device)
                     logits = logits.float()

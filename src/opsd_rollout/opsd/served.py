@@ -1,0 +1,197 @@
+"""A teacher on another machine: its log-probabilities over a rollout, asked of a server and cached on the host as
+the in-process teacher's are (``TeacherCache``), so ``opsd_step`` and its losses read them alike.
+
+``opsd_step(engine, ServedTeacher("http://host:8000", model="teacher"), rollout, ...)`` sends each row's real
+tokens (padding and holes in the mask left out, which is what the in-process teacher's mask and positions compute)
+up to its last response token, and reads, at every response position, the teacher's log-probability of the token
+the student sampled (a ``sampled`` cache, for ``sampled_reverse_kl``) or its top-k tokens and their
+log-probabilities (a ``topk`` cache, for the divergences; ``DivergenceConfig(top_k_rest="tail")`` keeps the rest of
+the teacher's mass as one bucket). A ``full`` cache is refused before any work: no server sends a whole vocabulary
+per token. Servers: vLLM's OpenAI-compatible server and ``opsd-rollout serve-teacher`` (``protocol="vllm"``),
+SGLang's native ``/generate`` (``protocol="sglang"``); see ``served_wire``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from opsd_rollout import checks
+from opsd_rollout.opsd.served_wire import PROTOCOLS, RowLogprobs, Wire, read_response, request_body
+from opsd_rollout.opsd.targets import response_targets
+from opsd_rollout.opsd.teacher import TeacherCache, TeacherCacheBuffers, TeacherCacheConfig, plan_mode
+from opsd_rollout.profiling import NULL_RECORDER
+
+logger = logging.getLogger(__name__)
+
+PROBE = "On-policy distillation: the student samples, the teacher scores 123 tokens."
+"""The text both tokenizers encode at connect time: the same ids, or the teacher is scoring other tokens."""
+
+
+class ServedTeacher:
+    """A teacher behind an HTTP server, as ``opsd_step``'s ``teacher``.
+
+    ``url``: the server (``http://127.0.0.1:8000``); ``model``: the served model's name (``None``: the only one it
+    serves); ``api_key``: sent as ``Authorization: Bearer`` (vLLM's ``--api-key``); ``protocol``: ``vllm`` (also
+    ours) or ``sglang``; ``tokenizer``: the student's, compared with the server's ``/tokenize`` at connect time;
+    ``rows_per_request``: rows sent in one request; ``concurrency``: requests in flight at once (the server batches
+    them); ``request_timeout_s``: one request's limit; ``retry_timeout_s``: how long connection failures and busy
+    answers are retried, with exponential backoff, before a ``ConnectionError``."""
+
+    def __init__(self, url: str, *, model: str | None = None, api_key: str | None = None, protocol: str = "vllm",
+                 tokenizer: Any = None, rows_per_request: int = 8, concurrency: int = 4,
+                 request_timeout_s: float = 600.0, retry_timeout_s: float = 120.0):
+        if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+            raise ValueError(f"url must be the teacher server's http:// or https:// address; got {url!r}")
+        checks.choice("protocol", protocol, PROTOCOLS)
+        checks.integer("rows_per_request", rows_per_request)
+        checks.integer("concurrency", concurrency)
+        checks.number("request_timeout_s", request_timeout_s, above=0)
+        checks.number("retry_timeout_s", retry_timeout_s, at_least=0)
+        self.wire = Wire(url, api_key=api_key, request_timeout_s=request_timeout_s, retry_timeout_s=retry_timeout_s)
+        self.model, self.protocol, self.tokenizer = model, protocol, tokenizer
+        self.rows_per_request, self.concurrency = rows_per_request, concurrency
+        self.vocab_size: int | None = None
+        """The server's vocabulary size when it says (ours does, in ``/v1/models``); ``None`` otherwise."""
+        self.connected = False
+
+    @property
+    def url(self) -> str:
+        return self.wire.url
+
+    def __repr__(self) -> str:
+        return f"ServedTeacher({self.url!r}, model={self.model!r}, protocol={self.protocol!r})"
+
+    def connect(self, student_vocab_size: int | None = None) -> None:
+        """Check, once, that the server answers, serves ``model``, and has the student's tokenizer and vocabulary;
+        each failure a one-line error naming both sides."""
+        if self.connected:
+            return
+        self.wire.get("/health")
+        status, listing = self.wire.get("/v1/models")
+        cards = listing.get("data") if status == 200 and isinstance(listing, dict) else None
+        if isinstance(cards, list) and cards:
+            served = [card.get("id") for card in cards if isinstance(card, dict)]
+            if self.model is None:
+                if len(served) != 1:
+                    raise ValueError(f"the teacher server at {self.url} serves {served}: name one (model=...)")
+                self.model = served[0]
+            elif self.model not in served:
+                raise ValueError(f"the teacher server at {self.url} serves {served}, not {self.model!r}")
+            card = cards[served.index(self.model)]
+            self.vocab_size = card.get("vocab_size") if isinstance(card.get("vocab_size"), int) else None
+        elif self.model is None:
+            raise ValueError(f"the teacher server at {self.url} lists no model at /v1/models: name it (model=...)")
+        if student_vocab_size is not None and self.vocab_size is not None and self.vocab_size != student_vocab_size:
+            raise ValueError(f"the teacher's vocabulary ({self.vocab_size:,} tokens, {self.url}) differs from the "
+                             f"student's ({student_vocab_size:,}): distillation compares them token by token")
+        self.vocab_size = self.vocab_size or student_vocab_size
+        self._check_tokenizer()
+        self.connected = True
+
+    def _check_tokenizer(self) -> None:
+        if self.tokenizer is None:
+            return
+        status, answer = self.wire.post("/tokenize", {"model": self.model, "prompt": PROBE,
+                                                      "add_special_tokens": False})
+        if status == 404:
+            logger.warning("the teacher server at %s has no /tokenize: its tokenizer is not compared with the "
+                           "student's", self.url)
+            return
+        theirs = answer.get("tokens") if isinstance(answer, dict) else None
+        if not isinstance(theirs, list):
+            raise ValueError(f"the teacher server's /tokenize answer lacks 'tokens': {str(answer)[:200]}")
+        ours = list(self.tokenizer(PROBE, add_special_tokens=False)["input_ids"])
+        if theirs != ours:
+            raise ValueError(f"the teacher's tokenizer ({self.url}) differs from the student's: {PROBE[:24]!r}... is "
+                             f"{theirs[:8]}... ({len(theirs)} tokens) there and {ours[:8]}... ({len(ours)}) here")
+
+    def build_cache(self, targets: Any, config: TeacherCacheConfig, *, recorder: Any = NULL_RECORDER,
+                    buffers: TeacherCacheBuffers | None = None, pin: bool = False) -> TeacherCache:
+        """The teacher's cache over ``targets``' response window (``build_teacher_cache``'s, from the server):
+        ``sampled`` [N, R] or ``topk`` ([N, R, k] log-probabilities, [N, R, k] int32 ids)."""
+        refuse_full_cache(config)
+        self.connect()
+        targets = response_targets(targets)
+        rows, window = targets.labels.shape
+        buffers = buffers if buffers is not None else TeacherCacheBuffers()
+        sampled = config.mode == "sampled"
+        k = 0 if sampled else config.top_k if self.vocab_size is None else min(config.top_k, self.vocab_size)
+        dtype = torch.float32 if sampled else config.dtype or torch.float32
+        budget = config.budget(buffers.nbytes)
+        plan_mode(config, rows, window, self.vocab_size or k, dtype, budget)  # refuses over the budget
+        sent, positions, places = rows_to_send(targets)
+        with recorder.stage("teacher_forward"):
+            answers = self._ask(sent, positions, k)
+        with recorder.stage("cache_write"):
+            if sampled:
+                values = buffers.take("values", (rows, window), torch.float32, pin).zero_()
+                for (row, columns), answer in zip(places, answers):
+                    values[row, columns] = torch.tensor(answer.token, dtype=torch.float32)
+                return TeacherCache(values, None, budget_bytes=budget, sampled=True)
+            values = buffers.take("values", (rows, window, k), dtype, pin).fill_(-math.log(k + 1))
+            indices = buffers.take("indices", (rows, window, k), torch.int32, pin)
+            indices.copy_(torch.arange(k, dtype=torch.int32))  # untrained positions: k distinct tokens, finite
+            for (row, columns), answer in zip(places, answers):
+                values[row, columns] = torch.tensor(answer.top_logprobs, dtype=torch.float32).to(dtype)
+                indices[row, columns] = torch.tensor(answer.top_ids, dtype=torch.int32)
+        return TeacherCache(values, indices, budget_bytes=budget)
+
+    def _ask(self, sent: list[list[int]], positions: list[list[int]], k: int) -> list[RowLogprobs]:
+        """Every row's answer, ``rows_per_request`` rows a request, ``concurrency`` requests in flight."""
+        groups = [range(start, min(start + self.rows_per_request, len(sent)))
+                  for start in range(0, len(sent), self.rows_per_request)]
+
+        def ask(group: range) -> list[RowLogprobs]:
+            rows = [sent[i] for i in group]
+            path, body = request_body(self.protocol, self.model, rows, k)
+            status, answer = self.wire.post(path, body)
+            if status == 404:
+                raise ValueError(f"the teacher server at {self.url} has no {path} (protocol={self.protocol!r}: "
+                                 f"vllm for vLLM's and ours, sglang for SGLang's /generate)")
+            return read_response(self.protocol, answer, rows, [positions[i] for i in group], k, self.vocab_size)
+
+        if len(groups) <= 1 or self.concurrency == 1:
+            return [row for group in groups for row in ask(group)]
+        with ThreadPoolExecutor(max_workers=min(self.concurrency, len(groups))) as pool:
+            return [row for answer in pool.map(ask, groups) for row in answer]
+
+
+def refuse_full_cache(config: TeacherCacheConfig) -> None:
+    """A served teacher sends k tokens' log-probabilities a position, never its whole vocabulary: a ``full`` cache
+    (and the losses that need it) is refused before any work."""
+    if config.mode == "full":
+        raise ValueError("a served teacher sends the log-probabilities of its top-k tokens (or of the sampled token) "
+                         "per position, not its whole vocabulary: use TeacherCacheConfig(mode='topk') for "
+                         "forward_kl, reverse_kl and jsd (with DivergenceConfig(top_k_rest='tail') to keep the rest "
+                         "of its mass), or mode='sampled' for sampled_reverse_kl (--teacher-cache topk or sampled)")
+
+
+def rows_to_send(targets: Any) -> tuple[list[list[int]], list[list[int]], list[tuple[int, torch.Tensor]]]:
+    """For each row with a response token to train on: the tokens to send (its real tokens, mask 1, up to its last
+    trained one), the positions among them whose log-probabilities are wanted, and where those go in the cache
+    (``(row, window columns)``). A position's log-probability is of its token given the real tokens before it, what
+    the in-process teacher computes with the row's mask and positions."""
+    mask = targets.attention_mask.bool().cpu()
+    trained = targets.mask.cpu()
+    ids = targets.input_ids.cpu()
+    sent, positions, places = [], [], []
+    for row in range(ids.shape[0]):
+        columns = trained[row].nonzero().squeeze(1)  # window columns j: sequence column P + j
+        if columns.numel() == 0:
+            continue
+        last = targets.prompt_length + int(columns[-1])
+        real = mask[row, :last + 1]
+        index = real.long().cumsum(0) - 1  # sequence column -> its place among the real tokens
+        wanted = index[targets.prompt_length + columns]
+        if int(wanted[0]) < 1:
+            raise ValueError(f"row {row}'s first response token has no real token before it (an empty prompt): a "
+                             "served teacher scores a token from the ones before it")
+        sent.append(ids[row, :last + 1][real].tolist())
+        positions.append(wanted.tolist())
+        places.append((row, columns))
+    return sent, positions, places
