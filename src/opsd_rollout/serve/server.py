@@ -1,0 +1,123 @@
+"""``opsd-rollout serve-teacher``: a teacher (a preset or a local checkpoint) behind the app, on uvicorn.
+
+``ServeConfig`` is what the command line sets; ``TeacherServer`` builds the engine and the app and runs uvicorn,
+in the foreground (``serve``, until interrupted) or on a thread (``start``/``stop``: tests, benchmarks, a notebook).
+It binds to loopback unless told otherwise and prints the URL it serves once it is ready.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, TextIO
+
+import uvicorn
+
+from opsd_rollout import checks
+from opsd_rollout.models import load_model
+from opsd_rollout.modeling import max_positions_of, text_config
+from opsd_rollout.serve.app import build_app
+from opsd_rollout.serve.engine import EngineLimits, TeacherEngine
+
+logger = logging.getLogger(__name__)
+
+LOOPBACK = "127.0.0.1"
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServeConfig:
+    """A served teacher: which model, where, who may ask, and how much it takes."""
+
+    model: str
+    """A built-in preset (``llama-small``) or a local checkpoint directory."""
+    served_model_name: str | None = None
+    """The name clients ask for (``model`` in requests, ``/v1/models``); ``None``: ``model`` as given."""
+    host: str = LOOPBACK
+    """The address to bind: loopback by default, so nothing off this machine can ask; ``0.0.0.0`` for every
+    interface (then set ``api_key``)."""
+    port: int = 8000
+    """0: any free port (the printed URL says which)."""
+    api_key: str | None = None
+    """Requests must carry ``Authorization: Bearer <api_key>`` (all routes but ``/health``); ``None``: no key."""
+    dtype: str = "fp32"
+    device: str = "cpu"
+    seed: int | None = None
+    """A preset's weights are drawn from this seed (``None``: the preset's own), as ``load_model`` does."""
+    limits: EngineLimits = field(default_factory=EngineLimits)
+
+    def __post_init__(self) -> None:
+        checks.integer("port", self.port, minimum=0)
+        if not isinstance(self.host, str) or not self.host:
+            raise ValueError(f"host must be an address to bind (127.0.0.1, 0.0.0.0); got {self.host!r}")
+        if self.api_key is not None and not self.api_key:
+            raise ValueError("api_key must be a non-empty string or None")
+
+    @property
+    def name(self) -> str:
+        return self.served_model_name or self.model
+
+
+class TeacherServer:
+    """The model loaded, the engine started and the app built; ``serve()`` or ``start()`` to listen."""
+
+    def __init__(self, config: ServeConfig, *, model: Any = None, tokenizer: Any = None):
+        """``model``/``tokenizer``: an already loaded teacher (tests, a notebook) instead of ``config.model``."""
+        self.config = config
+        if model is None:
+            model, tokenizer = load_model(config.model, dtype=config.dtype, device=config.device, seed=config.seed)
+        limits = config.limits
+        positions = max_positions_of(model.config)
+        if positions is not None and positions < limits.max_model_len:  # never past the model's positions
+            limits = EngineLimits(max_batch_tokens=limits.max_batch_tokens, max_queue=limits.max_queue,
+                                  max_logprobs=limits.max_logprobs, max_model_len=positions)
+        self.engine = TeacherEngine(model, limits, vocab_size=text_config(model.config).vocab_size)
+        self.app = build_app(self.engine, tokenizer, model_name=config.name, api_key=config.api_key)
+        self.uvicorn = uvicorn.Server(uvicorn.Config(self.app, host=config.host, port=config.port,
+                                                     log_level="warning", access_log=False, lifespan="off"))
+        self.thread: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        """``http://host:port`` once listening (the port the system gave for port 0)."""
+        sockets = [s for server in getattr(self.uvicorn, "servers", []) for s in server.sockets]
+        port = sockets[0].getsockname()[1] if sockets else self.config.port
+        host = self.config.host if self.config.host not in ("0.0.0.0", "::") else LOOPBACK
+        return f"http://{host}:{port}"
+
+    def serve(self, out: TextIO = sys.stdout) -> None:
+        """Listen in the foreground until interrupted; print the URL once ready."""
+        self.start(ready_timeout_s=None)
+        print(f"opsd-rollout: serving teacher {self.config.name!r} at {self.url} (POST {self.url}/v1/completions "
+              f"with prompt_logprobs; {'key required' if self.config.api_key else 'no key'}; "
+              f"limits: {self.engine.limits})", file=out, flush=True)
+        try:
+            while self.thread is not None and self.thread.is_alive():
+                self.thread.join(0.5)
+        except KeyboardInterrupt:
+            pass
+        finally:
+            self.stop()
+
+    def start(self, ready_timeout_s: float | None = 60.0) -> "TeacherServer":
+        """Listen on a thread; return once it accepts connections (a ``RuntimeError`` if it failed to start)."""
+        self.thread = threading.Thread(target=self.uvicorn.run, name="teacher-http", daemon=True)
+        self.thread.start()
+        started = time.monotonic()
+        while not self.uvicorn.started:
+            if not self.thread.is_alive():
+                raise RuntimeError(f"the teacher server did not start on {self.config.host}:{self.config.port} (is "
+                                   "the port taken?)")
+            if ready_timeout_s is not None and time.monotonic() - started > ready_timeout_s:
+                raise RuntimeError(f"the teacher server did not start within {ready_timeout_s:g} s")
+            time.sleep(0.02)
+        return self
+
+    def stop(self) -> None:
+        """Stop listening, then the engine (queued requests finish first)."""
+        self.uvicorn.should_exit = True
+        if self.thread is not None:
+            self.thread.join(30)
+        self.engine.close()

@@ -1,0 +1,170 @@
+"""A served teacher (``opsd.served.ServedTeacher``) against our server on loopback (an in-process thread, a free
+port, stopped at the end): the cache it builds equals the in-process teacher's (sampled and top-k), and whole OPSD
+steps with it equal the in-process steps, at the first step and after five optimizer steps; the connect-time checks
+(model, tokenizer, vocabulary), a full cache refused before any work, and a server that goes away mid-run retried
+until it is back or the retry time is spent."""
+
+from __future__ import annotations
+
+import copy
+import threading
+import time
+
+import pytest
+import torch
+
+from opsd_rollout import HybridEngineRollout, RolloutRequest, SamplingConfig
+from opsd_rollout.opsd import (DivergenceConfig, ServedTeacher, StepState, TeacherCacheConfig, build_teacher_cache,
+                               opsd_step, response_targets)
+from opsd_rollout.serve import EngineLimits, ServeConfig, TeacherServer
+from test_fused_loss import sgd_engine
+
+
+@pytest.fixture(scope="module")
+def teacher(tiny_models):
+    model = copy.deepcopy(tiny_models["qwen2-tiny"])
+    with torch.no_grad():
+        model.lm_head.weight.mul_(10)  # a confident teacher: losses and gradients well above rounding
+    return model
+
+
+@pytest.fixture(scope="module")
+def server(teacher, tokenizer):
+    served = TeacherServer(ServeConfig(model="qwen2-tiny", served_model_name="teacher", port=0,
+                                       limits=EngineLimits(max_batch_tokens=4096)),
+                           model=teacher, tokenizer=tokenizer).start()
+    yield served
+    served.stop()
+
+
+def request(tokenizer) -> RolloutRequest:
+    enc = tokenizer(["The student writes", "hi", "distillation on policy"], padding=True, return_tensors="pt")
+    mask = enc.attention_mask.clone()
+    mask[2, -4] = 0  # a hole in a prompt: left out of what is sent, as the in-process teacher's mask leaves it
+    return RolloutRequest(enc.input_ids, mask)
+
+
+def rollout_targets(tiny_models, tokenizer):
+    batch = HybridEngineRollout(tiny_models["llama-tiny"], tokenizer).generate(
+        request(tokenizer), SamplingConfig(max_new_tokens=9, n_samples_per_prompt=2, temperature=1.0), seed=3)
+    return response_targets(batch)
+
+
+@pytest.mark.parametrize("protocol_rows", [1, 4])
+def test_the_served_sampled_cache_is_the_in_process_one(server, teacher, tiny_models, tokenizer, protocol_rows):
+    targets = rollout_targets(tiny_models, tokenizer)
+    config = TeacherCacheConfig(mode="sampled")
+    here = build_teacher_cache(teacher, targets, config)
+    there = ServedTeacher(server.url, rows_per_request=protocol_rows, tokenizer=tokenizer).build_cache(targets, config)
+    assert there.mode == "sampled" and there.values.shape == here.values.shape
+    torch.testing.assert_close(there.values[targets.mask], here.values[targets.mask], rtol=1e-4, atol=1e-4)
+
+
+def test_the_served_top_k_cache_is_the_in_process_one(server, teacher, tiny_models, tokenizer):
+    targets = rollout_targets(tiny_models, tokenizer)
+    config = TeacherCacheConfig(mode="topk", top_k=6)
+    here = build_teacher_cache(teacher, targets, config)
+    there = ServedTeacher(server.url, concurrency=2, rows_per_request=2).build_cache(targets, config)
+    assert there.mode == "topk" and there.indices.shape == here.indices.shape
+    assert torch.equal(there.indices[targets.mask], here.indices[targets.mask])
+    torch.testing.assert_close(there.values[targets.mask], here.values[targets.mask], rtol=1e-4, atol=1e-4)
+
+
+def steps(student, teacher, tokenizer, divergence, cache, count=6) -> list[float]:
+    # plain SGD: an update proportional to the gradient (Adam's -lr * sign(grad) on a near-zero gradient would blow
+    # float-level teacher differences up to lr-sized ones)
+    engine = sgd_engine(copy.deepcopy(student).train(), 0, lr=0.5)
+    rollout = HybridEngineRollout(engine, tokenizer)
+    sampling = SamplingConfig(max_new_tokens=8, n_samples_per_prompt=2, temperature=0)
+    state = StepState()
+    return [opsd_step(engine, teacher, rollout, request(tokenizer), sampling, divergence=divergence,
+                      teacher_cache=cache, state=state).loss for _ in range(count)]
+
+
+@pytest.mark.parametrize("divergence,cache", [
+    (DivergenceConfig(loss="sampled_reverse_kl", estimator="k1"), TeacherCacheConfig(mode="sampled")),
+    (DivergenceConfig(loss="sampled_reverse_kl", estimator="k3"), TeacherCacheConfig(mode="sampled")),
+    (DivergenceConfig(loss="forward_kl", top_k_rest="tail"), TeacherCacheConfig(mode="topk", top_k=8)),
+    (DivergenceConfig(loss="jsd", beta=0.5, top_k_rest="tail"), TeacherCacheConfig(mode="topk", top_k=8)),
+    (DivergenceConfig(loss="reverse_kl"), TeacherCacheConfig(mode="topk", top_k=8)),
+], ids=["sampled-k1", "sampled-k3", "forward-tail", "jsd-tail", "reverse-renormalized"])
+def test_served_steps_equal_in_process_steps(server, teacher, tiny_models, tokenizer, divergence, cache):
+    """Same weights, same cache mode: the loss at the first step and after five optimizer steps are equal."""
+    student = tiny_models["llama-tiny"]
+    here = steps(student, teacher, tokenizer, divergence, cache)
+    there = steps(student, ServedTeacher(server.url, model="teacher", tokenizer=tokenizer), tokenizer, divergence,
+                  cache)
+    assert abs(here[0]) > 1e-3 and here[0] != pytest.approx(here[5], rel=1e-3), "the student learns something"
+    assert there[0] == pytest.approx(here[0], rel=1e-5, abs=1e-7)
+    assert there[5] == pytest.approx(here[5], rel=1e-5, abs=1e-7)
+
+
+class Untouchable:
+    def generate(self, *args, **kwargs):
+        raise AssertionError("the rollout ran")
+
+
+def test_a_full_cache_with_a_served_teacher_is_refused_before_any_work(tiny_models):
+    nowhere = ServedTeacher("http://127.0.0.1:9", retry_timeout_s=0)  # never contacted
+    with pytest.raises(ValueError, match="not its whole vocabulary.*mode='topk'"):
+        opsd_step(tiny_models["llama-tiny"], nowhere, Untouchable(), None, None,
+                  divergence=DivergenceConfig(loss="forward_kl"), teacher_cache=TeacherCacheConfig(mode="full"))
+
+
+def test_connect_checks_the_model_the_tokenizer_and_the_vocabulary(server, tokenizer):
+    with pytest.raises(ValueError, match=r"serves \['teacher'\], not 'other'"):
+        ServedTeacher(server.url, model="other").connect()
+
+    def other_tokenizer(text, add_special_tokens=False):
+        return {"input_ids": [t + 1 for t in tokenizer(text, add_special_tokens=False)["input_ids"]]}
+
+    with pytest.raises(ValueError, match="tokenizer .* differs from the student's"):
+        ServedTeacher(server.url, tokenizer=other_tokenizer).connect()
+    with pytest.raises(ValueError, match=r"vocabulary \(259 tokens.*differs from the student's \(300\)"):
+        ServedTeacher(server.url).connect(student_vocab_size=300)
+    fine = ServedTeacher(server.url, tokenizer=tokenizer)
+    fine.connect(259)
+    assert fine.model == "teacher" and fine.vocab_size == 259 and fine.connected
+
+
+def test_an_unanswering_server_is_retried_with_backoff_then_named(free_port):
+    teacher = ServedTeacher(f"http://127.0.0.1:{free_port}", retry_timeout_s=1.0)
+    teacher.wire.first_backoff_s = 0.05
+    with pytest.raises(ConnectionError, match=f"127.0.0.1:{free_port} did not answer GET /health"):
+        teacher.connect()
+    assert teacher.wire.retries >= 2
+
+
+def test_a_server_that_dies_mid_run_is_retried_until_it_is_back(teacher, tokenizer, tiny_models):
+    config = ServeConfig(model="qwen2-tiny", port=0)
+    first = TeacherServer(config, model=teacher, tokenizer=tokenizer).start()
+    port = int(first.url.rsplit(":", 1)[1])
+    client = ServedTeacher(first.url, retry_timeout_s=60.0)
+    targets = rollout_targets(tiny_models, tokenizer)
+    cache = TeacherCacheConfig(mode="sampled")
+    before = client.build_cache(targets, cache).values.clone()
+    first.stop()
+    servers = []
+
+    def come_back():
+        time.sleep(0.5)
+        servers.append(TeacherServer(ServeConfig(model="qwen2-tiny", port=port), model=teacher,
+                                     tokenizer=tokenizer).start())
+
+    restart = threading.Thread(target=come_back)
+    restart.start()
+    try:
+        after = client.build_cache(targets, cache).values
+        assert client.wire.retries >= 1
+        torch.testing.assert_close(after, before)
+    finally:
+        restart.join()
+        for served in servers:
+            served.stop()
+
+
+@pytest.fixture
+def free_port():
+    from opsd_rollout.distributed import free_port as find
+
+    return find()
