@@ -214,8 +214,8 @@ def _read_sglang(body: Any, rows: list[list[int]], index: int) -> tuple[str, lis
 
 
 def _sglang_entry(entry: tuple[Any, Any], name: str) -> list[tuple[int, float, int | None]]:
-    """``[(token id, logprob, rank)]``: the given token's triple first (rank ``None``: it may be anywhere), then the
-    top list's in order (ranks 1, 2, ...)."""
+    """``[(token id, logprob, rank)]``: the given token's triple first (rank 0: the token the server scored there),
+    then the top list's in order (ranks 1, 2, ...)."""
     given, top = entry
     triples = [given] + list(top or [])
     found = []
@@ -229,7 +229,7 @@ def _sglang_entry(entry: tuple[Any, Any], name: str) -> list[tuple[int, float, i
             raise ValueError(f"the teacher's response has {where} logprob {logprob!r}: expected a number")
         if not isinstance(token, int) or isinstance(token, bool):
             raise ValueError(f"the teacher's response has {where} token id {token!r}: expected an int")
-        found.append((token, float(logprob), None if place == 0 else place))
+        found.append((token, float(logprob), place))
     return found
 
 
@@ -242,6 +242,9 @@ def _checked_row(name: str, entries: list[Any], reader: Any, sent: list[int], po
     for position in positions:
         where = f"{name}[{position}]"
         found = reader(entries[position], where)
+        if found and found[0][2] == 0 and found[0][0] != sent[position]:  # SGLang names the token it scored
+            raise ValueError(f"the teacher's response is out of order: {where} is token {found[0][0]}, and the "
+                             f"token sent there is {sent[position]}")
         given = [logprob for token, logprob, _ in found if token == sent[position]]
         if not given:
             raise ValueError(f"the teacher's response lacks the given token {sent[position]} in {where} (out of "
@@ -254,9 +257,10 @@ def _checked_row(name: str, entries: list[Any], reader: Any, sent: list[int], po
                 raise ValueError(f"the teacher's response has token id {token} in {where}, outside the vocabulary "
                                  f"[0, {vocab_size})")
         token_lp.append(given[0])
-        if k:
-            ranked = sorted({token: (rank if rank is not None else math.inf, -logprob, logprob)
-                             for token, logprob, rank in found}.items(), key=lambda item: item[1][:2])
+        if k:  # the ranked entries are the top-k (the given token's own may be past k); unranked ones by value
+            ranks = {token: (rank, -logprob, logprob) for token, logprob, rank in found if rank}
+            ranked = sorted((ranks or {token: (0, -logprob, logprob) for token, logprob, _ in found}).items(),
+                            key=lambda item: item[1][:2])
             if len(ranked) < k:
                 raise ValueError(f"the teacher's response has {len(ranked)} tokens in {where}, fewer than the top "
                                  f"{k} asked (vLLM: serve with --max-logprobs >= {k})")
