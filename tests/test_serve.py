@@ -15,6 +15,7 @@ import torch
 
 from opsd_rollout.serve import EngineLimits, ServeConfig, TeacherServer
 from opsd_rollout.serve.engine import LimitExceeded, TeacherEngine
+from opsd_rollout.serve.protocol import CompletionResponse
 
 KEY = "sk-test-key"
 
@@ -66,6 +67,7 @@ def test_prompt_logprobs_are_the_teachers_with_vllms_shape(server, tiny_models):
     status, body = call(server.url, "/v1/completions", {"model": "llama-tiny", "prompt": rows, "max_tokens": 1,
                                                         "prompt_logprobs": 3, "return_token_ids": True})
     assert status == 200 and body["object"] == "text_completion" and len(body["choices"]) == 2
+    CompletionResponse.model_validate(body)  # the schema the protocol module declares (vLLM's)
     for index, row in enumerate(rows):
         choice = body["choices"][index]
         assert choice["index"] == index and choice["prompt_token_ids"] == row

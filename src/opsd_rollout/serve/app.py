@@ -9,17 +9,18 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import json
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
 from opsd_rollout.serve.engine import LimitExceeded, RowScores, TeacherEngine
 from opsd_rollout.serve.protocol import (CompletionChoice, CompletionRequest, CompletionResponse, ErrorInfo,
-                                         ErrorResponse, Logprob, ModelCard, ModelList, TokenizeRequest,
-                                         TokenizeResponse, UsageInfo)
+                                         ErrorResponse, ModelCard, ModelList, TokenizeRequest, TokenizeResponse,
+                                         UsageInfo)
 
 OPEN_PATHS = ("/health", )
 """Paths answered without the key: a load balancer's probe carries none (vLLM leaves /health open too)."""
@@ -89,25 +90,29 @@ def build_app(engine: TeacherEngine, tokenizer: Any, *, model_name: str, api_key
             kind = "RateLimitError" if refused.status == 429 else "BadRequestError"
             return error(refused.status, refused.args[0], kind, refused.limit)
         scores = await asyncio.wrap_future(future)
-        choices = [CompletionChoice(index=index, prompt_logprobs=_prompt_logprobs(row, answer, k)
-                                    if body.prompt_logprobs is not None else None,
-                                    prompt_token_ids=row if body.return_token_ids else None)
-                   for index, (row, answer) in enumerate(zip(rows, scores))]
         tokens = sum(len(row) for row in rows)
-        return CompletionResponse(model=model_name, choices=choices,
-                                  usage=UsageInfo(prompt_tokens=tokens, total_tokens=tokens))
+        # the response's envelope from its model, the per-position entries as plain data: validating thousands of
+        # Logprob objects per request would take the server longer than the teacher's forward
+        envelope = CompletionResponse(model=model_name, choices=[], usage=UsageInfo(prompt_tokens=tokens,
+                                                                                     total_tokens=tokens))
+        document = envelope.model_dump()
+        document["choices"] = [
+            dict(CompletionChoice(index=index, prompt_token_ids=row if body.return_token_ids else None).model_dump(),
+                 prompt_logprobs=_prompt_logprobs(row, answer, k) if body.prompt_logprobs is not None else None)
+            for index, (row, answer) in enumerate(zip(rows, scores))]
+        return Response(json.dumps(document, allow_nan=False), media_type="application/json")
 
     return app
 
 
-def _prompt_logprobs(row: list[int], answer: RowScores, k: int) -> list[dict[int, Logprob] | None]:
-    """vLLM's ``prompt_logprobs``: ``None`` for the first token, then per position the top k and the given token
-    (its own rank, possibly past k)."""
-    out: list[dict[int, Logprob] | None] = [None]
+def _prompt_logprobs(row: list[int], answer: RowScores, k: int) -> list[dict[str, dict[str, Any]] | None]:
+    """vLLM's ``prompt_logprobs`` (``list[dict[int, Logprob] | None]`` as JSON): ``None`` for the first token, then
+    per position the top k and the given token (its own rank, possibly past k)."""
+    out: list[dict[str, dict[str, Any]] | None] = [None]
     for t in range(1, len(row)):
-        entry = {token: Logprob(logprob=value, rank=rank + 1)
+        entry = {str(token): {"logprob": value, "rank": rank + 1, "decoded_token": None}
                  for rank, (token, value) in enumerate(zip(answer.top_ids[t - 1][:k], answer.top_logprobs[t - 1][:k]))}
-        if row[t] not in entry:
-            entry[row[t]] = Logprob(logprob=answer.token_logprobs[t - 1], rank=answer.ranks[t - 1])
+        entry.setdefault(str(row[t]), {"logprob": answer.token_logprobs[t - 1], "rank": answer.ranks[t - 1],
+                                       "decoded_token": None})
         out.append(entry)
     return out
