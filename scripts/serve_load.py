@@ -174,6 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     sampler = MemorySampler(server.pid, 0.25)
     sampler.start()
     marks = {"start": sampler.started_at}  # one clock: the samples' times and the requests' are from it
+    load_before = os.getloadavg()
     try:
         with ThreadPoolExecutor(args.clients) as pool:
             results = list(pool.map(lambda i: client(i, args, url, requests, expected, marks), range(args.clients)))
@@ -188,7 +189,8 @@ def main(argv: list[str] | None = None) -> int:
     document = {"command": "python scripts/serve_load.py " + " ".join(argv if argv is not None else sys.argv[1:]),
                 "environment": {"python": platform.python_version(), "torch": torch.__version__,
                                 "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
-                                "torch_threads": torch.get_num_threads()},
+                                "torch_threads": torch.get_num_threads(),
+                                "load_average_1min": {"before": load_before[0], "after": os.getloadavg()[0]}},
                 "config": {k: v for k, v in vars(args).items() if k not in ("output", "check")}, **summary}
     if args.output:
         Path(args.output).parent.mkdir(parents=True, exist_ok=True)

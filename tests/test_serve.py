@@ -162,3 +162,13 @@ def test_the_server_binds_to_loopback_by_default_and_checks_its_settings():
         ServeConfig(model="llama-tiny", api_key="")
     with pytest.raises(ValueError, match="max_queue"):
         EngineLimits(max_queue=0)
+
+
+def test_the_client_sends_the_key_and_says_when_it_has_none(server):
+    from opsd_rollout.opsd import ServedTeacher
+
+    with pytest.raises(ValueError, match="HTTP 401.*ServedTeacher\\(api_key=...\\)"):
+        ServedTeacher(server.url).connect()
+    keyed = ServedTeacher(server.url, api_key=KEY)
+    keyed.connect(259)
+    assert keyed.model == "llama-tiny"

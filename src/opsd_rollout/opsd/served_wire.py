@@ -86,7 +86,7 @@ class Wire:
                 raise _Retry(f"HTTP {error.code}: {_message(body)}") from None
             if error.code == 404:
                 return 404, None
-            hint = " (give the server's key: api_key=, --teacher-api-key)" if error.code == 401 else ""
+            hint = " (give the server's key: ServedTeacher(api_key=...))" if error.code == 401 else ""
             raise ValueError(f"the teacher server at {self.url} refused {method} {path}: HTTP {error.code}: "
                              f"{_message(body)}{hint}") from None
         except (urllib.error.URLError, http.client.HTTPException, ConnectionError, socket.timeout, TimeoutError) \
