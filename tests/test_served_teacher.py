@@ -128,7 +128,7 @@ def test_connect_checks_the_model_the_tokenizer_and_the_vocabulary(server, token
 
 
 def test_an_unanswering_server_is_retried_with_backoff_then_named(free_port):
-    teacher = ServedTeacher(f"http://127.0.0.1:{free_port}", retry_timeout_s=1.0)
+    teacher = ServedTeacher(f"http://127.0.0.1:{free_port}", retry_timeout_s=2.0)
     teacher.wire.first_backoff_s = 0.05
     with pytest.raises(ConnectionError, match=f"127.0.0.1:{free_port} did not answer GET /health"):
         teacher.connect()
