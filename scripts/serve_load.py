@@ -86,7 +86,7 @@ def make_requests(args: argparse.Namespace, vocab: int) -> list[list[list[int]]]
 
 
 def expected_answers(model: torch.nn.Module, requests: list[list[list[int]]], k: int):
-    """Per request, per row: (given-token log-probabilities [L - 1], top-k ids, top-k values), from the local teacher."""
+    """Per request and row, from the local teacher: given-token log-probabilities [L - 1], top-k ids and values."""
     answers = []
     with torch.no_grad():
         for rows in requests:

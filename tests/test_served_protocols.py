@@ -123,8 +123,8 @@ SGLANG_BROKEN = [
     (lambda b: b[0]["meta_info"].pop("input_token_logprobs"), "lacks \\[0\\].meta_info.input_token_logprobs"),
     (lambda b: b[1]["meta_info"]["input_token_logprobs"].pop(), "input_top_logprobs of 3 positions for 2"),
     (lambda b: b.reverse(), "3 positions in \\[0\\].meta_info.input_token_logprobs for 4 tokens sent"),
-    (lambda b: b[0]["meta_info"]["input_token_logprobs"][2].__setitem__(1, 12), "out of order: \\[0\\].meta_info"
-                                                                                ".input_token_logprobs\\[2\\] is token 12"),
+    (lambda b: b[0]["meta_info"]["input_token_logprobs"][2].__setitem__(1, 12),
+     "out of order: \\[0\\].meta_info.input_token_logprobs\\[2\\] is token 12"),
     (lambda b: b[0]["meta_info"]["input_token_logprobs"][3].__setitem__(0, float("nan")), "logprob nan"),
     (lambda b: b[0]["meta_info"]["input_top_logprobs"][3].pop(), "fewer than the top 2"),
     (lambda b: b[0]["meta_info"]["input_top_logprobs"][2][0].__setitem__(1, "7"), "token id '7'"),

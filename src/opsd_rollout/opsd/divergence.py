@@ -81,9 +81,9 @@ class DivergenceConfig:
             raise ValueError(f"temperature must be positive; got {self.temperature!r}")
         checks.choice("top_k_rest", self.top_k_rest, TOP_K_RESTS)
         if self.top_k_rest == "tail" and self.temperature != 1.0:
-            raise ValueError(f"top_k_rest='tail' needs temperature 1: the teacher's mass outside its top-k is known at "
-                             f"temperature 1 only (a top-k cache, a served teacher's log-probabilities); got temperature "
-                             f"{self.temperature!r} (use top_k_rest='renormalize' to soften both distributions)")
+            raise ValueError(f"top_k_rest='tail' needs temperature 1: the teacher's mass outside its top-k is known "
+                             f"at temperature 1 only (a top-k cache, a served teacher's log-probabilities); got "
+                             f"temperature {self.temperature!r} (top_k_rest='renormalize' softens both distributions)")
         checks.integer("chunk_size", self.chunk_size)
         checks.integer("fused_chunk_tokens", self.fused_chunk_tokens, optional=True)
         clip = self.pointwise_clip

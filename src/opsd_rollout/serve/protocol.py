@@ -1,9 +1,10 @@
 """The part of vLLM's OpenAI-compatible API a teacher needs, as typed models validated at the edge: a completion
 request with token-id prompts and ``prompt_logprobs``, its response, the model list, ``/tokenize``, and vLLM's
 error body (``{"error": {"message", "type", "param", "code"}}``). Field names and shapes follow vLLM's
-``vllm/entrypoints/openai/completion/protocol.py`` and ``engine/protocol.py`` (v0.11-v0.12), so vLLM's clients
-read ours and ours reads vLLM's; fields a teacher does not use are accepted and ignored, as vLLM ignores unknown
-ones."""
+``vllm/entrypoints/openai/completion/protocol.py`` and ``engine/protocol.py`` (read at commit 002032ee of its main
+branch), so vLLM's clients read ours and ours reads vLLM's; fields a teacher does not use are accepted and
+ignored, as vLLM ignores unknown ones. The response's per-position entries are written as plain data (``app.py``);
+``CompletionResponse`` is their schema, which a test validates an answer against."""
 
 from __future__ import annotations
 
