@@ -100,6 +100,13 @@ def test_a_request_over_a_limit_is_a_4xx_naming_it(server, payload, status, limi
     assert limit in body["error"]["message"] or limit == body["error"]["param"], body
 
 
+def test_a_body_larger_than_any_request_the_engine_runs_is_refused_unread(server):
+    """75 kB of token ids, over what 64 token positions take as JSON (and small enough for the socket's buffer, so
+    the client reads the answer rather than a reset)."""
+    status, body = call(server.url, "/v1/completions", {"prompt": [1] * 25_000, "prompt_logprobs": 1})
+    assert status == 413 and "max_request_bytes" in body["error"]["message"]
+
+
 class Gate(torch.nn.Module):
     """A teacher whose forward waits for ``release``: the engine's thread holds a batch while a test queues more."""
 

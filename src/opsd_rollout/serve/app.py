@@ -2,8 +2,8 @@
 shapes: ``GET /health``, ``GET /v1/models``, ``POST /tokenize``, ``POST /v1/completions`` (token-id prompts,
 ``prompt_logprobs``). With an API key, every route but ``/health`` wants ``Authorization: Bearer KEY`` (vLLM's
 ``--api-key``). Errors are vLLM's JSON body with the status: 400 a bad request (the field named), 401 no or a wrong
-key, 404 another model, 413 a request over ``max_batch_tokens``, 429 the queue full; the limit a request broke is
-named in the message."""
+key, 404 another model, 413 a request over ``max_batch_tokens`` (or a body larger than such a request's), 429 the
+queue full; the limit a request broke is named in the message."""
 
 from __future__ import annotations
 
@@ -31,12 +31,24 @@ def error(status: int, message: str, kind: str = "BadRequestError", param: str |
     return JSONResponse(body.model_dump(), status_code=status)
 
 
+def request_bytes_limit(max_batch_tokens: int) -> int:
+    """The largest body taken: ``max_batch_tokens`` token ids of up to 7 digits and a separator each, and room for
+    the other fields (a larger body could not be a request the engine runs)."""
+    return 8 * max_batch_tokens + (64 << 10)
+
+
 def build_app(engine: TeacherEngine, tokenizer: Any, *, model_name: str, api_key: str | None = None) -> FastAPI:
     """The app serving ``engine``'s teacher as ``model_name``."""
     app = FastAPI(title="opsd-rollout teacher", docs_url=None, redoc_url=None, openapi_url=None)
 
+    max_request_bytes = request_bytes_limit(engine.limits.max_batch_tokens)
+
     @app.middleware("http")
     async def bearer_key(request: Request, call_next):
+        size = request.headers.get("content-length", "0")
+        if size.isdigit() and int(size) > max_request_bytes:  # refused before the body is read
+            return error(413, f"the request's body is {int(size):,} bytes, over max_request_bytes "
+                         f"{max_request_bytes:,} (what --max-batch-tokens token ids take as JSON)", param="body")
         if api_key is not None and request.url.path not in OPEN_PATHS:
             given = request.headers.get("authorization", "")
             if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
