@@ -235,5 +235,20 @@ def test_profilings_example_logs_json_lines_and_tensorboard_scalars(tmp_path, mo
     assert [e.value for e in events.Scalars("rollout/total_ms")] == pytest.approx([r["total_ms"] for r in records])
 
 
+def test_trainings_python_example_is_the_flags_it_names(monkeypatch):
+    """docs/TRAINING.md's library call builds the config its flags would (as it says they map), without training."""
+    import opsd_rollout.train
+    from opsd_rollout.train import TrainConfig
+
+    seen = []
+    monkeypatch.setattr(opsd_rollout.train, "train", seen.append)
+    exec(compile(example((ROOT / "docs" / "TRAINING.md").read_text(), "TrainConfig("), "TRAINING.md", "exec"),
+         {"__name__": "training"})
+    assert seen == [TrainConfig.from_flat(dict(
+        output_dir="runs/student", student="llama-tiny", teacher="runs/teacher/model", steps=200, max_new_tokens=32,
+        samples_per_prompt=4, top_k=0, loss="sampled_reverse_kl", estimator="k3", teacher_cache="sampled", lr=3e-3,
+        zero_stage=2))]
+
+
 if __name__ == "__main__":
     print(deepspeed_field_table())

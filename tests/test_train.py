@@ -4,6 +4,7 @@ a few steps each."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -17,6 +18,11 @@ from opsd_rollout.train.data import Encoder, batch_indices
 
 TINY = dict(student="llama-tiny", teacher="qwen2-tiny", prompts_per_micro_batch=2, max_new_tokens=8,
             eval_prompts=4, eval_every=2, progress=False, lr=1e-3)
+
+
+def flat_config(**values) -> TrainConfig:
+    """A config by the flags' names (``TrainConfig.from_flat``), as the command line makes it."""
+    return TrainConfig.from_flat(values)
 
 
 def records(directory: Path) -> list[dict]:
@@ -80,11 +86,61 @@ def test_references_become_a_rollout_batch_of_the_contract():
     assert torch.equal(batch.input_ids[0], batch.input_ids[1])  # repeat_interleave order
 
 
+# ---- the config ---------------------------------------------------------------------------------------------------
+
+def test_the_flags_names_land_in_their_sections():
+    from deepspeed.runtime.rollout.base import SamplingConfig
+
+    from opsd_rollout.opsd.divergence import DivergenceConfig
+    from opsd_rollout.opsd.teacher import TeacherCacheConfig
+    from opsd_rollout.train import OptimizationConfig
+
+    flat = flat_config(output_dir="o", teacher="qwen2-tiny", samples_per_prompt=4, max_new_tokens=16, top_k=5,
+                       loss="sampled_reverse_kl", estimator="k3", teacher_top_k=8, lr=3e-4, zero_stage=2, steps=7)
+    assert flat == TrainConfig(
+        output_dir="o", teacher="qwen2-tiny", steps=7,
+        sampling=SamplingConfig(max_new_tokens=16, n_samples_per_prompt=4, top_k=5),
+        divergence=DivergenceConfig(loss="sampled_reverse_kl", estimator="k3"),
+        teacher_cache=TeacherCacheConfig(mode="sampled", top_k=8),  # the loss's mode: only k was named
+        optimization=OptimizationConfig(lr=3e-4, zero_stage=2))
+    assert flat_config(output_dir="o", teacher="t").cache.mode == "full"
+    assert flat_config(output_dir="o", teacher="t", loss="sampled_reverse_kl").cache.mode == "sampled"
+    with pytest.raises(ValueError, match="unknown train config field batch_sz"):
+        flat_config(output_dir="o", teacher="t", batch_sz=2)
+    with pytest.raises(TypeError, match="divergence must be a DivergenceConfig; got dict"):
+        TrainConfig(output_dir="o", teacher="t", divergence={"loss": "jsd"})
+    with pytest.raises(ValueError, match="sampling.top_p"):
+        flat_config(output_dir="o", teacher="t", top_p=0)
+
+
+def test_a_saved_config_loads_back_and_an_old_flat_one_is_upgraded(tmp_path, caplog):
+    from opsd_rollout.rollout import HybridEngineRolloutConfig
+    from opsd_rollout.train import load_train_config
+
+    config = flat_config(output_dir="o", teacher="qwen2-tiny", teacher_cache="topk", teacher_top_k=8, lr=2e-3)
+    config = dataclasses.replace(config, rollout=HybridEngineRolloutConfig.from_flat(
+        enable_profiling=True, stop_check_interval=4, use_shared_prefill=True))
+    path = tmp_path / "train_config.json"
+    path.write_text(json.dumps(config.to_dict()))
+    assert load_train_config(path) == config
+    old = {"output_dir": "o", "student": "llama-tiny", "teacher": "qwen2-tiny", "prompts": None, "objective": "opsd",
+           "deepspeed": None, "zero_stage": 0, "lr": 0.002, "gradient_accumulation_steps": 1, "steps": 100,
+           "prompts_per_micro_batch": 8, "samples_per_prompt": 1, "max_new_tokens": 32, "max_prompt_tokens": None,
+           "temperature": 1.0, "top_k": 0, "top_p": 1.0, "lmbda": 1.0, "off_policy": "auto", "loss": "jsd",
+           "beta": 0.5, "estimator": "k1", "teacher_cache": "topk", "teacher_top_k": 8, "teacher_zero_stage": 0,
+           "seed": 0, "eval_every": 10, "eval_prompts": 64, "save_every": None, "resume": None, "progress": True}
+    path.write_text(json.dumps(old))  # every field of the flat TrainConfig before the sections
+    with caplog.at_level("WARNING"):
+        upgraded = load_train_config(path)
+    assert upgraded == dataclasses.replace(config, rollout=HybridEngineRolloutConfig(enable_profiling=True))
+    assert "a flat train config of an older release" in caplog.text and "lr -> optimization.lr" in caplog.text
+
+
 # ---- the loop -----------------------------------------------------------------------------------------------------
 
 def test_a_run_writes_metrics_checkpoint_model_and_plot(tmp_path):
     out = tmp_path / "run"
-    result = train(TrainConfig(output_dir=str(out), steps=4, **TINY))
+    result = train(flat_config(output_dir=str(out), steps=4, **TINY))
     lines = records(out)
     assert [r["step"] for r in lines] == [0, 1, 2, 3, 4]
     assert set(lines[0]) == {"step", "eval_reverse_kl", "eval_cross_entropy"}  # step 0: before any update
@@ -98,6 +154,9 @@ def test_a_run_writes_metrics_checkpoint_model_and_plot(tmp_path):
                                   "student_forward_ms", "loss_ms", "backward_ms", "optimizer_ms"))
     assert parts <= step["total_ms"] <= step["wall_ms"]
     assert result.steps == 4 and (out / "checkpoints" / "latest").read_text().strip() == "step4"
+    from opsd_rollout.train import load_train_config
+
+    assert load_train_config(out / "train_config.json") == flat_config(output_dir=str(out), steps=4, **TINY)
     assert (out / "model" / "config.json").is_file() and result.plot == out / "eval.png" and result.plot.is_file()
     from opsd_rollout.models import load_model
 
@@ -109,9 +168,9 @@ def test_resume_continues_exactly(tmp_path):
     """3 steps and a resume to 6 give the losses of an uninterrupted 6-step run: the data order, the rollouts'
     random numbers and lmbda's draws are the same, and the optimizer's state comes back."""
     config = dict(TINY, lmbda=0.5, gradient_accumulation_steps=2, temperature=1.0, eval_every=3)
-    whole = train(TrainConfig(output_dir=str(tmp_path / "whole"), steps=6, **config))
-    train(TrainConfig(output_dir=str(tmp_path / "half"), steps=3, **config))
-    resumed = train(TrainConfig(output_dir=str(tmp_path / "half"), steps=6, resume=str(tmp_path / "half"), **config))
+    whole = train(flat_config(output_dir=str(tmp_path / "whole"), steps=6, **config))
+    train(flat_config(output_dir=str(tmp_path / "half"), steps=3, **config))
+    resumed = train(flat_config(output_dir=str(tmp_path / "half"), steps=6, resume=str(tmp_path / "half"), **config))
     assert [r["on_policy"] for r in whole.records[1:]] != [True] * 6  # both kinds of step were taken
     assert all(r["micro_batches"] == 2 for r in whole.records[1:])
     losses = [(r["step"], r["loss"]) for r in whole.records if "loss" in r]
@@ -122,7 +181,7 @@ def test_resume_continues_exactly(tmp_path):
 
 def test_gradient_accumulation_steps_the_optimizer_once_per_step(tmp_path):
     out = tmp_path / "run"
-    train(TrainConfig(output_dir=str(out), steps=2, gradient_accumulation_steps=3, **TINY))
+    train(flat_config(output_dir=str(out), steps=2, gradient_accumulation_steps=3, **TINY))
     state = torch.load(out / "checkpoints" / "step2" / "mp_rank_00_model_states.pt", weights_only=False)
     assert state["global_steps"] == 2 and state["train_state"]["micro_batches"] == 6
     assert all(r["micro_batches"] == 3 for r in records(out)[1:])
@@ -130,21 +189,21 @@ def test_gradient_accumulation_steps_the_optimizer_once_per_step(tmp_path):
 
 @pytest.mark.parametrize("lmbda,expected", [(0.0, {False}), (1.0, {True})])
 def test_lmbda_is_the_fraction_of_on_policy_steps(tmp_path, lmbda, expected):
-    result = train(TrainConfig(output_dir=str(tmp_path / "run"), steps=3, lmbda=lmbda, **TINY))
+    result = train(flat_config(output_dir=str(tmp_path / "run"), steps=3, lmbda=lmbda, **TINY))
     assert {r["on_policy"] for r in result.records[1:]} == expected
 
 
 @pytest.mark.parametrize("references,off_policy", [(False, "auto"), (True, "teacher")])
 def test_supervised_kd_on_the_teachers_samples(tmp_path, references, off_policy):
     prompts = write_prompts(tmp_path / "p.jsonl", reference=references)
-    result = train(TrainConfig(output_dir=str(tmp_path / "run"), steps=2, lmbda=0.0, prompts=str(prompts),
+    result = train(flat_config(output_dir=str(tmp_path / "run"), steps=2, lmbda=0.0, prompts=str(prompts),
                                off_policy=off_policy, **TINY))
     assert all(r["rollout/decode_ms"] > 0 and not r["on_policy"] for r in result.records[1:])  # the teacher rolled out
     assert ("eval_cross_entropy" in result.records[0]) == references  # cross-entropy where there are references
 
 
 def test_off_policy_steps_train_on_the_references_when_there_are_some(tmp_path):
-    result = train(TrainConfig(output_dir=str(tmp_path / "run"), steps=2, lmbda=0.0, **TINY))
+    result = train(flat_config(output_dir=str(tmp_path / "run"), steps=2, lmbda=0.0, **TINY))
     assert all("rollout/decode_ms" not in r and r["response_tokens"] == 2 * 8 for r in result.records[1:])
 
 
@@ -185,7 +244,7 @@ def confident_teacher(tmp_path_factory):
 @pytest.mark.parametrize("loss", [dict(loss="jsd"), dict(loss="sampled_reverse_kl", estimator="k1"),
                                   dict(loss="sampled_reverse_kl", estimator="k3")])
 def test_distillation_brings_the_student_closer_to_the_teacher(tmp_path, confident_teacher, loss):
-    result = train(TrainConfig(output_dir=str(tmp_path / "run"), steps=40, **{
+    result = train(flat_config(output_dir=str(tmp_path / "run"), steps=40, **{
         **TINY, "teacher": confident_teacher, "lr": 3e-3, "eval_every": 40, "eval_prompts": 8,
         "prompts_per_micro_batch": 8, **loss}))
     (_, first), (_, last) = result.eval_curve()
@@ -209,12 +268,12 @@ def test_ctrl_c_saves_a_checkpoint_and_leaves_valid_files(tmp_path, monkeypatch)
 
     monkeypatch.setattr(loop, "opsd_step", interrupted)
     out = tmp_path / "run"
-    result = train(TrainConfig(output_dir=str(out), steps=5, **TINY))
+    result = train(flat_config(output_dir=str(out), steps=5, **TINY))
     assert result.interrupted and result.steps == 2
     assert (out / "checkpoints" / "latest").read_text().strip() == "step2"
     assert [r["step"] for r in records(out)] == [0, 1, 2]
     monkeypatch.setattr(loop, "opsd_step", step)
-    resumed = train(TrainConfig(output_dir=str(out), steps=5, resume=str(out), **TINY))
+    resumed = train(flat_config(output_dir=str(out), steps=5, resume=str(out), **TINY))
     assert not resumed.interrupted and [r["step"] for r in records(out)] == [0, 1, 2, 3, 4, 5]
 
 
@@ -224,10 +283,10 @@ def test_metrics_reach_deepspeeds_csv_monitor_and_tensorboard(tmp_path):
 
     from opsd_rollout.train.setup import deepspeed_config_of
 
-    ds = deepspeed_config_of(TrainConfig(output_dir="", steps=1, **TINY))
+    ds = deepspeed_config_of(flat_config(output_dir="", steps=1, **TINY))
     ds["csv_monitor"] = {"enabled": True, "output_path": str(tmp_path / "csv"), "job_name": "run"}
     ds["tensorboard"] = {"enabled": True, "output_path": str(tmp_path / "tb"), "job_name": "run"}
-    train(TrainConfig(output_dir=str(tmp_path / "out"), steps=2, deepspeed=ds, **TINY))
+    train(flat_config(output_dir=str(tmp_path / "out"), steps=2, deepspeed=ds, **TINY))
     loss = (tmp_path / "csv" / "run" / "train_loss.csv").read_text().splitlines()
     assert loss[0].startswith("step") and [line.split(",")[0] for line in loss[1:]] == ["1", "2"]
     assert (tmp_path / "csv" / "run" / "eval_reverse_kl.csv").read_text().splitlines()[1].startswith("0,")
@@ -260,7 +319,7 @@ def test_bad_input_is_refused_before_any_work(tmp_path, monkeypatch, change, mes
     if change.get("prompts") == "NOREFS":
         change = {**change, "prompts": str(write_prompts(tmp_path / "p.jsonl", reference=False))}
     with pytest.raises(ValueError, match=message):
-        train(TrainConfig(output_dir=str(tmp_path / "run"), steps=1, **{**TINY, **change}))
+        train(flat_config(output_dir=str(tmp_path / "run"), steps=1, **{**TINY, **change}))
 
 
 def test_the_command_line_trains_and_says_where_it_wrote(tmp_path, capsys):

@@ -11,18 +11,21 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from dataclasses import asdict, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from opsd_rollout.train.loop import TrainConfig, TrainResult, train
+from opsd_rollout.train.config import TrainConfig
+from opsd_rollout.train.loop import TrainResult, train
 
-TEACHER = TrainConfig(output_dir="", objective="sft", student="llama-mini", steps=800, prompts_per_micro_batch=16,
-                      lr=1e-3, eval_every=100, eval_prompts=64, max_new_tokens=32)
+TEACHER = TrainConfig.from_flat(dict(output_dir="", objective="sft", student="llama-mini", steps=800,
+                                     prompts_per_micro_batch=16, lr=1e-3, eval_every=100, eval_prompts=64,
+                                     max_new_tokens=32))
 """The teacher's SFT on the corpus's references."""
 STUDENT = dict(objective="opsd", student="llama-tiny", steps=200, prompts_per_micro_batch=8, lr=3e-3, eval_every=20,
                eval_prompts=64, max_new_tokens=32, loss="jsd", beta=0.5)
-"""The ``TrainConfig`` of the on-policy distillation of that teacher into a smaller student."""
+"""The on-policy distillation of that teacher into a smaller student, by the flags' names
+(``TrainConfig.from_flat``)."""
 
 
 def cache_root(cache_dir: str | None) -> Path:
@@ -35,7 +38,7 @@ def teacher_dir(cache_dir: str | None, config: TrainConfig = TEACHER) -> Path:
 
     import opsd_rollout
 
-    recipe = {k: v for k, v in asdict(config).items() if k not in ("output_dir", "progress")}
+    recipe = {k: v for k, v in config.to_dict().items() if k not in ("output_dir", "progress")}
     recipe.update(version=opsd_rollout.__version__, corpus=hashlib.sha256(
         json.dumps(topics, sort_keys=True).encode()).hexdigest())
     key = hashlib.sha256(json.dumps(recipe, sort_keys=True, default=str).encode()).hexdigest()[:12]
@@ -59,11 +62,11 @@ def trained_teacher(cache_dir: str | None, *, progress: bool = True) -> Path:
 
 def default_run(output_dir: str, *, cache_dir: str | None = None, progress: bool = True,
                 overrides: dict[str, Any] | None = None) -> TrainResult:
-    """The teacher (trained or reused), then the student distilled into ``output_dir``; ``overrides`` are
-    ``TrainConfig`` fields for the student's run (the CLI's flags)."""
+    """The teacher (trained or reused), then the student distilled into ``output_dir``; ``overrides`` are the
+    student's run's fields by the flags' names (``TrainConfig.from_flat``)."""
     teacher = teacher_dir(cache_dir) / "model"
-    config = TrainConfig(**{**STUDENT, "output_dir": output_dir, "teacher": str(teacher), "progress": progress,
-                            **(overrides or {})})  # checked before the teacher trains
+    config = TrainConfig.from_flat({**STUDENT, "output_dir": output_dir, "teacher": str(teacher),
+                                    "progress": progress, **(overrides or {})})  # checked before the teacher trains
     trained_teacher(cache_dir, progress=progress)
     print(f"student: distilling into {config.student} on-policy ({config.steps} steps) into {output_dir}", flush=True)
     return train(config)
