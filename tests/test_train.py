@@ -241,18 +241,22 @@ def confident_teacher(tmp_path_factory):
     return str(directory)
 
 
-@pytest.mark.parametrize("loss", [dict(loss="jsd"), dict(loss="sampled_reverse_kl", estimator="k1"),
-                                  dict(loss="sampled_reverse_kl", estimator="k3")])
+@pytest.mark.parametrize("loss", [dict(loss="jsd"),
+                                  dict(loss="sampled_reverse_kl", estimator="k1", samples_per_prompt=4),
+                                  dict(loss="sampled_reverse_kl", estimator="k3", samples_per_prompt=4)])
 def test_distillation_brings_the_student_closer_to_the_teacher(tmp_path, confident_teacher, loss):
+    """A sign error moves the student away. One sampled token carries a weak signal: with one sample a prompt, 40
+    steps moved the held-out KL by -0.4% to -8% depending on the seed, so the sampled losses draw 4 samples a prompt
+    (-11% to -13% at seeds 0 and 1) and evaluate 32 prompts, where the gain stands well clear of the noise."""
+    sampled = loss["loss"] == "sampled_reverse_kl"
     result = train(flat_config(output_dir=str(tmp_path / "run"), steps=40, **{
-        **TINY, "teacher": confident_teacher, "lr": 3e-3, "eval_every": 40, "eval_prompts": 8,
+        **TINY, "teacher": confident_teacher, "lr": 3e-3, "eval_every": 40, "eval_prompts": 32 if sampled else 8,
         "prompts_per_micro_batch": 8, **loss}))
     (_, first), (_, last) = result.eval_curve()
-    # a sign error moves it away; one sampled token's signal moves it slowly (k1 -7%, k3 -4% here)
-    assert last < (0.9 if loss["loss"] == "jsd" else 0.98) * first, result.eval_curve()
-    if loss["loss"] == "sampled_reverse_kl":  # 4 bytes a position of the response window
+    assert last < (0.9 if loss["loss"] == "jsd" else 0.96) * first, result.eval_curve()
+    if sampled:  # 4 bytes a position of the response window
         first_step = result.records[1]
-        assert first_step["teacher_cache_bytes"] == 4 * 8 * 8  # 8 rows x 8 positions x 4 bytes
+        assert first_step["teacher_cache_bytes"] == 4 * 32 * 8  # 8 prompts x 4 samples x 8 positions x 4 bytes
 
 
 def test_ctrl_c_saves_a_checkpoint_and_leaves_valid_files(tmp_path, monkeypatch):

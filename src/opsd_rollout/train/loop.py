@@ -53,7 +53,7 @@ class _Fixed:
     def __init__(self, batch: Any):
         self.batch = batch
 
-    def generate(self, request: Any, sampling: Any) -> Any:
+    def generate(self, request: Any, sampling: Any, seed: int | None = None) -> Any:
         return self.batch
 
     def get_last_profile(self) -> None:
@@ -111,7 +111,8 @@ class _Run:
 
     def micro_batch(self, index: int, on_policy: bool) -> Any:
         config = self.config
-        with seeded(_seed_of(config.seed, index), self.device):  # the rollout's and dropout's random numbers
+        seed = _seed_of(config.seed, index)
+        with seeded(seed, self.device):  # dropout's random numbers; the rollout takes the seed itself
             picked = batch_indices(len(self.train), config.prompts_per_micro_batch, config.seed,
                                    index * self.rank.world_size + self.rank.rank)
             examples = [self.train[i] for i in picked]
@@ -126,7 +127,8 @@ class _Run:
             else:
                 rollout = self.teacher_rollout
             return opsd_step(self.engine, self.teacher, rollout, request, config.sampling,
-                             divergence=config.divergence, teacher_cache=config.cache, state=self.step_state)
+                             divergence=config.divergence, teacher_cache=config.cache, state=self.step_state,
+                             rollout_seed=seed)
 
     def optimizer_step(self, step: int) -> dict[str, Any]:
         config = self.config
