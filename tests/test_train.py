@@ -413,6 +413,7 @@ def test_two_zero3_ranks_train_evaluate_and_checkpoint_together(tmp_path):
     assert result.returncode == 0, result.stderr[-4000:]
     assert result.stdout.count("held-out reverse KL") == 1  # rank 0 speaks
     assert [r["step"] for r in records(out)] == [0, 1, 2, 3]
+    assert all(r["grad_norm"] > 0 for r in records(out)[1:])  # DeepSpeed's, over the partitioned gradients
     assert sorted(p.name for p in (out / "checkpoints" / "step3").glob("*model_states.pt")) == [
         "zero_pp_rank_0_mp_rank_00_model_states.pt", "zero_pp_rank_1_mp_rank_00_model_states.pt"]
     from opsd_rollout.models import PRESETS, load_model
