@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from opsd_rollout.cli import main
+from opsd_rollout.metrics import STEP_STAGES, TIME, TRAINING
 from opsd_rollout.models import byte_tokenizer
 from opsd_rollout.train import Example, TrainConfig, read_examples, train
 from opsd_rollout.train.data import Encoder, batch_indices
@@ -143,16 +144,20 @@ def test_a_run_writes_metrics_checkpoint_model_and_plot(tmp_path):
     result = train(flat_config(output_dir=str(out), steps=4, **TINY))
     lines = records(out)
     assert [r["step"] for r in lines] == [0, 1, 2, 3, 4]
-    assert set(lines[0]) == {"step", "eval_reverse_kl", "eval_cross_entropy"}  # step 0: before any update
+    assert set(lines[0]) == {"step", "eval_reverse_kl", "eval_cross_entropy", "time/evaluation_ms"}  # no update yet
     assert [("eval_reverse_kl" in r) for r in lines] == [True, False, True, False, True]
     step = lines[1]
-    for key in ("loss", "divergence", "response_tokens", "total_ms", "rollout_ms", "teacher_forward_ms",
-                "backward_ms", "optimizer_ms", "rollout_share", "rollout/decode_ms", "peak_memory_bytes", "lr"):
+    for key in ("loss", "grad_norm", "learning_rate", "epoch", "divergence", "response_tokens", "time/total_ms",
+                "time/rollout_ms", "time/teacher_forward_ms", "time/backward_ms", "time/optimizer_ms",
+                "time/rollout_share", "time/rollout/decode_ms", "peak_memory_bytes", "rss_bytes"):
         assert key in step, key
-    assert step["divergence"] == "jsd" and step["lr"] == 1e-3 and 0 < step["rollout_share"] < 1
-    parts = sum(step[k] for k in ("eval_ms", "rollout_ms", "train_ms", "teacher_forward_ms", "cache_write_ms",
-                                  "student_forward_ms", "loss_ms", "backward_ms", "optimizer_ms"))
-    assert parts <= step["total_ms"] <= step["wall_ms"]
+    assert step["divergence"] == "jsd" and step["learning_rate"] == 1e-3 and 0 < step["time/rollout_share"] < 1
+    parts = sum(step[TIME + k] for k in STEP_STAGES)
+    assert parts <= step["time/total_ms"] <= step["time/step_ms"]
+    assert [r["epoch"] for r in lines[1:]] == pytest.approx([k * lines[1]["epoch"] for k in (1, 2, 3, 4)])
+    assert lines[4]["time/steps_s"] == pytest.approx(sum(r["time/step_ms"] for r in lines[1:]) / 1e3)
+    assert all(r["grad_norm"] > 0 for r in lines[1:])
+    assert {key for r in lines for key in r} <= set(TRAINING)  # every key defined in metrics.py
     assert result.steps == 4 and (out / "checkpoints" / "latest").read_text().strip() == "step4"
     from opsd_rollout.train import load_train_config
 
@@ -198,13 +203,13 @@ def test_supervised_kd_on_the_teachers_samples(tmp_path, references, off_policy)
     prompts = write_prompts(tmp_path / "p.jsonl", reference=references)
     result = train(flat_config(output_dir=str(tmp_path / "run"), steps=2, lmbda=0.0, prompts=str(prompts),
                                off_policy=off_policy, **TINY))
-    assert all(r["rollout/decode_ms"] > 0 and not r["on_policy"] for r in result.records[1:])  # the teacher rolled out
+    assert all(r["time/rollout/decode_ms"] > 0 and not r["on_policy"] for r in result.records[1:])  # teacher rolled out
     assert ("eval_cross_entropy" in result.records[0]) == references  # cross-entropy where there are references
 
 
 def test_off_policy_steps_train_on_the_references_when_there_are_some(tmp_path):
     result = train(flat_config(output_dir=str(tmp_path / "run"), steps=2, lmbda=0.0, **TINY))
-    assert all("rollout/decode_ms" not in r and r["response_tokens"] == 2 * 8 for r in result.records[1:])
+    assert all("time/rollout/decode_ms" not in r and r["response_tokens"] == 2 * 8 for r in result.records[1:])
 
 
 def test_sft_is_the_cross_entropy_on_the_references(tmp_path):
@@ -224,6 +229,80 @@ def test_sft_is_the_cross_entropy_on_the_references(tmp_path):
     profile = sft_step(engine, batch)
     assert profile.loss == pytest.approx(float(expected), rel=1e-5)
     assert profile.rollout is None and profile.response_tokens == 7 + 2
+
+
+@pytest.mark.parametrize("zero_stage", [0, 2])
+def test_the_gradient_norm_is_the_accumulated_gradients_before_clipping(zero_stage):
+    """The norm of the gradient the optimizer steps on: the micro-batches' mean (DeepSpeed scales each by 1 /
+    gradient_accumulation_steps), before clipping (set to bite here), none at a micro-batch that does not step;
+    taken before the step at ZeRO-0, where DeepSpeed keeps none, and DeepSpeed's own at ZeRO-2: the same number."""
+    import copy
+
+    import deepspeed
+
+    from opsd_rollout.deepspeed_engine import deepspeed_config, init_distributed
+    from opsd_rollout.models import load_model
+    from opsd_rollout.modeling import position_ids
+    from opsd_rollout.train import sft_step
+
+    model, tokenizer = load_model("llama-tiny")
+    reference = copy.deepcopy(model)
+    encoder = Encoder(tokenizer, max_prompt_tokens=64, max_reference_tokens=8)
+    batches = [encoder.with_references(pair, torch.device("cpu")) for pair in (
+        [Example("Hello", " world!"), Example("A longer prompt", " x")],
+        [Example("Why", " because."), Example("Then", " now then")])]
+    for batch in batches:  # the reference: each micro-batch's token mean, halved, accumulated
+        logits = reference(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                           position_ids=position_ids(batch.attention_mask)).logits
+        start = int(batch.response_start_idx[0])
+        real = batch.attention_mask[:, start:].bool()
+        loss = torch.nn.functional.cross_entropy(logits[:, start - 1:-1][real], batch.input_ids[:, start:][real])
+        (loss / 2).backward()
+    expected = float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in reference.parameters()])))
+    init_distributed()
+    ds = {**deepspeed_config(zero_stage, lr=1e-3, micro_batch_size=2), "gradient_accumulation_steps": 2,
+          "gradient_clipping": expected / 10}
+    engine, *_ = deepspeed.initialize(model=model.train(), model_parameters=list(model.parameters()), config=ds)
+    first, second = (sft_step(engine, batch, grad_norm=True) for batch in batches)
+    assert first.grad_norm is None and second.grad_norm == pytest.approx(expected, rel=1e-4)
+    assert sft_step(engine, batches[0]).grad_norm is None  # not asked: nothing computed
+
+
+def test_an_old_metrics_file_reads_back_under_todays_keys(tmp_path):
+    """A metrics.jsonl written before the keys took TRL's names and time/ (the fixture: a real run's, 3 steps) reads
+    with today's keys, its values as they were, and plots; a record of today reads as it is."""
+    from opsd_rollout.metrics import TRAINING_RENAMED, upgrade
+    from opsd_rollout.train.report import plot_eval, read_records
+
+    path = Path(__file__).parent / "fixtures" / "metrics_before_rename.jsonl"
+    old = [json.loads(line) for line in path.read_text().splitlines()]
+    assert {"lr", "wall_ms", "eval_ms", "train_seconds", "rollout/decode_ms"} <= set(old[1])
+    new = read_records(path)
+    assert {key for r in new for key in r} <= set(TRAINING)
+    for before, after in zip(old, new):
+        assert after == {TRAINING_RENAMED.get(key, key): value for key, value in before.items()}
+    assert new[1]["learning_rate"] == old[1]["lr"] and new[1]["time/eval_ms"] == old[1]["eval_ms"]
+    assert new[3]["time/steps_s"] == old[3]["train_seconds"] and new[2]["eval_reverse_kl"] == old[2]["eval_reverse_kl"]
+    assert all(upgrade(r) == r for r in new)
+    assert set(TRAINING_RENAMED.values()) <= set(TRAINING) and not set(TRAINING_RENAMED) & set(TRAINING)
+    assert plot_eval(old, tmp_path / "eval.png", "old") == tmp_path / "eval.png"
+
+
+def test_a_run_written_before_the_rename_resumes_under_todays_keys(tmp_path):
+    """--resume of a run whose metrics.jsonl has the old keys: the file continues with one vocabulary (the old
+    records rewritten under today's keys), and the steps' wall time so far continues from the old train_seconds."""
+    out = tmp_path / "run"
+    train(flat_config(output_dir=str(out), steps=2, **TINY))
+    fixture = (Path(__file__).parent / "fixtures" / "metrics_before_rename.jsonl").read_text().splitlines()
+    (out / "metrics.jsonl").write_text("\n".join(fixture) + "\n")  # steps 0-3 of an older run
+    resumed = train(flat_config(output_dir=str(out), steps=3, resume=str(out), **TINY))
+    lines = records(out)
+    assert [r["step"] for r in lines] == [0, 1, 2, 3] and lines == resumed.records
+    assert {key for r in lines for key in r} <= set(TRAINING)
+    old_seconds = json.loads(fixture[2])["train_seconds"]
+    assert lines[2]["time/steps_s"] == old_seconds
+    assert lines[3]["time/steps_s"] == pytest.approx(old_seconds + lines[3]["time/step_ms"] / 1e3)
+    assert resumed.plot is not None and resumed.plot.is_file()
 
 
 @pytest.fixture(scope="module")
@@ -281,23 +360,60 @@ def test_ctrl_c_saves_a_checkpoint_and_leaves_valid_files(tmp_path, monkeypatch)
     assert not resumed.interrupted and [r["step"] for r in records(out)] == [0, 1, 2, 3, 4, 5]
 
 
-def test_metrics_reach_deepspeeds_csv_monitor_and_tensorboard(tmp_path):
+@pytest.mark.parametrize("objective", ["opsd", "sft"])
+def test_metrics_reach_deepspeeds_monitors_under_the_registrys_names(tmp_path, objective):
+    """Every key a run writes is defined in metrics.py (``TRAINING``), and every event DeepSpeed's monitors receive
+    is named by it: the training figures under ``train/``, the held-out evaluation alone under ``eval/``, every time
+    under ``time/``; the gradient norm is logged for OPSD and SFT steps alike."""
     pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     from opsd_rollout.train.setup import deepspeed_config_of
 
-    ds = deepspeed_config_of(flat_config(output_dir="", steps=1, **TINY))
+    config = dict(TINY, objective=objective, **({"teacher": None} if objective == "sft" else {}))
+    ds = deepspeed_config_of(flat_config(output_dir="", steps=1, **config))
     ds["csv_monitor"] = {"enabled": True, "output_path": str(tmp_path / "csv"), "job_name": "run"}
     ds["tensorboard"] = {"enabled": True, "output_path": str(tmp_path / "tb"), "job_name": "run"}
-    train(flat_config(output_dir=str(tmp_path / "out"), steps=2, deepspeed=ds, **TINY))
+    result = train(flat_config(output_dir=str(tmp_path / "out"), steps=2, deepspeed=ds, **config))
+    assert {key for r in result.records for key in r} <= set(TRAINING)
+    assert all(r["grad_norm"] > 0 and r["learning_rate"] == 1e-3 for r in result.records[1:])
     loss = (tmp_path / "csv" / "run" / "train_loss.csv").read_text().splitlines()
     assert loss[0].startswith("step") and [line.split(",")[0] for line in loss[1:]] == ["1", "2"]
-    assert (tmp_path / "csv" / "run" / "eval_reverse_kl.csv").read_text().splitlines()[1].startswith("0,")
+    evaluated = "eval_reverse_kl" if objective == "opsd" else "eval_cross_entropy"
+    assert (tmp_path / "csv" / "run" / f"{evaluated}.csv").read_text().splitlines()[1].startswith("0,")
     events = EventAccumulator(str(tmp_path / "tb" / "run"))
     events.Reload()
-    assert {"train/loss", "eval/reverse_kl", "profiling/rollout_ms"} <= set(events.Tags()["scalars"])
+    ours = {tag for tag in events.Tags()["scalars"] if not tag.startswith("Train/Samples/")}  # DeepSpeed's own
+    sent = {TRAINING[key].monitor for r in result.records for key, value in r.items()
+            if TRAINING[key].monitor and isinstance(value, (int, float)) and not isinstance(value, bool)}
+    assert ours == sent and {"train/loss", "train/grad_norm", "train/learning_rate", "time/step_ms"} <= ours
+    evaluation = {"eval/cross_entropy"} | ({"eval/reverse_kl"} if objective == "opsd" else set())  # with a teacher
+    assert {tag for tag in ours if tag.startswith("eval/")} == evaluation
+    assert all(tag.startswith(TIME) for tag in ours if tag.endswith(("_ms", "_s")))
     assert [e.step for e in events.Scalars("train/loss")] == [1, 2]
+    assert [e.value for e in events.Scalars("train/grad_norm")] == pytest.approx(
+        [r["grad_norm"] for r in result.records[1:]])
+
+
+def test_the_registry_names_every_figure_once_and_puts_times_under_time():
+    monitors = [m.monitor for m in TRAINING.values() if m.monitor]
+    assert len(monitors) == len(set(monitors))  # one name per figure
+    assert all(m.monitor.startswith(TIME) for m in TRAINING.values() if m.unit in ("ms", "s"))
+    assert {m.name for m in TRAINING.values() if (m.monitor or "").startswith("eval/")} == {
+        "eval_reverse_kl", "eval_cross_entropy"}  # the held-out evaluation alone; not engine.eval()'s time
+    assert all(m.monitor is None for m in TRAINING.values() if m.unit in ("text", "bool"))
+    assert {"loss", "grad_norm", "learning_rate", "epoch"} <= set(TRAINING)  # TRL's names
+    assert all(m.merge in ("max", "sum", "mean") and m.meaning for m in TRAINING.values())
+
+
+def test_monitor_events_refuse_a_key_the_registry_lacks():
+    from opsd_rollout.train.report import monitor_events
+
+    record = {"step": 3, "loss": 0.5, "divergence": "jsd", "on_policy": True, "grad_norm": None,
+              "time/eval_ms": 1.5, "eval_reverse_kl": 0.25}
+    assert monitor_events(record) == [("train/loss", 0.5, 3), ("time/eval_ms", 1.5, 3), ("eval/reverse_kl", 0.25, 3)]
+    with pytest.raises(ValueError, match="'eval_ms' is not in metrics.TRAINING"):
+        monitor_events({"step": 3, "eval_ms": 1.5})
 
 
 # ---- bad input, refused before any work --------------------------------------------------------------------------
@@ -360,6 +476,7 @@ def test_two_zero3_ranks_train_evaluate_and_checkpoint_together(tmp_path):
     assert result.returncode == 0, result.stderr[-4000:]
     assert result.stdout.count("held-out reverse KL") == 1  # rank 0 speaks
     assert [r["step"] for r in records(out)] == [0, 1, 2, 3]
+    assert all(r["grad_norm"] > 0 for r in records(out)[1:])  # DeepSpeed's, over the partitioned gradients
     assert sorted(p.name for p in (out / "checkpoints" / "step3").glob("*model_states.pt")) == [
         "zero_pp_rank_0_mp_rank_00_model_states.pt", "zero_pp_rank_1_mp_rank_00_model_states.pt"]
     from opsd_rollout.models import PRESETS, load_model

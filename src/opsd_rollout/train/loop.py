@@ -117,7 +117,7 @@ class _Run:
                                    index * self.rank.world_size + self.rank.rank)
             examples = [self.train[i] for i in picked]
             if config.objective == "sft":
-                return sft_step(self.engine, self.encoder.with_references(examples, self.device))
+                return sft_step(self.engine, self.encoder.with_references(examples, self.device), grad_norm=True)
             request = self.encoder.request(examples, self.device)
             if on_policy:
                 rollout = self.rollout
@@ -128,7 +128,7 @@ class _Run:
                 rollout = self.teacher_rollout
             return opsd_step(self.engine, self.teacher, rollout, request, config.sampling,
                              divergence=config.divergence, teacher_cache=config.cache, state=self.step_state,
-                             rollout_seed=seed)
+                             rollout_seed=seed, grad_norm=True)
 
     def optimizer_step(self, step: int) -> dict[str, Any]:
         config = self.config
@@ -137,16 +137,19 @@ class _Run:
         start = time.perf_counter()
         profiles = [self.micro_batch((step - 1) * self.accumulation + g, bool(on_policy))
                     for g in range(self.accumulation)]
-        wall_ms = (time.perf_counter() - start) * 1e3
+        step_ms = (time.perf_counter() - start) * 1e3
         divergence = "cross_entropy" if config.objective == "sft" else config.divergence.loss
-        return step_record(step, profiles, wall_ms=wall_ms, lr=float(self.engine.get_lr()[0]), on_policy=on_policy,
-                           divergence=divergence)
+        drawn = step * self.accumulation * config.prompts_per_micro_batch * self.rank.world_size  # every rank's
+        return step_record(step, profiles, step_ms=step_ms, learning_rate=float(self.engine.get_lr()[0]),
+                           on_policy=on_policy, divergence=divergence, epoch=drawn / len(self.train))
 
     def evaluation(self) -> dict[str, float]:
         examples = self.held_out[:self.config.eval_prompts]
         shard = examples[self.rank.rank::self.rank.world_size][:len(examples) // self.rank.world_size or 1]
-        return evaluate(self.engine, self.teacher, self.rollout, self.encoder, shard, self.config.sampling,
-                        seed=_seed_of(self.config.seed, 2**31), batch_size=self.config.prompts_per_micro_batch)
+        start = time.perf_counter()
+        figures = evaluate(self.engine, self.teacher, self.rollout, self.encoder, shard, self.config.sampling,
+                           seed=_seed_of(self.config.seed, 2**31), batch_size=self.config.prompts_per_micro_batch)
+        return {**figures, "time/evaluation_ms": (time.perf_counter() - start) * 1e3}
 
     # ---- the loop --------------------------------------------------------------------------------------------
 
@@ -173,12 +176,12 @@ class _Run:
         try:
             if self.step == 0:
                 self.record({"step": 0, **self.evaluation()}, progress)
-            trained_s = next((r["train_seconds"] for r in reversed(self.log.records) if "train_seconds" in r), 0.0)
+            trained_s = next((r["time/steps_s"] for r in reversed(self.log.records) if "time/steps_s" in r), 0.0)
             while self.step < config.steps:
                 record = self.optimizer_step(self.step + 1)
                 self.step += 1
-                trained_s += record["wall_ms"] / 1e3
-                record["train_seconds"] = trained_s  # the optimizer steps' wall time so far, evaluations apart
+                trained_s += record["time/step_ms"] / 1e3
+                record["time/steps_s"] = trained_s  # the optimizer steps' wall time so far, evaluations apart
                 try:
                     if self.step % config.eval_every == 0 or self.step == config.steps:
                         record.update(self.evaluation())
