@@ -1,4 +1,5 @@
-"""The ``deepspeed`` contender: what DeepSpeed's own pieces give, on the bench's engine, measured like ours.
+"""The ``deepspeed`` contender: what DeepSpeed's own pieces give, on the bench's engine, measured like ours
+(``build``, ``step``, ``skip_reason``: see ``bench/contenders/__init__.py``).
 
 ``DeepSpeedRollout`` is ``deepspeed.runtime.rollout.HybridEngineRollout`` (``enable_profiling=True``) with the
 workload's response lengths forced inside the transformers ``generate`` it calls (the ``LogitsProcessor`` of
@@ -209,3 +210,23 @@ def deepspeed_step(engine: Any, teacher: Any, rollout: DeepSpeedRollout, request
         teacher_cache_bytes=teacher_logits.numel() * teacher_logits.element_size(),  # held whole on the device
         teacher_cache_budget_bytes=0, teacher_cache_mode="full", fused_loss=False,
         teacher_parameter_bytes=resident_bytes(teacher), loss=float(out.loss.detach()))
+
+
+def build(built: Any, config: Any) -> DeepSpeedRollout:
+    return DeepSpeedRollout(built.engine, built.tokenizer, config.lengths)
+
+
+def step(engine: Any, teacher: Any, rollout: DeepSpeedRollout, request: Any, sampling: Any, divergence: Any,
+         cache: Any, state: Any) -> StepProfile:
+    """``deepspeed_step`` with our loss's beta (0 for forward_kl, 1 for reverse_kl) and, for a ``top<k>`` teacher
+    cache, its ``teacher_top_k``; ``state`` (our step's) is not DeepSpeed's."""
+    beta = DEEPSPEED_LOSSES[divergence.loss]
+    return deepspeed_step(engine, teacher, rollout, request, sampling, beta=divergence.beta if beta is None else beta,
+                          teacher_top_k=cache.top_k if cache.mode == "topk" else None)
+
+
+def skip_reason(config: Any) -> str | None:
+    if config.loss in DEEPSPEED_LOSSES:
+        return None
+    return ("DeepSpeed's own step has no sampled-token loss: its generalized_jsd_loss takes the teacher's "
+            "distribution (forward_kl, reverse_kl, jsd)")
