@@ -152,7 +152,8 @@ class Axis:
 
     def fragment(self, value: Any) -> str:
         shown = value is not None and self.key is not None and (self.always or value != self.default)
-        return self.key.format(self.text(value)) if shown else ""
+        plain = not isinstance(value, bool) and not self.field.endswith("_bytes")  # a number keeps its format
+        return self.key.format(value if plain else self.text(value)) if shown else ""
 
     def describe(self, value: Any) -> str:
         return (self.display or f"{self.field}={{}}").format(self.text(value))
