@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import ast
 import inspect
-import textwrap
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import MISSING, Field, dataclass, fields, is_dataclass
 from typing import Any
@@ -181,19 +181,23 @@ def engine_fields(config_type: type) -> Iterator[tuple[str, Field]]:
 
 
 def field_docs(config_type: type) -> dict[str, str]:
-    """The docstring under each field of ``config_type``, its bases' and its nested dataclasses', from their source
-    (none where the source cannot be read)."""
+    """The docstring under each field of ``config_type``, its bases' and its nested dataclasses', from their modules'
+    source (none where the source cannot be read)."""
+    classes = [*config_type.__mro__, *(f.default_factory for f in fields(config_type)
+                                       if f.default_factory is not MISSING and is_dataclass(f.default_factory))]
     docs: dict[str, str] = {}
-    for cls in [*config_type.__mro__, *(f.default_factory for f in fields(config_type)
-                                        if f.default_factory is not MISSING and is_dataclass(f.default_factory))]:
+    for module in dict.fromkeys(sys.modules.get(cls.__module__) for cls in classes):
         try:
-            body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
-        except (OSError, TypeError, IndexError, AttributeError):
+            tree = ast.parse(inspect.getsource(module))
+        except (OSError, TypeError):
             continue
-        for node, after in zip(body, body[1:]):
-            if (isinstance(node, ast.AnnAssign) and isinstance(after, ast.Expr)
-                    and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str)):
-                docs.setdefault(node.target.id, " ".join(after.value.value.split()))
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.ClassDef) or node.name not in {cls.__name__ for cls in classes}:
+                continue
+            for field_node, after in zip(node.body, node.body[1:]):
+                if (isinstance(field_node, ast.AnnAssign) and isinstance(after, ast.Expr)
+                        and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str)):
+                    docs.setdefault(field_node.target.id, " ".join(after.value.value.split()))
     return docs
 
 

@@ -15,21 +15,17 @@ from opsd_rollout.bench.kernels import DEFAULT_KERNELS, KERNELS, LONG
 from opsd_rollout.bench.report import ConfigResult
 from opsd_rollout.bench.tables import config_table, fmt, mib, stability_table
 from opsd_rollout.bench.scenarios.base import MeasuringSettings, Scenario, threads_phrase
+from opsd_rollout import checks
 from opsd_rollout.checks import integer, number, rule, text
 from opsd_rollout.presets import DEFAULT_MODEL
 
 
 def any_int(value: Any) -> int:
-    if isinstance(value, bool):
-        raise ValueError
-    return int(str(value).strip())
+    return checks.integer("value", checks.from_text(value, int), minimum=None)
 
 
 def top_p(value: Any) -> float:
-    number_ = float(str(value).strip())
-    if not 0.0 < number_ <= 1.0:
-        raise ValueError
-    return number_
+    return float(checks.number("value", checks.from_text(value, float), above=0, at_most=1))
 
 
 def weight_shape(value: Any) -> str:
