@@ -90,3 +90,24 @@ def test_every_committed_result_reads_as_compare_reads_it_with_its_keys():
 def test_compare_reads_a_committed_result_against_itself(path, capsys):
     assert main(["compare", str(path), str(path), "--allow-disturbed", "--allow-partial"]) in (0, 3)
     assert "Traceback" not in capsys.readouterr().err
+
+
+def test_every_engine_axis_reaches_the_engines_config():
+    """A value off the default on any engine axis is that field's value in the config our contender builds."""
+    base = {"batch_size": 1, "samples_per_prompt": 1, "prompt_length": 8, "response_length": 4}
+    for axis in (axis for axis in ROLLOUT_AXES if axis.engine):
+        value = next(parsed for text in ("on", "off", "3", "64MiB", "release", "per_layer", "longest")
+                     if (parsed := _parsed(axis, text)) is not None and parsed != axis.default)
+        config = RolloutScenario.make_config(**{**{a.field: a.default for a in ROLLOUT_AXES}, **base,
+                                                axis.field: value})
+        built = HybridEngineRolloutConfig.from_flat(**config.engine_fields)
+        where = built.options if axis.engine in {f.name for f in fields(RolloutOptions)} else built
+        assert getattr(where, axis.engine) == value, axis.name
+        assert axis.fragment(value) in config.key.split("-"), axis.name  # and the key says so
+
+
+def _parsed(axis, text):
+    try:
+        return axis.parse(text)
+    except (ValueError, TypeError):
+        return None
