@@ -144,8 +144,7 @@ class StepScenario(Scenario):
     stages = STEP_STAGES
     what = "step"
     throughput_label = "trained response tokens/s (p50)"
-    columns = ("rollout_ms", "teacher_forward_ms", "cache_write_ms", "student_forward_ms", "loss_ms", "backward_ms",
-               "optimizer_ms")
+    columns = tuple(stage for stage in STEP_STAGES if stage not in ("eval_ms", "train_ms"))  # the switches: JSON
 
     def __init__(self, settings: Any):
         super().__init__(settings)
