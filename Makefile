@@ -10,7 +10,7 @@ TORCH_SPEC ?= torch==2.13.0
 FLOOR_PYTHON ?= $(shell python3.12 -c 'import sys; print(sys.executable)' 2>/dev/null || PYENV_VERSION=$$(pyenv versions --bare 2>/dev/null | grep '^3\.12' | tail -1) python3.12 -c 'import sys; print(sys.executable)' 2>/dev/null || echo python3)
 FLOOR_VENV ?= .venv-floor
 
-.PHONY: train test test-slow test-all test-floor bench install install-test gpu-bundle clean
+.PHONY: train test test-slow test-all test-floor bench perf install install-test gpu-bundle clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -63,8 +63,14 @@ bench: install
 	$(PY) -m opsd_rollout bench --output bench-results/rollout.json --plot bench-results \
 		--trace bench-results/trace.json
 
+# The regression guard (not a test, not in CI): the kernels and the smoke bench against the committed baselines in
+# benchmarks/perf/, through compare; prints what regressed beyond noise. Run it on a quiet machine before landing a
+# change to the engine, the loss or the step.
+perf: install
+	$(PY) scripts/perf.py
+
 gpu-bundle: install
 	$(PY) scripts/gpu_bundle.py --output .gpu-bundle
 
 clean:
-	rm -rf $(VENV) $(FLOOR_VENV) .gpu-bundle bench-results runs/student .pytest_cache .hypothesis
+	rm -rf $(VENV) $(FLOOR_VENV) .gpu-bundle bench-results perf-results runs/student .pytest_cache .hypothesis

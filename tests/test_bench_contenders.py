@@ -24,7 +24,7 @@ from opsd_rollout.bench.report import load_document, load_schema, results_of
 from opsd_rollout.bench.engines import EnginePool
 from opsd_rollout.bench.runner import BenchRunner
 from opsd_rollout.bench.scenarios import RolloutConfig, RolloutScenario, RolloutSettings
-from opsd_rollout.bench.upstream import real_response_tokens
+from opsd_rollout.bench.contenders.deepspeed import real_response_tokens
 from opsd_rollout.cli import main
 from opsd_rollout.presets import PRESETS
 

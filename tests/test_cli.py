@@ -172,14 +172,24 @@ def test_a_flag_has_one_type_in_every_subcommand():
 
 
 def test_train_flags_set_the_train_config_fields_of_their_names():
+    """A flag's name is the field it sets: TrainConfig's own, or its section's field (``--loss`` sets
+    ``divergence.loss``). Three say which section's field by their prefix or follow DeepSpeed's spelling."""
     from dataclasses import fields
 
     from opsd_rollout.cli_train import FLAGS
     from opsd_rollout.train import TrainConfig
+    from opsd_rollout.train.config import FLAT, SECTIONS
 
-    names = {f.name for f in fields(TrainConfig)}
+    named_otherwise = {"samples_per_prompt": "sampling.n_samples_per_prompt", "teacher_cache": "teacher_cache.mode",
+                       "teacher_top_k": "teacher_cache.top_k"}
+    top = {f.name for f in fields(TrainConfig)} - set(SECTIONS)
     for flag, dest, _kwargs in FLAGS:
-        assert dest == flag[2:].replace("-", "_") and dest in names, flag
+        assert dest == flag[2:].replace("-", "_"), flag
+        if dest in top:
+            continue
+        section, leaf = FLAT[dest].split(".")
+        assert leaf in {f.name for f in fields(SECTIONS[section])}, flag
+        assert leaf == dest or named_otherwise[dest] == FLAT[dest], flag
 
 
 @pytest.mark.parametrize("argv,old,new", [

@@ -10,7 +10,7 @@ import logging
 import pytest
 
 from opsd_rollout.deepspeed_config import check_deepspeed_config, known_keys, refusal
-from opsd_rollout.train import TrainConfig
+from opsd_rollout.train import OptimizationConfig, TrainConfig
 from opsd_rollout.train.setup import deepspeed_config_of
 
 MONITORS = {"tensorboard": {"enabled": True, "output_path": "runs/tb", "job_name": "opsd"},
@@ -19,7 +19,8 @@ MONITORS = {"tensorboard": {"enabled": True, "output_path": "runs/tb", "job_name
 
 
 def run_config(deepspeed: str | dict, **fields) -> TrainConfig:
-    return TrainConfig(**{"output_dir": "", "teacher": "qwen2-tiny", "deepspeed": deepspeed, **fields})
+    return TrainConfig(**{"output_dir": "", "teacher": "qwen2-tiny", **fields},
+                       optimization=OptimizationConfig(deepspeed=deepspeed))
 
 
 def refused(ds: dict, source: str = "ds_config.json") -> str:

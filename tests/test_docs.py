@@ -1,8 +1,10 @@
 """The documentation checked against the code it describes: the README's length, every relative link, the table of
 DeepSpeed's config fields (built here from DeepSpeed's dataclasses and what ``from_any`` does with each field), the
-config fields and versions the README names, and the README's and PROFILING.md's examples run as written.
+config fields and versions the README names, the training record's keys (docs/TRAINING.md, from
+``metrics.TRAINING``), and the README's and PROFILING.md's examples run as written.
 
-``python tests/test_docs.py`` prints the DeepSpeed field table as docs/MIGRATING.md must hold it.
+``python tests/test_docs.py`` prints the DeepSpeed field table as docs/MIGRATING.md must hold it;
+``python tests/test_docs.py training`` prints docs/TRAINING.md's tables of the training record's keys.
 """
 
 from __future__ import annotations
@@ -152,6 +154,40 @@ def test_the_deepspeed_field_table_is_built_from_the_code():
         "docs/MIGRATING.md's field table is stale: `python tests/test_docs.py` prints the current one")
 
 
+# ---- the training record's keys ------------------------------------------------------------------------------------
+
+TRAINING_TABLE_HEADER = "| key (`metrics.jsonl`) | monitor name | unit | across ranks | better | what |"
+RENAMED_TABLE_HEADER = "| written before | read as |"
+
+
+def training_key_rows() -> list[list[str]]:
+    """[key, monitor name, unit, merge rule, which way is better, meaning] for every key of ``metrics.TRAINING``."""
+    from opsd_rollout.metrics import TRAINING
+
+    better = {True: "lower", False: "higher", None: "-"}
+    return [[f"`{m.name}`", f"`{m.monitor}`" if m.monitor else "-", m.unit or "-",
+             "-" if m.unit in ("text", "bool") else m.merge, better[m.lower_is_better], m.meaning]
+            for m in TRAINING.values()]
+
+
+def renamed_key_rows() -> list[list[str]]:
+    from opsd_rollout.metrics import TRAINING_RENAMED
+
+    return [[f"`{old}`", f"`{new}`"] for old, new in TRAINING_RENAMED.items()]
+
+
+def markdown_table(header: str, rows: list[list[str]]) -> str:
+    columns = header.count("|") - 1
+    return "\n".join([header, "|" + "---|" * columns, *("| " + " | ".join(row) + " |" for row in rows)])
+
+
+def test_the_training_key_tables_are_built_from_the_registry():
+    training = (ROOT / "docs" / "TRAINING.md").read_text()
+    stale = "docs/TRAINING.md's {} table is stale: `python tests/test_docs.py training` prints the current one"
+    assert table_rows(training, TRAINING_TABLE_HEADER) == training_key_rows(), stale.format("key")
+    assert table_rows(training, RENAMED_TABLE_HEADER) == renamed_key_rows(), stale.format("renamed keys")
+
+
 # ---- what the README names ------------------------------------------------------------------------------------------
 
 def test_every_top_level_config_field_is_in_the_readmes_table_with_its_default():
@@ -235,5 +271,26 @@ def test_profilings_example_logs_json_lines_and_tensorboard_scalars(tmp_path, mo
     assert [e.value for e in events.Scalars("rollout/total_ms")] == pytest.approx([r["total_ms"] for r in records])
 
 
+def test_trainings_python_example_is_the_flags_it_names(monkeypatch):
+    """docs/TRAINING.md's library call builds the config its flags would (as it says they map), without training."""
+    import opsd_rollout.train
+    from opsd_rollout.train import TrainConfig
+
+    seen = []
+    monkeypatch.setattr(opsd_rollout.train, "train", seen.append)
+    exec(compile(example((ROOT / "docs" / "TRAINING.md").read_text(), "TrainConfig("), "TRAINING.md", "exec"),
+         {"__name__": "training"})
+    assert seen == [TrainConfig.from_flat(dict(
+        output_dir="runs/student", student="llama-tiny", teacher="runs/teacher/model", steps=200, max_new_tokens=32,
+        samples_per_prompt=4, top_k=0, loss="sampled_reverse_kl", estimator="k3", teacher_cache="sampled", lr=3e-3,
+        zero_stage=2))]
+
+
 if __name__ == "__main__":
-    print(deepspeed_field_table())
+    import sys
+
+    if sys.argv[1:] == ["training"]:  # docs/TRAINING.md's two tables of the training record's keys
+        print(markdown_table(TRAINING_TABLE_HEADER, training_key_rows()) + "\n")
+        print(markdown_table(RENAMED_TABLE_HEADER, renamed_key_rows()))
+    else:
+        print(deepspeed_field_table())

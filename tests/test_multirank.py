@@ -1,5 +1,6 @@
 """Two CPU ranks under ZeRO-3 (gloo, torchrun): ranks that finish at different steps do not hang, run the
-same number of forwards, and each returns its own padded batch, as wide as every other rank's."""
+same number of forwards, and each returns its own padded batch, as wide as every other rank's; and an optimizer
+step's gradient norm across two ranks at ZeRO-0 and ZeRO-2."""
 
 from __future__ import annotations
 
@@ -100,3 +101,12 @@ def test_a_zero3_teacher_stays_in_lockstep_and_caches_what_a_replicated_teacher_
     # the cache covers the columns holding tokens: rank 1's one row ended a column early
     assert ranks[0]["sampled"]["shape"] == [5, 3] and ranks[1]["sampled"]["shape"] == [1, 10]
     assert ranks[0]["sampled"]["bytes"] == 4 * 5 * 3
+
+
+@pytest.mark.slow
+def test_the_gradient_norm_at_zero0_is_every_ranks_averaged_gradients(tmp_path):
+    """Ranks with different rows: the norm taken before the step at ZeRO-0 is the norm of the gradient averaged over
+    the ranks (the same on both), equal to DeepSpeed's own at ZeRO-2, which partitions the gradients."""
+    ranks = run_two_ranks("grad_norm_worker.py", tmp_path)
+    assert ranks[0]["zero0"] == pytest.approx(ranks[1]["zero0"], rel=1e-6)
+    assert ranks[0]["zero0"] == pytest.approx(ranks[0]["zero2"], rel=1e-4) and ranks[0]["zero0"] > 1e-4

@@ -4,6 +4,7 @@ a few steps each."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -11,12 +12,18 @@ import pytest
 import torch
 
 from opsd_rollout.cli import main
+from opsd_rollout.metrics import STEP_STAGES, TIME, TRAINING
 from opsd_rollout.models import byte_tokenizer
 from opsd_rollout.train import Example, TrainConfig, read_examples, train
 from opsd_rollout.train.data import Encoder, batch_indices
 
 TINY = dict(student="llama-tiny", teacher="qwen2-tiny", prompts_per_micro_batch=2, max_new_tokens=8,
             eval_prompts=4, eval_every=2, progress=False, lr=1e-3)
+
+
+def flat_config(**values) -> TrainConfig:
+    """A config by the flags' names (``TrainConfig.from_flat``), as the command line makes it."""
+    return TrainConfig.from_flat(values)
 
 
 def records(directory: Path) -> list[dict]:
@@ -80,24 +87,81 @@ def test_references_become_a_rollout_batch_of_the_contract():
     assert torch.equal(batch.input_ids[0], batch.input_ids[1])  # repeat_interleave order
 
 
+# ---- the config ---------------------------------------------------------------------------------------------------
+
+def test_the_flags_names_land_in_their_sections():
+    from deepspeed.runtime.rollout.base import SamplingConfig
+
+    from opsd_rollout.opsd.divergence import DivergenceConfig
+    from opsd_rollout.opsd.teacher import TeacherCacheConfig
+    from opsd_rollout.train import OptimizationConfig
+
+    flat = flat_config(output_dir="o", teacher="qwen2-tiny", samples_per_prompt=4, max_new_tokens=16, top_k=5,
+                       loss="sampled_reverse_kl", estimator="k3", teacher_top_k=8, lr=3e-4, zero_stage=2, steps=7)
+    assert flat == TrainConfig(
+        output_dir="o", teacher="qwen2-tiny", steps=7,
+        sampling=SamplingConfig(max_new_tokens=16, n_samples_per_prompt=4, top_k=5),
+        divergence=DivergenceConfig(loss="sampled_reverse_kl", estimator="k3"),
+        teacher_cache=TeacherCacheConfig(mode="sampled", top_k=8),  # the loss's mode: only k was named
+        optimization=OptimizationConfig(lr=3e-4, zero_stage=2))
+    assert flat_config(output_dir="o", teacher="t").cache.mode == "full"
+    assert flat_config(output_dir="o", teacher="t", loss="sampled_reverse_kl").cache.mode == "sampled"
+    with pytest.raises(ValueError, match="unknown train config field batch_sz"):
+        flat_config(output_dir="o", teacher="t", batch_sz=2)
+    with pytest.raises(TypeError, match="divergence must be a DivergenceConfig; got dict"):
+        TrainConfig(output_dir="o", teacher="t", divergence={"loss": "jsd"})
+    with pytest.raises(ValueError, match="sampling.top_p"):
+        flat_config(output_dir="o", teacher="t", top_p=0)
+
+
+def test_a_saved_config_loads_back_and_an_old_flat_one_is_upgraded(tmp_path, caplog):
+    from opsd_rollout.rollout import HybridEngineRolloutConfig
+    from opsd_rollout.train import load_train_config
+
+    config = flat_config(output_dir="o", teacher="qwen2-tiny", teacher_cache="topk", teacher_top_k=8, lr=2e-3)
+    config = dataclasses.replace(config, rollout=HybridEngineRolloutConfig.from_flat(
+        enable_profiling=True, stop_check_interval=4, use_shared_prefill=True))
+    path = tmp_path / "train_config.json"
+    path.write_text(json.dumps(config.to_dict()))
+    assert load_train_config(path) == config
+    old = {"output_dir": "o", "student": "llama-tiny", "teacher": "qwen2-tiny", "prompts": None, "objective": "opsd",
+           "deepspeed": None, "zero_stage": 0, "lr": 0.002, "gradient_accumulation_steps": 1, "steps": 100,
+           "prompts_per_micro_batch": 8, "samples_per_prompt": 1, "max_new_tokens": 32, "max_prompt_tokens": None,
+           "temperature": 1.0, "top_k": 0, "top_p": 1.0, "lmbda": 1.0, "off_policy": "auto", "loss": "jsd",
+           "beta": 0.5, "estimator": "k1", "teacher_cache": "topk", "teacher_top_k": 8, "teacher_zero_stage": 0,
+           "seed": 0, "eval_every": 10, "eval_prompts": 64, "save_every": None, "resume": None, "progress": True}
+    path.write_text(json.dumps(old))  # every field of the flat TrainConfig before the sections
+    with caplog.at_level("WARNING"):
+        upgraded = load_train_config(path)
+    assert upgraded == dataclasses.replace(config, rollout=HybridEngineRolloutConfig(enable_profiling=True))
+    assert "a flat train config of an older release" in caplog.text and "lr -> optimization.lr" in caplog.text
+
+
 # ---- the loop -----------------------------------------------------------------------------------------------------
 
 def test_a_run_writes_metrics_checkpoint_model_and_plot(tmp_path):
     out = tmp_path / "run"
-    result = train(TrainConfig(output_dir=str(out), steps=4, **TINY))
+    result = train(flat_config(output_dir=str(out), steps=4, **TINY))
     lines = records(out)
     assert [r["step"] for r in lines] == [0, 1, 2, 3, 4]
-    assert set(lines[0]) == {"step", "eval_reverse_kl", "eval_cross_entropy"}  # step 0: before any update
+    assert set(lines[0]) == {"step", "eval_reverse_kl", "eval_cross_entropy", "time/evaluation_ms"}  # no update yet
     assert [("eval_reverse_kl" in r) for r in lines] == [True, False, True, False, True]
     step = lines[1]
-    for key in ("loss", "divergence", "response_tokens", "total_ms", "rollout_ms", "teacher_forward_ms",
-                "backward_ms", "optimizer_ms", "rollout_share", "rollout/decode_ms", "peak_memory_bytes", "lr"):
+    for key in ("loss", "grad_norm", "learning_rate", "epoch", "divergence", "response_tokens", "time/total_ms",
+                "time/rollout_ms", "time/teacher_forward_ms", "time/backward_ms", "time/optimizer_ms",
+                "time/rollout_share", "time/rollout/decode_ms", "peak_memory_bytes", "rss_bytes"):
         assert key in step, key
-    assert step["divergence"] == "jsd" and step["lr"] == 1e-3 and 0 < step["rollout_share"] < 1
-    parts = sum(step[k] for k in ("eval_ms", "rollout_ms", "train_ms", "teacher_forward_ms", "cache_write_ms",
-                                  "student_forward_ms", "loss_ms", "backward_ms", "optimizer_ms"))
-    assert parts <= step["total_ms"] <= step["wall_ms"]
+    assert step["divergence"] == "jsd" and step["learning_rate"] == 1e-3 and 0 < step["time/rollout_share"] < 1
+    parts = sum(step[TIME + k] for k in STEP_STAGES)
+    assert parts <= step["time/total_ms"] <= step["time/step_ms"]
+    assert [r["epoch"] for r in lines[1:]] == pytest.approx([k * lines[1]["epoch"] for k in (1, 2, 3, 4)])
+    assert lines[4]["time/steps_s"] == pytest.approx(sum(r["time/step_ms"] for r in lines[1:]) / 1e3)
+    assert all(r["grad_norm"] > 0 for r in lines[1:])
+    assert {key for r in lines for key in r} <= set(TRAINING)  # every key defined in metrics.py
     assert result.steps == 4 and (out / "checkpoints" / "latest").read_text().strip() == "step4"
+    from opsd_rollout.train import load_train_config
+
+    assert load_train_config(out / "train_config.json") == flat_config(output_dir=str(out), steps=4, **TINY)
     assert (out / "model" / "config.json").is_file() and result.plot == out / "eval.png" and result.plot.is_file()
     from opsd_rollout.models import load_model
 
@@ -109,9 +173,9 @@ def test_resume_continues_exactly(tmp_path):
     """3 steps and a resume to 6 give the losses of an uninterrupted 6-step run: the data order, the rollouts'
     random numbers and lmbda's draws are the same, and the optimizer's state comes back."""
     config = dict(TINY, lmbda=0.5, gradient_accumulation_steps=2, temperature=1.0, eval_every=3)
-    whole = train(TrainConfig(output_dir=str(tmp_path / "whole"), steps=6, **config))
-    train(TrainConfig(output_dir=str(tmp_path / "half"), steps=3, **config))
-    resumed = train(TrainConfig(output_dir=str(tmp_path / "half"), steps=6, resume=str(tmp_path / "half"), **config))
+    whole = train(flat_config(output_dir=str(tmp_path / "whole"), steps=6, **config))
+    train(flat_config(output_dir=str(tmp_path / "half"), steps=3, **config))
+    resumed = train(flat_config(output_dir=str(tmp_path / "half"), steps=6, resume=str(tmp_path / "half"), **config))
     assert [r["on_policy"] for r in whole.records[1:]] != [True] * 6  # both kinds of step were taken
     assert all(r["micro_batches"] == 2 for r in whole.records[1:])
     losses = [(r["step"], r["loss"]) for r in whole.records if "loss" in r]
@@ -122,7 +186,7 @@ def test_resume_continues_exactly(tmp_path):
 
 def test_gradient_accumulation_steps_the_optimizer_once_per_step(tmp_path):
     out = tmp_path / "run"
-    train(TrainConfig(output_dir=str(out), steps=2, gradient_accumulation_steps=3, **TINY))
+    train(flat_config(output_dir=str(out), steps=2, gradient_accumulation_steps=3, **TINY))
     state = torch.load(out / "checkpoints" / "step2" / "mp_rank_00_model_states.pt", weights_only=False)
     assert state["global_steps"] == 2 and state["train_state"]["micro_batches"] == 6
     assert all(r["micro_batches"] == 3 for r in records(out)[1:])
@@ -130,22 +194,22 @@ def test_gradient_accumulation_steps_the_optimizer_once_per_step(tmp_path):
 
 @pytest.mark.parametrize("lmbda,expected", [(0.0, {False}), (1.0, {True})])
 def test_lmbda_is_the_fraction_of_on_policy_steps(tmp_path, lmbda, expected):
-    result = train(TrainConfig(output_dir=str(tmp_path / "run"), steps=3, lmbda=lmbda, **TINY))
+    result = train(flat_config(output_dir=str(tmp_path / "run"), steps=3, lmbda=lmbda, **TINY))
     assert {r["on_policy"] for r in result.records[1:]} == expected
 
 
 @pytest.mark.parametrize("references,off_policy", [(False, "auto"), (True, "teacher")])
 def test_supervised_kd_on_the_teachers_samples(tmp_path, references, off_policy):
     prompts = write_prompts(tmp_path / "p.jsonl", reference=references)
-    result = train(TrainConfig(output_dir=str(tmp_path / "run"), steps=2, lmbda=0.0, prompts=str(prompts),
+    result = train(flat_config(output_dir=str(tmp_path / "run"), steps=2, lmbda=0.0, prompts=str(prompts),
                                off_policy=off_policy, **TINY))
-    assert all(r["rollout/decode_ms"] > 0 and not r["on_policy"] for r in result.records[1:])  # the teacher rolled out
+    assert all(r["time/rollout/decode_ms"] > 0 and not r["on_policy"] for r in result.records[1:])  # teacher rolled out
     assert ("eval_cross_entropy" in result.records[0]) == references  # cross-entropy where there are references
 
 
 def test_off_policy_steps_train_on_the_references_when_there_are_some(tmp_path):
-    result = train(TrainConfig(output_dir=str(tmp_path / "run"), steps=2, lmbda=0.0, **TINY))
-    assert all("rollout/decode_ms" not in r and r["response_tokens"] == 2 * 8 for r in result.records[1:])
+    result = train(flat_config(output_dir=str(tmp_path / "run"), steps=2, lmbda=0.0, **TINY))
+    assert all("time/rollout/decode_ms" not in r and r["response_tokens"] == 2 * 8 for r in result.records[1:])
 
 
 def test_sft_is_the_cross_entropy_on_the_references(tmp_path):
@@ -167,6 +231,80 @@ def test_sft_is_the_cross_entropy_on_the_references(tmp_path):
     assert profile.rollout is None and profile.response_tokens == 7 + 2
 
 
+@pytest.mark.parametrize("zero_stage", [0, 2])
+def test_the_gradient_norm_is_the_accumulated_gradients_before_clipping(zero_stage):
+    """The norm of the gradient the optimizer steps on: the micro-batches' mean (DeepSpeed scales each by 1 /
+    gradient_accumulation_steps), before clipping (set to bite here), none at a micro-batch that does not step;
+    taken before the step at ZeRO-0, where DeepSpeed keeps none, and DeepSpeed's own at ZeRO-2: the same number."""
+    import copy
+
+    import deepspeed
+
+    from opsd_rollout.deepspeed_engine import deepspeed_config, init_distributed
+    from opsd_rollout.models import load_model
+    from opsd_rollout.modeling import position_ids
+    from opsd_rollout.train import sft_step
+
+    model, tokenizer = load_model("llama-tiny")
+    reference = copy.deepcopy(model)
+    encoder = Encoder(tokenizer, max_prompt_tokens=64, max_reference_tokens=8)
+    batches = [encoder.with_references(pair, torch.device("cpu")) for pair in (
+        [Example("Hello", " world!"), Example("A longer prompt", " x")],
+        [Example("Why", " because."), Example("Then", " now then")])]
+    for batch in batches:  # the reference: each micro-batch's token mean, halved, accumulated
+        logits = reference(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                           position_ids=position_ids(batch.attention_mask)).logits
+        start = int(batch.response_start_idx[0])
+        real = batch.attention_mask[:, start:].bool()
+        loss = torch.nn.functional.cross_entropy(logits[:, start - 1:-1][real], batch.input_ids[:, start:][real])
+        (loss / 2).backward()
+    expected = float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in reference.parameters()])))
+    init_distributed()
+    ds = {**deepspeed_config(zero_stage, lr=1e-3, micro_batch_size=2), "gradient_accumulation_steps": 2,
+          "gradient_clipping": expected / 10}
+    engine, *_ = deepspeed.initialize(model=model.train(), model_parameters=list(model.parameters()), config=ds)
+    first, second = (sft_step(engine, batch, grad_norm=True) for batch in batches)
+    assert first.grad_norm is None and second.grad_norm == pytest.approx(expected, rel=1e-4)
+    assert sft_step(engine, batches[0]).grad_norm is None  # not asked: nothing computed
+
+
+def test_an_old_metrics_file_reads_back_under_todays_keys(tmp_path):
+    """A metrics.jsonl written before the keys took TRL's names and time/ (the fixture: a real run's, 3 steps) reads
+    with today's keys, its values as they were, and plots; a record of today reads as it is."""
+    from opsd_rollout.metrics import TRAINING_RENAMED, upgrade
+    from opsd_rollout.train.report import plot_eval, read_records
+
+    path = Path(__file__).parent / "fixtures" / "metrics_before_rename.jsonl"
+    old = [json.loads(line) for line in path.read_text().splitlines()]
+    assert {"lr", "wall_ms", "eval_ms", "train_seconds", "rollout/decode_ms"} <= set(old[1])
+    new = read_records(path)
+    assert {key for r in new for key in r} <= set(TRAINING)
+    for before, after in zip(old, new):
+        assert after == {TRAINING_RENAMED.get(key, key): value for key, value in before.items()}
+    assert new[1]["learning_rate"] == old[1]["lr"] and new[1]["time/eval_ms"] == old[1]["eval_ms"]
+    assert new[3]["time/steps_s"] == old[3]["train_seconds"] and new[2]["eval_reverse_kl"] == old[2]["eval_reverse_kl"]
+    assert all(upgrade(r) == r for r in new)
+    assert set(TRAINING_RENAMED.values()) <= set(TRAINING) and not set(TRAINING_RENAMED) & set(TRAINING)
+    assert plot_eval(old, tmp_path / "eval.png", "old") == tmp_path / "eval.png"
+
+
+def test_a_run_written_before_the_rename_resumes_under_todays_keys(tmp_path):
+    """--resume of a run whose metrics.jsonl has the old keys: the file continues with one vocabulary (the old
+    records rewritten under today's keys), and the steps' wall time so far continues from the old train_seconds."""
+    out = tmp_path / "run"
+    train(flat_config(output_dir=str(out), steps=2, **TINY))
+    fixture = (Path(__file__).parent / "fixtures" / "metrics_before_rename.jsonl").read_text().splitlines()
+    (out / "metrics.jsonl").write_text("\n".join(fixture) + "\n")  # steps 0-3 of an older run
+    resumed = train(flat_config(output_dir=str(out), steps=3, resume=str(out), **TINY))
+    lines = records(out)
+    assert [r["step"] for r in lines] == [0, 1, 2, 3] and lines == resumed.records
+    assert {key for r in lines for key in r} <= set(TRAINING)
+    old_seconds = json.loads(fixture[2])["train_seconds"]
+    assert lines[2]["time/steps_s"] == old_seconds
+    assert lines[3]["time/steps_s"] == pytest.approx(old_seconds + lines[3]["time/step_ms"] / 1e3)
+    assert resumed.plot is not None and resumed.plot.is_file()
+
+
 @pytest.fixture(scope="module")
 def confident_teacher(tmp_path_factory):
     """qwen2-tiny with its head scaled up, saved as a local checkpoint: far from the student, so that one
@@ -182,18 +320,22 @@ def confident_teacher(tmp_path_factory):
     return str(directory)
 
 
-@pytest.mark.parametrize("loss", [dict(loss="jsd"), dict(loss="sampled_reverse_kl", estimator="k1"),
-                                  dict(loss="sampled_reverse_kl", estimator="k3")])
+@pytest.mark.parametrize("loss", [dict(loss="jsd"),
+                                  dict(loss="sampled_reverse_kl", estimator="k1", samples_per_prompt=4),
+                                  dict(loss="sampled_reverse_kl", estimator="k3", samples_per_prompt=4)])
 def test_distillation_brings_the_student_closer_to_the_teacher(tmp_path, confident_teacher, loss):
-    result = train(TrainConfig(output_dir=str(tmp_path / "run"), steps=40, **{
-        **TINY, "teacher": confident_teacher, "lr": 3e-3, "eval_every": 40, "eval_prompts": 8,
+    """A sign error moves the student away. One sampled token carries a weak signal: with one sample a prompt, 40
+    steps moved the held-out KL by -0.4% to -8% depending on the seed, so the sampled losses draw 4 samples a prompt
+    (-11% to -13% at seeds 0 and 1) and evaluate 32 prompts, where the gain stands well clear of the noise."""
+    sampled = loss["loss"] == "sampled_reverse_kl"
+    result = train(flat_config(output_dir=str(tmp_path / "run"), steps=40, **{
+        **TINY, "teacher": confident_teacher, "lr": 3e-3, "eval_every": 40, "eval_prompts": 32 if sampled else 8,
         "prompts_per_micro_batch": 8, **loss}))
     (_, first), (_, last) = result.eval_curve()
-    # a sign error moves it away; one sampled token's signal moves it slowly (k1 -7%, k3 -4% here)
-    assert last < (0.9 if loss["loss"] == "jsd" else 0.98) * first, result.eval_curve()
-    if loss["loss"] == "sampled_reverse_kl":  # 4 bytes a position of the response window
+    assert last < (0.9 if loss["loss"] == "jsd" else 0.96) * first, result.eval_curve()
+    if sampled:  # 4 bytes a position of the response window
         first_step = result.records[1]
-        assert first_step["teacher_cache_bytes"] == 4 * 8 * 8  # 8 rows x 8 positions x 4 bytes
+        assert first_step["teacher_cache_bytes"] == 4 * 32 * 8  # 8 prompts x 4 samples x 8 positions x 4 bytes
 
 
 def test_ctrl_c_saves_a_checkpoint_and_leaves_valid_files(tmp_path, monkeypatch):
@@ -209,32 +351,69 @@ def test_ctrl_c_saves_a_checkpoint_and_leaves_valid_files(tmp_path, monkeypatch)
 
     monkeypatch.setattr(loop, "opsd_step", interrupted)
     out = tmp_path / "run"
-    result = train(TrainConfig(output_dir=str(out), steps=5, **TINY))
+    result = train(flat_config(output_dir=str(out), steps=5, **TINY))
     assert result.interrupted and result.steps == 2
     assert (out / "checkpoints" / "latest").read_text().strip() == "step2"
     assert [r["step"] for r in records(out)] == [0, 1, 2]
     monkeypatch.setattr(loop, "opsd_step", step)
-    resumed = train(TrainConfig(output_dir=str(out), steps=5, resume=str(out), **TINY))
+    resumed = train(flat_config(output_dir=str(out), steps=5, resume=str(out), **TINY))
     assert not resumed.interrupted and [r["step"] for r in records(out)] == [0, 1, 2, 3, 4, 5]
 
 
-def test_metrics_reach_deepspeeds_csv_monitor_and_tensorboard(tmp_path):
+@pytest.mark.parametrize("objective", ["opsd", "sft"])
+def test_metrics_reach_deepspeeds_monitors_under_the_registrys_names(tmp_path, objective):
+    """Every key a run writes is defined in metrics.py (``TRAINING``), and every event DeepSpeed's monitors receive
+    is named by it: the training figures under ``train/``, the held-out evaluation alone under ``eval/``, every time
+    under ``time/``; the gradient norm is logged for OPSD and SFT steps alike."""
     pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     from opsd_rollout.train.setup import deepspeed_config_of
 
-    ds = deepspeed_config_of(TrainConfig(output_dir="", steps=1, **TINY))
+    config = dict(TINY, objective=objective, **({"teacher": None} if objective == "sft" else {}))
+    ds = deepspeed_config_of(flat_config(output_dir="", steps=1, **config))
     ds["csv_monitor"] = {"enabled": True, "output_path": str(tmp_path / "csv"), "job_name": "run"}
     ds["tensorboard"] = {"enabled": True, "output_path": str(tmp_path / "tb"), "job_name": "run"}
-    train(TrainConfig(output_dir=str(tmp_path / "out"), steps=2, deepspeed=ds, **TINY))
+    result = train(flat_config(output_dir=str(tmp_path / "out"), steps=2, deepspeed=ds, **config))
+    assert {key for r in result.records for key in r} <= set(TRAINING)
+    assert all(r["grad_norm"] > 0 and r["learning_rate"] == 1e-3 for r in result.records[1:])
     loss = (tmp_path / "csv" / "run" / "train_loss.csv").read_text().splitlines()
     assert loss[0].startswith("step") and [line.split(",")[0] for line in loss[1:]] == ["1", "2"]
-    assert (tmp_path / "csv" / "run" / "eval_reverse_kl.csv").read_text().splitlines()[1].startswith("0,")
+    evaluated = "eval_reverse_kl" if objective == "opsd" else "eval_cross_entropy"
+    assert (tmp_path / "csv" / "run" / f"{evaluated}.csv").read_text().splitlines()[1].startswith("0,")
     events = EventAccumulator(str(tmp_path / "tb" / "run"))
     events.Reload()
-    assert {"train/loss", "eval/reverse_kl", "profiling/rollout_ms"} <= set(events.Tags()["scalars"])
+    ours = {tag for tag in events.Tags()["scalars"] if not tag.startswith("Train/Samples/")}  # DeepSpeed's own
+    sent = {TRAINING[key].monitor for r in result.records for key, value in r.items()
+            if TRAINING[key].monitor and isinstance(value, (int, float)) and not isinstance(value, bool)}
+    assert ours == sent and {"train/loss", "train/grad_norm", "train/learning_rate", "time/step_ms"} <= ours
+    evaluation = {"eval/cross_entropy"} | ({"eval/reverse_kl"} if objective == "opsd" else set())  # with a teacher
+    assert {tag for tag in ours if tag.startswith("eval/")} == evaluation
+    assert all(tag.startswith(TIME) for tag in ours if tag.endswith(("_ms", "_s")))
     assert [e.step for e in events.Scalars("train/loss")] == [1, 2]
+    assert [e.value for e in events.Scalars("train/grad_norm")] == pytest.approx(
+        [r["grad_norm"] for r in result.records[1:]])
+
+
+def test_the_registry_names_every_figure_once_and_puts_times_under_time():
+    monitors = [m.monitor for m in TRAINING.values() if m.monitor]
+    assert len(monitors) == len(set(monitors))  # one name per figure
+    assert all(m.monitor.startswith(TIME) for m in TRAINING.values() if m.unit in ("ms", "s"))
+    assert {m.name for m in TRAINING.values() if (m.monitor or "").startswith("eval/")} == {
+        "eval_reverse_kl", "eval_cross_entropy"}  # the held-out evaluation alone; not engine.eval()'s time
+    assert all(m.monitor is None for m in TRAINING.values() if m.unit in ("text", "bool"))
+    assert {"loss", "grad_norm", "learning_rate", "epoch"} <= set(TRAINING)  # TRL's names
+    assert all(m.merge in ("max", "sum", "mean") and m.meaning for m in TRAINING.values())
+
+
+def test_monitor_events_refuse_a_key_the_registry_lacks():
+    from opsd_rollout.train.report import monitor_events
+
+    record = {"step": 3, "loss": 0.5, "divergence": "jsd", "on_policy": True, "grad_norm": None,
+              "time/eval_ms": 1.5, "eval_reverse_kl": 0.25}
+    assert monitor_events(record) == [("train/loss", 0.5, 3), ("time/eval_ms", 1.5, 3), ("eval/reverse_kl", 0.25, 3)]
+    with pytest.raises(ValueError, match="'eval_ms' is not in metrics.TRAINING"):
+        monitor_events({"step": 3, "eval_ms": 1.5})
 
 
 # ---- bad input, refused before any work --------------------------------------------------------------------------
@@ -260,7 +439,7 @@ def test_bad_input_is_refused_before_any_work(tmp_path, monkeypatch, change, mes
     if change.get("prompts") == "NOREFS":
         change = {**change, "prompts": str(write_prompts(tmp_path / "p.jsonl", reference=False))}
     with pytest.raises(ValueError, match=message):
-        train(TrainConfig(output_dir=str(tmp_path / "run"), steps=1, **{**TINY, **change}))
+        train(flat_config(output_dir=str(tmp_path / "run"), steps=1, **{**TINY, **change}))
 
 
 def test_the_command_line_trains_and_says_where_it_wrote(tmp_path, capsys):
@@ -297,6 +476,7 @@ def test_two_zero3_ranks_train_evaluate_and_checkpoint_together(tmp_path):
     assert result.returncode == 0, result.stderr[-4000:]
     assert result.stdout.count("held-out reverse KL") == 1  # rank 0 speaks
     assert [r["step"] for r in records(out)] == [0, 1, 2, 3]
+    assert all(r["grad_norm"] > 0 for r in records(out)[1:])  # DeepSpeed's, over the partitioned gradients
     assert sorted(p.name for p in (out / "checkpoints" / "step3").glob("*model_states.pt")) == [
         "zero_pp_rank_0_mp_rank_00_model_states.pt", "zero_pp_rank_1_mp_rank_00_model_states.pt"]
     from opsd_rollout.models import PRESETS, load_model

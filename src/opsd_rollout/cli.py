@@ -401,10 +401,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as error:  # bad input: a clear message, no traceback
         print(f"opsd-rollout: error: {error}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("opsd-rollout: interrupted; " + ("nothing trained yet" if args.command == "train" else
-                                               "finished configs are in the result file (finish with "
-                                               "--resume-results)"), file=sys.stderr)
+    except KeyboardInterrupt as interrupted:
+        print("opsd-rollout: interrupted; " + (str(interrupted) or ("nothing trained yet" if args.command == "train"
+                                                                   else "finished configs are in the result file "
+                                                                   "(finish with --resume-results)")),
+              file=sys.stderr)
         return 130
 
 

@@ -71,8 +71,7 @@ def add_bench_flags(bench: argparse.ArgumentParser, scenario: type[Scenario]) ->
     formerly = {new: _flag(old) for old, new in RENAMED.get(scenario.kind, {}).items()}
     axes = bench.add_argument_group("matrix axes (comma lists; override --config)")
     for axis in scenario.axes:
-        default = ",".join(("on" if v else "off") if isinstance(v, bool) else str(v)
-                           for v in scenario.defaults[axis.name])
+        default = ",".join(map(axis.text, scenario.defaults[axis.name]))
         said = "(default)" in axis.help  # the help names its default already
         add_flag(axes, axis.flag, formerly=formerly.get(axis.name), dest=axis.name, metavar="LIST",
                  help=axis.help if said else f"{axis.help} (default {default})")

@@ -1,5 +1,6 @@
-"""``opsd-rollout train``: its flags, each mapped onto a ``TrainConfig`` field. A light module (argparse only), so
-``--help`` answers without importing torch."""
+"""``opsd-rollout train``: its flags, each mapped onto a ``TrainConfig`` field by its name (the sections' fields
+through ``opsd_rollout.train.config.FLAT``). A light module (argparse only), so ``--help`` answers without importing
+torch."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from typing import Any
 from opsd_rollout.cli_bench import add_flag
 
 LOSSES = ("forward_kl", "reverse_kl", "jsd", "sampled_reverse_kl")
-FLAGS: list[tuple[str, str, dict[str, Any]]] = [  # (flag, TrainConfig field, argparse keywords)
+FLAGS: list[tuple[str, str, dict[str, Any]]] = [  # (flag, TrainConfig's flat name, argparse keywords)
     ("--student", "student", dict(help="preset or local checkpoint directory (default llama-tiny; with no model or "
                                        "data flag at all: the built-in run, see the description)")),
     ("--teacher", "teacher", dict(help="preset or local checkpoint of the student's vocabulary (needed to distil)")),
@@ -105,7 +106,7 @@ def run_train(args: argparse.Namespace) -> int:
         result = default_run(args.output_dir, cache_dir=args.cache_dir, progress=not args.quiet,
                              overrides=given)
     else:
-        result = train(TrainConfig(output_dir=args.output_dir, progress=not args.quiet, **given))
+        result = train(TrainConfig.from_flat({"output_dir": args.output_dir, "progress": not args.quiet, **given}))
     if int(os.environ.get("RANK", "0")) != 0:  # under a launcher, rank 0 speaks
         return 130 if result.interrupted else 0
     if result.interrupted:

@@ -2,6 +2,11 @@
 which way is better. The profile's attributed phases, the stage breakdowns, the comparison's metrics and the
 multi-rank merge rules are all read from here; a new figure is added here and nowhere else.
 
+A training run's record (``metrics.jsonl``, one line an optimizer step) and the events it sends to DeepSpeed's
+monitors are named here too (``TRAINING``): TRL's and HF Trainer's names where they have one (``loss``,
+``grad_norm``, ``learning_rate``, ``epoch``, ``eval_*``), every time under ``time/``; a record written before
+these names is read back through ``TRAINING_RENAMED`` (``upgrade``).
+
 A kernel (``opsd-rollout kernels``) times two implementations of one piece of work in every iteration: ours
 (``kernel_ms``) and a baseline (``baseline_ms``: the code we replaced or upstream's), and their ratio (``speedup``:
 baseline / ours, per iteration); the baseline is not judged by ``compare`` (its speed is not this package's).
@@ -13,7 +18,8 @@ OPSD step (rollout, teacher, student forward, loss, backward, optimizer).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Any
 
 MERGES = ("max", "sum", "mean")
 
@@ -25,14 +31,23 @@ class Metric:
     label: str
     """Short, for table columns and plot legends."""
     unit: str
-    """``ms``, ``bytes``, ``tokens/s``, ``tokens``, ``count``, ``ratio`` or ``loss``."""
+    """``ms``, ``s``, ``bytes``, ``tokens/s``, ``tokens``, ``count``, ``ratio``, ``loss``, ``nats/token``,
+    ``epochs``; ``""`` for a pure number (a learning rate, a gradient norm), ``text`` and ``bool`` for the
+    training record's labels."""
     merge: str = "max"
     """Across ranks of one run: ``max`` (the slowest rank's time, the largest rank's memory), ``sum``
-    (throughput and token counts: each rank rolls out its own prompts) or ``mean`` (ratios, losses)."""
+    (throughput and token counts: each rank rolls out its own prompts) or ``mean`` (ratios, losses, and what
+    every rank holds alike: a learning rate, a gradient norm, a figure already reduced over the ranks)."""
     lower_is_better: bool | None = True
     """For comparisons; ``None``: not a performance figure."""
     compared: bool = False
     """``opsd-rollout compare`` judges it by default."""
+    monitor: str | None = None
+    """Its name in DeepSpeed's monitors (TensorBoard, W&B, CSV) when a training run logs it: ``train/<key>`` as
+    HF Trainer's callbacks name a logged key, ``eval/<name>`` for ``eval_<name>``, a ``time/`` key as it is;
+    ``None``: not sent there (a label, the step, which is every event's x, or a figure no training run logs)."""
+    meaning: str = ""
+    """What a training record's key holds, one line (docs/TRAINING.md's table of the keys is made from it)."""
 
 
 def _ms(name: str, label: str, *, compared: bool = False) -> Metric:
@@ -69,14 +84,16 @@ METRICS: dict[str, Metric] = {m.name: m for m in [
     Metric("param_gather_count", "gathers", "count", merge="sum", lower_is_better=None),
     Metric("param_gather_bytes", "gathered", "bytes", merge="sum", lower_is_better=None),
     # throughput and counts
-    Metric("tokens_per_second", "tok/s", "tokens/s", merge="sum", lower_is_better=False, compared=True),
+    Metric("tokens_per_second", "tok/s", "tokens/s", merge="sum", lower_is_better=False, compared=True,
+           monitor="train/tokens_per_second", meaning="response tokens trained on per second of `time/step_ms`"),
     Metric("decode_tokens_per_second", "decode tok/s", "tokens/s", merge="sum", lower_is_better=False,
            compared=True),
     Metric("prefill_tokens_per_second", "prefill tok/s", "tokens/s", merge="sum", lower_is_better=False),
     Metric("generated_tokens", "tokens", "tokens", merge="sum", lower_is_better=None),
     Metric("padded_tokens", "padding", "tokens", merge="sum", lower_is_better=None),
     Metric("prefill_tokens", "prefill tokens", "tokens", merge="sum", lower_is_better=None),
-    Metric("response_tokens", "response tokens", "tokens", merge="sum", lower_is_better=None),
+    Metric("response_tokens", "response tokens", "tokens", merge="sum", lower_is_better=None,
+           monitor="train/response_tokens", meaning="real response tokens trained on, over the micro-batches"),
     Metric("effective_batch_size", "rows", "count", merge="sum", lower_is_better=None),
     Metric("batch_size", "prompts", "count", merge="sum", lower_is_better=None),
     Metric("row_steps", "row-steps", "count", merge="sum", lower_is_better=None),
@@ -90,7 +107,9 @@ METRICS: dict[str, Metric] = {m.name: m for m in [
     _ms("row_latency_p95_ms", "row p95"),
     _ms("row_latency_max_ms", "row max"),
     # memory
-    Metric("peak_memory_bytes", "peak", "bytes", compared=True),
+    Metric("peak_memory_bytes", "peak", "bytes", compared=True, monitor="train/peak_memory_bytes",
+           meaning="the largest step part's peak (CUDA: allocated by torch; CPU: the process's RSS) over the "
+                   "micro-batches"),
     Metric("kv_workspace_bytes", "KV", "bytes"),
     Metric("weight_layout_bytes", "weight copies", "bytes"),
     # OPSD step parts
@@ -104,8 +123,10 @@ METRICS: dict[str, Metric] = {m.name: m for m in [
     _ms("backward_ms", "backward", compared=True),
     _ms("optimizer_ms", "optim"),
     Metric("rollout_share", "rollout %", "ratio", merge="mean", lower_is_better=None),
-    Metric("loss", "loss", "loss", merge="mean", lower_is_better=None),
-    Metric("teacher_cache_bytes", "cache", "bytes", lower_is_better=None),
+    Metric("loss", "loss", "loss", merge="mean", lower_is_better=None, monitor="train/loss",
+           meaning="the divergence (SFT: the cross-entropy), the mean over the step's response tokens on every rank"),
+    Metric("teacher_cache_bytes", "cache", "bytes", lower_is_better=None, monitor="train/teacher_cache_bytes",
+           meaning="the host teacher cache's size, the largest micro-batch's"),
     Metric("teacher_parameter_bytes", "teacher params", "bytes", merge="max", lower_is_better=None),
     # kernels (``opsd-rollout kernels``): ours against a baseline implementation, both in every iteration
     _ms("kernel_ms", "ours", compared=True),
@@ -149,15 +170,115 @@ ROLLOUT_PREFIX = "rollout/"
 """A step's flat record names its rollout's figures ``rollout/<key>``."""
 
 
+# ---- the training record: ``metrics.jsonl`` and DeepSpeed's monitors ------------------------------------------------
+
+TIME = "time/"
+"""The training record's namespace (and the monitors') for every time: the step's, its parts', the rollout's
+stages', the evaluation's."""
+RECORD_ROLLOUT_STAGES = ("prompt_expansion_ms", "prefill_ms", "decode_ms", "post_processing_ms", "param_gather_ms",
+                         "inference_cache_ms", "compile_ms", "compaction_ms")
+"""The rollout profile's stages a training record carries (``time/rollout/<stage>``), summed over its
+micro-batches."""
+
+
+def _timed(name: str, meaning: str) -> Metric:
+    """A step profile's time as the training record names it, ``time/<name>``: the figure of ``METRICS``."""
+    figure = METRICS[name.removeprefix(ROLLOUT_PREFIX)]
+    return replace(figure, name=TIME + name, monitor=TIME + name, meaning=meaning, compared=False)
+
+
+_STEP_PART_MEANINGS = {
+    "total_ms": "the micro-batches' profiled steps, summed; the `time/` parts below add up to at most this",
+    "eval_ms": "`engine.eval()` before each rollout (the mode switch; the held-out evaluation is "
+               "`time/evaluation_ms`)",
+    "rollout_ms": "the rollout calls",
+    "train_ms": "`engine.train()` after each rollout (the mode switch)",
+    "teacher_forward_ms": "the teacher's forwards and LM-head chunks",
+    "cache_write_ms": "copying the teacher's logits (or their top-k) to the host cache",
+    "student_forward_ms": "the student's forwards",
+    "loss_ms": "the divergence (with the fused loss, the LM head and its gradients too)",
+    "backward_ms": "the backward passes",
+    "optimizer_ms": "`engine.step()` (the optimizer at the accumulation boundary; the gradient norm at ZeRO-0)",
+}
+
+TRAINING: dict[str, Metric] = {m.name: m for m in [
+    Metric("step", "step", "count", lower_is_better=None,
+           meaning="the optimizer step (0: the evaluation before any update); every monitor event's step"),
+    Metric("epoch", "epoch", "epochs", merge="mean", lower_is_better=None, monitor="train/epoch",
+           meaning="the training prompts drawn so far (every rank's) over the training set's, as HF Trainer counts"),
+    METRICS["loss"],
+    Metric("grad_norm", "grad norm", "", merge="mean", lower_is_better=None, monitor="train/grad_norm",
+           meaning="the 2-norm of the gradient the optimizer stepped on, before clipping (DeepSpeed's at ZeRO 1-3; "
+                   "taken before the step at ZeRO-0)"),
+    Metric("learning_rate", "lr", "", merge="mean", lower_is_better=None, monitor="train/learning_rate",
+           meaning="the optimizer's learning rate after the step (DeepSpeed's `get_lr()`, the first group's)"),
+    Metric("divergence", "divergence", "text", lower_is_better=None,
+           meaning="the loss: `jsd`, `forward_kl`, `reverse_kl`, `sampled_reverse_kl`, or `cross_entropy` (SFT)"),
+    Metric("on_policy", "on-policy", "bool", lower_is_better=None,
+           meaning="whether the step trained on the student's own samples (`--lmbda`'s draw); `null` for SFT"),
+    Metric("micro_batches", "micro-batches", "count", lower_is_better=None, monitor="train/micro_batches",
+           meaning="micro-batches of the step (each rank's): DeepSpeed's `gradient_accumulation_steps`"),
+    METRICS["response_tokens"],
+    METRICS["tokens_per_second"],
+    Metric("time/step_ms", "step", "ms", monitor="time/step_ms",
+           meaning="the optimizer step's wall time (its micro-batches with their data and seeding)"),
+    Metric("time/steps_s", "steps", "s", lower_is_better=None, monitor="time/steps_s",
+           meaning="the optimizer steps' wall time so far, evaluations apart (`time/step_ms` summed, continued "
+                   "by `--resume`)"),
+    *(_timed(name, _STEP_PART_MEANINGS[name]) for name in ("total_ms", *STEP_STAGES)),
+    replace(METRICS["rollout_share"], name="time/rollout_share", monitor="time/rollout_share",
+            meaning="(`time/eval_ms` + `time/rollout_ms` + `time/train_ms`) / `time/total_ms`"),
+    *(_timed(ROLLOUT_PREFIX + stage, f"the rollout profile's `{stage}`, summed (when a rollout ran it)")
+      for stage in RECORD_ROLLOUT_STAGES),
+    METRICS["peak_memory_bytes"],
+    METRICS["teacher_cache_bytes"],
+    Metric("rss_bytes", "RSS", "bytes", monitor="train/rss_bytes",
+           meaning="the process's resident memory after the step: flat over a run, or a leak"),
+    Metric("eval_reverse_kl", "reverse KL", "nats/token", merge="mean", monitor="eval/reverse_kl",
+           meaning="held-out reverse KL, student to teacher, on the student's samples, exact over the "
+                   "vocabulary"),
+    Metric("eval_cross_entropy", "cross-entropy", "nats/token", merge="mean", monitor="eval/cross_entropy",
+           meaning="held-out cross-entropy of the student on the references (when the data has them)"),
+    Metric("time/evaluation_ms", "evaluation", "ms", monitor="time/evaluation_ms",
+           meaning="the held-out evaluation's wall time (on evaluation steps)"),
+]}
+"""Every key a training run's record may hold (``metrics.jsonl``), in the order a record holds them, with its name
+in DeepSpeed's monitors; docs/TRAINING.md's table of the keys is made from it."""
+
+TRAINING_RENAMED: dict[str, str] = {
+    "lr": "learning_rate",
+    "wall_ms": "time/step_ms",
+    "train_seconds": "time/steps_s",
+    "rollout_share": "time/rollout_share",
+    **{name: TIME + name for name in ("total_ms", *STEP_STAGES)},
+    **{ROLLOUT_PREFIX + stage: TIME + ROLLOUT_PREFIX + stage for stage in RECORD_ROLLOUT_STAGES},
+}
+"""A training record's keys before they took TRL's names and the ``time/`` namespace (issue 34) -> today's."""
+
+
+def upgrade(record: dict[str, Any]) -> dict[str, Any]:
+    """A training record read back under today's keys (a record of today is returned equal); where a record holds
+    both spellings of a key, today's wins."""
+    out = {}
+    for key, value in record.items():
+        new = TRAINING_RENAMED.get(key, key)
+        if new != key and new in record:
+            continue
+        out[new] = value
+    return out
+
+
 def metric(name: str) -> Metric:
     """The registered metric (also under DeepSpeed's name, or a step record's ``rollout/`` name, so ranks merge
-    every spelling of a figure by its rule), or a default one for an unregistered field (a time if it ends in
-    ``_ms``)."""
+    every spelling of a figure by its rule; or a training record's key), or a default one for an unregistered
+    field (a time if it ends in ``_ms``)."""
     own = DEEPSPEED_ALIASES.get(name.removeprefix(ROLLOUT_PREFIX), name.removeprefix(ROLLOUT_PREFIX))
     if name in METRICS:
         return METRICS[name]
     if own in METRICS:
         return METRICS[own]
+    if name in TRAINING:
+        return TRAINING[name]
     unit = "ms" if name.endswith("_ms") else ("bytes" if name.endswith("_bytes") else "")
     return Metric(name, name.removesuffix("_ms"), unit, lower_is_better=True if unit else None)
 

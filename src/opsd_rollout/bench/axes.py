@@ -1,23 +1,27 @@
-"""Benchmark matrix axes: what each one is called, how its values are read from a flag or a config file, and
-what a valid value is. A scenario lists the axes it has; nothing else parses axis values.
+"""Benchmark matrix axes: what each one is called, how its values are read from a flag or a config file, what a
+valid value is, and how it reads in a config's key. A scenario lists the axes it has; nothing else parses axis
+values.
 
-The ``strategies`` axis names the contenders: our rollout's strategies (``static``, ``generate``) and
-``deepspeed``, DeepSpeed's own ``HybridEngineRollout`` on the same engine. A knob axis that only one engine has
-says so (``Axis.applies_to``): for a contender it does not apply to, its value is ``None`` (n/a) in the config,
-so its values do not multiply that contender's configs (``for_contender``)."""
+The engine's axes are not written here: ``engine_axes`` makes one of every field of ``HybridEngineRolloutConfig`` and
+its ``RolloutOptions`` (the name, flag, parser, default, key fragment and help from the field, its type, its
+docstring and its ``rollout.config.axis`` metadata), so a new engine option is an axis with no edit here. The
+``strategies`` axis names the contenders (``bench/contenders/``). An axis says which contenders it applies to
+(``Axis.applies_to``: the engine's, ours only); for the others its value is ``None`` (n/a) in the config, so its
+values do not multiply their configs (``for_contender``)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+import ast
+import inspect
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import MISSING, Field, dataclass, fields, is_dataclass
 from typing import Any
 
-from opsd_rollout.rollout.config import CACHE_POLICIES, STRATEGIES
 from opsd_rollout import checks
+from opsd_rollout.bench.contenders import CONTENDERS, OURS
 from opsd_rollout.bench.lengths import KINDS, LengthModel
-
-CONTENDERS = (*STRATEGIES, "deepspeed")
-"""The ``strategies`` axis: our rollout's strategies, and DeepSpeed's own ``HybridEngineRollout`` (``deepspeed``)."""
+from opsd_rollout.rollout.config import HybridEngineRolloutConfig
 DTYPES = ("fp32", "fp16", "bf16")
 DECODINGS = ("greedy", "sampling")
 ZERO_STAGES = ("none", 0, 1, 2, 3)
@@ -120,62 +124,158 @@ class Axis:
     """The flag's help."""
     split: Callable[[str], list[str]] = lambda text: text.split(",")
     """How a flag's comma list splits into values."""
-    applies_to: tuple[str, ...] = CONTENDERS
-    """The contenders (``strategies``) the knob exists for; for the others the config holds ``None`` (n/a)."""
+    applies_to: tuple[str, ...] = tuple(CONTENDERS)
+    """The contenders (``strategies``) it exists for; for the others the config holds ``None`` (n/a)."""
+    default: Any = None
+    """The config's value when the axis is not given."""
+    key: str | None = None
+    """Its fragment of a config's key (``{}``: the value's text), there only away from ``default`` unless
+    ``always`` (so a key written before the axis existed is unchanged); ``None``: none."""
+    always: bool = False
+    display: str | None = None
+    """How it reads in a display label (``{}``: the value's text); ``None``: ``field=value``."""
+    none: str = "none"
+    """The word for ``None``."""
+    engine: str | None = None
+    """The ``HybridEngineRolloutConfig.from_flat`` name it sets, for an engine axis."""
 
     @property
     def flag(self) -> str:
         return "--" + self.name.replace("_", "-")
 
+    def text(self, value: Any) -> str:
+        if value is None:
+            return self.none
+        if isinstance(value, bool):
+            return "on" if value else "off"
+        return size_text(value) if self.field.endswith("_bytes") else str(value)
 
-ROLLOUT_AXES = (
-    Axis("batch_sizes", "batch_size", positive_int, "an integer >= 1", "batch sizes (prompts per rollout)"),
-    Axis("samples_per_prompt", "samples_per_prompt", positive_int, "an integer >= 1", "samples per prompt (n)"),
-    Axis("prompt_lengths", "prompt_length", positive_int, "an integer >= 1", "prompt lengths in tokens"),
-    Axis("response_lengths", "response_length", positive_int, "an integer >= 1",
-         "response lengths (max_new_tokens)"),
-    Axis("dtypes", "dtype", choice(DTYPES), f"one of {', '.join(DTYPES)}",
-         "fp32, fp16, bf16 (a dtype the device cannot run is reported as skipped)"),
-    Axis("decoding", "decoding", choice(DECODINGS), f"one of {', '.join(DECODINGS)}",
-         "greedy, sampling (temperature/top-k/top-p below)"),
+    def fragment(self, value: Any) -> str:
+        shown = value is not None and self.key is not None and (self.always or value != self.default)
+        plain = not isinstance(value, bool) and not self.field.endswith("_bytes")  # a number keeps its format
+        return self.key.format(value if plain else self.text(value)) if shown else ""
+
+    def describe(self, value: Any) -> str:
+        return (self.display or f"{self.field}={{}}").format(self.text(value))
+
+
+def shape_axis(name: str, field: str, key: str, help: str) -> Axis:
+    return Axis(name, field, positive_int, "an integer >= 1", help, key=key, always=True)
+
+
+def choice_axis(name: str, field: str, options: Sequence[Any], help: str, default: Any, **kwargs: Any) -> Axis:
+    return Axis(name, field, choice(options), f"one of {', '.join(map(str, options))}", help, default=default,
+                **kwargs)
+
+
+def engine_fields(config_type: type) -> Iterator[tuple[str, Field]]:
+    """(where, field) of every field of ``config_type`` that is an axis, a field holding a dataclass
+    (``options``) giving its own fields', in order."""
+    for f in fields(config_type):
+        if "axis" in f.metadata and f.metadata["axis"] is None:
+            continue
+        if f.default_factory is not MISSING and is_dataclass(f.default_factory):
+            yield from ((f"{f.name}.{where}", g) for where, g in engine_fields(f.default_factory))
+        else:
+            yield f.name, f
+
+
+def field_docs(config_type: type) -> dict[str, str]:
+    """The docstring under each field of ``config_type``, its bases' and its nested dataclasses', from their modules'
+    source (none where the source cannot be read)."""
+    classes = [*config_type.__mro__, *(f.default_factory for f in fields(config_type)
+                                       if f.default_factory is not MISSING and is_dataclass(f.default_factory))]
+    docs: dict[str, str] = {}
+    for module in dict.fromkeys(sys.modules.get(cls.__module__) for cls in classes):
+        try:
+            tree = ast.parse(inspect.getsource(module))
+        except (OSError, TypeError):
+            continue
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.ClassDef) or node.name not in {cls.__name__ for cls in classes}:
+                continue
+            for field_node, after in zip(node.body, node.body[1:]):
+                if (isinstance(field_node, ast.AnnAssign) and isinstance(after, ast.Expr)
+                        and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str)):
+                    docs.setdefault(field_node.target.id, " ".join(after.value.value.split()))
+    return docs
+
+
+def engine_axis(where: str, f: Field, doc: str) -> Axis:
+    """The axis of one engine field: parsed by its type (``bool`` on/off, ``int`` >= 1 or a size for ``*_bytes``,
+    ``str`` one of its ``choices``, ``| None`` also its ``none`` word), described by its docstring's first
+    sentence."""
+    spec = {"name": None, "key": None, "always": False, "none": "none", "choices": (), "strategies": OURS,
+            "config": None, **(f.metadata.get("axis") or {})}
+    kind = str(f.type).split("|")[0].strip()
+    if kind == "bool":
+        parse, expected = on_off, "on or off"
+    elif kind == "int":
+        parse, expected = ((byte_size, "a size such as 64MiB") if f.name.endswith("_bytes")
+                           else (positive_int, "an integer >= 1"))
+    else:
+        options = spec["choices"]
+        parse, expected = (choice(options), f"one of {', '.join(options)}") if options else (str, "text")
+    if "None" in str(f.type):
+        parse, expected = or_none(parse, spec["none"], "none", "off"), f"{spec['none']} or {expected}"
+    default = f.default_factory() if f.default_factory is not MISSING else f.default
+    sentence = (doc.split(". ")[0].rstrip(".") if doc else f.name).replace("``", "").replace("%", "%%")
+    name = spec["name"] or f.name
+    return Axis(name, spec["config"] or f.name, parse, expected,
+                f"{sentence} ({where}; {', '.join(spec['strategies'])})", applies_to=tuple(spec["strategies"]),
+                default=default, key=spec["key"] or f"{f.name}={{}}", always=spec["always"], none=spec["none"],
+                engine=f.name)
+
+
+def engine_axes(config_type: type = HybridEngineRolloutConfig) -> tuple[Axis, ...]:
+    """One axis per engine field (``engine_fields``), in the config's order."""
+    docs = field_docs(config_type)
+    return tuple(engine_axis(where, f, docs.get(f.name, "")) for where, f in engine_fields(config_type))
+
+
+SHAPE_AXES = (
+    shape_axis("batch_sizes", "batch_size", "B{}", "batch sizes (prompts per rollout)"),
+    shape_axis("samples_per_prompt", "samples_per_prompt", "n{}", "samples per prompt (n)"),
+    shape_axis("prompt_lengths", "prompt_length", "P{}", "prompt lengths in tokens"),
+    shape_axis("response_lengths", "response_length", "R{}", "response lengths (max_new_tokens)"),
+)
+"""The shape, in every config's ``label``."""
+WORKLOAD_AXES = SHAPE_AXES + (
+    choice_axis("dtypes", "dtype", DTYPES, "fp32, fp16, bf16 (a dtype the device cannot run is reported as "
+                "skipped)", "fp32", key="{}", always=True, display="{}"),
+    choice_axis("decoding", "decoding", DECODINGS, "greedy, sampling (temperature/top-k/top-p below)", "greedy",
+                key="{}", always=True, display="{}"),
     Axis("zero_stages", "zero_stage", choice(ZERO_STAGES), "none (bare model) or a ZeRO stage 0-3",
-         "0-3 (a DeepSpeed engine built from the model) or none (the bare model)"),
-    Axis("strategies", "strategy", choice(CONTENDERS), f"one of {', '.join(CONTENDERS)}",
-         "the contenders: static (default: our decode loop, shared prefill), generate (transformers' generate "
-         "behind our rollout), deepspeed (DeepSpeed's own HybridEngineRollout on the same engine: ZeRO 0-3); with "
-         "several, each config's ratio to --baseline"),
-    Axis("cache_policies", "cache_policy", choice(CACHE_POLICIES), f"one of {', '.join(CACHE_POLICIES)}",
-         "retain (keep inference workspaces between calls) or release (free after each call); static, generate",
-         applies_to=STRATEGIES),
-    Axis("forward_timing", "forward_timing", on_off, "on or off", "on, off: time every forward pass "
-         "(prefill/decode split); static, generate (deepspeed always times its forwards)", applies_to=STRATEGIES),
-    Axis("compile_decode", "compile_decode", on_off, "on or off", "off (default), on: the compiled decode step "
-         "(strategy static; inductor, CUDA graphs on CUDA), compiled during warm-up (warmup_compile_ms)",
-         applies_to=("static",)),
-    Axis("continuous_batch_sizes", "continuous_batch_size", or_none(positive_int, "none", "off"),
-         "none or an integer >= 1", "none (default): every row decodes at once; or the rows decoding at once "
-         "(SamplingConfig.continuous_batch_size: pending prompts fill the slots rows leave); static",
-         applies_to=("static",)),
-    Axis("kv_budgets", "kv_budget_bytes", or_none(byte_size, "none", "off"), "none or a size such as 64MiB",
-         "none (default) or the most bytes the decode batch's KV cache may take, e.g. 64MiB (kv_budget_bytes: the "
-         "slots are chosen from it); static", applies_to=("static",)),
-    Axis("compaction", "compact_rows", on_off, "on or off", "on (default), off: finished rows leave the decode "
-         "batch and it shrinks (compact_rows); static", applies_to=("static",)),
-    Axis("shared_prefix", "shared_prefix", on_off, "on or off", "on (default), off: n samples read their "
-         "prompt's keys/values once (options.shared_prefix; prompts of at least shared_prefix_min_prompt "
-         "columns); static", applies_to=("static",)),
-    Axis("weight_copies", "cpu_transposed_weights", on_off, "on or off", "off (default), on: the CPU weight copies "
-         "(options.cpu_transposed_weights, opt-in: float32 on the CPU, 16 or more decode rows); static",
-         applies_to=("static",)),
-    Axis("stop_check_intervals", "stop_check_interval", or_none(positive_int, "auto", "none"),
-         "auto or an integer >= 1", "auto (default): every step on CPU, every 8 on CUDA; or k: check for finished "
-         "rows every k decode steps (options.stop_check_interval); static", applies_to=("static",)),
+         "0-3 (a DeepSpeed engine built from the model) or none (the bare model)", default=0, key="zero{}",
+         always=True, display="zero{}"),
+    choice_axis("strategies", "strategy", tuple(CONTENDERS), "the contenders: static (default: our decode loop, "
+                "shared prefill), generate (transformers' generate behind our rollout), deepspeed (DeepSpeed's own "
+                "HybridEngineRollout on the same engine: ZeRO 0-3); with several, each config's ratio to --baseline",
+                "static", key="{}", always=True, display="{}"),
     Axis("length_models", "lengths", length_model,
          "fixed, natural, lognormal:median=M,sigma=S, geometric:mean=M or uniform:low=L,high=H",
          "response lengths: fixed (EOS ignored: every row runs to the cap), natural (the model's EOS), or a synthetic "
          "distribution forced alike on every engine, e.g. lognormal:median=48,sigma=1.0 or geometric:mean=64 (capped "
-         "at the response length)", split_specs),
+         "at the response length)", split_specs, default="fixed", key="len{}", display="{}"),
 )
+"""The work itself: the same for every contender."""
+CONTINUOUS_BATCH = Axis(
+    "continuous_batch_sizes", "continuous_batch_size", or_none(positive_int, "none", "off"), "none or an integer >= 1",
+    "none (default): every row decodes at once; or the rows decoding at once (SamplingConfig.continuous_batch_size: "
+    "pending prompts fill the slots rows leave); static", applies_to=("static",), key="cb{}")
+"""A field of the request's ``SamplingConfig`` (DeepSpeed's), not of the engine's config; its key fragment comes
+after ``compile_decode``'s, as in every result file."""
+_ENGINE = engine_axes()
+_AFTER = next(i for i, axis in enumerate(_ENGINE) if axis.field == "compile_decode") + 1
+ROLLOUT_AXES = WORKLOAD_AXES + _ENGINE[:_AFTER] + (CONTINUOUS_BATCH,) + _ENGINE[_AFTER:]
+KEY_AXES = sorted(ROLLOUT_AXES, key=lambda axis: not axis.always)
+"""A rollout config's key: the fragments every key has, then the others, each in axis order."""
+VARIANT_AXES = tuple(axis for axis in ROLLOUT_AXES if axis not in SHAPE_AXES)
+"""The axes a display label adds to a config's ``label`` where they vary."""
+
+
+def axis_defaults(axes: Sequence[Axis]) -> dict[str, list[Any]]:
+    return {axis.name: [axis.default] for axis in axes}
 
 
 def for_contender(axes: Sequence[Axis], fields: dict[str, Any]) -> dict[str, Any]:
@@ -186,12 +286,12 @@ def for_contender(axes: Sequence[Axis], fields: dict[str, Any]) -> dict[str, Any
 
 
 STEP_AXES = ROLLOUT_AXES + (
-    Axis("losses", "loss", choice(LOSSES), f"one of {', '.join(LOSSES)}", "forward_kl, reverse_kl, jsd over the "
-         "teacher's distribution, or sampled_reverse_kl (the sampled tokens' log-probabilities: --estimator, the "
-         "sampled teacher cache)"),
+    choice_axis("losses", "loss", LOSSES, "forward_kl, reverse_kl, jsd over the teacher's distribution, or "
+                "sampled_reverse_kl (the sampled tokens' log-probabilities: --estimator, the sampled teacher cache)",
+                "jsd"),
     Axis("betas", "beta", unit_float, "a number in [0, 1]",
-         "generalized JSD beta in [0, 1] (0 = forward KL, 1 = reverse KL; jsd only)"),
+         "generalized JSD beta in [0, 1] (0 = forward KL, 1 = reverse KL; jsd only)", default=0.5),
     Axis("teacher_caches", "teacher_cache", teacher_cache, "full, sampled or top<k> (e.g. top64)",
          "full (every logit), top<k> (e.g. top64) or sampled (each sampled token's log-probability, the cache "
-         "sampled_reverse_kl reads): the host teacher cache"),
+         "sampled_reverse_kl reads): the host teacher cache", default="full"),
 )

@@ -9,12 +9,11 @@ from typing import Any
 
 import torch
 
-from opsd_rollout.bench.workload import WorkloadRollout
+from opsd_rollout.bench import contenders
 from opsd_rollout.deepspeed_engine import build_engine, build_inference_engine
 from opsd_rollout.modeling import ModelSpec
 from opsd_rollout.models import load_model
 from opsd_rollout.presets import PRESETS
-from opsd_rollout.rollout import HybridEngineRollout, HybridEngineRolloutConfig
 
 
 @dataclass
@@ -60,20 +59,11 @@ class EnginePool:
         return self._current
 
     def rollout(self, config: Any) -> tuple[Any, BuiltEngine]:
-        """The config's contender on the current engine, built once per its knobs: our rollout (the workload's
-        lengths through ``WorkloadRollout``) or DeepSpeed's (``bench/upstream.py``: forced inside its generate)."""
+        """The config's contender on the current engine (``bench/contenders/``), built once per its knobs."""
         built = self.get(config)
-        key = (config.lengths, config.strategy, tuple(sorted(config.rollout_fields.items())))
+        key = (config.lengths, tuple(sorted(config.engine_fields.items())))
         if key not in built.rollouts:
-            if config.strategy == "deepspeed":
-                from opsd_rollout.bench.upstream import DeepSpeedRollout  # DeepSpeed's rollout: only when named
-
-                built.rollouts[key] = DeepSpeedRollout(built.engine, built.tokenizer, config.lengths)
-            else:
-                cfg = HybridEngineRolloutConfig.from_flat(enable_profiling=True, **config.rollout_fields)
-                rollout = HybridEngineRollout(built.engine, built.tokenizer, cfg)
-                # the workload's response lengths, forced alike on every engine by the bench's own hook
-                built.rollouts[key] = WorkloadRollout(rollout, config.lengths, rollout.eos_token_ids)
+            built.rollouts[key] = contenders.module(config.strategy).build(built, config)
         return built.rollouts[key], built
 
     def close(self) -> None:

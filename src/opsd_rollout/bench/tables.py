@@ -16,40 +16,26 @@ from rich.measure import Measurement
 from rich.table import Table
 from rich.text import Text
 
-from opsd_rollout.bench.axes import ROLLOUT_AXES, size_text
+from opsd_rollout.bench.axes import VARIANT_AXES
 from opsd_rollout.bench.report import ConfigResult
 
 
-VARIANT_AXES: dict[str, Callable[[Any], str]] = {
-    "dtype": str, "decoding": str, "zero_stage": lambda v: f"zero{v}", "strategy": str, "cache_policy": str,
-    "forward_timing": lambda v: f"fwd {'on' if v else 'off'}", "lengths": str,
-    "compile_decode": lambda v: "compiled" if v else "eager",
-    "continuous_batch_size": lambda v: f"cb {v}" if v is not None else "cb off",
-    "kv_budget_bytes": lambda v: f"kv {size_text(v)}" if v is not None else "kv none",
-    "compact_rows": lambda v: "compact" if v else "no compact",
-    "shared_prefix": lambda v: "prefix shared" if v else "prefix copied",
-    "stop_check_interval": lambda v: f"stop {v}" if v is not None else "stop auto",
-    "cpu_transposed_weights": lambda v: "weight copies" if v else "model weights"}
-"""Axes outside a config's ``label`` that a display label adds when they vary, each with how it reads."""
-_APPLIES = {axis.field: axis.applies_to for axis in ROLLOUT_AXES}
-
-
-def _applies(config: Any, axis: str) -> bool:
-    return getattr(config, "strategy", None) in _APPLIES.get(axis, (getattr(config, "strategy", None),))
-
-
 def display_labels(configs: Sequence[Any]) -> dict[str, str]:
-    """Short labels per config key: ``config.label`` plus whichever other axes vary across ``configs`` (a knob
-    among the configs it applies to; it is left out of the others' labels)."""
+    """Short labels per config key: ``config.label`` plus whichever other axes vary across ``configs``
+    (``Axis.describe``; a knob among the configs it applies to, left out of the others' labels)."""
     names = {f.name for config in configs for f in fields(config)}
-    varying = [axis for axis in VARIANT_AXES if axis in names
-               and len({getattr(c, axis) for c in configs if _applies(c, axis)}) > 1]
+    varying = [axis for axis in VARIANT_AXES if axis.field in names
+               and len({getattr(c, axis.field) for c in configs if _applies(c, axis)}) > 1]
 
     def variant(config: Any) -> str:
-        parts = [VARIANT_AXES[axis](getattr(config, axis)) for axis in varying if _applies(config, axis)]
+        parts = [axis.describe(getattr(config, axis.field)) for axis in varying if _applies(config, axis)]
         return (" " + "/".join(parts)) if parts else ""
 
     return {c.key: c.label + variant(c) for c in configs}
+
+
+def _applies(config: Any, axis: Any) -> bool:
+    return getattr(config, "strategy", None) in axis.applies_to
 
 
 def fmt(value: float | None, digits: int = 1) -> str:

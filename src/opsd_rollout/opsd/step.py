@@ -64,6 +64,9 @@ class StepProfile:
     teacher_parameter_bytes: int = 0
     """The teacher's parameter bytes held on this rank: all of them, or its partition under ZeRO-3."""
     loss: float = 0.0
+    grad_norm: float | None = None
+    """The 2-norm of the gradient the optimizer stepped on, before clipping, when asked for
+    (``opsd_step(..., grad_norm=True)``) and the step was an accumulation boundary; else ``None``."""
 
     @property
     def tokens_per_second(self) -> float:
@@ -119,6 +122,25 @@ class StepParts:
         """Once the step is over: each stage's ms, and each step part's start from the start of the step."""
         resolved = self.recorder.resolve()
         return resolved.stages, {span.name: span.start_ms for span in resolved.spans if span.name in STEP_PARTS}
+
+
+def optimizer_step(engine: Any, *, grad_norm: bool = False) -> Any:
+    """``engine.step()``; with ``grad_norm``, at an accumulation boundary (the call that steps the optimizer), the
+    2-norm of the gradient it stepped on, before clipping: DeepSpeed's own (ZeRO 1-3, bf16 and fp16 keep it), or at
+    ZeRO-0 in float32, where DeepSpeed keeps none, taken here before the step from the gradients the backwards left
+    (accumulated over the micro-batches, each scaled by 1 / ``gradient_accumulation_steps``, and averaged over the
+    ranks by the boundary's backward: alike on every rank). A number or a 0-d tensor (read it once the step's marks
+    are resolved, not to sync mid-step); ``None`` between boundaries and without ``grad_norm``."""
+    boundary = grad_norm and engine.is_gradient_accumulation_boundary()
+    ours = None
+    if boundary and engine.zero_optimization_stage() == 0 and not (engine.bfloat16_enabled() or engine.fp16_enabled()):
+        grads = [p.grad.detach() for p in engine.module.parameters() if p.grad is not None]
+        ours = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
+    engine.step()
+    if not boundary:
+        return None
+    theirs = engine.get_global_grad_norm()
+    return ours if theirs is None else theirs
 
 
 def student_logits(engine: Any, targets) -> torch.Tensor:
@@ -251,7 +273,7 @@ def check_pairing(divergence: DivergenceConfig, teacher_cache: TeacherCacheConfi
 def opsd_step(student_engine: Any, teacher: Any, rollout: Any, request: Any, sampling: Any, *,
               divergence: DivergenceConfig | None = None, teacher_cache: TeacherCacheConfig | None = None,
               behaviour_logprobs: torch.Tensor | None = None, state: StepState | None = None,
-              rollout_seed: int | None = None) -> StepProfile:
+              rollout_seed: int | None = None, grad_norm: bool = False) -> StepProfile:
     """Run one step on ``student_engine`` (a DeepSpeed engine, ZeRO 0-3) and return its profile.
 
     ``teacher``: a model (plain, or a DeepSpeed engine, ZeRO-3 partitioned or not) run here into the host cache, or
@@ -263,7 +285,9 @@ def opsd_step(student_engine: Any, teacher: Any, rollout: Any, request: Any, sam
     ``None``: on-policy, the student as it is now. ``state``: what a caller running many steps keeps across them
     (the teacher cache's host buffers, the checks and warnings said once); ``None``: a fresh one, for one step.
     ``rollout_seed``: handed to ``rollout.generate(..., seed=)`` (ours takes it: the samples a function of it alone,
-    what a trainer that resumes needs); ``None``: the rollout is called as DeepSpeed's is."""
+    what a trainer that resumes needs); ``None``: the rollout is called as DeepSpeed's is. ``grad_norm``: report the
+    gradient norm of the optimizer step this call completes (``StepProfile.grad_norm``; at ZeRO-0 a pass over the
+    gradients, inside the ``optimizer`` part)."""
     state = state if state is not None else StepState()
     divergence = divergence or DivergenceConfig()
     teacher_cache = teacher_cache or TeacherCacheConfig()
@@ -297,7 +321,7 @@ def opsd_step(student_engine: Any, teacher: Any, rollout: Any, request: Any, sam
         total, count = _student_loss(parts, student_engine, targets, cache, divergence, fused, behaviour_logprobs)
         loss, reported = token_mean(total, count)
         parts.run("backward", student_engine.backward, loss)
-        parts.run("optimizer", student_engine.step)
+        norm = parts.run("optimizer", optimizer_step, student_engine, grad_norm=grad_norm)
     ms, starts = parts.times()
     producing = switch.eval_ms + ms["rollout"] + (switch.train_ms or 0.0)
     return StepProfile(
@@ -309,4 +333,5 @@ def opsd_step(student_engine: Any, teacher: Any, rollout: Any, request: Any, sam
         peak_memory_bytes=dict(parts.peaks), part_start_ms=starts, response_tokens=targets.tokens,
         teacher_cache_bytes=cache.nbytes, teacher_cache_budget_bytes=cache.budget_bytes,
         teacher_cache_mode=cache.mode, fused_loss=fused, loss=float(reported),
-        teacher_parameter_bytes=0 if served else resident_bytes(teacher))
+        teacher_parameter_bytes=0 if served else resident_bytes(teacher),
+        grad_norm=None if norm is None else float(norm))

@@ -67,7 +67,9 @@ def resolve_special_tokens(tokenizer: Any, target: RolloutTarget) -> tuple[int, 
     return int(pad), tuple(eos_ids)
 
 
-def _check_sampling(sampling: Any) -> tuple[float, int, float]:
+def check_sampling(sampling: Any) -> tuple[float, int, float]:
+    """A ``SamplingConfig``'s values checked (``ValueError``/``TypeError`` naming the field): (temperature, top_k,
+    top_p)."""
     for name in ("max_new_tokens", "temperature", "top_p", "top_k", "n_samples_per_prompt"):
         if not hasattr(sampling, name):
             raise TypeError(f"sampling must be a SamplingConfig; {type(sampling).__name__} has no {name!r}")
@@ -108,7 +110,7 @@ def _check_prompts(request: Any) -> tuple[torch.Tensor, torch.Tensor]:
 def plan_rollout(request: Any, sampling: Any, target: RolloutTarget, tokenizer: Any) -> RolloutPlan:
     """Validate a ``generate`` call and resolve its plan. Raises before any model work."""
     pad_token_id, eos_token_ids = resolve_special_tokens(tokenizer, target)
-    temperature, top_k, top_p = _check_sampling(sampling)
+    temperature, top_k, top_p = check_sampling(sampling)
     n = checks.integer("sampling.n_samples_per_prompt", sampling.n_samples_per_prompt)
     max_new_tokens = checks.integer("sampling.max_new_tokens", sampling.max_new_tokens)
     ids, mask = _check_prompts(request)

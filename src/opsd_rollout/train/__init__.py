@@ -2,7 +2,10 @@
 to a checkpoint, with held-out evaluation, metrics where users look and exact resume."""
 
 from opsd_rollout.train.data import Example, read_examples
-from opsd_rollout.train.loop import TrainConfig, TrainResult, train
+from opsd_rollout.train.config import TrainConfig, load_train_config
+from opsd_rollout.train.loop import TrainResult, train
+from opsd_rollout.train.setup import OptimizationConfig
 from opsd_rollout.train.sft import sft_step
 
-__all__ = ["Example", "TrainConfig", "TrainResult", "read_examples", "sft_step", "train"]
+__all__ = ["Example", "OptimizationConfig", "TrainConfig", "TrainResult", "load_train_config", "read_examples",
+           "sft_step", "train"]

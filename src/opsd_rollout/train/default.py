@@ -8,21 +8,27 @@ run's figure. Nothing downloads.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import os
-from dataclasses import asdict, replace
+from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from opsd_rollout.train.loop import TrainConfig, TrainResult, train
+from opsd_rollout.train.config import TrainConfig
+from opsd_rollout.train.loop import TrainResult, train
 
-TEACHER = TrainConfig(output_dir="", objective="sft", student="llama-mini", steps=800, prompts_per_micro_batch=16,
-                      lr=1e-3, eval_every=100, eval_prompts=64, max_new_tokens=32)
-"""The teacher's SFT on the corpus's references."""
+TEACHER = TrainConfig.from_flat(dict(output_dir="", objective="sft", student="llama-mini", steps=800,
+                                     prompts_per_micro_batch=16, lr=1e-3, eval_every=100, eval_prompts=64,
+                                     max_new_tokens=32, save_every=100))
+"""The teacher's SFT on the corpus's references (a checkpoint every 100 steps: a killed training resumes)."""
 STUDENT = dict(objective="opsd", student="llama-tiny", steps=200, prompts_per_micro_batch=8, lr=3e-3, eval_every=20,
                eval_prompts=64, max_new_tokens=32, loss="jsd", beta=0.5)
-"""The ``TrainConfig`` of the on-policy distillation of that teacher into a smaller student."""
+"""The on-policy distillation of that teacher into a smaller student, by the flags' names
+(``TrainConfig.from_flat``)."""
 
 
 def cache_root(cache_dir: str | None) -> Path:
@@ -35,35 +41,78 @@ def teacher_dir(cache_dir: str | None, config: TrainConfig = TEACHER) -> Path:
 
     import opsd_rollout
 
-    recipe = {k: v for k, v in asdict(config).items() if k not in ("output_dir", "progress")}
+    recipe = {k: v for k, v in config.to_dict().items() if k not in ("output_dir", "progress", "save_every", "resume")}
     recipe.update(version=opsd_rollout.__version__, corpus=hashlib.sha256(
         json.dumps(topics, sort_keys=True).encode()).hexdigest())
     key = hashlib.sha256(json.dumps(recipe, sort_keys=True, default=str).encode()).hexdigest()[:12]
     return cache_root(cache_dir) / "teachers" / f"{config.student}-{key}"
 
 
+class TeacherInterrupted(KeyboardInterrupt):
+    """Ctrl-C while the built-in run trains its teacher: what was saved, and how to continue."""
+
+
+@contextlib.contextmanager
+def teacher_lock(directory: Path) -> Iterator[None]:
+    """Held while one process trains the teacher of ``directory``: another run of the same recipe waits for it
+    (and then reuses what it trained) instead of training into the same files."""
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    with open(directory.with_name(directory.name + ".lock"), "a+") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"teacher: another run is training it into {directory}; waiting for it", flush=True)
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
 def trained_teacher(cache_dir: str | None, *, progress: bool = True) -> Path:
-    """The teacher's checkpoint directory: trained now, or the one a previous run cached."""
+    """The teacher's checkpoint directory: trained now, or the one a previous run cached.
+
+    The teacher trains under a lock into ``<dir>.partial`` and is moved to ``<dir>`` whole when it is done, so a
+    reader never sees half a teacher and two runs never train into one directory; a training that was stopped
+    (Ctrl-C, a kill) resumes from its last checkpoint the next time."""
     directory = teacher_dir(cache_dir)
     model = directory / "model"
     if (model / "config.json").is_file():
         print(f"teacher: reusing {model}", flush=True)
         return model
-    print(f"teacher: training {TEACHER.student} on the built-in corpus ({TEACHER.steps} SFT steps) into {directory}",
-          flush=True)
-    result = train(replace(TEACHER, output_dir=str(directory), progress=progress))
-    if result.interrupted or result.model_dir is None:
-        raise KeyboardInterrupt
-    return result.model_dir
+    with teacher_lock(directory):
+        if (model / "config.json").is_file():  # trained by the run we waited for
+            print(f"teacher: reusing {model}", flush=True)
+            return model
+        partial = directory.with_name(directory.name + ".partial")
+        if directory.is_dir() and not partial.exists():  # an older release trained in place and was stopped
+            os.replace(directory, partial)
+        saved = find_latest(partial)
+        print(f"teacher: {'resuming' if saved else 'training'} {TEACHER.student} on the built-in corpus "
+              f"({TEACHER.steps} SFT steps{f', from {saved}' if saved else ''}) in {partial}", flush=True)
+        result = train(replace(TEACHER, output_dir=str(partial), progress=progress,
+                               resume=str(partial) if saved else None))
+        if result.interrupted or result.model_dir is None:
+            raise TeacherInterrupted(f"the teacher's training stopped at step {result.steps} of {TEACHER.steps}, "
+                                     f"checkpoint {result.checkpoint}; the same command continues it")
+        os.replace(partial, directory)  # whole, or not at all
+    print(f"teacher: trained into {directory}", flush=True)
+    return model
+
+
+def find_latest(directory: Path) -> str | None:
+    """The tag of ``directory``'s latest checkpoint, or ``None``."""
+    latest = directory / "checkpoints" / "latest"
+    return latest.read_text().strip() if latest.is_file() else None
 
 
 def default_run(output_dir: str, *, cache_dir: str | None = None, progress: bool = True,
                 overrides: dict[str, Any] | None = None) -> TrainResult:
-    """The teacher (trained or reused), then the student distilled into ``output_dir``; ``overrides`` are
-    ``TrainConfig`` fields for the student's run (the CLI's flags)."""
+    """The teacher (trained or reused), then the student distilled into ``output_dir``; ``overrides`` are the
+    student's run's fields by the flags' names (``TrainConfig.from_flat``)."""
     teacher = teacher_dir(cache_dir) / "model"
-    config = TrainConfig(**{**STUDENT, "output_dir": output_dir, "teacher": str(teacher), "progress": progress,
-                            **(overrides or {})})  # checked before the teacher trains
+    config = TrainConfig.from_flat({**STUDENT, "output_dir": output_dir, "teacher": str(teacher),
+                                    "progress": progress, **(overrides or {})})  # checked before the teacher trains
     trained_teacher(cache_dir, progress=progress)
     print(f"student: distilling into {config.student} on-policy ({config.steps} steps) into {output_dir}", flush=True)
     return train(config)

@@ -3,8 +3,8 @@
 ``reverse_kl``: the per-token KL(student || teacher), exact over the vocabulary, on the student's samples for the
 held-out prompts (the quantity on-policy distillation minimises); ``cross_entropy``: the student's per-token
 cross-entropy on the held-out references, when the data has them. Both in nats, means over response tokens. The
-samples are drawn from a fixed seed at every evaluation, and the training's random state is left as it was
-(``seeded``, which the training's micro-batches use too).
+samples are drawn from a fixed seed at every evaluation (the rollout's own ``seed``, one per chunk of prompts), and
+the training's random state is left as it was (``seeded``, for what takes no seed of its own).
 """
 
 from __future__ import annotations
@@ -91,7 +91,7 @@ def evaluate(engine: Any, teacher: torch.nn.Module | None, rollout: Any, encoder
             for start in range(0, len(examples), batch_size):
                 chunk = examples[start:start + batch_size]
                 if teacher is not None:
-                    batch = rollout.generate(encoder.request(chunk, device), sampling)
+                    batch = rollout.generate(encoder.request(chunk, device), sampling, seed=seed + start)
                     _add(sums["eval_reverse_kl"], reverse_kl_sum(module, teacher, batch))
                 if references:
                     _add(sums["eval_cross_entropy"], cross_entropy_of(module, encoder.with_references(chunk, device)))

@@ -12,144 +12,25 @@ from __future__ import annotations
 import json
 import logging
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from opsd_rollout import checks
 from opsd_rollout.files import write_text_atomic
-from opsd_rollout.opsd.divergence import LOSSES, DivergenceConfig
-from opsd_rollout.opsd.step import check_pairing, opsd_step
-from opsd_rollout.opsd.teacher import CACHE_MODES, TeacherCacheConfig
+from opsd_rollout.opsd.step import StepState, opsd_step
 from opsd_rollout.seeding import seeded
 from opsd_rollout.train.checkpoint import find_checkpoint, save_model
+from opsd_rollout.train.config import TrainConfig
 from opsd_rollout.train.data import Encoder, Example, batch_indices
 from opsd_rollout.train.evaluate import evaluate
 from opsd_rollout.train.report import MetricsLog, Progress, monitor_events, plot_eval, step_record
 from opsd_rollout.train.setup import Models, build_student_engine, load_models, split_examples
 from opsd_rollout.train.sft import sft_step
-from opsd_rollout.opsd.step import StepState
 
 logger = logging.getLogger(__name__)
-
-OBJECTIVES = ("opsd", "sft")
-OFF_POLICY = ("auto", "references", "teacher")
-
-
-@dataclass(frozen=True, kw_only=True)
-class TrainConfig:
-    """A training run; ``opsd-rollout train``'s flags map onto these fields."""
-
-    output_dir: str
-    """Where ``metrics.jsonl``, ``checkpoints/``, ``model/`` (the final student, loadable as a local checkpoint)
-    and ``eval.png`` go."""
-    student: str = "llama-tiny"
-    """Preset name or local checkpoint directory."""
-    teacher: str | None = None
-    """Preset name or local checkpoint directory, of the student's vocabulary; needed unless ``objective="sft"``."""
-    prompts: str | None = None
-    """JSON lines (``prompt`` or chat ``messages``, optional ``reference``) or one prompt a line; ``None``: the
-    built-in corpus (the Python documentation's topics, with references)."""
-    objective: str = "opsd"
-    """``opsd``: distil the teacher; ``sft``: cross-entropy on the references."""
-    deepspeed: str | dict[str, Any] | None = None
-    """The student's DeepSpeed config (a JSON file or a dict: ZeRO stage, optimizer, scheduler,
-    ``gradient_accumulation_steps``, bf16, monitors); ``None``: one built from the fields below."""
-    zero_stage: int = 0
-    """ZeRO stage of the built config."""
-    lr: float = 1e-3
-    """AdamW learning rate of the built config (or when the user's config has no optimizer)."""
-    gradient_accumulation_steps: int = 1
-    """Micro-batches per optimizer step in the built config; the user's config's own wins."""
-    steps: int = 100
-    """Optimizer steps to reach (counted from the start, also when resuming)."""
-    prompts_per_micro_batch: int = 8
-    """Prompts of one micro-batch (each rank's, with several ranks)."""
-    samples_per_prompt: int = 1
-    """Samples the student draws per prompt (``n_samples_per_prompt``)."""
-    max_new_tokens: int = 32
-    """Response tokens per sample (and the references' length)."""
-    max_prompt_tokens: int | None = None
-    """Longest prompt accepted (tokens); ``None``: the models' positions less ``max_new_tokens``. A longer prompt
-    is refused before any work."""
-    temperature: float = 1.0
-    """Sampling temperature of the rollouts (the evaluation's too)."""
-    top_k: int = 0
-    """Sampling top-k; <= 0 disables it, as in DeepSpeed."""
-    top_p: float = 1.0
-    """Sampling top-p."""
-    lmbda: float = 1.0
-    """Fraction of optimizer steps on the student's own samples (TRL's GKD ``lmbda``)."""
-    off_policy: str = "auto"
-    """What the other steps train on: ``references`` (the data's), ``teacher`` (the teacher's samples: supervised
-    KD) or ``auto`` (the references when every example has one, else the teacher's samples)."""
-    loss: str = "jsd"
-    """The divergence: ``jsd`` (generalized, with ``beta``), ``forward_kl`` or ``reverse_kl`` over the teacher's
-    distribution, or ``sampled_reverse_kl`` over its log-probability of each sampled token (on-policy only)."""
-    beta: float = 0.5
-    """Generalized JSD interpolation: 0 is forward KL, 1 reverse KL."""
-    estimator: str = "k1"
-    """``sampled_reverse_kl``'s per-token estimate: ``k1`` or ``k3``."""
-    teacher_cache: str | None = None
-    """The teacher's logits cached whole (``full``), their top-k (``topk``), or the sampled tokens'
-    log-probabilities (``sampled``); ``None``: ``sampled`` for ``sampled_reverse_kl``, else ``full``."""
-    teacher_top_k: int = 64
-    """k of ``teacher_cache="topk"``."""
-    teacher_zero_stage: int = 0
-    """0: the teacher whole beside the student on every rank; 3: a DeepSpeed ZeRO-3 inference engine (no
-    optimizer), its parameters partitioned across the ranks (a teacher larger than one device)."""
-    seed: int = 0
-    """Every random choice (data order, samples, ``lmbda``'s draws) is a function of it and the micro-batch."""
-    eval_every: int = 10
-    """Held-out evaluation every this many steps, and at step 0 and the last step."""
-    eval_prompts: int = 64
-    """Held-out prompts evaluated (the first of the held-out set)."""
-    save_every: int | None = None
-    """A checkpoint every this many steps (one is always written at the end and on Ctrl-C)."""
-    resume: str | None = None
-    """A previous run's output directory (or its ``checkpoints/``): continue from its latest checkpoint."""
-    progress: bool = True
-
-    def __post_init__(self) -> None:
-        checks.choice("objective", self.objective, OBJECTIVES)
-        if self.objective == "opsd" and self.teacher is None:
-            raise ValueError("teacher is needed to distil (objective opsd): a preset or a local checkpoint directory")
-        for name in ("steps", "prompts_per_micro_batch", "samples_per_prompt", "max_new_tokens",
-                     "gradient_accumulation_steps", "eval_every", "eval_prompts", "teacher_top_k"):
-            checks.integer(name, getattr(self, name))
-        for name in ("save_every", "max_prompt_tokens"):
-            checks.integer(name, getattr(self, name), optional=True)
-        checks.number("lmbda", self.lmbda, at_least=0, at_most=1)
-        checks.number("lr", self.lr, above=0)
-        checks.choice("zero_stage", self.zero_stage, (0, 1, 2, 3))
-        checks.choice("teacher_zero_stage", self.teacher_zero_stage, (0, 3))
-        checks.choice("loss", self.loss, LOSSES)
-        checks.choice("off_policy", self.off_policy, OFF_POLICY)
-        if self.teacher_cache is not None:
-            checks.choice("teacher_cache", self.teacher_cache, CACHE_MODES)
-        check_pairing(self.divergence, self.cache)  # and DivergenceConfig's own checks
-        if self.loss == "sampled_reverse_kl" and self.lmbda < 1 and self.objective == "opsd":
-            raise ValueError("sampled_reverse_kl is an on-policy policy gradient over the student's own samples: "
-                             f"lmbda must be 1 (got {self.lmbda!r})")
-
-    @property
-    def divergence(self) -> DivergenceConfig:
-        return DivergenceConfig(loss=self.loss, beta=self.beta, estimator=self.estimator)
-
-    @property
-    def cache(self) -> TeacherCacheConfig:
-        mode = self.teacher_cache or ("sampled" if self.loss == "sampled_reverse_kl" else "full")
-        return TeacherCacheConfig(mode=mode, top_k=self.teacher_top_k)
-
-    def sampling(self) -> Any:
-        from deepspeed.runtime.rollout.base import SamplingConfig
-
-        return SamplingConfig(max_new_tokens=self.max_new_tokens, n_samples_per_prompt=self.samples_per_prompt,
-                              temperature=self.temperature, top_k=self.top_k, top_p=self.top_p)
-
 
 @dataclass
 class TrainResult:
@@ -172,7 +53,7 @@ class _Fixed:
     def __init__(self, batch: Any):
         self.batch = batch
 
-    def generate(self, request: Any, sampling: Any) -> Any:
+    def generate(self, request: Any, sampling: Any, seed: int | None = None) -> Any:
         return self.batch
 
     def get_last_profile(self) -> None:
@@ -194,7 +75,7 @@ class _Run:
 
     def __init__(self, config: TrainConfig, models: Models, train: list[Example], held_out: list[Example]):
         from opsd_rollout.distributed import rank_info
-        from opsd_rollout.rollout import HybridEngineRollout, HybridEngineRolloutConfig
+        from opsd_rollout.rollout import HybridEngineRollout
 
         self.config, self.models, self.train, self.held_out = config, models, train, held_out
         self.out = Path(config.output_dir)
@@ -204,8 +85,8 @@ class _Run:
         self.accumulation = int(self.engine.gradient_accumulation_steps())
         self.device = torch.device(self.engine.device)
         self.encoder = Encoder(models.tokenizer, max_prompt_tokens=models.max_prompt_tokens,
-                               max_reference_tokens=config.max_new_tokens)
-        profiled = HybridEngineRolloutConfig(enable_profiling=True)
+                               max_reference_tokens=config.sampling.max_new_tokens)
+        profiled = config.rollout.replace(enable_profiling=True)  # the step record's times are its profile's
         self.rollout = HybridEngineRollout(self.engine, models.tokenizer, profiled)
         self.teacher = models.teacher
         if self.teacher is not None and config.teacher_zero_stage == 3:
@@ -223,28 +104,31 @@ class _Run:
             self.step = int((client or {}).get("train_state", {}).get("step", 0))
         self.log = MetricsLog(self.out / "metrics.jsonl", resume_step=self.step if config.resume else None)
         if self.rank.rank == 0:
-            write_text_atomic(self.out / "train_config.json", json.dumps(asdict(config), indent=2, default=str))
+            write_text_atomic(self.out / "train_config.json", json.dumps(config.to_dict(), indent=2))
         self.saved_at: int | None = self.step if config.resume else None
 
     # ---- one optimizer step --------------------------------------------------------------------------------
 
     def micro_batch(self, index: int, on_policy: bool) -> Any:
         config = self.config
-        with seeded(_seed_of(config.seed, index), self.device):  # the rollout's and dropout's random numbers
+        seed = _seed_of(config.seed, index)
+        with seeded(seed, self.device):  # dropout's random numbers; the rollout takes the seed itself
             picked = batch_indices(len(self.train), config.prompts_per_micro_batch, config.seed,
                                    index * self.rank.world_size + self.rank.rank)
             examples = [self.train[i] for i in picked]
             if config.objective == "sft":
-                return sft_step(self.engine, self.encoder.with_references(examples, self.device))
+                return sft_step(self.engine, self.encoder.with_references(examples, self.device), grad_norm=True)
             request = self.encoder.request(examples, self.device)
             if on_policy:
                 rollout = self.rollout
             elif self.references:
-                rollout = _Fixed(self.encoder.with_references(examples, self.device, config.samples_per_prompt))
+                rollout = _Fixed(self.encoder.with_references(examples, self.device,
+                                                              config.sampling.n_samples_per_prompt))
             else:
                 rollout = self.teacher_rollout
-            return opsd_step(self.engine, self.teacher, rollout, request, config.sampling(),
-                             divergence=config.divergence, teacher_cache=config.cache, state=self.step_state)
+            return opsd_step(self.engine, self.teacher, rollout, request, config.sampling,
+                             divergence=config.divergence, teacher_cache=config.cache, state=self.step_state,
+                             rollout_seed=seed, grad_norm=True)
 
     def optimizer_step(self, step: int) -> dict[str, Any]:
         config = self.config
@@ -253,16 +137,19 @@ class _Run:
         start = time.perf_counter()
         profiles = [self.micro_batch((step - 1) * self.accumulation + g, bool(on_policy))
                     for g in range(self.accumulation)]
-        wall_ms = (time.perf_counter() - start) * 1e3
-        divergence = "cross_entropy" if config.objective == "sft" else config.loss
-        return step_record(step, profiles, wall_ms=wall_ms, lr=float(self.engine.get_lr()[0]), on_policy=on_policy,
-                           divergence=divergence)
+        step_ms = (time.perf_counter() - start) * 1e3
+        divergence = "cross_entropy" if config.objective == "sft" else config.divergence.loss
+        drawn = step * self.accumulation * config.prompts_per_micro_batch * self.rank.world_size  # every rank's
+        return step_record(step, profiles, step_ms=step_ms, learning_rate=float(self.engine.get_lr()[0]),
+                           on_policy=on_policy, divergence=divergence, epoch=drawn / len(self.train))
 
     def evaluation(self) -> dict[str, float]:
         examples = self.held_out[:self.config.eval_prompts]
         shard = examples[self.rank.rank::self.rank.world_size][:len(examples) // self.rank.world_size or 1]
-        return evaluate(self.engine, self.teacher, self.rollout, self.encoder, shard, self.config.sampling(),
-                        seed=_seed_of(self.config.seed, 2**31), batch_size=self.config.prompts_per_micro_batch)
+        start = time.perf_counter()
+        figures = evaluate(self.engine, self.teacher, self.rollout, self.encoder, shard, self.config.sampling,
+                           seed=_seed_of(self.config.seed, 2**31), batch_size=self.config.prompts_per_micro_batch)
+        return {**figures, "time/evaluation_ms": (time.perf_counter() - start) * 1e3}
 
     # ---- the loop --------------------------------------------------------------------------------------------
 
@@ -274,8 +161,10 @@ class _Run:
             self.engine.monitor.write_events(monitor_events(record))
 
     def save(self) -> Path:
+        config = self.config.to_dict()
+        config["optimization"].pop("deepspeed")  # the engine's own checkpoint holds what DeepSpeed ran with
         state = {"step": self.step, "seed": self.config.seed, "micro_batches": self.step * self.accumulation,
-                 "config": {k: v for k, v in asdict(self.config).items() if k != "deepspeed"}}
+                 "config": config}
         self.engine.save_checkpoint(str(self.checkpoints), tag=f"step{self.step}", client_state={"train_state": state})
         self.saved_at = self.step
         return self.checkpoints / f"step{self.step}"
@@ -287,12 +176,12 @@ class _Run:
         try:
             if self.step == 0:
                 self.record({"step": 0, **self.evaluation()}, progress)
-            trained_s = next((r["train_seconds"] for r in reversed(self.log.records) if "train_seconds" in r), 0.0)
+            trained_s = next((r["time/steps_s"] for r in reversed(self.log.records) if "time/steps_s" in r), 0.0)
             while self.step < config.steps:
                 record = self.optimizer_step(self.step + 1)
                 self.step += 1
-                trained_s += record["wall_ms"] / 1e3
-                record["train_seconds"] = trained_s  # the optimizer steps' wall time so far, evaluations apart
+                trained_s += record["time/step_ms"] / 1e3
+                record["time/steps_s"] = trained_s  # the optimizer steps' wall time so far, evaluations apart
                 try:
                     if self.step % config.eval_every == 0 or self.step == config.steps:
                         record.update(self.evaluation())

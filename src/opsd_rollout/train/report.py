@@ -1,6 +1,7 @@
 """Where a training run's figures go: ``metrics.jsonl`` (one record per optimizer step), DeepSpeed's own monitor
 (the ``tensorboard``, ``wandb`` and ``csv_monitor`` sections of its config), a live progress line, and at the end a
-plot of the held-out curves."""
+plot of the held-out curves. Every key of a record, and its name in the monitors, is ``metrics.TRAINING``'s; a
+file written before those names reads back under them (``read_records``)."""
 
 from __future__ import annotations
 
@@ -15,55 +16,60 @@ from typing import Any
 import psutil
 
 from opsd_rollout.files import write_text_atomic
-from opsd_rollout.metrics import STEP_STAGES
-
-ROLLOUT_STAGES = ("prompt_expansion_ms", "prefill_ms", "decode_ms", "post_processing_ms", "param_gather_ms",
-                  "inference_cache_ms", "compile_ms", "compaction_ms")
-"""The rollout profile's stages a step record carries (as ``rollout/<stage>``), summed over its micro-batches."""
+from opsd_rollout.metrics import RECORD_ROLLOUT_STAGES, ROLLOUT_PREFIX, STEP_STAGES, TIME, TRAINING, upgrade
 
 
-def step_record(step: int, profiles: list[Any], *, wall_ms: float, lr: float, on_policy: bool | None,
-                divergence: str) -> dict[str, Any]:
+def step_record(step: int, profiles: list[Any], *, step_ms: float, learning_rate: float, on_policy: bool | None,
+                divergence: str, epoch: float) -> dict[str, Any]:
     """One optimizer step's record from its micro-batches' ``StepProfile``s: times and tokens summed, the loss the
-    token-weighted mean, memory the largest."""
+    token-weighted mean, memory the largest, the gradient norm the step's (the last micro-batch's: the one that
+    stepped the optimizer)."""
     tokens = sum(p.response_tokens for p in profiles)
     record: dict[str, Any] = {
-        "step": step, "loss": sum(p.loss * p.response_tokens for p in profiles) / max(tokens, 1),
-        "divergence": divergence, "on_policy": on_policy, "micro_batches": len(profiles), "response_tokens": tokens,
-        "lr": lr, "wall_ms": wall_ms, "total_ms": sum(p.total_ms for p in profiles)}
-    for stage in STEP_STAGES:
-        record[stage] = sum(getattr(p, stage) for p in profiles)
-    producing = record["eval_ms"] + record["rollout_ms"] + record["train_ms"]
-    record["rollout_share"] = producing / record["total_ms"] if record["total_ms"] > 0 else 0.0
-    record["tokens_per_second"] = tokens / (wall_ms / 1e3) if wall_ms > 0 else 0.0
-    for stage in ROLLOUT_STAGES:
+        "step": step, "epoch": epoch, "loss": sum(p.loss * p.response_tokens for p in profiles) / max(tokens, 1),
+        "grad_norm": next((p.grad_norm for p in reversed(profiles) if p.grad_norm is not None), None),
+        "learning_rate": learning_rate, "divergence": divergence, "on_policy": on_policy,
+        "micro_batches": len(profiles), "response_tokens": tokens,
+        "tokens_per_second": tokens / (step_ms / 1e3) if step_ms > 0 else 0.0, "time/step_ms": step_ms}
+    times = {name: sum(getattr(p, name) for p in profiles) for name in ("total_ms", *STEP_STAGES)}
+    record.update({TIME + name: value for name, value in times.items()})
+    producing = times["eval_ms"] + times["rollout_ms"] + times["train_ms"]
+    record["time/rollout_share"] = producing / times["total_ms"] if times["total_ms"] > 0 else 0.0
+    for stage in RECORD_ROLLOUT_STAGES:
         values = [getattr(p.rollout, stage, None) for p in profiles if p.rollout is not None]
         if any(v is not None for v in values):
-            record[f"rollout/{stage}"] = sum(v or 0.0 for v in values)
-    record["rss_bytes"] = psutil.Process().memory_info().rss  # after the step: flat over a run, or a leak
+            record[TIME + ROLLOUT_PREFIX + stage] = sum(v or 0.0 for v in values)
     record["peak_memory_bytes"] = max((max(p.peak_memory_bytes.values(), default=0) for p in profiles), default=0)
     record["teacher_cache_bytes"] = max((p.teacher_cache_bytes for p in profiles), default=0)
+    record["rss_bytes"] = psutil.Process().memory_info().rss  # after the step: flat over a run, or a leak
     return record
+
+
+def read_records(path: Path) -> list[dict[str, Any]]:
+    """A ``metrics.jsonl``'s records under today's keys (``metrics.upgrade``: a file written before TRL's names
+    and ``time/`` reads as one written now); a line cut by a kill is dropped."""
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            records.append(upgrade(json.loads(line)))
+        except json.JSONDecodeError:
+            continue
+    return records
 
 
 class MetricsLog:
     """``metrics.jsonl``: each record one line, written whole and flushed, so the file stays valid whenever the
-    run stops. A resumed run first drops the records past the step it resumes from."""
+    run stops. A resumed run first drops the records past the step it resumes from (and writes the others back
+    under today's keys)."""
 
     def __init__(self, path: Path, *, resume_step: int | None):
         self.path = path
         path.parent.mkdir(parents=True, exist_ok=True)
         kept = []
-        if resume_step is not None and path.exists():
-            for line in path.read_text().splitlines():
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError:
-                    continue  # a line cut by a kill: dropped
-                if record.get("step", math.inf) <= resume_step:
-                    kept.append(line)
-        write_text_atomic(path, "".join(line + "\n" for line in kept))
-        self.records = [json.loads(line) for line in kept]
+        if resume_step is not None and path.exists():  # an older run's keys rewritten as today's: one vocabulary
+            kept = [r for r in read_records(path) if r.get("step", math.inf) <= resume_step]
+        write_text_atomic(path, "".join(json.dumps(record) + "\n" for record in kept))
+        self.records = kept
 
     def write(self, record: dict[str, Any]) -> None:
         self.records.append(record)
@@ -73,17 +79,17 @@ class MetricsLog:
 
 
 def monitor_events(record: dict[str, Any]) -> list[tuple[str, float, int]]:
-    """The record's numbers as DeepSpeed monitor events: ``train/...``, ``profiling/...`` (times), ``eval/...``."""
+    """The record's numbers as DeepSpeed monitor events, each under its key's ``monitor`` name in
+    ``metrics.TRAINING`` (``train/loss``, ``time/rollout_ms``, ``eval/reverse_kl``); labels, ``None`` and the step
+    itself are not sent."""
     events = []
     for key, value in record.items():
-        if key == "step" or isinstance(value, bool) or not isinstance(value, (int, float)):
+        if key not in TRAINING:
+            raise ValueError(f"training record key {key!r} is not in metrics.TRAINING: register it there (its unit, "
+                             "merge rule, direction and monitor name)")
+        tag = TRAINING[key].monitor
+        if tag is None or isinstance(value, bool) or not isinstance(value, (int, float)):
             continue
-        if key.startswith("eval_"):
-            tag = "eval/" + key.removeprefix("eval_")
-        elif key.endswith("_ms"):
-            tag = "profiling/" + key
-        else:
-            tag = "train/" + key
         events.append((tag, float(value), record["step"]))
     return events
 
@@ -104,7 +110,7 @@ class Progress:
         elapsed = time.perf_counter() - self.start
         left = (self.total - record["step"]) * elapsed / done if done > 0 else float("nan")
         text = (f"step {record['step']}/{self.total}  loss {record['loss']:.4f}  {record['tokens_per_second']:,.0f} "
-                f"tok/s  rollout {record['rollout_share']:.0%}  ETA {_duration(left)}")
+                f"tok/s  rollout {record['time/rollout_share']:.0%}  ETA {_duration(left)}")
         if "eval_reverse_kl" in record:
             text += f"  eval reverse KL {record['eval_reverse_kl']:.4f}"
         return text
@@ -128,7 +134,8 @@ def _duration(seconds: float) -> str:
 
 def plot_eval(records: list[dict[str, Any]], path: Path, title: str) -> Path | None:
     """The held-out curves (reverse KL to the teacher, cross-entropy on the references) against the optimizer
-    step, as a PNG; ``None`` without matplotlib or without an evaluation."""
+    step, as a PNG; ``None`` without matplotlib or without an evaluation. Records of any age (``metrics.upgrade``)."""
+    records = [upgrade(r) for r in records]
     curves = {name: [(r["step"], r[name]) for r in records if name in r]
               for name in ("eval_reverse_kl", "eval_cross_entropy")}
     curves = {name: points for name, points in curves.items() if points}

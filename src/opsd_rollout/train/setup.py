@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from opsd_rollout import checks
 from opsd_rollout.deepspeed_config import check_deepspeed_config, refusal
 from opsd_rollout.modeling import max_positions_of, text_config
 from opsd_rollout.models import load_model, model_config
@@ -19,6 +20,26 @@ from opsd_rollout.train.data import Example
 
 HELD_OUT_EVERY = 10
 """A prompt file's every tenth example is held out (files of fewer than ten evaluate on their training prompts)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimizationConfig:
+    """How the student is optimised: the user's DeepSpeed config, or one built from the fields below."""
+
+    deepspeed: str | dict[str, Any] | None = None
+    """The student's DeepSpeed config (a JSON file or a dict: ZeRO stage, optimizer, scheduler,
+    ``gradient_accumulation_steps``, bf16, monitors); ``None``: one built from the fields below."""
+    zero_stage: int = 0
+    """ZeRO stage of the built config."""
+    lr: float = 1e-3
+    """AdamW learning rate of the built config (or when the user's config has no optimizer)."""
+    gradient_accumulation_steps: int = 1
+    """Micro-batches per optimizer step in the built config; the user's config's own wins."""
+
+    def __post_init__(self) -> None:
+        checks.choice("zero_stage", self.zero_stage, (0, 1, 2, 3))
+        checks.number("lr", self.lr, above=0)
+        checks.integer("gradient_accumulation_steps", self.gradient_accumulation_steps)
 
 
 @dataclass
@@ -35,7 +56,7 @@ class Models:
             length = len(self.tokenizer(example.prompt, add_special_tokens=False)["input_ids"])
             if length > self.max_prompt_tokens:
                 raise ValueError(f"prompt {number} has {length} tokens, over the {self.max_prompt_tokens} a rollout "
-                                 f"can take (the models' positions less max_new_tokens {config.max_new_tokens}, or "
+                                 f"can take (the models' positions less max_new_tokens {config.sampling.max_new_tokens}, or "
                                  "--max-prompt-tokens): shorten it or lower --max-new-tokens")
 
 
@@ -51,9 +72,10 @@ def load_models(config: Any) -> Models:
                          f"{config.teacher!r} one of {configs[1].vocab_size:,}: distillation needs the same vocabulary")
     limits = [p for p in (max_positions_of(c) for c in configs) if p]
     positions = min(limits) if limits else 1 << 30
-    longest = config.max_prompt_tokens or positions - config.max_new_tokens
-    if longest < 1 or longest + config.max_new_tokens > positions:
-        raise ValueError(f"max_prompt_tokens {longest} + max_new_tokens {config.max_new_tokens} exceed the models' "
+    new_tokens = config.sampling.max_new_tokens
+    longest = config.max_prompt_tokens or positions - new_tokens
+    if longest < 1 or longest + new_tokens > positions:
+        raise ValueError(f"max_prompt_tokens {longest} + max_new_tokens {new_tokens} exceed the models' "
                          f"{positions} positions")
     student, tokenizer = load_model(config.student)
     # a preset teacher that is also the student gets other random weights: the same would make the loss 0
@@ -68,7 +90,7 @@ def split_examples(config: Any, examples: list[Example] | None) -> tuple[list[Ex
     if examples is None:
         from opsd_rollout.train.corpus import corpus_examples
 
-        return corpus_examples(reference_chars=config.max_new_tokens)
+        return corpus_examples(reference_chars=config.sampling.max_new_tokens)
     if len(examples) < HELD_OUT_EVERY:
         return examples, examples
     held = set(range(HELD_OUT_EVERY - 1, len(examples), HELD_OUT_EVERY))
@@ -76,15 +98,16 @@ def split_examples(config: Any, examples: list[Example] | None) -> tuple[list[Ex
 
 
 def deepspeed_config_of(config: Any, *, check: bool = True) -> dict[str, Any]:
-    """The user's DeepSpeed config (``config.deepspeed``: a JSON file or a dict), checked (``check_deepspeed_config``:
-    refused in one line or warned of, unless ``check`` is false), or one built from the fields, with what the loop
-    needs filled in where it is absent (micro-batch rows, accumulation, quiet logging)."""
+    """The user's DeepSpeed config (``config.optimization.deepspeed``: a JSON file or a dict), checked
+    (``check_deepspeed_config``: refused in one line or warned of, unless ``check`` is false), or one built from the
+    fields, with what the loop needs filled in where it is absent (micro-batch rows, accumulation, quiet logging)."""
     from opsd_rollout.deepspeed_engine import deepspeed_config
 
-    if isinstance(config.deepspeed, dict):
-        ds = copy.deepcopy(config.deepspeed)
-    elif config.deepspeed is not None:
-        path = Path(config.deepspeed)
+    optimization = config.optimization
+    if isinstance(optimization.deepspeed, dict):
+        ds = copy.deepcopy(optimization.deepspeed)
+    elif optimization.deepspeed is not None:
+        path = Path(optimization.deepspeed)
         try:
             ds = json.loads(path.read_text())
         except FileNotFoundError:
@@ -94,26 +117,27 @@ def deepspeed_config_of(config: Any, *, check: bool = True) -> dict[str, Any]:
         if not isinstance(ds, dict):
             raise ValueError(f"--deepspeed {str(path)!r} must hold a JSON object")
     else:
-        ds = deepspeed_config(config.zero_stage, lr=config.lr)
+        ds = deepspeed_config(optimization.zero_stage, lr=optimization.lr)
         ds["gradient_clipping"] = 1.0
-        ds["gradient_accumulation_steps"] = config.gradient_accumulation_steps
-    if config.deepspeed is not None and check:
-        check_deepspeed_config(ds, _source(config))
-    rows = config.prompts_per_micro_batch * config.samples_per_prompt
+        ds["gradient_accumulation_steps"] = optimization.gradient_accumulation_steps
+    if optimization.deepspeed is not None and check:
+        check_deepspeed_config(ds, _source(optimization))
+    rows = config.prompts_per_micro_batch * config.sampling.n_samples_per_prompt
     if "train_batch_size" not in ds:
         ds.setdefault("train_micro_batch_size_per_gpu", rows)
-    ds.setdefault("gradient_accumulation_steps", config.gradient_accumulation_steps)
+    ds.setdefault("gradient_accumulation_steps", optimization.gradient_accumulation_steps)
     ds.setdefault("steps_per_print", 1 << 30)
     return ds
 
 
-def _source(config: Any) -> str:
+def _source(optimization: OptimizationConfig) -> str:
     """What a message about the DeepSpeed config names: its file, or ``deepspeed config`` for a dict."""
-    return "deepspeed config" if isinstance(config.deepspeed, dict) else str(config.deepspeed)
+    return "deepspeed config" if isinstance(optimization.deepspeed, dict) else str(optimization.deepspeed)
 
 
 def build_student_engine(config: Any, student: torch.nn.Module) -> Any:
-    """The student's DeepSpeed engine, in train mode; AdamW at ``config.lr`` when the config names no optimizer."""
+    """The student's DeepSpeed engine, in train mode; AdamW at ``config.optimization.lr`` when the DeepSpeed config
+    names no optimizer."""
     import deepspeed
     from deepspeed.runtime.config import DeepSpeedConfigError
     from pydantic import ValidationError
@@ -123,12 +147,13 @@ def build_student_engine(config: Any, student: torch.nn.Module) -> Any:
     init_distributed()
     ds = deepspeed_config_of(config, check=False)  # load_models checked it (and warned once)
     params = [p for p in student.parameters() if p.requires_grad]
-    optimizer = None if "optimizer" in ds else torch.optim.AdamW(params, lr=config.lr)
+    optimization = config.optimization
+    optimizer = None if "optimizer" in ds else torch.optim.AdamW(params, lr=optimization.lr)
     try:
         engine, *_ = deepspeed.initialize(model=student.train(), config=ds, model_parameters=params,
                                           optimizer=optimizer)
     except (AssertionError, KeyError, TypeError, ValidationError, DeepSpeedConfigError) as error:  # its own checks
-        source = _source(config) if config.deepspeed is not None else "the config built from the flags"
+        source = _source(optimization) if optimization.deepspeed is not None else "the config built from the flags"
         raise ValueError(f"DeepSpeed refused {source}: {refusal(error)}") from None
     engine.train()
     return engine

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from opsd_rollout.opsd.step import StepParts, StepProfile, student_logits, token_mean
+from opsd_rollout.opsd.step import StepParts, StepProfile, optimizer_step, student_logits, token_mean
 from opsd_rollout.opsd.targets import response_targets
 from opsd_rollout.profiling import Clock, StageRecorder
 
@@ -22,9 +22,10 @@ def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor, mask: torch.Te
     return (losses * mask.flatten()).sum(), mask.sum()
 
 
-def sft_step(student_engine: Any, batch: Any) -> StepProfile:
+def sft_step(student_engine: Any, batch: Any, *, grad_norm: bool = False) -> StepProfile:
     """One step of ``student_engine`` (a DeepSpeed engine) on ``batch`` (a ``RolloutBatch`` whose responses are the
-    references): cross-entropy over the response tokens, mean over every rank's tokens, backward, step."""
+    references): cross-entropy over the response tokens, mean over every rank's tokens, backward, step
+    (``grad_norm`` as ``opsd_step``'s)."""
     device = torch.device(student_engine.device)
     recorder = StageRecorder(Clock(device), time_forwards=False)
     parts = StepParts(recorder, device)
@@ -34,10 +35,11 @@ def sft_step(student_engine: Any, batch: Any) -> StepProfile:
         total, count = parts.run("loss", cross_entropy_sum, logits, targets.labels, targets.mask.to(logits.device))
         loss, reported = token_mean(total, count)
         parts.run("backward", student_engine.backward, loss)
-        parts.run("optimizer", student_engine.step)
+        norm = parts.run("optimizer", optimizer_step, student_engine, grad_norm=grad_norm)
     ms, starts = parts.times()
     return StepProfile(
         rollout=None, eval_ms=0.0, train_ms=0.0, rollout_ms=0.0, teacher_forward_ms=0.0, cache_write_ms=0.0,
         student_forward_ms=ms["student_forward"], loss_ms=ms["loss"], backward_ms=ms["backward"],
         optimizer_ms=ms["optimizer"], total_ms=ms["total"], rollout_share=0.0, peak_memory_bytes=dict(parts.peaks),
-        part_start_ms=starts, response_tokens=targets.tokens, loss=float(reported))
+        part_start_ms=starts, response_tokens=targets.tokens, loss=float(reported),
+        grad_norm=None if norm is None else float(norm))

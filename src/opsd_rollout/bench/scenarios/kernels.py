@@ -5,31 +5,27 @@ schema and ``compare`` as ``bench`` and ``step``."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, make_dataclass
 from typing import Any, ClassVar
 
 from rich.table import Table
 
-from opsd_rollout.bench.axes import DTYPES, Axis, choice, positive_int, teacher_cache
+from opsd_rollout.bench.axes import DTYPES, Axis, axis_defaults, choice_axis, positive_int, teacher_cache
 from opsd_rollout.bench.kernels import DEFAULT_KERNELS, KERNELS, LONG
 from opsd_rollout.bench.report import ConfigResult
 from opsd_rollout.bench.tables import config_table, fmt, mib, stability_table
 from opsd_rollout.bench.scenarios.base import MeasuringSettings, Scenario, threads_phrase
+from opsd_rollout import checks
 from opsd_rollout.checks import integer, number, rule, text
 from opsd_rollout.presets import DEFAULT_MODEL
 
 
 def any_int(value: Any) -> int:
-    if isinstance(value, bool):
-        raise ValueError
-    return int(str(value).strip())
+    return checks.integer("value", checks.from_text(value, int), minimum=None)
 
 
 def top_p(value: Any) -> float:
-    number_ = float(str(value).strip())
-    if not 0.0 < number_ <= 1.0:
-        raise ValueError
-    return number_
+    return float(checks.number("value", checks.from_text(value, float), above=0, at_most=1))
 
 
 def weight_shape(value: Any) -> str:
@@ -42,59 +38,44 @@ def weight_shape(value: Any) -> str:
 
 
 KERNEL_AXES = (
-    Axis("kernels", "kernel", choice(tuple(KERNELS)), f"one of {', '.join(KERNELS)}",
-         "what to measure: " + "; ".join(f"{k.name}: {k.what}" for k in KERNELS.values())),
-    Axis("dtypes", "dtype", choice(DTYPES), f"one of {', '.join(DTYPES)}",
-         "the logits' (sampling), the tensors' (fused_loss) or the model's dtype (a dtype the device cannot run is "
-         "reported as skipped)"),
-    Axis("rows", "rows", positive_int, "an integer >= 1",
-         "rows of the batch: logits rows (sampling), prompts x samples (postprocess, attention, profiling), loss "
-         "rows (fused_loss), rows of one token (weight_layout), prompts (compile)"),
-    Axis("vocab_sizes", "vocab_size", positive_int, "an integer >= 1", "vocabulary sizes (sampling, fused_loss)"),
+    choice_axis("kernels", "kernel", tuple(KERNELS), "what to measure: " + "; ".join(
+        f"{k.name}: {k.what}" for k in KERNELS.values()), None),
+    choice_axis("dtypes", "dtype", DTYPES, "the logits' (sampling), the tensors' (fused_loss) or the model's dtype (a "
+                "dtype the device cannot run is reported as skipped)", "fp32"),
+    Axis("rows", "rows", positive_int, "an integer >= 1", "rows of the batch: logits rows (sampling), prompts x "
+         "samples (postprocess, attention, profiling), loss rows (fused_loss), rows of one token (weight_layout), "
+         "prompts (compile)", key="rows{}"),
+    Axis("vocab_sizes", "vocab_size", positive_int, "an integer >= 1", "vocabulary sizes (sampling, fused_loss)",
+         key="V{}"),
     Axis("samples_per_prompt", "samples_per_prompt", positive_int, "an integer >= 1",
-         "samples per prompt (postprocess, attention: at least 2, profiling); it divides --rows"),
+         "samples per prompt (postprocess, attention: at least 2, profiling); it divides --rows", key="n{}"),
     Axis("prompt_lengths", "prompt_length", positive_int, "an integer >= 1",
-         "prompt lengths in tokens (postprocess, attention, compile, profiling)"),
+         "prompt lengths in tokens (postprocess, attention, compile, profiling)", key="P{}"),
     Axis("response_lengths", "response_length", positive_int, "an integer >= 1",
-         "response lengths: new tokens (postprocess, attention, profiling), trained tokens per row (fused_loss)"),
+         "response lengths: new tokens (postprocess, attention, profiling), trained tokens per row (fused_loss)",
+         key="R{}"),
     Axis("top_ks", "top_k", any_int, "an integer (<= 0 disables top-k)", "sampling top-k values (sampling), <= 0 "
-         "disables"),
-    Axis("top_ps", "top_p", top_p, "a number in (0, 1]", "sampling top-p values (sampling)"),
+         "disables", key="topk{}"),
+    Axis("top_ps", "top_p", top_p, "a number in (0, 1]", "sampling top-p values (sampling)", key="topp{:g}"),
     Axis("teacher_caches", "teacher_cache", teacher_cache, "full or top<k> (e.g. top64)",
-         "the teacher's cache (fused_loss): full (every logit) or top<k>"),
+         "the teacher's cache (fused_loss): full (every logit) or top<k>", key="{}"),
     Axis("weight_shapes", "weight_shape", weight_shape, "model or KxN (e.g. 1024x4096)",
-         "weight_layout: model (every nn.Linear of --model) or KxN (one weight of K inputs and N outputs)"),
+         "weight_layout: model (every nn.Linear of --model) or KxN (one weight of K inputs and N outputs)", key="W{}"),
 )
+"""Each axis a kernel reads appears in its configs' key and label (``Axis.key``; ``None`` in the others)."""
 
 
-@dataclass(frozen=True, kw_only=True)
-class KernelConfig:
-    """One point of a kernels matrix: the kernel and the axes it reads (``None``: an axis it does not read)."""
-
-    kernel: str
-    dtype: str = "fp32"
-    rows: int | None = None
-    vocab_size: int | None = None
-    samples_per_prompt: int | None = None
-    prompt_length: int | None = None
-    response_length: int | None = None
-    top_k: int | None = None
-    top_p: float | None = None
-    teacher_cache: str | None = None
-    weight_shape: str | None = None
-
-    SPELLING: ClassVar[dict[str, str]] = {
-        "rows": "rows{}", "vocab_size": "V{}", "samples_per_prompt": "n{}", "prompt_length": "P{}",
-        "response_length": "R{}", "top_k": "topk{}", "top_p": "topp{:g}", "teacher_cache": "{}", "weight_shape": "W{}"}
-    """How each axis a kernel reads appears in its key and label."""
+class KernelPoint:
+    """What a kernels config says of itself; its fields are the axes' (``KernelConfig``), ``None`` where its kernel
+    does not read the axis."""
 
     def _parts(self) -> list[str]:
-        return [spelling.format(getattr(self, name)) for name, spelling in self.SPELLING.items()
-                if getattr(self, name) is not None]
+        return list(filter(None, (axis.fragment(getattr(self, axis.field)) for axis in KERNEL_AXES[2:])))
 
     @property
     def key(self) -> str:
-        """Stable identity (``--resume``, ``compare``): the kernel, its dtype if it reads one, its other axes."""
+        """Stable identity (``--resume-results``, ``compare``): the kernel, its dtype if it reads one, its other
+        axes."""
         dtype = [self.dtype] if "dtype" in KERNELS[self.kernel].reads else []
         return "-".join([self.kernel, *dtype, *self._parts()])
 
@@ -115,6 +96,11 @@ class KernelConfig:
     def effective_batch_size(self) -> int:
         """No workspace is shared between configs: the run order is the user's (within a dtype)."""
         return 0
+
+
+KernelConfig = make_dataclass("KernelConfig", [(a.field, Any, field(default=a.default)) for a in KERNEL_AXES],
+                              bases=(KernelPoint,), frozen=True, kw_only=True)
+"""One point of a kernels matrix: the kernel and the axes it reads."""
 
 
 @dataclass(kw_only=True)
@@ -172,7 +158,7 @@ class KernelsScenario(Scenario):
     config_type = KernelConfig
     settings_type = KernelSettings
     defaults: ClassVar[dict[str, list[Any]]] = {
-        "kernels": list(DEFAULT_KERNELS), "dtypes": ["fp32"], "rows": [16], "vocab_sizes": [32000],
+        **axis_defaults(KERNEL_AXES), "kernels": list(DEFAULT_KERNELS), "rows": [16], "vocab_sizes": [32000],
         "samples_per_prompt": [4], "prompt_lengths": [128], "response_lengths": [32], "top_ks": [50],
         "top_ps": [0.95], "teacher_caches": ["full"], "weight_shapes": ["model"]}
     stages = ("kernel_ms", "baseline_ms", "greedy_ms")
@@ -180,7 +166,7 @@ class KernelsScenario(Scenario):
     throughput_label = "speed-up (baseline / ours, p50)"
 
     @classmethod
-    def make_config(cls, **fields: Any) -> KernelConfig:
+    def make_config(cls, **fields: Any) -> Any:
         reads = KERNELS[fields["kernel"]].reads
         kept = {name: value for name, value in fields.items() if name == "kernel" or name in reads}
         return KernelConfig(**kept)

@@ -3,12 +3,13 @@ one profiled call."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, make_dataclass
 from typing import Any, ClassVar
 
 from rich.table import Table
 
-from opsd_rollout.bench.axes import CONTENDERS, ROLLOUT_AXES, size_text
+from opsd_rollout.bench.axes import KEY_AXES, ROLLOUT_AXES, axis_defaults
+from opsd_rollout.bench.contenders import CONTENDERS
 from opsd_rollout.bench.facts import decode_bytes_per_step, prefill_flops
 from opsd_rollout.bench.report import ConfigResult
 from opsd_rollout.bench.tables import baseline_table, config_table, fmt, mib, stability_table
@@ -18,44 +19,11 @@ from opsd_rollout.bench.stats import median_index
 from opsd_rollout.metrics import ROLLOUT_STAGES, label
 
 PROMPT_KINDS = ("synthetic", "variable")
-KNOB_DEFAULTS: dict[str, list[Any]] = {"continuous_batch_sizes": [None], "kv_budgets": [None], "compaction": [True],
-                                       "shared_prefix": [True], "weight_copies": [False],
-                                       "stop_check_intervals": [None]}
-"""The knob axes' defaults: the engine's own."""
 
 
-@dataclass(frozen=True, kw_only=True)
-class RolloutConfig:
-    """One point of a rollout matrix. A knob that does not apply to the config's contender (``strategy``) is
-    ``None`` (n/a: ``axes.for_contender``)."""
-
-    batch_size: int
-    samples_per_prompt: int
-    prompt_length: int
-    response_length: int
-    dtype: str
-    decoding: str
-    zero_stage: int | str
-    strategy: str
-    """The contender: ``static``, ``generate`` (our rollout's strategies) or ``deepspeed`` (DeepSpeed's own)."""
-    cache_policy: str | None
-    forward_timing: bool | None
-    lengths: str = "fixed"
-    """The response-length model (``fixed``, ``natural``, or a synthetic distribution's spec)."""
-    compile_decode: bool | None = False
-    """The compiled decode step (strategy ``static``); compiling happens during warm-up."""
-    continuous_batch_size: int | None = None
-    """``SamplingConfig.continuous_batch_size``: rows decoding at once (``None``: every row)."""
-    kv_budget_bytes: int | None = None
-    """``HybridEngineRolloutConfig.kv_budget_bytes`` (``None``: no budget)."""
-    compact_rows: bool | None = True
-    """``HybridEngineRolloutConfig.compact_rows``."""
-    shared_prefix: bool | None = True
-    """``RolloutOptions.shared_prefix``."""
-    stop_check_interval: int | None = None
-    """``RolloutOptions.stop_check_interval`` (``None``: the engine's choice)."""
-    cpu_transposed_weights: bool | None = False
-    """``RolloutOptions.cpu_transposed_weights``: the CPU weight copies (opt-in)."""
+class RolloutPoint:
+    """What a rollout config says of itself; its fields are the axes' (``RolloutConfig``). A knob that does not apply
+    to the config's contender (``strategy``) is ``None`` (n/a: ``axes.for_contender``)."""
 
     @property
     def effective_batch_size(self) -> int:
@@ -68,22 +36,10 @@ class RolloutConfig:
 
     @property
     def key(self) -> str:
-        """Stable identity, used to match results across runs (``--resume``, ``compare``). A knob appears only
-        away from its default (so files written before it was an axis keep their keys), and not at all where it
-        does not apply (``None``)."""
-        parts = [f"B{self.batch_size}-n{self.samples_per_prompt}-P{self.prompt_length}-R{self.response_length}",
-                 self.dtype, self.decoding, f"zero{self.zero_stage}", self.strategy]
-        parts += [self.cache_policy] if self.cache_policy is not None else []
-        parts += [f"fwd{'on' if self.forward_timing else 'off'}"] if self.forward_timing is not None else []
-        parts += [f"len{self.lengths}"] if self.lengths != "fixed" else []
-        parts += ["compiled"] if self.compile_decode else []
-        parts += [f"cb{self.continuous_batch_size}"] if self.continuous_batch_size is not None else []
-        parts += [f"kv{size_text(self.kv_budget_bytes)}"] if self.kv_budget_bytes is not None else []
-        parts += ["nocompact"] if self.compact_rows is False else []
-        parts += ["noshared"] if self.shared_prefix is False else []
-        parts += [f"stop{self.stop_check_interval}"] if self.stop_check_interval is not None else []
-        parts += ["wcopies"] if self.cpu_transposed_weights else []
-        return "-".join(parts)
+        """Stable identity, used to match results across runs (``--resume-results``, ``compare``): each axis's
+        fragment (``Axis.fragment``: a knob only away from its default, so files written before it was an axis
+        keep their keys, and not at all where it does not apply)."""
+        return "-".join(filter(None, (axis.fragment(getattr(self, axis.field)) for axis in KEY_AXES)))
 
     @property
     def label(self) -> str:
@@ -91,15 +47,16 @@ class RolloutConfig:
         return f"B{self.batch_size} n{self.samples_per_prompt} P{self.prompt_length} R{self.response_length}"
 
     @property
-    def rollout_fields(self) -> dict[str, Any]:
-        """Our rollout's ``HybridEngineRolloutConfig.from_flat`` fields of this config's knobs (those n/a left at
-        their defaults)."""
-        knobs = {"cache_policy": self.cache_policy, "compile_decode": self.compile_decode,
-                 "kv_budget_bytes": self.kv_budget_bytes, "compact_rows": self.compact_rows,
-                 "shared_prefix": self.shared_prefix, "stop_check_interval": self.stop_check_interval,
-                 "cpu_transposed_weights": self.cpu_transposed_weights,
-                 "profile_forwards": self.forward_timing}
+    def engine_fields(self) -> dict[str, Any]:
+        """The contender's ``strategy`` and our rollout's ``HybridEngineRolloutConfig.from_flat`` fields of this
+        config's engine axes (those n/a left out)."""
+        knobs = {axis.engine: getattr(self, axis.field) for axis in ROLLOUT_AXES if axis.engine}
         return {"strategy": self.strategy, **{name: value for name, value in knobs.items() if value is not None}}
+
+
+RolloutConfig = make_dataclass("RolloutConfig", [(a.field, Any, field(default=a.default)) for a in ROLLOUT_AXES],
+                               bases=(RolloutPoint,), frozen=True, kw_only=True)
+"""One point of a rollout matrix: a field per axis of ``ROLLOUT_AXES``, at its default."""
 
 
 @dataclass(kw_only=True)
@@ -117,7 +74,7 @@ class RolloutSettings(MeasuringSettings):
     top_p: float = 1.0
     """Sampling top-p (decoding=sampling)."""
     interleave: bool = False
-    """Run the configs of one workload (alike but for the contender and its own knobs: ``bench/contenders.py``)
+    """Run the configs of one workload (alike but for the contender and its own knobs: ``bench/contenders/``)
     round by round in one process, one iteration of each per round, the order reversed every other round, each
     warmed up first; ``False``: one config after the other."""
     baseline: str | None = None
@@ -195,15 +152,13 @@ class RolloutScenario(Scenario):
     config_type = RolloutConfig
     settings_type = RolloutSettings
     defaults: ClassVar[dict[str, list[Any]]] = {
-        "batch_sizes": [1, 4], "samples_per_prompt": [1, 4], "prompt_lengths": [128], "response_lengths": [32],
-        "dtypes": ["fp32"], "decoding": ["greedy"], "zero_stages": [0], "strategies": ["static"],
-        "cache_policies": ["retain"], "forward_timing": [True], "length_models": ["fixed"], "compile_decode": [False],
-        **KNOB_DEFAULTS}
+        **axis_defaults(ROLLOUT_AXES), "batch_sizes": [1, 4], "samples_per_prompt": [1, 4], "prompt_lengths": [128],
+        "response_lengths": [32]}
     stages = ROLLOUT_STAGES
     what = "rollout"
     throughput_label = "generated tokens/s (p50)"
 
-    def prepare(self, pool: Any, config: RolloutConfig) -> RolloutMeasurement:
+    def prepare(self, pool: Any, config: Any) -> RolloutMeasurement:
         from opsd_rollout.bench.prompts import rollout_inputs  # heavy: see scenarios/base.py
 
         rollout, built = pool.rollout(config)

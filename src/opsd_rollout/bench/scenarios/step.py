@@ -8,11 +8,12 @@ from typing import Any, ClassVar
 
 from rich.table import Table
 
-from opsd_rollout.bench.axes import STEP_AXES, for_contender
+from opsd_rollout.bench import contenders
+from opsd_rollout.bench.axes import STEP_AXES, axis_defaults, for_contender
 from opsd_rollout.bench.report import ConfigResult
 from opsd_rollout.bench.tables import baseline_table, config_table, fmt, mib, stability_table
 from opsd_rollout.bench.scenarios.base import Scenario
-from opsd_rollout.bench.scenarios.rollout import KNOB_DEFAULTS, RolloutConfig, RolloutSettings
+from opsd_rollout.bench.scenarios.rollout import RolloutConfig, RolloutSettings
 from opsd_rollout.checks import boolean, choice, integer, number, rule, text
 from opsd_rollout.metrics import STEP_STAGES, label
 
@@ -84,14 +85,13 @@ class StepSettings(RolloutSettings):
 
 
 class StepMeasurement:
-    """One config's OPSD step, built: each ``run()`` is one step."""
+    """One config's OPSD step, built: each ``run()`` is one step, the contender's (``bench/contenders/``)."""
 
     def __init__(self, engine: Any, teacher: Any, rollout: Any, request: Any, sampling: Any, config: StepConfig,
                  settings: StepSettings, state: Any = None):
-        from opsd_rollout.opsd import (DivergenceConfig, StepState, TeacherCacheConfig,  # heavy: see scenarios/base.py
-                                       opsd_step)
+        from opsd_rollout.opsd import DivergenceConfig, StepState, TeacherCacheConfig  # heavy: see scenarios/base.py
 
-        self._step = opsd_step
+        self._step = contenders.module(config.strategy).step
         self.state = state if state is not None else StepState()
         """``opsd_step``'s ``StepState``, kept across this config's steps (and shared with others: the scenario's)."""
         self.engine, self.teacher, self.rollout = engine, teacher, rollout
@@ -105,7 +105,7 @@ class StepMeasurement:
 
     def run(self) -> dict[str, Any]:
         self._last = self._step(self.engine, self.teacher, self.rollout, self.request, self.sampling,
-                               divergence=self.divergence, teacher_cache=self.cache, state=self.state)
+                                self.divergence, self.cache, self.state)
         return self._last.to_dict()
 
     def timeline(self) -> list[Any]:
@@ -121,21 +121,6 @@ class StepMeasurement:
         spans += [Span(name, start, durations[name], "step") for name, start in p.part_start_ms.items()]
         return spans + [Span(s.name, offset + s.start_ms, s.duration_ms, s.parent or "rollout")
                         for s in self.rollout.get_last_timeline() or []]
-
-
-class DeepSpeedStepMeasurement(StepMeasurement):
-    """The ``deepspeed`` contender's step (``bench/upstream.py``'s ``deepspeed_step``): DeepSpeed's rollout, the
-    teacher's full logits, ``generalized_jsd_loss`` over the student's logits; our loss's beta (0 for forward_kl,
-    1 for reverse_kl) and, for a ``top<k>`` teacher cache, its ``teacher_top_k``."""
-
-    def run(self) -> dict[str, Any]:
-        from opsd_rollout.bench.upstream import DEEPSPEED_LOSSES, deepspeed_step  # heavy: see scenarios/base.py
-
-        beta = DEEPSPEED_LOSSES[self.divergence.loss]
-        top_k = self.cache.top_k if self.cache.mode == "topk" else None
-        self._last = deepspeed_step(self.engine, self.teacher, self.rollout, self.request, self.sampling,
-                                    beta=self.divergence.beta if beta is None else beta, teacher_top_k=top_k)
-        return self._last.to_dict()
 
 
 def step_figures(result: ConfigResult) -> dict[str, Any]:
@@ -154,17 +139,12 @@ class StepScenario(Scenario):
     config_type = StepConfig
     settings_type = StepSettings
     defaults: ClassVar[dict[str, list[Any]]] = {
-        "batch_sizes": [2], "samples_per_prompt": [2], "prompt_lengths": [32], "response_lengths": [32],
-        "dtypes": ["fp32"], "decoding": ["greedy"], "zero_stages": [0, 3], "strategies": ["static"],
-        "cache_policies": ["retain"], "forward_timing": [True], "length_models": ["fixed"], "compile_decode": [False],
-        **KNOB_DEFAULTS, "losses": ["jsd"],
-        "betas": [0.5],
-        "teacher_caches": ["full"]}
+        **axis_defaults(STEP_AXES), "batch_sizes": [2], "samples_per_prompt": [2], "prompt_lengths": [32],
+        "response_lengths": [32], "zero_stages": [0, 3]}
     stages = STEP_STAGES
     what = "step"
     throughput_label = "trained response tokens/s (p50)"
-    columns = ("rollout_ms", "teacher_forward_ms", "cache_write_ms", "student_forward_ms", "loss_ms", "backward_ms",
-               "optimizer_ms")
+    columns = tuple(stage for stage in STEP_STAGES if stage not in ("eval_ms", "train_ms"))  # the switches: JSON
 
     def __init__(self, settings: Any):
         super().__init__(settings)
@@ -191,10 +171,7 @@ class StepScenario(Scenario):
         matrix.check_positions(max_positions(self.settings.teacher))
 
     def skip_reason(self, config: StepConfig) -> str | None:
-        if config.strategy == "deepspeed" and config.loss == "sampled_reverse_kl":
-            return ("DeepSpeed's own step has no sampled-token loss: its generalized_jsd_loss takes the teacher's "
-                    "distribution (forward_kl, reverse_kl, jsd)")
-        return None
+        return contenders.module(config.strategy).skip_reason(config)
 
     def prepare(self, pool: Any, config: StepConfig) -> StepMeasurement:
         from opsd_rollout.bench.prompts import rollout_inputs  # heavy: see scenarios/base.py
@@ -203,9 +180,8 @@ class StepScenario(Scenario):
         request, sampling = rollout_inputs(config, self.settings, built.tokenizer, built.spec.vocab_size,
                                            pool.rank, pool.device)
         teacher = pool.frozen(self.settings.teacher, config.dtype, self.settings.teacher_zero_stage)
-        measurement = DeepSpeedStepMeasurement if config.strategy == "deepspeed" else StepMeasurement
-        prepared = measurement(built.engine, teacher, rollout, request, sampling, config, self.settings,
-                               self.step_state)
+        prepared = StepMeasurement(built.engine, teacher, rollout, request, sampling, config, self.settings,
+                                   self.step_state)
         self.step_state = prepared.state
         return prepared
 

@@ -1,4 +1,11 @@
-"""Contenders side by side: which configs measure the same work, which ones run round by round (``--interleave``),
+"""The contenders (the ``strategies`` axis) and putting them side by side.
+
+Each contender is a module here with one ``build(built, config)``: the rollout it measures on a built engine
+(``ours``: our ``HybridEngineRollout``, one contender per strategy of the engine's ``STRATEGIES``; ``deepspeed``:
+DeepSpeed's own), and for ``opsd-rollout step`` its ``step`` and ``skip_reason``. ``CONTENDERS`` names them; this
+module is light (the command line reads it), ``module`` imports one when it runs.
+
+Side by side: which configs measure the same work, which ones run round by round (``--interleave``),
 and each config's ratio to its baseline's (``--baseline``).
 
 A config's *workload* is its values on the axes every contender has (shapes, dtype, decoding, ZeRO stage,
@@ -15,11 +22,35 @@ their iterations, with its Moses interval, as ``compare`` judges); the baseline'
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Sequence
+from dataclasses import dataclass
+from types import ModuleType
 from typing import Any
 
-from opsd_rollout.bench.axes import CONTENDERS, Axis
 from opsd_rollout.bench.report import ConfigResult
+from opsd_rollout.rollout.config import STRATEGIES
+
+
+@dataclass(frozen=True)
+class Contender:
+    name: str
+    module: str
+    """Its module here (``build``, and ``step``, ``skip_reason`` for the OPSD step)."""
+    engine_axes: bool
+    """Whether it is our engine: the engine's axes apply to it (``Axis.applies_to``)."""
+    needs_deepspeed: bool
+    """Whether it runs only on a DeepSpeed engine (``--zero-stages none`` is refused up front)."""
+
+
+CONTENDERS: dict[str, Contender] = {**{s: Contender(s, "ours", True, False) for s in STRATEGIES},
+                                    "deepspeed": Contender("deepspeed", "deepspeed", False, True)}
+OURS = tuple(name for name, contender in CONTENDERS.items() if contender.engine_axes)
+
+
+def module(strategy: str) -> ModuleType:
+    """The contender's module, imported now (torch, and DeepSpeed for ``deepspeed``)."""
+    return importlib.import_module(f"opsd_rollout.bench.contenders.{CONTENDERS[strategy].module}")
 
 RATIO_METRICS = ("total_ms", "tokens_per_second")
 """The figures each contender is set against its baseline on: the time of one iteration and its throughput (the
@@ -27,13 +58,13 @@ one to read where sampled rows' lengths differ between contenders)."""
 CONFIDENCE = 0.95
 
 
-def workload_key(config: Any, axes: Sequence[Axis]) -> tuple:
+def workload_key(config: Any, axes: Sequence[Any]) -> tuple:
     """The config's values on the axes every contender has (the strategy excepted)."""
     return tuple(getattr(config, axis.field) for axis in axes
                  if axis.field != "strategy" and set(CONTENDERS) <= set(axis.applies_to))
 
 
-def workload_groups(configs: Sequence[Any], axes: Sequence[Axis]) -> list[list[Any]]:
+def workload_groups(configs: Sequence[Any], axes: Sequence[Any]) -> list[list[Any]]:
     """``configs`` grouped by workload, groups in order of first appearance, configs in their order."""
     groups: dict[tuple, list[Any]] = {}
     for config in configs:
@@ -41,13 +72,13 @@ def workload_groups(configs: Sequence[Any], axes: Sequence[Axis]) -> list[list[A
     return list(groups.values())
 
 
-def agrees(config: Any, other: Any, axes: Sequence[Axis]) -> bool:
+def agrees(config: Any, other: Any, axes: Sequence[Any]) -> bool:
     """Same value on every knob both configs' contenders have."""
     both = [axis for axis in axes if config.strategy in axis.applies_to and other.strategy in axis.applies_to]
     return all(getattr(config, axis.field) == getattr(other, axis.field) for axis in both if axis.field != "strategy")
 
 
-def baseline_of(config: Any, group: Sequence[Any], baseline: str, axes: Sequence[Axis]) -> Any | None:
+def baseline_of(config: Any, group: Sequence[Any], baseline: str, axes: Sequence[Any]) -> Any | None:
     """The config of ``group`` (``config``'s workload, in the user's order) that ``config`` is measured against."""
     return next((other for other in group if other.strategy == baseline and agrees(config, other, axes)), None)
 
@@ -69,7 +100,7 @@ def ratio_figures(result: ConfigResult, base: ConfigResult) -> dict[str, dict[st
     return out
 
 
-def set_baselines(results: Sequence[ConfigResult], axes: Sequence[Axis], baseline: str) -> None:
+def set_baselines(results: Sequence[ConfigResult], axes: Sequence[Any], baseline: str) -> None:
     """Each measured result's ``baseline`` record (``ConfigResult.baseline``); ``None`` where the run has one
     contender, or where the config's baseline was not measured. ``results`` in the user's order."""
     several = len({r.config.strategy for r in results}) > 1
@@ -100,10 +131,10 @@ def check_contenders(matrix: Any, baseline: str | None) -> None:
     if baseline is not None and baseline not in strategies:
         raise ValueError(f"--baseline {baseline}: not among --strategies {','.join(strategies)}; name one of them "
                          "(default: the first)")
-    if "deepspeed" in strategies and "none" in matrix["zero_stages"]:
-        raise ValueError("--strategies deepspeed is DeepSpeed's own HybridEngineRollout, which runs on a DeepSpeed "
-                         "engine: drop none from --zero-stages (ZeRO 0 wraps the same model, partitioning nothing) or "
-                         "deepspeed from --strategies")
+    for name in strategies:
+        if CONTENDERS[name].needs_deepspeed and "none" in matrix["zero_stages"]:
+            raise ValueError(f"--strategies {name} runs on a DeepSpeed engine: drop none from --zero-stages (ZeRO 0 "
+                             f"wraps the same model, partitioning nothing) or {name} from --strategies")
 
 
 def knob_notes(matrix: Any) -> list[str]:

@@ -1,4 +1,5 @@
-"""The ``deepspeed`` contender: what DeepSpeed's own pieces give, on the bench's engine, measured like ours.
+"""The ``deepspeed`` contender: what DeepSpeed's own pieces give, on the bench's engine, measured like ours
+(``build``, ``step``, ``skip_reason``: see ``bench/contenders/__init__.py``).
 
 ``DeepSpeedRollout`` is ``deepspeed.runtime.rollout.HybridEngineRollout`` (``enable_profiling=True``) with the
 workload's response lengths forced inside the transformers ``generate`` it calls (the ``LogitsProcessor`` of
@@ -23,6 +24,7 @@ from deepspeed.runtime.rollout.hybrid_engine_rollout import HybridEngineRolloutC
 from transformers import LogitsProcessorList
 
 from opsd_rollout.bench.workload import workload_processor
+from opsd_rollout.distributed import rank_info
 from opsd_rollout.models import dtype_name
 from opsd_rollout.opsd.step import StepParts, StepProfile, resident_bytes
 from opsd_rollout.profiling import Clock, PeakMemory, RolloutProfile, StageRecorder, timed_eval
@@ -111,6 +113,7 @@ class DeepSpeedRollout:
         generation = ds.get("generation_ms", max(0.0, total - expansion - post))
         prefill, decode, steps = ds.get("prefill_forward_ms"), ds.get("decode_forward_ms"), ds.get("num_decode_forwards")
         decode_rate = (generated - rows) / (decode / 1e3) if decode and generated > rows else None
+        ranks = rank_info()
         return RolloutProfile(
             prompt_expansion_ms=expansion, generation_ms=generation, prefill_ms=prefill, decode_ms=decode,
             decode_steps=steps, prefill_forwards=1 if prefill is not None else None,
@@ -128,7 +131,7 @@ class DeepSpeedRollout:
             effective_batch_size=rows, prompt_length=prompt, response_length=response,
             max_new_tokens=sampling.max_new_tokens, dtype=dtype_name(next(self.module.parameters()).dtype),
             device=str(self.device), decoding="greedy" if sampling.temperature <= 0 else "sampling",
-            strategy=self.strategy, zero_stage=_zero_stage(self.engine), world_size=_world_size(), rank=_rank(),
+            strategy=self.strategy, zero_stage=_zero_stage(self.engine), world_size=ranks.world_size, rank=ranks.rank,
             timer="synchronized_clock")
 
     def get_last_profile(self) -> RolloutProfile | None:
@@ -154,16 +157,6 @@ class DeepSpeedRollout:
 def _zero_stage(engine: Any) -> int:
     stage = getattr(engine, "zero_optimization_stage", None)
     return int(stage()) if callable(stage) else 0
-
-
-def _world_size() -> int:
-    dist = torch.distributed
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-
-def _rank() -> int:
-    dist = torch.distributed
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 def _logits(model: Any, batch: ResponseTokenBatch) -> torch.Tensor:
@@ -209,3 +202,23 @@ def deepspeed_step(engine: Any, teacher: Any, rollout: DeepSpeedRollout, request
         teacher_cache_bytes=teacher_logits.numel() * teacher_logits.element_size(),  # held whole on the device
         teacher_cache_budget_bytes=0, teacher_cache_mode="full", fused_loss=False,
         teacher_parameter_bytes=resident_bytes(teacher), loss=float(out.loss.detach()))
+
+
+def build(built: Any, config: Any) -> DeepSpeedRollout:
+    return DeepSpeedRollout(built.engine, built.tokenizer, config.lengths)
+
+
+def step(engine: Any, teacher: Any, rollout: DeepSpeedRollout, request: Any, sampling: Any, divergence: Any,
+         cache: Any, state: Any) -> StepProfile:
+    """``deepspeed_step`` with our loss's beta (0 for forward_kl, 1 for reverse_kl) and, for a ``top<k>`` teacher
+    cache, its ``teacher_top_k``; ``state`` (our step's) is not DeepSpeed's."""
+    beta = DEEPSPEED_LOSSES[divergence.loss]
+    return deepspeed_step(engine, teacher, rollout, request, sampling, beta=divergence.beta if beta is None else beta,
+                          teacher_top_k=cache.top_k if cache.mode == "topk" else None)
+
+
+def skip_reason(config: Any) -> str | None:
+    if config.loss in DEEPSPEED_LOSSES:
+        return None
+    return ("DeepSpeed's own step has no sampled-token loss: its generalized_jsd_loss takes the teacher's "
+            "distribution (forward_kl, reverse_kl, jsd)")

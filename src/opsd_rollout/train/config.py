@@ -1,0 +1,220 @@
+"""``TrainConfig``: a training run, as sections that belong to the code that uses them.
+
+The run's own fields (models, data, how long, when to evaluate and save) sit at the top; the rest are the owners'
+configs, nested, never restated: the rollouts' sampling is DeepSpeed's ``SamplingConfig`` (what ``generate``
+takes), the student's rollout engine ``HybridEngineRolloutConfig``, the loss ``DivergenceConfig``, the teacher's
+logit cache ``TeacherCacheConfig``, and the optimisation (DeepSpeed config, ZeRO stage, learning rate,
+accumulation) ``OptimizationConfig`` beside the code that builds the engine. ``TrainConfig.from_flat`` takes the
+command line's flat names, which are also the keys of a ``train_config.json`` written before the sections existed.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import MISSING, asdict, dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+from deepspeed.runtime.rollout.base import SamplingConfig
+
+from opsd_rollout import checks
+from opsd_rollout.opsd.divergence import DivergenceConfig
+from opsd_rollout.opsd.step import check_pairing
+from opsd_rollout.opsd.teacher import TeacherCacheConfig
+from opsd_rollout.rollout.config import HybridEngineRolloutConfig
+from opsd_rollout.rollout.validation import check_sampling
+from opsd_rollout.train.setup import OptimizationConfig
+
+logger = logging.getLogger(__name__)
+
+OBJECTIVES = ("opsd", "sft")
+OFF_POLICY = ("auto", "references", "teacher")
+SECTIONS = {"sampling": SamplingConfig, "rollout": HybridEngineRolloutConfig, "divergence": DivergenceConfig,
+            "teacher_cache": TeacherCacheConfig, "optimization": OptimizationConfig}
+"""The nested sections and their owners' types."""
+FLAT = {
+    "max_new_tokens": "sampling.max_new_tokens", "samples_per_prompt": "sampling.n_samples_per_prompt",
+    "temperature": "sampling.temperature", "top_k": "sampling.top_k", "top_p": "sampling.top_p",
+    "loss": "divergence.loss", "beta": "divergence.beta", "estimator": "divergence.estimator",
+    "teacher_cache": "teacher_cache.mode", "teacher_top_k": "teacher_cache.top_k",
+    "deepspeed": "optimization.deepspeed", "zero_stage": "optimization.zero_stage", "lr": "optimization.lr",
+    "gradient_accumulation_steps": "optimization.gradient_accumulation_steps",
+}
+"""A flat name (a ``train`` flag's, a key of an older ``train_config.json``) -> the section field it sets; the
+names not listed are ``TrainConfig``'s own fields."""
+
+
+def _default_sampling() -> SamplingConfig:
+    return SamplingConfig(max_new_tokens=32, top_k=0)
+
+
+def _profiled() -> HybridEngineRolloutConfig:
+    return HybridEngineRolloutConfig(enable_profiling=True)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """A training run; ``opsd-rollout train``'s flags map onto these fields and their sections' (``FLAT``)."""
+
+    output_dir: str
+    """Where ``metrics.jsonl``, ``checkpoints/``, ``model/`` (the final student, loadable as a local checkpoint)
+    and ``eval.png`` go."""
+    student: str = "llama-tiny"
+    """Preset name or local checkpoint directory."""
+    teacher: str | None = None
+    """Preset name or local checkpoint directory, of the student's vocabulary; needed unless ``objective="sft"``."""
+    teacher_zero_stage: int = 0
+    """0: the teacher whole beside the student on every rank; 3: a DeepSpeed ZeRO-3 inference engine (no
+    optimizer), its parameters partitioned across the ranks (a teacher larger than one device)."""
+    prompts: str | None = None
+    """JSON lines (``prompt`` or chat ``messages``, optional ``reference``) or one prompt a line; ``None``: the
+    built-in corpus (the Python documentation's topics, with references)."""
+    prompts_per_micro_batch: int = 8
+    """Prompts of one micro-batch (each rank's, with several ranks); DeepSpeed's micro-batch is this x
+    ``sampling.n_samples_per_prompt`` rows."""
+    max_prompt_tokens: int | None = None
+    """Longest prompt accepted (tokens); ``None``: the models' positions less ``sampling.max_new_tokens``. A longer
+    prompt is refused before any work."""
+    objective: str = "opsd"
+    """``opsd``: distil the teacher; ``sft``: cross-entropy on the references."""
+    lmbda: float = 1.0
+    """Fraction of optimizer steps on the student's own samples (TRL's GKD ``lmbda``)."""
+    off_policy: str = "auto"
+    """What the other steps train on: ``references`` (the data's), ``teacher`` (the teacher's samples: supervised
+    KD) or ``auto`` (the references when every example has one, else the teacher's samples)."""
+    steps: int = 100
+    """Optimizer steps to reach (counted from the start, also when resuming)."""
+    seed: int = 0
+    """Every random choice (data order, samples, ``lmbda``'s draws) is a function of it and the micro-batch."""
+    eval_every: int = 10
+    """Held-out evaluation every this many steps, and at step 0 and the last step."""
+    eval_prompts: int = 64
+    """Held-out prompts evaluated (the first of the held-out set)."""
+    save_every: int | None = None
+    """A checkpoint every this many steps (one is always written at the end and on Ctrl-C)."""
+    resume: str | None = None
+    """A previous run's output directory (or its ``checkpoints/``): continue from its latest checkpoint."""
+    progress: bool = True
+    """A progress line on the terminal."""
+    sampling: SamplingConfig = field(default_factory=_default_sampling)
+    """The rollouts' sampling (the evaluation's too), as DeepSpeed's ``generate`` takes it: ``max_new_tokens``
+    (response tokens per sample, and the references' length), ``n_samples_per_prompt``, ``temperature``,
+    ``top_k`` (<= 0 disables it), ``top_p``."""
+    rollout: HybridEngineRolloutConfig = field(default_factory=_profiled)
+    """The student's rollout engine (and the teacher's, for supervised KD); profiling on, as the step record's
+    times come from its profile."""
+    divergence: DivergenceConfig = field(default_factory=DivergenceConfig)
+    """The loss: ``jsd`` (generalized, with ``beta``), ``forward_kl`` or ``reverse_kl`` over the teacher's
+    distribution, or ``sampled_reverse_kl`` (with ``estimator``) over its log-probability of each sampled token
+    (on-policy only)."""
+    teacher_cache: TeacherCacheConfig | None = None
+    """The teacher's logits cached whole (``full``), their top-k (``topk``), or the sampled tokens'
+    log-probabilities (``sampled``); ``None``: ``sampled`` for ``sampled_reverse_kl``, else ``full``. ``cache``
+    reads the one in use."""
+    optimization: OptimizationConfig = field(default_factory=OptimizationConfig)
+    """The student's DeepSpeed config (the user's, or one built from ZeRO stage, learning rate and accumulation)."""
+
+    def __post_init__(self) -> None:
+        checks.choice("objective", self.objective, OBJECTIVES)
+        if self.objective == "opsd" and self.teacher is None:
+            raise ValueError("teacher is needed to distil (objective opsd): a preset or a local checkpoint directory")
+        for name, kind in SECTIONS.items():
+            value = getattr(self, name)
+            if not (value is None and name == "teacher_cache") and not isinstance(value, kind):
+                raise TypeError(f"{name} must be a {kind.__name__}; got {type(value).__name__}")
+        for name in ("steps", "prompts_per_micro_batch", "eval_every", "eval_prompts"):
+            checks.integer(name, getattr(self, name))
+        for name in ("save_every", "max_prompt_tokens"):
+            checks.integer(name, getattr(self, name), optional=True)
+        for name in ("max_new_tokens", "n_samples_per_prompt"):
+            checks.integer(f"sampling.{name}", getattr(self.sampling, name))
+        check_sampling(self.sampling)
+        checks.number("lmbda", self.lmbda, at_least=0, at_most=1)
+        checks.choice("teacher_zero_stage", self.teacher_zero_stage, (0, 3))
+        checks.choice("off_policy", self.off_policy, OFF_POLICY)
+        check_pairing(self.divergence, self.cache)
+        if self.divergence.loss == "sampled_reverse_kl" and self.lmbda < 1 and self.objective == "opsd":
+            raise ValueError("sampled_reverse_kl is an on-policy policy gradient over the student's own samples: "
+                             f"lmbda must be 1 (got {self.lmbda!r})")
+
+    @property
+    def cache(self) -> TeacherCacheConfig:
+        """The teacher cache in use: ``teacher_cache``, or the loss's default."""
+        if self.teacher_cache is not None:
+            return self.teacher_cache
+        return TeacherCacheConfig(mode=default_cache_mode(self.divergence.loss))
+
+    @classmethod
+    def from_flat(cls, values: dict[str, Any]) -> TrainConfig:
+        """A config from flat names (``FLAT``'s and the top-level fields'): the command line's flags, or an older
+        ``train_config.json``. A teacher cache's mode not given is the loss's default (as with ``None``)."""
+        unknown = sorted(set(values) - set(FLAT) - {f.name for f in fields(cls)})
+        if unknown:
+            raise ValueError(f"unknown train config field{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}; "
+                             f"known: {', '.join(sorted({*FLAT, *(f.name for f in fields(cls))} - set(SECTIONS)))}")
+        top = {name: value for name, value in values.items() if not _flat(name, value)}
+        sections: dict[str, dict[str, Any]] = {}
+        for name, value in values.items():
+            if _flat(name, value):
+                section, leaf = FLAT[name].split(".")
+                sections.setdefault(section, {})[leaf] = value
+        if "teacher_cache" in sections:
+            sections["teacher_cache"].setdefault("mode", default_cache_mode(
+                sections.get("divergence", {}).get("loss", DivergenceConfig().loss)))
+        defaults = cls.__dataclass_fields__
+        for section, changes in sections.items():
+            base = top.pop(section, None) or (defaults[section].default_factory() if section != "teacher_cache"
+                                              else TeacherCacheConfig())
+            top[section] = replace(base, **changes)
+        return cls(**top)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> TrainConfig:
+        """The config a ``train_config.json`` holds: sections as objects; a flat file of an older release is read
+        through ``from_flat``, with a line saying so."""
+        values = dict(values)
+        if any(_flat(name, value) for name, value in values.items()):
+            logger.warning("a flat train config of an older release: read with its fields in their sections (%s)",
+                           ", ".join(f"{name} -> {FLAT[name]}" for name, value in values.items()
+                                     if _flat(name, value)))
+            return cls.from_flat(values)
+        for name, kind in SECTIONS.items():
+            if isinstance(values.get(name), dict):
+                values[name] = _from_json(kind, values[name])
+        return cls(**values)
+
+    def to_dict(self) -> dict[str, Any]:
+        """What ``train_config.json`` holds: every field, sections as objects (``from_dict`` reads it back)."""
+        return json.loads(json.dumps(asdict(self), default=str))
+
+
+def _flat(name: str, value: Any) -> bool:
+    """Whether ``name`` is a flat name for a section's field, not the section itself (``teacher_cache`` is both:
+    a mode, or the section; ``None`` is the section's "not named")."""
+    return name in FLAT and not (name in SECTIONS and (value is None or isinstance(value, (dict, SECTIONS[name]))))
+
+
+def _from_json(kind: type, values: dict[str, Any]) -> Any:
+    """A section read back from its JSON: nested dataclasses (the rollout's ``options``) built again, a dtype
+    (written as its name) a dtype again."""
+    values = dict(values)
+    for f in fields(kind):
+        if isinstance(values.get(f.name), dict) and f.default_factory is not MISSING:
+            values[f.name] = _from_json(type(f.default_factory()), values[f.name])
+    if kind is TeacherCacheConfig and isinstance(values.get("dtype"), str):
+        import torch
+
+        values["dtype"] = getattr(torch, values["dtype"].removeprefix("torch."))
+    return kind(**values)
+
+
+def default_cache_mode(loss: str) -> str:
+    """The teacher cache a loss trains on when none is named: ``sampled`` for ``sampled_reverse_kl``, else
+    ``full``."""
+    return "sampled" if loss == "sampled_reverse_kl" else "full"
+
+
+def load_train_config(path: str | Path) -> TrainConfig:
+    """A run's saved ``train_config.json``, of this release or an older (flat) one."""
+    return TrainConfig.from_dict(json.loads(Path(path).read_text()))

@@ -1,0 +1,113 @@
+"""The bench derives the engine's axes from the engine's config (issue 34, part 5): one axis per field of
+``HybridEngineRolloutConfig`` and its ``RolloutOptions`` (flag, parser, default, key fragment and help from the
+field), so a new engine option is an axis with no bench edit; keys of every committed result are unchanged, and
+``compare``'s reader reads every committed result."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import MISSING, dataclass, field, fields, is_dataclass
+from pathlib import Path
+
+import pytest
+
+from opsd_rollout.bench.axes import ROLLOUT_AXES, engine_axes
+from opsd_rollout.bench.matrix import Matrix
+from opsd_rollout.bench.report import results_of
+from opsd_rollout.bench.scenarios import RolloutScenario, scenario_class
+from opsd_rollout.cli import load_result, main
+from opsd_rollout.rollout import HybridEngineRolloutConfig
+from opsd_rollout.rollout.config import RolloutOptions
+
+COMMITTED = sorted(path for path in Path(__file__).parents[1].joinpath("benchmarks").rglob("*.json")
+                   if "schema_version" in json.loads(path.read_text()))
+"""Every result file under benchmarks/ (its traces are JSON too, and no result)."""
+
+
+def axis_fields(config_type) -> list[str]:
+    """Every field of the config and of the dataclasses it nests, but those its metadata says are no axis."""
+    out = []
+    for f in fields(config_type):
+        if f.metadata.get("axis", {}) is None:
+            continue
+        nested = f.default_factory if f.default_factory is not MISSING else None
+        out += axis_fields(nested) if nested is not None and is_dataclass(nested) else [f.name]
+    return out
+
+
+def test_the_engine_axes_are_the_engine_configs_fields():
+    engine = [axis.engine for axis in ROLLOUT_AXES if axis.engine]
+    assert engine == axis_fields(HybridEngineRolloutConfig)
+    assert {"enable_profiling", "strategy", "seed"}.isdisjoint(engine)  # the bench's own, or the contenders axis
+    for axis in ROLLOUT_AXES:
+        if axis.engine:  # the default is the engine's, and the matrix's when the axis is not given
+            owner = RolloutOptions() if axis.engine in {f.name for f in fields(RolloutOptions)} else \
+                HybridEngineRolloutConfig()
+            assert axis.default == getattr(owner, axis.engine) == RolloutScenario.defaults[axis.name][0]
+
+
+@dataclass(kw_only=True)
+class DraftOptions(RolloutOptions):
+    draft_budget_bytes: int | None = None
+    """Most bytes the draft model's cache may take. More words that are not the help."""
+
+
+@dataclass(kw_only=True)
+class DraftConfig(HybridEngineRolloutConfig):
+    draft_tokens: int = 4
+    """Speculative decoding: draft tokens proposed per step. Not part of the help."""
+    draft_sampling: str = "greedy"
+    options: DraftOptions = field(default_factory=DraftOptions)
+
+
+def test_a_new_engine_option_becomes_an_axis_with_no_bench_edit():
+    axes = {axis.name: axis for axis in engine_axes(DraftConfig)}
+    assert [a.engine for a in axes.values()] == axis_fields(DraftConfig)
+    tokens, budget = axes["draft_tokens"], axes["draft_budget_bytes"]
+    assert tokens.flag == "--draft-tokens" and tokens.default == 4 and tokens.parse("8") == 8
+    assert tokens.help.startswith("Speculative decoding: draft tokens proposed per step (draft_tokens; static")
+    assert tokens.fragment(4) == "" and tokens.fragment(8) == "draft_tokens=8"  # old keys stay, new ones say it
+    assert budget.parse("none") is None and budget.parse("64MiB") == 64 * 2**20 and budget.fragment(2**20) == \
+        "draft_budget_bytes=1MiB"
+    assert budget.help.startswith("Most bytes the draft model's cache may take (options.draft_budget_bytes")
+    with pytest.raises(ValueError):
+        tokens.parse("0")
+    assert axes["draft_sampling"].parse("beam") == "beam"  # a text field without choices takes any text
+
+
+def test_every_committed_result_reads_as_compare_reads_it_with_its_keys():
+    assert COMMITTED, "benchmarks/ holds result files"
+    for path in COMMITTED:
+        document = load_result(str(path))
+        scenario = scenario_class(document["kind"])
+        Matrix.parse(scenario, document["matrix"])  # --resume-results reads it the same way
+        stored = [r["key"] for r in json.loads(path.read_text())["results"]]
+        assert [r.config.key for r in results_of(document, scenario.config_type)] == stored, path
+
+
+@pytest.mark.parametrize("path", COMMITTED[:1] + [p for p in COMMITTED if "contenders" in str(p)][:1],
+                         ids=lambda p: p.name)
+def test_compare_reads_a_committed_result_against_itself(path, capsys):
+    assert main(["compare", str(path), str(path), "--allow-disturbed", "--allow-partial"]) in (0, 3)
+    assert "Traceback" not in capsys.readouterr().err
+
+
+def test_every_engine_axis_reaches_the_engines_config():
+    """A value off the default on any engine axis is that field's value in the config our contender builds."""
+    base = {"batch_size": 1, "samples_per_prompt": 1, "prompt_length": 8, "response_length": 4}
+    for axis in (axis for axis in ROLLOUT_AXES if axis.engine):
+        value = next(parsed for text in ("on", "off", "3", "64MiB", "release", "per_layer", "longest")
+                     if (parsed := _parsed(axis, text)) is not None and parsed != axis.default)
+        config = RolloutScenario.make_config(**{**{a.field: a.default for a in ROLLOUT_AXES}, **base,
+                                                axis.field: value})
+        built = HybridEngineRolloutConfig.from_flat(**config.engine_fields)
+        where = built.options if axis.engine in {f.name for f in fields(RolloutOptions)} else built
+        assert getattr(where, axis.engine) == value, axis.name
+        assert axis.fragment(value) in config.key.split("-"), axis.name  # and the key says so
+
+
+def _parsed(axis, text):
+    try:
+        return axis.parse(text)
+    except (ValueError, TypeError):
+        return None
