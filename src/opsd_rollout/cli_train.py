@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import sys
 from typing import Any
 
@@ -55,6 +56,20 @@ FLAGS: list[tuple[str, str, dict[str, Any]]] = [  # (flag, TrainConfig's flat na
     ("--teacher-cache", "teacher_cache", dict(choices=("full", "topk", "sampled"), help="teacher logits cached "
                                               "whole, their top-k, or each sampled token's log-probability "
                                               "(default: sampled for sampled_reverse_kl, else full)")),
+    ("--teacher-url", "teacher_url", dict(metavar="URL", help="a served teacher: vLLM's or SGLang's server, or "
+                                          "opsd-rollout serve-teacher (--teacher then names the model it must "
+                                          "serve); its cache is topk (default) or sampled, never full")),
+    ("--teacher-api-key", "teacher_api_key", dict(metavar="KEY", help="the served teacher's --api-key (default "
+                                                  "$OPSD_ROLLOUT_API_KEY); never written to train_config.json")),
+    ("--teacher-timeout", "teacher_timeout", dict(type=float, metavar="SECONDS", help="how long an unanswering "
+                                                  "teacher server is retried, at the start and mid-run, before the "
+                                                  "run stops with a checkpoint (default 120)")),
+    ("--teacher-protocol", "teacher_protocol", dict(choices=("vllm", "sglang"), help="the served teacher's API: "
+                                                    "vllm (default; also serve-teacher's) or sglang")),
+    ("--top-k-rest", "top_k_rest", dict(choices=("renormalize", "tail"), help="a top-k teacher cache's rest of the "
+                                        "vocabulary: renormalize both distributions over the k tokens, or keep "
+                                        "each side's rest as one tail bucket (default: tail with --teacher-url, "
+                                        "else renormalize)")),
     ("--teacher-zero-stage", "teacher_zero_stage", dict(type=int, choices=(0, 3), help="0 (default): the teacher "
                                                         "whole on every rank; 3: a DeepSpeed ZeRO-3 inference engine, "
                                                         "its parameters partitioned across the ranks")),
@@ -93,6 +108,19 @@ def add_train_parser(sub: Any, common: argparse.ArgumentParser) -> argparse.Argu
     return train
 
 
+def resume_command(argv: list[str], output_dir: Any) -> str:
+    """The command that continues a run: ``argv`` as given, with ``--resume`` (replaced, or added) naming the run."""
+    kept, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--resume":
+            skip = True
+        elif not arg.startswith("--resume="):
+            kept.append(arg)
+    return shlex.join(["opsd-rollout", *kept, "--resume", str(output_dir)])
+
+
 def run_train(args: argparse.Namespace) -> int:
     from transformers.utils import logging as transformers_logging
 
@@ -113,6 +141,11 @@ def run_train(args: argparse.Namespace) -> int:
         print(f"opsd-rollout: interrupted at step {result.steps}; checkpoint {result.checkpoint}; continue with "
               f"--resume {result.output_dir}", file=sys.stderr)
         return 130
+    if result.stopped is not None:
+        print(f"opsd-rollout: stopped after step {result.steps}: {result.stopped}\ncheckpoint {result.checkpoint}; "
+              f"once the teacher server answers, continue with:\n  {resume_command(args.argv, result.output_dir)}",
+              file=sys.stderr)
+        return 3
     curve = result.eval_curve()
     if curve:
         (first_step, first), (last_step, last) = curve[0], curve[-1]

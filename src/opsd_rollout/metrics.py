@@ -236,7 +236,7 @@ TRAINING: dict[str, Metric] = {m.name: m for m in [
            meaning="the process's resident memory after the step: flat over a run, or a leak"),
     Metric("eval_reverse_kl", "reverse KL", "nats/token", merge="mean", monitor="eval/reverse_kl",
            meaning="held-out reverse KL, student to teacher, on the student's samples, exact over the "
-                   "vocabulary"),
+                   "vocabulary (a served teacher's: the unbiased k3 estimate from the sampled tokens)"),
     Metric("eval_cross_entropy", "cross-entropy", "nats/token", merge="mean", monitor="eval/cross_entropy",
            meaning="held-out cross-entropy of the student on the references (when the data has them)"),
     Metric("time/evaluation_ms", "evaluation", "ms", monitor="time/evaluation_ms",

@@ -20,6 +20,8 @@ from deepspeed.runtime.rollout.base import SamplingConfig
 
 from opsd_rollout import checks
 from opsd_rollout.opsd.divergence import DivergenceConfig
+from opsd_rollout.opsd.served import refuse_full_cache
+from opsd_rollout.opsd.served_wire import PROTOCOLS
 from opsd_rollout.opsd.step import check_pairing
 from opsd_rollout.opsd.teacher import TeacherCacheConfig
 from opsd_rollout.rollout.config import HybridEngineRolloutConfig
@@ -37,6 +39,7 @@ FLAT = {
     "max_new_tokens": "sampling.max_new_tokens", "samples_per_prompt": "sampling.n_samples_per_prompt",
     "temperature": "sampling.temperature", "top_k": "sampling.top_k", "top_p": "sampling.top_p",
     "loss": "divergence.loss", "beta": "divergence.beta", "estimator": "divergence.estimator",
+    "top_k_rest": "divergence.top_k_rest",
     "teacher_cache": "teacher_cache.mode", "teacher_top_k": "teacher_cache.top_k",
     "deepspeed": "optimization.deepspeed", "zero_stage": "optimization.zero_stage", "lr": "optimization.lr",
     "gradient_accumulation_steps": "optimization.gradient_accumulation_steps",
@@ -64,6 +67,19 @@ class TrainConfig:
     """Preset name or local checkpoint directory."""
     teacher: str | None = None
     """Preset name or local checkpoint directory, of the student's vocabulary; needed unless ``objective="sft"``."""
+    teacher_url: str | None = None
+    """A served teacher: the address of vLLM's or SGLang's server, or of ``opsd-rollout serve-teacher``, that scores
+    the rollouts (``teacher`` then names the model it must serve; ``None``: the one it serves). Its cache is
+    ``topk`` or ``sampled``, never ``full``."""
+    teacher_api_key: str | None = None
+    """The served teacher's key (its ``--api-key``), sent as a bearer token; never written to
+    ``train_config.json``. ``None``: ``$OPSD_ROLLOUT_API_KEY`` if set."""
+    teacher_timeout: float = 120.0
+    """Seconds an unanswering teacher server is retried, with backoff, at the start and mid-run; then the run
+    stops with a checkpoint at its last completed step (a vLLM server may still be loading its model)."""
+    teacher_protocol: str = "vllm"
+    """``vllm`` (vLLM's OpenAI-compatible ``/v1/completions``, also ``serve-teacher``'s) or ``sglang``
+    (SGLang's ``/generate``)."""
     teacher_zero_stage: int = 0
     """0: the teacher whole beside the student on every rank; 3: a DeepSpeed ZeRO-3 inference engine (no
     optimizer), its parameters partitioned across the ranks (a teacher larger than one device)."""
@@ -117,8 +133,11 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         checks.choice("objective", self.objective, OBJECTIVES)
-        if self.objective == "opsd" and self.teacher is None:
-            raise ValueError("teacher is needed to distil (objective opsd): a preset or a local checkpoint directory")
+        if self.objective == "opsd" and self.teacher is None and self.teacher_url is None:
+            raise ValueError("teacher is needed to distil (objective opsd): a preset, a local checkpoint directory "
+                             "or a served teacher's teacher_url")
+        if self.teacher_url is not None:
+            _check_served(self)
         for name, kind in SECTIONS.items():
             value = getattr(self, name)
             if not (value is None and name == "teacher_cache") and not isinstance(value, kind):
@@ -143,7 +162,7 @@ class TrainConfig:
         """The teacher cache in use: ``teacher_cache``, or the loss's default."""
         if self.teacher_cache is not None:
             return self.teacher_cache
-        return TeacherCacheConfig(mode=default_cache_mode(self.divergence.loss))
+        return TeacherCacheConfig(mode=default_cache_mode(self.divergence.loss, served=self.teacher_url is not None))
 
     @classmethod
     def from_flat(cls, values: dict[str, Any]) -> TrainConfig:
@@ -159,9 +178,12 @@ class TrainConfig:
             if _flat(name, value):
                 section, leaf = FLAT[name].split(".")
                 sections.setdefault(section, {})[leaf] = value
+        loss = sections.get("divergence", {}).get("loss", DivergenceConfig().loss)
+        served = values.get("teacher_url") is not None
         if "teacher_cache" in sections:
-            sections["teacher_cache"].setdefault("mode", default_cache_mode(
-                sections.get("divergence", {}).get("loss", DivergenceConfig().loss)))
+            sections["teacher_cache"].setdefault("mode", default_cache_mode(loss, served=served))
+        if served and loss != "sampled_reverse_kl":  # the served top-k's rest of the mass as one bucket
+            sections.setdefault("divergence", {}).setdefault("top_k_rest", "tail")
         defaults = cls.__dataclass_fields__
         for section, changes in sections.items():
             base = top.pop(section, None) or (defaults[section].default_factory() if section != "teacher_cache"
@@ -185,8 +207,11 @@ class TrainConfig:
         return cls(**values)
 
     def to_dict(self) -> dict[str, Any]:
-        """What ``train_config.json`` holds: every field, sections as objects (``from_dict`` reads it back)."""
-        return json.loads(json.dumps(asdict(self), default=str))
+        """What ``train_config.json`` holds: every field, sections as objects (``from_dict`` reads it back), but the
+        served teacher's key."""
+        values = json.loads(json.dumps(asdict(self), default=str))
+        values["teacher_api_key"] = None
+        return values
 
 
 def _flat(name: str, value: Any) -> bool:
@@ -209,10 +234,26 @@ def _from_json(kind: type, values: dict[str, Any]) -> Any:
     return kind(**values)
 
 
-def default_cache_mode(loss: str) -> str:
+def default_cache_mode(loss: str, *, served: bool = False) -> str:
     """The teacher cache a loss trains on when none is named: ``sampled`` for ``sampled_reverse_kl``, else
-    ``full``."""
-    return "sampled" if loss == "sampled_reverse_kl" else "full"
+    ``full`` (``topk`` from a served teacher, which never sends a whole vocabulary)."""
+    return "sampled" if loss == "sampled_reverse_kl" else "topk" if served else "full"
+
+
+def _check_served(config: TrainConfig) -> None:
+    """What a served teacher cannot do, refused before any work: it scores tokens, it neither trains nor generates,
+    and it sends no whole vocabulary."""
+    checks.choice("teacher_protocol", config.teacher_protocol, PROTOCOLS)
+    checks.number("teacher_timeout", config.teacher_timeout, at_least=0)
+    if not isinstance(config.teacher_url, str) or not config.teacher_url.startswith(("http://", "https://")):
+        raise ValueError(f"teacher_url must be the teacher server's http:// or https:// address; got "
+                         f"{config.teacher_url!r}")
+    if config.objective != "opsd":
+        raise ValueError("teacher_url serves a teacher to distil from; objective sft trains on references alone")
+    if config.teacher_zero_stage != 0:
+        raise ValueError("teacher_zero_stage partitions an in-process teacher; a served teacher runs on its server")
+    if config.cache.mode == "full":
+        refuse_full_cache(config.cache)  # the reason, and what to use
 
 
 def load_train_config(path: str | Path) -> TrainConfig:

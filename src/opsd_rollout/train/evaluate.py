@@ -1,8 +1,9 @@
 """Held-out evaluation: how close the student is to the teacher where it matters, on its own samples.
 
-``reverse_kl``: the per-token KL(student || teacher), exact over the vocabulary, on the student's samples for the
-held-out prompts (the quantity on-policy distillation minimises); ``cross_entropy``: the student's per-token
-cross-entropy on the held-out references, when the data has them. Both in nats, means over response tokens. The
+``reverse_kl``: the per-token KL(student || teacher), exact over the vocabulary (with a served teacher, the unbiased
+k3 estimate from the sampled tokens' log-probabilities), on the student's samples for the held-out prompts (the
+quantity on-policy distillation minimises); ``cross_entropy``: the student's per-token cross-entropy on the held-out
+references, when the data has them. Both in nats, means over response tokens. The
 samples are drawn from a fixed seed at every evaluation (the rollout's own ``seed``, one per chunk of prompts), and
 the training's random state is left as it was (``seeded``, for what takes no seed of its own).
 """
@@ -17,12 +18,15 @@ import torch.distributed as dist
 from opsd_rollout.distributed import agree_max, partitioned
 from opsd_rollout.modeling import position_ids, text_config
 from opsd_rollout.opsd.divergence import DivergenceConfig, token_divergence
+from opsd_rollout.opsd.served import ServedTeacher
 from opsd_rollout.opsd.targets import response_targets
+from opsd_rollout.opsd.teacher import TeacherCacheConfig
 from opsd_rollout.seeding import seeded
 from opsd_rollout.train.data import Encoder, Example
 from opsd_rollout.train.sft import cross_entropy_sum
 
 REVERSE_KL = DivergenceConfig(loss="reverse_kl")
+SAMPLED = TeacherCacheConfig(mode="sampled")
 LOGITS_BUDGET = 64 * 2**20
 """Bytes of float32 logits one evaluation forward may hold (student and teacher each): rows are chunked to it."""
 
@@ -62,6 +66,26 @@ def reverse_kl_sum(student: torch.nn.Module, teacher: torch.nn.Module, batch: An
     return total, count
 
 
+def served_reverse_kl_sum(student: torch.nn.Module, teacher: ServedTeacher, batch: Any) -> tuple[float, int]:
+    """Summed per-token KL(student || teacher) over ``batch``'s response tokens, estimated from the sampled tokens
+    alone (a served teacher sends log-probabilities, not distributions): k3 = exp(-r) - 1 + r with r = log p_s(y) -
+    log p_t(y), whose mean under the student's sampling is the same per-token KL as the exact figure (unbiased,
+    never negative), and their count."""
+    targets = response_targets(batch)
+    teacher_logprobs = teacher.build_cache(targets, SAMPLED).values  # [N, R] on the host
+    total, count = 0.0, 0
+    for rows in _row_chunks(targets, text_config(student.config).vocab_size, student):
+        logits = _window_logits(student, targets, rows)
+        labels = targets.labels[rows].to(logits.device)
+        student_logprobs = torch.log_softmax(logits, dim=-1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+        r = student_logprobs - teacher_logprobs[rows].to(logits.device, torch.float32)
+        kl = torch.expm1(-r) + r
+        mask = targets.mask[rows].to(kl.device)
+        total += float((kl * mask).sum())
+        count += int(mask.sum())
+    return total, count
+
+
 def cross_entropy_of(student: torch.nn.Module, batch: Any) -> tuple[float, int]:
     targets = response_targets(batch)
     total, count = 0.0, 0
@@ -92,7 +116,8 @@ def evaluate(engine: Any, teacher: torch.nn.Module | None, rollout: Any, encoder
                 chunk = examples[start:start + batch_size]
                 if teacher is not None:
                     batch = rollout.generate(encoder.request(chunk, device), sampling, seed=seed + start)
-                    _add(sums["eval_reverse_kl"], reverse_kl_sum(module, teacher, batch))
+                    kl = (served_reverse_kl_sum if isinstance(teacher, ServedTeacher) else reverse_kl_sum)
+                    _add(sums["eval_reverse_kl"], kl(module, teacher, batch))
                 if references:
                     _add(sums["eval_cross_entropy"], cross_entropy_of(module, encoder.with_references(chunk, device)))
     finally:

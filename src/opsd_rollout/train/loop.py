@@ -42,6 +42,9 @@ class TrainResult:
     model_dir: Path | None = None
     plot: Path | None = None
     interrupted: bool = False
+    stopped: str | None = None
+    """Why the run stopped before its last step other than Ctrl-C (a served teacher that stopped answering); a
+    checkpoint of the last completed step was saved, and ``--resume`` continues from it."""
 
     def eval_curve(self, name: str = "eval_reverse_kl") -> list[tuple[int, float]]:
         return [(r["step"], r[name]) for r in self.records if name in r]
@@ -191,15 +194,18 @@ class _Run:
                     result.checkpoint = self.save()
         except KeyboardInterrupt:
             result.interrupted = True
+        except ConnectionError as error:  # a served teacher gone for longer than teacher_timeout: keep what is done
+            result.stopped = str(error)
         if self.saved_at != self.step:
             result.checkpoint = self.save()
         else:
             result.checkpoint = self.checkpoints / f"step{self.step}"
         result.steps, result.records = self.step, list(self.log.records)
-        if not result.interrupted:
+        if not result.interrupted and result.stopped is None:
             result.model_dir = save_model(self.engine, self.models.tokenizer, self.out / "model", self.rank)
         if self.rank.rank == 0:
-            title = (f"{_short(config.student)} distilled from {_short(config.teacher)}" if config.objective == "opsd"
+            teacher = _short(config.teacher) if config.teacher else config.teacher_url
+            title = (f"{_short(config.student)} distilled from {teacher}" if config.objective == "opsd"
                      else f"{_short(config.student)} trained by SFT")
             result.plot = plot_eval(result.records, self.out / "eval.png", title)
         return result
@@ -207,7 +213,8 @@ class _Run:
 
 def train(config: TrainConfig) -> TrainResult:
     """Run ``config``: every input checked before any model work, then the loop. Ctrl-C saves a checkpoint and
-    returns with ``interrupted`` set."""
+    returns with ``interrupted`` set; a served teacher that stops answering for ``teacher_timeout`` seconds saves one
+    at the last completed step and returns with ``stopped`` set."""
     from opsd_rollout.train.data import read_examples
 
     if config.resume is not None:
@@ -221,6 +228,11 @@ def train(config: TrainConfig) -> TrainResult:
         raise ValueError("objective sft trains on references: every example needs a 'reference'")
     if config.off_policy == "references" and not references:
         raise ValueError("off_policy references trains on references: every example needs a 'reference'")
+    teacher_samples = config.off_policy == "teacher" or (config.off_policy == "auto" and not references)
+    if config.teacher_url is not None and config.lmbda < 1 and teacher_samples:
+        raise ValueError("the steps that are not on-policy would train on the teacher's samples, and a served "
+                         "teacher scores tokens, it does not generate: use lmbda 1, or references (off_policy "
+                         "references, every example with a 'reference')")
     return _Run(config, models, train_examples, held_out).run()
 
 

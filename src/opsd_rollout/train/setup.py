@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,7 @@ from opsd_rollout import checks
 from opsd_rollout.deepspeed_config import check_deepspeed_config, refusal
 from opsd_rollout.modeling import max_positions_of, text_config
 from opsd_rollout.models import load_model, model_config
+from opsd_rollout.opsd.served import ServedTeacher
 from opsd_rollout.presets import PRESETS
 from opsd_rollout.train.data import Example
 
@@ -46,7 +48,7 @@ class OptimizationConfig:
 class Models:
     student: torch.nn.Module
     tokenizer: Any
-    teacher: torch.nn.Module | None
+    teacher: torch.nn.Module | ServedTeacher | None
     max_prompt_tokens: int
     """The longest prompt a rollout can take: the models' positions less ``max_new_tokens`` (or the config's)."""
 
@@ -65,7 +67,8 @@ def load_models(config: Any) -> Models:
     vocabulary and positions that fit ``max_prompt_tokens + max_new_tokens``. The user's DeepSpeed config is
     checked first: a run's first model work is here, and a bad config is refused (an unknown key warned of) before."""
     deepspeed_config_of(config)
-    names = [config.student] + ([config.teacher] if config.teacher is not None else [])
+    served = config.teacher_url is not None
+    names = [config.student] + ([config.teacher] if config.teacher is not None and not served else [])
     configs = [text_config(model_config(name)) for name in names]
     if len(configs) == 2 and configs[0].vocab_size != configs[1].vocab_size:
         raise ValueError(f"student {config.student!r} has a vocabulary of {configs[0].vocab_size:,} tokens and teacher "
@@ -78,11 +81,28 @@ def load_models(config: Any) -> Models:
         raise ValueError(f"max_prompt_tokens {longest} + max_new_tokens {new_tokens} exceed the models' "
                          f"{positions} positions")
     student, tokenizer = load_model(config.student)
+    if served:
+        return Models(student, tokenizer, served_teacher(config, tokenizer, configs[0].vocab_size), longest)
     # a preset teacher that is also the student gets other random weights: the same would make the loss 0
     seed = 1 if config.teacher == config.student and config.teacher in PRESETS else None
     teacher = (load_model(config.teacher, seed=seed)[0].eval().requires_grad_(False) if config.teacher is not None
                else None)
     return Models(student, tokenizer, teacher, longest)
+
+
+def served_teacher(config: Any, tokenizer: Any, vocab_size: int) -> ServedTeacher:
+    """The served teacher of ``config.teacher_url``, checked before any step: it answers (retried up to
+    ``teacher_timeout``), serves ``config.teacher`` (when named), and has the student's tokenizer and vocabulary;
+    each failure one line naming both sides."""
+    teacher = ServedTeacher(config.teacher_url, model=config.teacher,
+                            api_key=config.teacher_api_key or os.environ.get("OPSD_ROLLOUT_API_KEY"),
+                            protocol=config.teacher_protocol, tokenizer=tokenizer,
+                            retry_timeout_s=config.teacher_timeout)
+    try:
+        teacher.connect(vocab_size)
+    except ConnectionError as error:
+        raise ValueError(f"--teacher-url: {error}") from None
+    return teacher
 
 
 def split_examples(config: Any, examples: list[Example] | None) -> tuple[list[Example], list[Example]]:

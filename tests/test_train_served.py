@@ -1,0 +1,126 @@
+"""``opsd-rollout train --teacher-url``: a served teacher in the training loop, against our server on loopback (an
+in-process thread on a free port, stopped at the end). The run trains as with the same teacher in process, its
+server is checked before any step, what a served teacher cannot do is refused up front, and a server that goes away
+mid-run stops the run cleanly with a checkpoint and the command that continues it, after which the resumed run
+holds every step once. (tests/test_served_teacher.py tests the client and the step; test_serve.py the server.)"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from opsd_rollout.cli import main
+from opsd_rollout.models import load_model
+from opsd_rollout.serve import ServeConfig, TeacherServer
+from opsd_rollout.train import TrainConfig, train
+from test_train import write_prompts
+
+TINY = dict(student="llama-tiny", prompts_per_micro_batch=2, max_new_tokens=8, eval_prompts=4, eval_every=2,
+            progress=False, lr=1e-3)
+
+
+def records(directory: Path) -> list[dict]:
+    return [json.loads(line) for line in (directory / "metrics.jsonl").read_text().splitlines()]
+
+
+def serve(model: str, port: int = 0, name: str | None = None) -> TeacherServer:
+    teacher, tokenizer = load_model(model)
+    return TeacherServer(ServeConfig(model=model, served_model_name=name, port=port), model=teacher,
+                         tokenizer=tokenizer).start()
+
+
+@pytest.fixture(scope="module")
+def qwen_server():
+    server = serve("qwen2-tiny", name="qwen2-tiny")
+    yield server
+    server.stop()
+
+
+def test_a_served_teacher_trains_as_the_same_teacher_in_process(tmp_path, qwen_server):
+    """Same weights, same cache (top-k with the tail bucket): the same losses, step after step."""
+    common = dict(TINY, steps=3, teacher="qwen2-tiny", teacher_cache="topk", teacher_top_k=16, top_k_rest="tail")
+    here = train(TrainConfig.from_flat(dict(common, output_dir=str(tmp_path / "here"))))
+    there = train(TrainConfig.from_flat(dict(common, output_dir=str(tmp_path / "there"),
+                                             teacher_url=qwen_server.url)))
+    losses = [r["loss"] for r in here.records[1:]]
+    assert [r["loss"] for r in there.records[1:]] == pytest.approx(losses, rel=1e-3)
+    assert there.records[1]["loss"] == pytest.approx(losses[0], rel=1e-5)  # before any update: the same numbers
+    assert all(r["eval_reverse_kl"] > 0 for r in there.records if "eval_reverse_kl" in r)
+    saved = json.loads((tmp_path / "there" / "train_config.json").read_text())
+    assert saved["teacher_url"] == qwen_server.url and saved["divergence"]["top_k_rest"] == "tail"
+
+
+def test_the_served_evaluation_is_zero_against_the_student_itself(tmp_path):
+    """The k3 estimate of KL(student || teacher) from the sampled tokens is 0 when the teacher is the student: the
+    served log-probabilities line up with the student's, token for token."""
+    server = serve("llama-tiny")
+    try:
+        result = train(TrainConfig.from_flat(dict(TINY, steps=1, eval_every=1, output_dir=str(tmp_path / "run"),
+                                                  teacher_url=server.url, loss="sampled_reverse_kl")))
+    finally:
+        server.stop()
+    assert result.records[0]["eval_reverse_kl"] == pytest.approx(0.0, abs=1e-5)
+    assert result.records[1]["loss"] == pytest.approx(0.0, abs=1e-5)
+
+
+@pytest.mark.parametrize("change,message", [
+    (dict(teacher_url="http://127.0.0.1:{port}", teacher_timeout=0.5), "--teacher-url: the teacher server at "
+                                                                       "http://127.0.0.1:{port} did not answer"),
+    (dict(teacher="qwen2-small"), "qwen2-small"),
+    (dict(teacher_cache="full"), "not its whole vocabulary"),
+    (dict(lmbda=0.5, prompts="NOREFS"), "a served teacher scores tokens, it does not generate"),
+    (dict(objective="sft"), "objective sft trains on references alone"),
+    (dict(teacher_zero_stage=3), "a served teacher runs on its server"),
+])
+def test_what_a_served_teacher_cannot_do_is_refused_before_any_step(tmp_path, monkeypatch, qwen_server, change,
+                                                                    message):
+    from opsd_rollout.distributed import free_port
+    from opsd_rollout.train import loop
+
+    monkeypatch.setattr(loop, "build_student_engine", lambda *a: pytest.fail("reached the engine"))
+    port = free_port()
+    change = {k: v.format(port=port) if isinstance(v, str) else v for k, v in change.items()}
+    if change.get("prompts") == "NOREFS":
+        change["prompts"] = str(write_prompts(tmp_path / "p.jsonl", reference=False))
+    with pytest.raises(ValueError, match=message.format(port=port).replace("(", r"\(")):
+        train(TrainConfig.from_flat({**TINY, "steps": 1, "output_dir": str(tmp_path / "run"),
+                                     "teacher_url": qwen_server.url, **change}))
+
+
+def test_a_server_gone_mid_run_stops_it_with_a_checkpoint_and_resume_continues(tmp_path, monkeypatch, capsys):
+    """The server stops before step 3's teacher request: retried for --teacher-timeout, then the run saves step 2,
+    exits 3 and prints the command that continues it; with the server back, that command finishes the run and
+    metrics.jsonl holds every step once."""
+    from opsd_rollout.train import loop
+
+    server = serve("qwen2-tiny")
+    port = int(server.url.rsplit(":", 1)[1])
+    calls, step = [], loop.opsd_step
+
+    def stopping(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            server.stop()
+        return step(*args, **kwargs)
+
+    monkeypatch.setattr(loop, "opsd_step", stopping)
+    out = tmp_path / "run"
+    argv = ["train", "--student", "llama-tiny", "--teacher-url", server.url, "--teacher-timeout", "1", "--steps", "4",
+            "--prompts-per-micro-batch", "2", "--max-new-tokens", "6", "--eval-every", "2", "--eval-prompts", "4",
+            "--output-dir", str(out), "--quiet"]
+    assert main(argv) == 3
+    err = capsys.readouterr().err
+    assert "stopped after step 2: the teacher server at" in err and "did not answer POST /v1/completions" in err
+    assert f"checkpoint {out / 'checkpoints' / 'step2'}" in err
+    command = err.strip().splitlines()[-1].strip()
+    assert command == "opsd-rollout " + " ".join(argv) + f" --resume {out}"
+    assert [r["step"] for r in records(out)] == [0, 1, 2] and not (out / "model").exists()
+    monkeypatch.setattr(loop, "opsd_step", step)
+    back = serve("qwen2-tiny", port=port)
+    try:
+        assert main(command.split()[1:]) == 0
+    finally:
+        back.stop()
+    assert [r["step"] for r in records(out)] == [0, 1, 2, 3, 4] and (out / "model" / "config.json").is_file()
