@@ -86,7 +86,7 @@ def test_the_same_seed_repeats_and_the_next_call_differs():
 def test_finished_rows_leave_the_batch_in_size_buckets_and_utilisation_counts_what_was_computed():
     """Rows per decode forward, spied: they shrink to buckets as rows finish, and the profile's row-steps are
     exactly the rows' first tokens plus those rows, its utilisation the real tokens over them."""
-    from opsd_rollout.rollout.decode.steps import decode_one_token
+    from opsd_rollout.rollout.decode.loop import decode_one_token
 
     model, tokenizer = soft_transition_model(), make_tokenizer(0, 2)
     request = left_padded([[4, 5], [8], [12, 13, 14], [3], [7], [11], [16], [20]], 0)

@@ -87,7 +87,7 @@ def test_decode_steps_attend_to_the_filled_positions_and_skip_the_mask_without_p
     """Each decode step's keys span the positions written so far (the whole cache with ``whole_cache``),
     and its mask is ``None`` when no prompt is padded, else the same width, switched on up to the fed token
     (every row kept in the batch: compaction off)."""
-    from opsd_rollout.rollout.decode.steps import decode_one_token
+    from opsd_rollout.rollout.decode.loop import decode_one_token
 
     model = tiny_models["llama-tiny"]
     rollout = static(model, tokenizer, whole_cache=whole_cache, compact_rows=False)
@@ -95,8 +95,8 @@ def test_decode_steps_attend_to_the_filled_positions_and_skip_the_mask_without_p
 
     def spy(*args, **kwargs):
         logits = decode_one_token(*args, **kwargs)
-        mask, cache = args[3], args[4]
-        seen.append((None if mask is None else mask.clone(), cache.layers[0].get_mask_sizes(1)[0]))
+        mask, cache = args[5], args[6]
+        seen.append((None if mask is None else mask.clone(), cache.get_mask_sizes(1, 0)[0]))
         return logits
 
     rollout.strategy.decode_step = spy
