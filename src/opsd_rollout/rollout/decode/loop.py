@@ -110,11 +110,6 @@ class SlotState:
         else:  # admitted rows start behind the others: each slot its own column
             self.aligned = False
 
-    def write_at(self, active: int) -> tuple[torch.Tensor | int, int]:
-        """Where the next decode forward of the first ``active`` slots writes: ``(column, width)``, the column one
-        int while every slot writes the same one (a slice copy), else each slot's [A]."""
-        return (self.width if self.aligned else self.column[:active]), self.width
-
     def live(self, active: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The first ``active`` slots' ``(running, row, count)``."""
         return self.running[:active], self.row[:active], self.count[:active]
@@ -254,7 +249,8 @@ class DecodeLoop:
         warm-up call for this shape instead (its keys/values go to the cache's last column, which only finished
         rows write; it returns the graphs it compiled)."""
         state, layout, forwards = self.state, self.layout, self.forwards
-        column, width = state.write_at(active)
+        # where the rows' keys/values go: one column while every slot writes the same one (a slice copy)
+        column, width = state.width if state.aligned else state.column[:active], state.width
         mask, attention = layout.step_inputs(active, column, width, state.running)
         if self.compiled:  # its arguments keep their types and values from step to step: no host ints
             column, width = state.column[:active], None
@@ -265,8 +261,8 @@ class DecodeLoop:
                     layout.cache, forwards.cache_keyword, **attention)
 
     def warm(self, active: int) -> None:
-        """The compiled step's warm-up call for this step's shape, a forward of its own apart from the decode steps
-        (timed as ``compile``); nothing the step reads is touched."""
+        """The compiled step's warm-up call for this step's shape: a forward of its own before the step (timed as
+        ``compile``), on the step's inputs, writing only the cache's last column."""
         with self.recorder.phase("compile"):
             self.stats.compiled_graphs += self.forward(active, warm=True)
         self.layout.step_done()
