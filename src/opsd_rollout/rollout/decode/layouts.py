@@ -34,6 +34,7 @@ class PrefillTarget(NamedTuple):
     masked: bool
     """Whether the prefill needs a mask even when no prompt is padded."""
     rows: torch.Tensor | None = None
+    """[k] the cache rows the prompts go to (the prefix store's slots); ``None``: the first ``k``."""
 
 
 class KVLayout:

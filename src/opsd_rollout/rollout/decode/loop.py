@@ -147,6 +147,7 @@ class Forwards:
     """What the loop runs."""
 
     model: torch.nn.Module
+    """The module every forward is called on (``engine.module`` under DeepSpeed, PEFT wrappers included)."""
     cache_keyword: str
     """The name the model's forward takes its cache by."""
     step: Callable[..., torch.Tensor] = decode_one_token
