@@ -8,12 +8,13 @@
             pending rows into the freed slots (continuous batching) or, once none is pending, compact the live
             rows to the front of a smaller batch size bucket
 
-A token's whole path is here and in the cache it is written to (``rollout/workspace.py``): the two model calls
-``prefill`` and ``decode_one_token`` (gpt-fast's names; the write position is their argument, as gpt-fast passes
-``input_pos``), ``SlotState`` (where each slot stands: its row, position, write column, last token) and
-``DecodeLoop`` (the order of things). ``KVLayout`` (where keys/values live), ``RowScheduler`` (which row is in
-which slot) and ``Lockstep`` (ranks) are the loop's other pieces. Phases that are not decode steps (compaction,
-a compile) are recorded through the ``recorder`` the loop is given.
+A token's path is here, in the cache it is written to (``rollout/workspace.py``) and in the sampler
+(``rollout/sampling.py``). Here: the two model calls ``prefill`` and ``decode_one_token`` (gpt-fast's names; the
+write position is their argument, as gpt-fast passes ``input_pos``), ``SlotState`` (where each slot stands: its
+row, position, write column, last token) and ``DecodeLoop`` (the order of things). ``KVLayout`` (where
+keys/values live), ``RowScheduler`` (which row is in which slot) and ``Lockstep`` (ranks) are the loop's other
+pieces. Phases that are not decode steps (compaction, a compile) are recorded through the ``recorder`` the loop
+is given.
 """
 
 from __future__ import annotations
@@ -70,7 +71,8 @@ class SlotState:
     """Per slot of the decode batch (``S``; the first ``active`` run): the request row it holds, its token count,
     position id, write column, last token and whether it runs; per request row (``N``), the tokens out. A
     finished or empty slot keeps stepping until the next check retires it: its token goes to a sink (an extra
-    output row and column) and its keys/values to the cache's last column, so nothing it computes is read."""
+    output row and column) and its keys/values past its row's last (at most to the cache's last column, which no
+    live row writes), so nothing it computes is read."""
 
     def __init__(self, rows: int, slots: int, max_new_tokens: int, out: torch.Tensor, length: int):
         device = out.device
