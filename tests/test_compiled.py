@@ -127,6 +127,33 @@ def test_inductor_compiled_step_over_the_shared_prefix_layout(tiny_models, token
 
 
 
+def test_the_warm_up_call_writes_only_the_caches_last_column(tiny_models, tokenizer, monkeypatch):
+    """A warm-up is a forward of its own before the step: its keys/values go to the cache's last column (which
+    only finished rows write), so every column a row reads is as it was, and nothing is undone after it."""
+    torch._dynamo.reset()
+    rollout = rollout_engine(tiny_models["llama-tiny"], tokenizer, ignore_eos=True)
+    rollout.rollout.strategy = StaticDecode(compile_decode=True, compact_rows=False,
+                                            compile_options={"backend": "aot_eager"})
+    warm, seen = CompiledStep.warm, []
+
+    def spy(step, model, token, position, column, width, mask, cache, *args, **kwargs):
+        before = [(layer.keys[:, :, :-1].clone(), layer.values[:, :, :-1].clone()) for layer in cache.layers]
+        graphs = warm(step, model, token, position, column, width, mask, cache, *args, **kwargs)
+        kept = all(torch.equal(k, layer.keys[:, :, :-1]) and torch.equal(v, layer.values[:, :, :-1])
+                   for (k, v), layer in zip(before, cache.layers))
+        seen.append((column.tolist(), cache.length, width, kept))
+        return graphs
+
+    monkeypatch.setattr(CompiledStep, "warm", spy)
+    request = prompts_with_padding_and_holes(tokenizer)
+    batch = rollout.generate(request, greedy(8, 1))
+    assert seen and all(column == [length - 1] * len(column) and width is None and kept
+                        for column, length, width, kept in seen), seen
+    expected, _ = reference_rollout(tiny_models["llama-tiny"], request, n=1, max_new_tokens=8, pad_token_id=PAD_ID,
+                                    eos_ids=[])
+    assert torch.equal(batch.input_ids, expected)
+
+
 def test_the_loop_never_compiles_a_step_torch_has_not_warmed():
     """In the loop the step runs under torch's ``fail_on_recompile`` stance: a shape torch would compile (new, or
     after ``torch._dynamo.reset()``, as in a fresh process) is refused with ``NeedsCompile`` until a warm-up call

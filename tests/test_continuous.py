@@ -86,7 +86,7 @@ def test_the_same_seed_repeats_and_the_next_call_differs():
 def test_finished_rows_leave_the_batch_in_size_buckets_and_utilisation_counts_what_was_computed():
     """Rows per decode forward, spied: they shrink to buckets as rows finish, and the profile's row-steps are
     exactly the rows' first tokens plus those rows, its utilisation the real tokens over them."""
-    from opsd_rollout.rollout.decode.steps import decode_one_token
+    from opsd_rollout.rollout.decode.loop import decode_one_token
 
     model, tokenizer = soft_transition_model(), make_tokenizer(0, 2)
     request = left_padded([[4, 5], [8], [12, 13, 14], [3], [7], [11], [16], [20]], 0)
@@ -113,12 +113,11 @@ def test_finished_rows_leave_the_batch_in_size_buckets_and_utilisation_counts_wh
 
 def test_continuous_batching_holds_at_most_its_slots_and_prefills_each_prompt_once(monkeypatch):
     from opsd_rollout.rollout.decode import loop as loop_module
-    from opsd_rollout.rollout.decode import steps
 
     model, tokenizer = soft_transition_model(), make_tokenizer(0, 2)
     request = left_padded([[4, 5], [8], [12, 13, 14], [3], [7], [11]], 0)
     decode_rows, prefill_rows = [], []
-    original_decode, original_prefill = steps.decode_one_token, steps.prefill
+    original_decode, original_prefill = loop_module.decode_one_token, loop_module.prefill
 
     def spy_decode(model, token, *args, **kwargs):
         decode_rows.append(token.shape[0])

@@ -165,7 +165,7 @@ def test_the_matmul_path_other_devices_take_equals_generate(tiny_models, tokeniz
 
 def decode_logits(model, tokenizer, request, sampling, **config):
     """Every decode step's logits (eager steps, compaction off so the rows stay in place)."""
-    from opsd_rollout.rollout.decode.steps import decode_one_token
+    from opsd_rollout.rollout.decode.loop import decode_one_token
 
     engine = rollout(model, tokenizer, compact_rows=False, **config)
     seen = []

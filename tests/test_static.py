@@ -84,10 +84,11 @@ def test_static_shapes_decode_equals_generate(tiny_models, tokenizer, name, prom
 @pytest.mark.parametrize("prompts", PROMPTS)
 def test_decode_steps_attend_to_the_filled_positions_and_skip_the_mask_without_padding(
         tiny_models, tokenizer, whole_cache, prompts):
-    """Each decode step's keys span the positions written so far (the whole cache with ``whole_cache``),
-    and its mask is ``None`` when no prompt is padded, else the same width, switched on up to the fed token
-    (every row kept in the batch: compaction off)."""
-    from opsd_rollout.rollout.decode.steps import decode_one_token
+    """Each decode step is told where its rows write (one column, the fed token's, after the columns written),
+    its keys span the positions written so far (the whole cache with ``whole_cache``), and its mask is ``None``
+    when no prompt is padded, else the same width, switched on up to the fed token (every row kept in the batch:
+    compaction off)."""
+    from opsd_rollout.rollout.decode.loop import decode_one_token
 
     model = tiny_models["llama-tiny"]
     rollout = static(model, tokenizer, whole_cache=whole_cache, compact_rows=False)
@@ -95,14 +96,15 @@ def test_decode_steps_attend_to_the_filled_positions_and_skip_the_mask_without_p
 
     def spy(*args, **kwargs):
         logits = decode_one_token(*args, **kwargs)
-        mask, cache = args[3], args[4]
-        seen.append((None if mask is None else mask.clone(), cache.layers[0].get_mask_sizes(1)[0]))
+        column, written, mask, cache = args[3:7]
+        seen.append((None if mask is None else mask.clone(), cache.get_mask_sizes(1, 0)[0], column, written))
         return logits
 
     rollout.strategy.decode_step = spy
     request = assert_greedy_equals_generate(model, tokenizer, rollout, prompts, 1)
     P, length = request.prompt_ids.shape[1], request.prompt_ids.shape[1] + 10
-    for step, (mask, width) in enumerate(seen, start=1):
+    for step, (mask, width, column, written) in enumerate(seen, start=1):
+        assert (column, written) == (P + step - 1, P + step - 1)  # passed with the forward: one column for all rows
         assert width == (length if whole_cache else P + step)
         if prompts == "unpadded" and not whole_cache:
             assert mask is None

@@ -118,24 +118,25 @@ def check_recompile_warning(caplog):
 
 
 def test_a_compiled_layouts_tensors_keep_their_addresses_across_calls(tiny_models, tokenizer):
-    """CUDA-graph trees re-record when a static input moves: the per-slot write columns and the key/value views
-    of one shape are the same tensors on every call, also after a call of another shape."""
+    """CUDA-graph trees re-record when a static input moves: the cache and the key/value views of one shape are
+    the same objects on every call, also after a call of another shape (the write columns are an argument of
+    the step, not a static input)."""
     rollout = rollout_engine(tiny_models["llama-tiny"], tokenizer, strategy="static", whole_cache=True)
     request = prompts_with_padding_and_holes(tokenizer)
     small = type(request)(request.prompt_ids[:1], request.prompt_attention_mask[:1])
 
     def addresses():
-        cache, front = rollout.strategy.workspace.cache(rollout.target.forward_module.config, 3,
-                                                        request.prompt_ids.shape[1] + 5, torch.float32,
-                                                        torch.device("cpu"), whole=True)
-        return [(id(front.columns), layer.keys.data_ptr(), layer.values.data_ptr()) for layer in cache.layers]
+        cache = rollout.strategy.workspace.cache(rollout.target.forward_module.config, 3,
+                                                 request.prompt_ids.shape[1] + 5, torch.float32,
+                                                 torch.device("cpu"), whole=True)
+        return [(id(cache), layer.keys.data_ptr(), layer.values.data_ptr()) for layer in cache.layers]
 
     rollout.generate(request, SamplingConfig(max_new_tokens=5, temperature=0))
     first = addresses()
     rollout.generate(small, SamplingConfig(max_new_tokens=3, temperature=0))
     rollout.generate(request, SamplingConfig(max_new_tokens=5, temperature=0))
     assert addresses() == first
-    assert len({address[0] for address in first}) == 1  # one front shared by every layer
+    assert len({address[0] for address in first}) == 1  # one cache holding every layer
 
 
 def _hybrid_like(*flags: bool):

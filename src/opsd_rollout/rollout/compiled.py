@@ -92,8 +92,8 @@ class CompiledStep:
 
     def warm(self, *args: Any, **kwargs: Any) -> int:
         """Run the step once, compiling (or recording its CUDA graph) if torch must; returns the graphs compiled.
-        The decode loop calls it before the step it is about to take, with the same inputs: a decode step only
-        writes the keys/values of the columns it is given, so the real call that follows does the same again."""
+        The decode loop calls it before the step it is about to take, with that step's inputs but the write columns
+        at the cache's last one (which only finished rows write): nothing the step reads changes."""
         self._require_prepared()
         before = compiled_graphs()
         # dynamo does not guard on module hooks by default: a step compiled unprofiled would then never run the

@@ -201,9 +201,9 @@ class SharedPrefix:
 
     # ---- admission --------------------------------------------------------------------------------------------
 
-    def assign(self, prompts: list[int], masks: torch.Tensor, in_use: set[int]) -> Any:
+    def assign(self, prompts: list[int], masks: torch.Tensor, in_use: set[int]) -> tuple[Any, torch.Tensor]:
         """Give each prompt of ``prompts`` (masks [k, P]) a prefix slot, reusing those whose prompt is no longer
-        ``in_use``; returns the cache their prefill writes through."""
+        ``in_use``; returns the cache their prefill writes through and the slots it writes, [k]."""
         free = [g for g in range(self.store.slots) if self.prompt_of[g] is None or self.prompt_of[g] not in in_use]
         if len(free) < len(prompts):
             raise RuntimeError(f"{len(prompts)} prompts to prefill and {len(free)} free prefix slots: the store "
@@ -217,12 +217,9 @@ class SharedPrefix:
         dest = torch.tensor(free[:len(prompts)], dtype=torch.int64, device=masks.device)
         self.store.mask[dest, :masks.shape[1]] = masks.bool()  # a compiled step's store has masked columns after
         self._bias = additive_mask(self.store.mask[:, None, None, :], self.store.keys[0].dtype)
-        front = self.store.front
-        front.reset()
-        front.dest = dest
         for layer in self.store.cache.layers:
             layer.written = 0
-        return self.store.cache
+        return self.store.cache, dest
 
     def place(self, slots: torch.Tensor, rows: list[int]) -> None:
         """Decode slots ``slots`` now hold request rows ``rows`` (their prompts assigned)."""

@@ -3,16 +3,16 @@
 rollout serves every smaller one without reallocating. Plus the shared prefill's own buffers, and the token
 and mask buffers of the decode loop.
 
-Every cache layer on it is a ``SlotLayer``. The decode batch is the first ``A`` slots (rows that finished
-leave it: compaction moves live rows to the front). Where a row writes its next keys/values is the cache's
-``CacheFront``, shared by all its layers: either one column for every row (all rows started together,
-"aligned": a slice copy) or each slot's own column (continuous batching: rows admitted at different times).
-Attention reads the columns in use (``width``), or with ``whole`` the entire ``L`` columns at every step, the
-fixed shapes a compiled step (CUDA graph) needs; a mask hides what a row must not see. Every tensor a
-compiled step reads (buffers, views, per-slot columns) keeps its address from call to call.
+Each cache on it is a ``SlotCache`` of ``SlotLayer``s. The decode batch is the first ``A`` slots (rows that
+finished leave it: compaction moves live rows to the front). Where a forward writes is passed with it, as
+gpt-fast passes ``input_pos``: one column for every row (all rows started together: a slice copy) or each
+slot's own column (continuous batching: rows admitted at different times). Attention reads the columns written
+(``width``), or with ``whole`` the entire ``L`` columns at every step, the fixed shapes a compiled step (CUDA
+graph) needs; a mask hides what a row must not see. Every buffer and view a compiled step reads keeps its
+address from call to call.
 
 The shared-prefix layout (``rollout/shared_prefix.py``) adds a ``PrefixStore``: each prompt's keys/values once,
-``[G, H, P, D]`` per layer (G prefix slots), written by the prompts' prefill through ``PrefixLayer``s; the
+``[G, H, P, D]`` per layer (G prefix slots), written by the prompts' prefill into the slots it names; the
 decode cache then holds only the responses' columns.
 """
 
@@ -26,110 +26,82 @@ from transformers.cache_utils import StaticCache, StaticLayer
 from opsd_rollout.modeling import KVShape
 
 
-class CacheFront:
-    """Where one cache's next keys/values go, and how many columns attention reads; set by the decode loop
-    before each forward, read by every layer's ``update``."""
-
-    def __init__(self, slots: int, length: int, device: torch.device, whole: bool):
-        self.length, self.whole = length, whole
-        self.active = slots
-        """Rows in the decode batch (the first ``active`` slots)."""
-        self.aligned = True
-        """All rows write the same column (``column``); otherwise each slot its own (``columns``)."""
-        self.column = 0
-        self.columns = torch.zeros(slots, dtype=torch.int64, device=device)
-        """Per slot, the column its next key/value goes to (static address: read inside compiled steps)."""
-        self.rows = torch.arange(slots, device=device)
-        self.width = 0
-        """Columns holding keys before this forward's write (the largest fill of any active row)."""
-
-    def reset(self, width: int = 0) -> None:
-        self.aligned, self.column, self.width = True, width, width
-        self.columns.fill_(width)
-
-    def begin(self, tokens: int) -> None:
-        """Before a forward that feeds ``tokens`` per row (the layers read ``width`` now)."""
-        self._tokens = tokens
-
-    def advance(self) -> None:
-        """After the forward: every row's front moved by the tokens fed. A row that finished and is still in the
-        batch (until the next check retires it) keeps writing the last column, never read again: rows that all
-        started together reach the cache's end only once every one of them has finished."""
-        if self.aligned:
-            self.column = min(self.column + self._tokens, self.length - 1)
-        self.columns[:self.active].add_(self._tokens).clamp_(max=self.length - 1)
-        self.width = min(self.width + self._tokens, self.length - 1)
-
-    @property
-    def view_width(self) -> int:
-        """Columns attention reads during this forward (after its write)."""
-        return self.length if self.whole else self.width + self._tokens
-
-
 class SlotLayer(StaticLayer):
-    """A ``StaticLayer`` over workspace memory whose writes and reads follow its cache's ``CacheFront``."""
+    """One layer's keys and values, ``[S, H, L, D]`` over workspace memory; ``SlotCache.update`` writes them."""
 
-    def __init__(self, max_cache_len: int, front: CacheFront):
+    def __init__(self, max_cache_len: int, whole: bool):
         super().__init__(max_cache_len=max_cache_len)
-        self.front = front
-        self.is_compileable = front.whole  # transformers treats the eager layout as a dynamic cache
+        self.is_compileable = whole  # transformers treats the eager layout as a dynamic cache
         self.written = 0
         """Positions eager forwards wrote (host count: a forward that ignored its cache is caught)."""
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
+
+class SlotCache(StaticCache):
+    """The keys/values of ``S`` rows x ``L`` columns, per layer, written where the forward it is given says.
+
+    transformers' ``Cache.update`` takes the keys and values and no position (on every release we accept), so a
+    forward's write position rides on the cache it is handed: ``decode_one_token`` and ``prefill`` pass
+    ``cache.at(column, width)`` as the model's cache, and every layer's ``update`` of that forward writes there.
+    """
+
+    def __init__(self, config: Any, slots: int, length: int, device: torch.device, whole: bool):
+        super().__init__(config=config, max_cache_len=length)  # only full-attention layers: ModelSpec checked
+        self.length, self.whole = length, whole
+        """``whole``: every forward reads all ``length`` columns (masked), the fixed shapes a compiled step needs."""
+        self.slot_ids = torch.arange(slots, device=device)
+        self.column: torch.Tensor | int = 0
+        self.width: int | None = 0
+        self.rows: torch.Tensor | None = None
+
+    def at(self, column: torch.Tensor | int, width: int | None, rows: torch.Tensor | None = None) -> SlotCache:
+        """The cache, set to take one forward's keys/values (each row's ``tokens`` of them) at:
+
+        - ``column``: [A] each row's own column (a tensor: one graph for every step), or one int for every row
+          (a slice copy of ``tokens`` columns from there);
+        - ``width``: the columns already written, which attention reads with this forward's (a causal query
+          offset); ``None`` in a compiled step: the query sits after every column, which the mask hides;
+        - ``rows``: [A] the cache rows the forward's rows write (the prefix store's slots, for a prefill that
+          attends to its own keys/values only); ``None``: the first ``A`` rows."""
+        self.column, self.width, self.rows = column, width, rows
+        return self
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        front, rows, tokens = self.front, key_states.shape[0], key_states.shape[-2]
+        """key_states, value_states: [A, H, tokens, D]. Writes them where ``at`` says; returns what attention reads:
+        [A, H, width + tokens or L, D] (or, with ``rows``, the forward's own keys/values)."""
+        layer, column, rows, tokens = self.layers[layer_idx], self.column, key_states.shape[0], key_states.shape[-2]
         if not torch.compiler.is_compiling():
-            self.written += tokens
-        if not (front.whole and torch.compiler.is_compiling()) and front.aligned:
-            self.keys[:rows, :, front.column:front.column + tokens].copy_(key_states)
-            self.values[:rows, :, front.column:front.column + tokens].copy_(value_states)
-        else:  # one token per row, each at its slot's own column (a tensor: the same graph every step)
-            slots, columns = front.rows[:rows], front.columns[:rows]
-            self.keys[slots, :, columns] = key_states[:, :, 0]
-            self.values[slots, :, columns] = value_states[:, :, 0]
-        width = front.view_width
-        return self.keys[:rows, :, :width], self.values[:rows, :, :width]
+            layer.written += tokens
+        if self.rows is not None:
+            layer.keys[:, :, :tokens].index_copy_(0, self.rows, key_states)
+            layer.values[:, :, :tokens].index_copy_(0, self.rows, value_states)
+            return key_states, value_states
+        if isinstance(column, int):
+            layer.keys[:rows, :, column:column + tokens].copy_(key_states)
+            layer.values[:rows, :, column:column + tokens].copy_(value_states)
+        else:  # one token per row, each at its own column
+            slots = self.slot_ids[:rows]
+            layer.keys[slots, :, column] = key_states[:, :, 0]
+            layer.values[slots, :, column] = value_states[:, :, 0]
+        width = self.get_mask_sizes(tokens, layer_idx)[0]
+        return layer.keys[:rows, :, :width], layer.values[:rows, :, :width]
 
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return (self.front.length if self.front.whole else self.front.width + query_length), 0
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        return (self.length if self.whole else self.width + query_length), 0
 
-    def get_seq_length(self) -> int:
-        # transformers places the query at this offset for a 2-D mask's causal part: inside a compiled whole-cache
-        # step every column may be visible (the mask hides the unwritten ones) and the offset must not change
-        return self.front.length - 1 if self.front.whole and torch.compiler.is_compiling() else self.front.width
-
-
-class PrefixFront(CacheFront):
-    """The prefix store's front: which prefix slots the next prefill writes (``dest``, one per prompt)."""
-
-    def __init__(self, slots: int, length: int, device: torch.device):
-        super().__init__(slots, length, device, whole=False)
-        self.dest = torch.zeros(0, dtype=torch.int64, device=device)
-
-
-class PrefixLayer(SlotLayer):
-    """A prefill layer of the prefix store: the prompts' keys/values go to their prefix slots (``front.dest``),
-    and the prefill attends to the prompts' own keys/values (nothing else is in their context)."""
-
-    front: PrefixFront
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
-               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        width = key_states.shape[-2]  # the store may have more columns (a compiled step's bucket), masked
-        self.written += width
-        self.keys[:, :, :width].index_copy_(0, self.front.dest, key_states)
-        self.values[:, :, :width].index_copy_(0, self.front.dest, value_states)
-        return key_states, value_states
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        # transformers places the query at this offset for a 2-D mask's causal part: in a compiled step every
+        # column may be visible (the mask hides the unwritten ones) and the offset must not change
+        return self.length - 1 if self.width is None else self.width
 
 
 class PrefixStore:
     """Each prompt's keys/values once, for all of its samples: per layer ``[G, H, P, D]`` (``keys``, ``values``)
     and which positions of each prompt are real (``mask``, [G, P]). ``cache`` is what a prefill writes through
-    (``front.dest`` picks the slots)."""
+    (``cache.at(0, 0, rows)``: the slots its prompts go to)."""
 
-    def __init__(self, cache: StaticCache, front: PrefixFront, mask: torch.Tensor):
-        self.cache, self.front, self.mask = cache, front, mask
+    def __init__(self, cache: SlotCache, mask: torch.Tensor):
+        self.cache, self.mask = cache, mask
         self.keys = [layer.keys for layer in cache.layers]
         self.values = [layer.values for layer in cache.layers]
 
@@ -155,7 +127,7 @@ class _Buffers:
     def __init__(self) -> None:
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
-        self.caches: dict[tuple, tuple[StaticCache, CacheFront]] = {}
+        self.caches: dict[tuple, SlotCache] = {}
 
     @property
     def nbytes(self) -> int:
@@ -205,14 +177,14 @@ class KVWorkspace:
                                                                                            device)
 
     def cache(self, config: Any, slots: int, length: int, dtype: torch.dtype, device: torch.device, *,
-              whole: bool = False) -> tuple[StaticCache, CacheFront]:
-        """The decode cache of ``slots`` rows x ``length`` columns, empty, and its front. The same objects come
-        back for the same shape, so a compiled step sees the same tensors every call."""
+              whole: bool = False) -> SlotCache:
+        """The decode cache of ``slots`` rows x ``length`` columns, empty. The same object comes back for the
+        same shape, so a compiled step sees the same tensors every call."""
         self.last_event = None
         return self._cache("kv", self._kv, config, slots, length, dtype, device, whole)
 
     def prefill_cache(self, config: Any, rows: int, length: int, dtype: torch.dtype, device: torch.device, *,
-                      capacity: int | None = None) -> tuple[StaticCache, CacheFront]:
+                      capacity: int | None = None) -> SlotCache:
         """The cache prompts are prefilled into before their keys/values are copied to their rows' slots:
         ``rows`` distinct prompts of ``length`` tokens, in buffers sized for ``capacity`` prompts (the most one
         rollout prefills at once), kept between calls like the decode cache."""
@@ -227,13 +199,13 @@ class KVWorkspace:
                      device: torch.device) -> PrefixStore:
         """The shared-prefix layout's store of ``slots`` prompts x ``length`` positions (contents undefined; every
         position masked off), kept between calls like the decode cache."""
-        cache, front = self._cache("prefix", self._prefix, config, slots, length, dtype, device, False)
+        cache = self._cache("prefix", self._prefix, config, slots, length, dtype, device, False)
         self._prefix_mask = _buffer(self._prefix_mask, slots * length, torch.bool, device)
         mask = self._prefix_mask[:slots * length].view(slots, length).fill_(False)
-        return PrefixStore(cache, front, mask)
+        return PrefixStore(cache, mask)
 
     def _cache(self, part: str, buffers: _Buffers, config: Any, rows: int, length: int, dtype: torch.dtype,
-               device: torch.device, whole: bool) -> tuple[StaticCache, CacheFront]:
+               device: torch.device, whole: bool) -> SlotCache:
         shape = KVShape.of(config)
         elements = rows * shape.kv_heads * length * shape.head_dim
         if buffers.fits(shape, elements, dtype, device):
@@ -244,34 +216,28 @@ class KVWorkspace:
         key = (rows, length, whole)
         if key not in buffers.caches:
             buffers.caches[key] = self._view_cache(buffers, shape, config, rows, length, device, whole,
-                                                   prefix=buffers is self._prefix)
-        cache, front = buffers.caches[key]
-        front.reset()
-        front.active = rows
+                                                   static=whole or buffers is self._prefix)
+        cache = buffers.caches[key]
         for layer in cache.layers:
             layer.written = 0
-        return cache, front
+        return cache
 
     @staticmethod
     def _view_cache(buffers: _Buffers, shape: KVShape, config: Any, rows: int, length: int, device: torch.device,
-                    whole: bool, prefix: bool = False) -> tuple[StaticCache, CacheFront]:
-        cache = StaticCache(config=config, max_cache_len=length)  # only full-attention layers: ModelSpec checked
-        front = PrefixFront(rows, length, device) if prefix else CacheFront(rows, length, device, whole)
+                    whole: bool, static: bool) -> SlotCache:
+        cache = SlotCache(config, rows, length, device, whole)
         view = (rows, shape.kv_heads, length, shape.head_dim)
         elements = rows * shape.kv_heads * length * shape.head_dim
-        layer_type = PrefixLayer if prefix else SlotLayer
-        cache.layers = [layer_type(length, front) for _ in cache.layers]
+        cache.layers = [SlotLayer(length, whole) for _ in cache.layers]
         for layer, keys, values in zip(cache.layers, buffers.keys, buffers.values):
             layer.keys, layer.values = keys[:elements].view(view), values[:elements].view(view)
             layer.device, layer.batch_size, layer.num_heads = device, rows, shape.kv_heads
             layer.k_head_dim = layer.v_head_dim = shape.head_dim
             layer.is_initialized = True
-            if (whole or prefix) and device.type == "cuda":  # fixed addresses: the compiled step replays as a graph
+            if static and device.type == "cuda":  # fixed addresses: the compiled step replays as a graph
                 for tensor in (layer.keys, layer.values):
                     torch._dynamo.mark_static_address(tensor)
-        if whole and device.type == "cuda":
-            torch._dynamo.mark_static_address(front.columns)
-        return cache, front
+        return cache
 
     def tokens(self, rows: int, steps: int, fill: int, device: torch.device) -> torch.Tensor:
         """[rows, steps] int64 token buffer, filled with ``fill``."""

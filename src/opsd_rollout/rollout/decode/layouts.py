@@ -1,8 +1,7 @@
 """Where the keys/values of a rollout live: the KV-layout interface and its two layouts.
 
-Both keep the decode cache (``S`` slots x ``L`` columns, per layer) with its ``CacheFront`` (the column each
-slot writes next; the cache's layers read it in ``update``) and, when some slot must not see every column, a
-``[S, L]`` mask. They differ in where a row's prompt is:
+Both keep the decode cache (``S`` slots x ``L`` columns, per layer; each forward is told where to write) and,
+when some slot must not see every column, a ``[S, L]`` mask. They differ in where a row's prompt is:
 
 - ``CopiedLayout``: in the first ``P`` columns of the row's own slot (prefilled there, or prefilled once per
   prompt and copied to its samples' slots); responses start at column ``P``.
@@ -11,39 +10,48 @@ slot writes next; the cache's layers read it in ``update``) and, when some slot 
   passes the layout's state to the attention functions as a keyword argument.
 
 The decode loop calls the same methods on either: ``prompts_to_prefill``, ``prefill_target``, ``place``,
-``step_inputs``/``step_done`` around each decode forward, ``compact`` and ``shape_key``.
+``step_inputs``/``step_done`` around each decode forward, ``compact`` and ``shape_key``. Where each slot writes
+next is the slot state's (``decode/loop.py``); a row's responses start at the layout's ``start`` column.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from opsd_rollout.rollout.scheduler import Admission, RowScheduler
 from opsd_rollout.rollout.shared_prefix import SharedPrefix
-from opsd_rollout.rollout.workspace import CacheFront, KVWorkspace
+from opsd_rollout.rollout.workspace import KVWorkspace, SlotCache
 
-PrefillTarget = tuple[Any, CacheFront, int, bool]
-"""Where a prefill forward writes: ``(cache, front, mask width, whether it needs a mask)``."""
+
+class PrefillTarget(NamedTuple):
+    """Where a prefill forward writes: columns ``0..P-1`` of ``cache``'s first rows (or of ``rows``)."""
+
+    cache: SlotCache
+    width: int
+    """The columns of the prefill's mask (the cache's, when the prefill reads the whole cache)."""
+    masked: bool
+    """Whether the prefill needs a mask even when no prompt is padded."""
+    rows: torch.Tensor | None = None
+    """[k] the cache rows the prompts go to (the prefix store's slots); ``None``: the first ``k``."""
 
 
 class KVLayout:
-    """The decode cache of one rollout, its front and mask; subclasses say where prompts live."""
+    """The decode cache of one rollout and its mask; subclasses say where prompts live."""
 
     name = ""
     start = 0
     """The decode cache's column where responses begin."""
 
-    def __init__(self, *, cache: Any, front: CacheFront, workspace: KVWorkspace, scheduler: RowScheduler,
+    def __init__(self, *, cache: SlotCache, workspace: KVWorkspace, scheduler: RowScheduler,
                  prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, config: Any, dtype: torch.dtype,
                  masked: bool, sdpa: bool):
-        self.cache, self.front, self.workspace, self.scheduler = cache, front, workspace, scheduler
+        self.cache, self.workspace, self.scheduler = cache, workspace, scheduler
         self.prompt_ids, self.prompt_mask, self.config, self.dtype = prompt_ids, prompt_mask, config, dtype
         self.P = prompt_ids.shape[1]
         self.masked = masked
-        self.mask = workspace.mask(scheduler.slots, front.length, prompt_ids.device) if masked else None
+        self.mask = workspace.mask(scheduler.slots, cache.length, prompt_ids.device) if masked else None
         """[S, L] what each slot's row may attend to; ``None`` when every slot sees every column written (rows
         that started together over unpadded prompts: attention reads only what was written)."""
         self.four_d = sdpa
@@ -62,65 +70,51 @@ class KVLayout:
     def scratch(self, rows: int) -> PrefillTarget:
         """The prefill cache (``rows`` prompts), kept between calls: what a prefill that stays nowhere writes."""
         capacity = min(self.scheduler.slots, -(-self.prompt_ids.shape[0] // self.scheduler.n))
-        cache, front = self.workspace.prefill_cache(self.config, rows, self.P, self.dtype, self.prompt_ids.device,
-                                                    capacity=capacity)
-        return cache, front, self.P, self.masked
+        cache = self.workspace.prefill_cache(self.config, rows, self.P, self.dtype, self.prompt_ids.device,
+                                             capacity=capacity)
+        return PrefillTarget(cache, self.P, self.masked)
 
     def place(self, admissions: list[Admission], first: bool) -> None:
-        """Slots take the admitted rows: their write columns and masks (and, per layout, their prompts)."""
-        if first:
-            self.front.reset(self.start)  # every row's next key/value goes right after its prompt
-        else:
-            self.front.aligned = False  # admitted rows start behind the others: each slot its own column
+        """Slots take the admitted rows: their masks (and, per layout, their prompts)."""
         device = self.prompt_ids.device
         slots = torch.tensor([a.slot for a in admissions], dtype=torch.int64, device=device)
         rows = torch.tensor([a.row for a in admissions], dtype=torch.int64, device=device)
-        self.front.columns[slots] = self.start
         if self.mask is not None:
             self.mask[slots, :self.start] = self.prompt_mask[rows, :self.start].bool()
             self.mask[slots, self.start:] = False
 
     # ---- one decode forward ------------------------------------------------------------------------------------
 
-    def step_inputs(self, active: int, running: torch.Tensor, width: Callable[[], int] | None) -> tuple[
+    def step_inputs(self, active: int, column: torch.Tensor | int, width: int, running: torch.Tensor) -> tuple[
             torch.Tensor | None, dict[str, Any]]:
-        """Before a decode forward of the first ``active`` slots (``width()``: the columns written, asked only when
-        the slots' fronts differ; ``None`` for a step that only joins other ranks): the mask and the attention's
-        keyword arguments."""
-        front = self.front
-        if width is not None:
-            front.active = active
-            if not front.aligned:
-                front.width = width()
-        front.begin(1)
-        return self._step_mask(active), {}
+        """Before a decode forward of the first ``active`` slots, which write at ``column`` (one int for all, or
+        [A]) after ``width`` columns written (``running``: which rows still produce tokens): the mask and the
+        attention's keyword arguments."""
+        return self._step_mask(active, column, width), {}
 
-    def step_done(self, moved: bool) -> None:
-        """After the decode forward: the fronts move on (unless the step only joined other ranks)."""
-        if moved:
-            self.front.advance()
+    def step_done(self) -> None:
+        """After the decode forward."""
 
-    def _step_mask(self, active: int) -> torch.Tensor | None:
+    def _step_mask(self, active: int, column: torch.Tensor | int, width: int) -> torch.Tensor | None:
         """The fed token's column switched on for each row, then the columns attention reads."""
         if self.mask is None:
             return None
-        front = self.front
-        if front.aligned:
-            self.mask[:active, front.column] = True
+        if isinstance(column, int):
+            self.mask[:active, column] = True
         else:
-            self.mask[front.rows[:active], front.columns[:active]] = True
-        view = self.mask[:active, :front.view_width]
+            self.mask[self.cache.slot_ids[:active], column] = True
+        view = self.mask[:active, :self.cache.length if self.cache.whole else width + 1]
         return view[:, None, None, :] if self.four_d else view
 
     # ---- compaction ----------------------------------------------------------------------------------------------
 
     def compact(self, order: list[int], width: int) -> int:
         """Slots ``order`` become the first ``len(order)`` (the scheduler's ``row_of`` already says so): their
-        keys/values over the ``width`` columns written, masks and fronts move in place. Returns the bytes of
+        keys/values over the ``width`` columns written, and masks move in place. Returns the bytes of
         keys/values moved."""
         device = self.prompt_ids.device
         index = torch.tensor(order, dtype=torch.int64, device=device)
-        width = self.front.length if self.front.whole else min(self.front.length, width)
+        width = self.cache.length if self.cache.whole else min(self.cache.length, width)
         # only live rows that change slot (a filler row's keys/values are never read)
         moves = [(slot, source) for slot, (source, row) in enumerate(zip(order, self.scheduler.row_of))
                  if row is not None and slot != source]
@@ -132,7 +126,6 @@ class KVLayout:
                 for buffer in (layer.keys, layer.values):
                     buffer[dst, :, :width] = buffer[src, :, :width]
                     moved += len(moves) * buffer[0, :, :width].numel() * buffer.element_size()
-        self.front.columns[:len(order)] = self.front.columns.index_select(0, index)
         if self.mask is not None:
             self.mask[:len(order)] = self.mask.index_select(0, index)
         return moved
@@ -140,7 +133,7 @@ class KVLayout:
     @property
     def positions(self) -> int:
         """Key/value positions one row can span: its slot's columns."""
-        return self.front.length
+        return self.cache.length
 
     @property
     def nbytes(self) -> int:
@@ -149,7 +142,7 @@ class KVLayout:
 
     def shape_key(self) -> tuple:
         """The sizes a compiled decode step's graph depends on besides its batch."""
-        return (self.scheduler.slots, self.front.length, None if self.mask is None else self.four_d)
+        return (self.scheduler.slots, self.cache.length, None if self.mask is None else self.four_d)
 
 
 class CopiedLayout(KVLayout):
@@ -171,11 +164,10 @@ class CopiedLayout(KVLayout):
 
     def prefill_target(self, prompts: list[int], masks: torch.Tensor, first: bool) -> PrefillTarget:
         if first and self.direct:
-            width = self.front.length if self.front.whole else self.P
-            target = (self.cache, self.front, width, self.masked)
+            target = PrefillTarget(self.cache, self.cache.length if self.cache.whole else self.P, self.masked)
         else:
             target = self.scratch(len(prompts))
-        self.source = target[0]
+        self.source = target.cache
         return target
 
     def place(self, admissions: list[Admission], first: bool) -> None:
@@ -224,22 +216,22 @@ class SharedPrefixLayout(KVLayout):
         return [p for p in dict.fromkeys(a.prompt for a in admissions) if p not in self.prefix]
 
     def prefill_target(self, prompts: list[int], masks: torch.Tensor, first: bool) -> PrefillTarget:
-        cache = self.prefix.assign(prompts, masks, self.scheduler.prompts_in_use())
-        return cache, self.prefix.store.front, self.P, False  # a prompt attends to its own columns only
+        cache, rows = self.prefix.assign(prompts, masks, self.scheduler.prompts_in_use())
+        return PrefillTarget(cache, self.P, False, rows)  # a prompt attends to its own columns only
 
     def place(self, admissions: list[Admission], first: bool) -> None:
         super().place(admissions, first)
         slots = torch.tensor([a.slot for a in admissions], dtype=torch.int64, device=self.prompt_ids.device)
         self.prefix.place(slots, [a.row for a in admissions])
 
-    def step_inputs(self, active: int, running: torch.Tensor, width: Callable[[], int] | None) -> tuple[
+    def step_inputs(self, active: int, column: torch.Tensor | int, width: int, running: torch.Tensor) -> tuple[
             torch.Tensor | None, dict[str, Any]]:
-        mask, attention = super().step_inputs(active, running, width)
+        mask, attention = super().step_inputs(active, column, width, running)
         return mask, {**attention, "shared_prefix": self.prefix.step(active, running)}
 
-    def step_done(self, moved: bool) -> None:
+    def step_done(self) -> None:
+        """After the decode forward: every layer must have used the layout."""
         self.prefix.check_step()
-        super().step_done(moved)
 
     def compact(self, order: list[int], width: int) -> int:
         return super().compact(order, width) + self.prefix.compact(self.scheduler.row_of[:len(order)])

@@ -18,9 +18,7 @@ from opsd_rollout.rollout.config import RolloutOptions
 from opsd_rollout.rollout.counter_rng import rollout_key
 from opsd_rollout.rollout.decode.layouts import CopiedLayout, KVLayout, SharedPrefixLayout
 from opsd_rollout.rollout.decode.lockstep import lockstep_for
-from opsd_rollout.rollout.decode.loop import DecodeLoop
-from opsd_rollout.rollout.decode.state import SlotState
-from opsd_rollout.rollout.decode.steps import decode_one_token
+from opsd_rollout.rollout.decode.loop import Checks, DecodeLoop, Forwards, Sampling, SlotState, decode_one_token
 from opsd_rollout.rollout.processors import RowLogitsProcessor
 from opsd_rollout.rollout.scheduler import RowScheduler
 from opsd_rollout.rollout.shared_prefix import (SharedPrefix, install, installed, prefix_slots,
@@ -112,14 +110,14 @@ class StaticDecode:
             processor.start(prompt_ids, prompt_mask, plan.samples_per_prompt)
         out = self.workspace.tokens(rows + 1, plan.max_new_tokens + 1, plan.pad_token_id, prompt_ids.device)
         loop = DecodeLoop(
-            model=target.model, cache_keyword=target.cache_keyword, plan=plan, prompt_ids=prompt_ids,
-            prompt_mask=prompt_mask, scheduler=layout.scheduler, layout=layout,
-            state=SlotState(rows, layout.scheduler.slots, plan.max_new_tokens, out),
-            lockstep=lockstep_for(plan.lockstep, prompt_ids.device), recorder=recorder,
-            step_fn=decode_one_token if self.compiled is not None and not compiled else self.decode_step,
-            warmed=self.warmed, key=self._key(seed) if not plan.greedy else 0,
-            check_every=self.options.stop_check_interval or (8 if prompt_ids.device.type == "cuda" else 1),
-            compact=self.compact_rows, processor=processor, stats=stats)
+            plan=plan, layout=layout,
+            state=SlotState(rows, layout.scheduler.slots, plan.max_new_tokens, out, layout.cache.length),
+            forwards=Forwards(model=target.model, cache_keyword=target.cache_keyword, warmed=self.warmed,
+                              step=decode_one_token if self.compiled is not None and not compiled else self.decode_step),
+            sampling=Sampling(key=self._key(seed) if not plan.greedy else 0, processor=processor),
+            checks=Checks(every=self.options.stop_check_interval or (8 if prompt_ids.device.type == "cuda" else 1),
+                          compact=self.compact_rows, lockstep=lockstep_for(plan.lockstep, prompt_ids.device)),
+            recorder=recorder, stats=stats)
         try:
             with self.linears.decoding() if transposed else contextlib.nullcontext():
                 tokens = loop.run()
@@ -144,10 +142,10 @@ class StaticDecode:
         # a compiled step needs the same shapes every step (the whole cache, masked); so does flex attention,
         # which compiles its kernel for each key length. Eager steps attend to the filled columns only
         whole = compiled or self.whole_cache or target.spec.attention == "flex_attention"
-        cache, front = self.workspace.cache(config, slots, length, dtype, device, whole=whole)
+        cache = self.workspace.cache(config, slots, length, dtype, device, whole=whole)
         scheduler = RowScheduler(rows, n if self.shared_prefill else 1, slots)
         continuous = slots < rows
-        common = dict(cache=cache, front=front, workspace=self.workspace, scheduler=scheduler, prompt_ids=prompt_ids,
+        common = dict(cache=cache, workspace=self.workspace, scheduler=scheduler, prompt_ids=prompt_ids,
                       prompt_mask=prompt_mask, config=config, dtype=dtype, sdpa=target.spec.attention == "sdpa")
         if not shared:
             # masks: none when every row started together over unpadded prompts (attention reads only what was
