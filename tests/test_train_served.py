@@ -7,9 +7,16 @@ holds every step once. (tests/test_served_teacher.py tests the client and the st
 from __future__ import annotations
 
 import json
+import queue
+import shlex
+import subprocess
+import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
+from conftest import clean_env, run_named
 
 from opsd_rollout.cli import main
 from opsd_rollout.models import load_model
@@ -124,3 +131,60 @@ def test_a_server_gone_mid_run_stops_it_with_a_checkpoint_and_resume_continues(t
     finally:
         back.stop()
     assert [r["step"] for r in records(out)] == [0, 1, 2, 3, 4] and (out / "model" / "config.json").is_file()
+
+
+def start_server(port: int) -> tuple[subprocess.Popen, str]:
+    """``opsd-rollout serve-teacher`` in its own process on ``port``; returns it and the URL it printed."""
+    command = [sys.executable, "-m", "opsd_rollout", "serve-teacher", "--model", "qwen2-tiny", "--port", str(port)]
+    server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=clean_env())
+    lines: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(line) for line in server.stdout], daemon=True).start()
+    deadline, seen = time.monotonic() + 300, []
+    while time.monotonic() < deadline and server.poll() is None:
+        try:
+            seen.append(lines.get(timeout=1.0))
+        except queue.Empty:
+            continue
+        if "serving teacher" in seen[-1]:
+            return server, seen[-1].split(" at ", 1)[1].split()[0]
+    server.kill()
+    pytest.fail("serve-teacher did not start within 300 s:\n" + "".join(seen[-20:]), pytrace=False)
+
+
+@pytest.mark.slow
+def test_a_killed_server_stops_the_run_and_the_printed_command_finishes_it(tmp_path):
+    """The real thing, in processes: serve-teacher killed (SIGKILL) while train runs; train stops with exit 3, a
+    checkpoint and the command to continue; the server restarted on its port, that command finishes the run, and
+    metrics.jsonl holds every step once."""
+    from opsd_rollout.distributed import free_port
+
+    port, out = free_port(), tmp_path / "run"
+    server, url = start_server(port)
+    command = [sys.executable, "-m", "opsd_rollout", "train", "--student", "llama-tiny", "--teacher-url", url,
+               "--teacher-timeout", "3", "--steps", "8", "--prompts-per-micro-batch", "2", "--max-new-tokens", "6",
+               "--eval-every", "4", "--eval-prompts", "4", "--output-dir", str(out), "--quiet"]
+    run = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=clean_env())
+    try:
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline and run.poll() is None:
+            if (out / "metrics.jsonl").is_file() and len(records(out)) >= 3:  # steps 0, 1, 2 done
+                break
+            time.sleep(0.2)
+        assert run.poll() is None, "train finished before the server could be killed"
+        server.kill()
+        server.wait(60)
+        _, err = run.communicate(timeout=600)
+        assert run.returncode == 3, err[-4000:]
+        assert "did not answer POST /v1/completions" in err
+        resume = shlex.split(err.strip().splitlines()[-1])
+        assert resume[0] == "opsd-rollout" and resume[-2:] == ["--resume", str(out)]
+        done = [r["step"] for r in records(out)]
+        assert done == list(range(len(done))) and 3 <= len(done) < 9  # every step taken is recorded, once
+        server, _ = start_server(port)
+        finished = run_named("train resumed (about 20 s on 2 quiet cores)",
+                             [sys.executable, "-m", "opsd_rollout", *resume[1:]], timeout=900, env=clean_env())
+        assert finished.returncode == 0, finished.stderr[-4000:]
+        assert [r["step"] for r in records(out)] == list(range(9)) and (out / "model" / "config.json").is_file()
+    finally:
+        run.kill()
+        server.kill()
