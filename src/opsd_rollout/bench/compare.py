@@ -24,6 +24,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
+from opsd_rollout.bench.contenders import CONFIDENCE
 from opsd_rollout.bench.ratio_test import fewest_iterations, ratio_interval
 from opsd_rollout.bench.report import ConfigResult, results_of
 from opsd_rollout.bench.tables import display_labels
@@ -33,7 +34,6 @@ from opsd_rollout.metrics import METRICS
 
 COMPARED = tuple(name for name, m in METRICS.items() if m.compared)
 """The metrics ``compare`` judges (those the registry marks ``compared``)."""
-CONFIDENCE = 0.95
 TEST_NAME = (f"Hodges-Lehmann ratio (after / before: the median over every pair of a before and an after "
              f"iteration) with its {CONFIDENCE:.0%} distribution-free confidence interval (Moses: Mann-Whitney "
              "ranks of the log ratios)")

@@ -17,6 +17,7 @@ from rich.table import Table
 from rich.text import Text
 
 from opsd_rollout.bench.axes import VARIANT_AXES
+from opsd_rollout.bench.contenders import CONFIDENCE
 from opsd_rollout.bench.report import ConfigResult
 
 
@@ -213,7 +214,7 @@ def baseline_table(results: list[ConfigResult]) -> Table | None:
     if not compared:
         return None
     baseline = compared[0].baseline
-    confidence = baseline.get("confidence", 0.95)
+    confidence = baseline.get("confidence", CONFIDENCE)
 
     def row(result: ConfigResult) -> list[str]:
         if not result.baseline:
