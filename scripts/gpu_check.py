@@ -300,9 +300,8 @@ class Context:
         self.dtype = parse_dtype(dtype)
 
     def request(self, batch: int = 2, length: int = 24, seed: int = 0, padded: bool = True) -> RolloutRequest:
-        request = synthetic_prompts(batch, length, vocab_size=self.model.config.vocab_size, seed=seed,
-                                    pad_fraction=0.25 if padded else 0.0)
-        return RolloutRequest(request.prompt_ids.to(self.device), request.prompt_attention_mask.to(self.device))
+        return synthetic_prompts(batch, length, vocab_size=self.model.config.vocab_size, seed=seed,
+                                 pad_fraction=0.25 if padded else 0.0, device=self.device)
 
     def rollout(self, model: torch.nn.Module | None = None, *, lengths: str | None = None, whole_cache: bool = False,
                 **config: Any) -> Any:

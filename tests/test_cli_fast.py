@@ -20,7 +20,7 @@ from rich.progress import Progress
 from conftest import run_named
 from opsd_rollout.bench.matrix import Matrix
 from opsd_rollout.bench.report import SCHEMA_VERSION, ConfigResult
-from opsd_rollout.bench.tables import PhraseText, compact_table, fold_columns
+from opsd_rollout.bench.tables import CompactTable, PhraseText, fold_columns
 from opsd_rollout.bench.scenarios import RolloutScenario, StepScenario
 from opsd_rollout.bench.session import BUILDING, FIRST_CALL, ProgressLine, print_dry_run
 from opsd_rollout.cli import CpuFallbackFilter, main, show_accelerator_fallback
@@ -182,7 +182,7 @@ def test_every_result_table_fits_the_width_and_keeps_every_figure(scenario, axes
 
 def test_a_wide_table_folds_its_value_columns_under_each_other():
     rows = [([f"B{b} n4 P128 R32 bf16/natural", *[f"{BIG:,.1f}"] * 9], None) for b in (1, 4)]
-    table = compact_table("nine times", ["config", *[f"stage{i} ms" for i in range(9)]], rows)
+    table = CompactTable("nine times", ["config", *[f"stage{i} ms" for i in range(9)]], rows)
     lines = rendered([table])
     assert_fits(lines)
     assert sum(line.lstrip().startswith("config") for line in lines) == 2  # two parts, the labels in each

@@ -24,6 +24,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
+from opsd_rollout.bench.contenders import CONFIDENCE
 from opsd_rollout.bench.ratio_test import fewest_iterations, ratio_interval
 from opsd_rollout.bench.report import ConfigResult, results_of
 from opsd_rollout.bench.tables import display_labels
@@ -33,7 +34,6 @@ from opsd_rollout.metrics import METRICS
 
 COMPARED = tuple(name for name, m in METRICS.items() if m.compared)
 """The metrics ``compare`` judges (those the registry marks ``compared``)."""
-CONFIDENCE = 0.95
 TEST_NAME = (f"Hodges-Lehmann ratio (after / before: the median over every pair of a before and an after "
              f"iteration) with its {CONFIDENCE:.0%} distribution-free confidence interval (Moses: Mann-Whitney "
              "ranks of the log ratios)")
@@ -156,18 +156,13 @@ def work_of(document: dict[str, Any], settings_type: type) -> dict[str, Any]:
     return work
 
 
-def work_differences(before: dict[str, Any], after: dict[str, Any], settings_type: type) -> dict[str, str]:
-    """Each setting of the work (or the rank count) the files disagree on -> how, in words."""
-    old, new = work_of(before, settings_type), work_of(after, settings_type)
-    return {name: f"{name}: {old.get(name)!r} in BEFORE, {new.get(name)!r} in AFTER"
-            for name in dict.fromkeys([*old, *new]) if old.get(name) != new.get(name)}
-
-
 def check_same_work(before: dict[str, Any], after: dict[str, Any], settings_type: type,
                     ignore: tuple[str, ...]) -> list[str]:
-    """Refuse files that measured different work (``MismatchError`` naming every difference); the differences
-    ``ignore`` lets through come back as notes."""
-    differences = work_differences(before, after, settings_type)
+    """Refuse files that measured different work (``MismatchError`` naming every setting, or the rank count, they
+    disagree on); the differences ``ignore`` lets through come back as notes."""
+    old, new = work_of(before, settings_type), work_of(after, settings_type)
+    differences = {name: f"{name}: {old.get(name)!r} in BEFORE, {new.get(name)!r} in AFTER"
+                   for name in dict.fromkeys([*old, *new]) if old.get(name) != new.get(name)}
     refused = [text for name, text in differences.items() if name not in ignore]
     if refused:
         names = ",".join(name for name in differences if name not in ignore)
@@ -188,10 +183,6 @@ def _match_key(result: ConfigResult, ignore: tuple[str, ...]) -> str:
         return result.config.key
     config = {k: v for k, v in asdict(result.config).items() if k not in ignore}
     return "|".join(f"{k}={v}" for k, v in sorted(config.items()) if v is not None)
-
-
-def _side(old: ConfigResult, new: ConfigResult) -> str:
-    return SIDES.get((old.disturbed, new.disturbed), "")
 
 
 def _disturbed_note(label: str, old: ConfigResult, new: ConfigResult, judged: bool) -> str:
@@ -218,7 +209,7 @@ def _compare_config(out: Comparison, key: str, label: str, old: ConfigResult, ne
                     threshold_pct: float, allow_disturbed: bool) -> None:
     """Judge one matched config's metrics into ``out``, with its notes."""
     out.matched += 1
-    side = _side(old, new)
+    side = SIDES.get((old.disturbed, new.disturbed), "")
     if side:
         out.disturbed[new.config.key] = side
         out.notes.append(_disturbed_note(label, old, new, allow_disturbed))

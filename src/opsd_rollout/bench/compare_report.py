@@ -9,7 +9,7 @@ from rich.console import Console
 from rich.table import Table
 
 from opsd_rollout.bench.compare import CONFIDENCE, MIN_ABSOLUTE, TEST_NAME, Comparison, MetricChange
-from opsd_rollout.bench.tables import compact_table, fmt
+from opsd_rollout.bench.tables import CompactTable, fmt
 from opsd_rollout.metrics import METRICS
 
 DROPPED_FIRST = (("before", "after"), ("95% CI",))
@@ -70,7 +70,7 @@ def _table(comparison: Comparison, columns: list[str]) -> Table:
             cells["config"] = ""
         previous = change.key
         rows.append(([cells[column] for column in columns], _style(change)))
-    table = compact_table("before -> after (medians; change: Hodges-Lehmann ratio)", columns, rows)
+    table = CompactTable("before -> after (medians; change: Hodges-Lehmann ratio)", columns, rows)
     table.columns[0].min_width = _label_widths(comparison)[1]
     return table
 

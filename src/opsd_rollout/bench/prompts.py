@@ -8,10 +8,11 @@ import torch
 from deepspeed.runtime.rollout.base import RolloutRequest, SamplingConfig
 
 
-def synthetic_prompts(batch_size: int, prompt_length: int, *, vocab_size: int, seed: int,
-                      low: int = 3, pad_fraction: float = 0.0, pad_token_id: int = 0) -> RolloutRequest:
-    """Random token ids in ``[low, vocab_size)``; with ``pad_fraction > 0`` row lengths vary and
-    on average that fraction of the ``[B, P]`` grid is left padding."""
+def synthetic_prompts(batch_size: int, prompt_length: int, *, vocab_size: int, seed: int, low: int = 3,
+                      pad_fraction: float = 0.0, pad_token_id: int = 0,
+                      device: torch.device | str = "cpu") -> RolloutRequest:
+    """Random token ids in ``[low, vocab_size)`` on ``device`` (drawn on the CPU: the same ids on every device); with
+    ``pad_fraction > 0`` row lengths vary and on average that fraction of the ``[B, P]`` grid is left padding."""
     if not 0.0 <= pad_fraction < 1.0:
         raise ValueError(f"pad_fraction must be in [0, 1); got {pad_fraction!r}")
     generator = torch.Generator().manual_seed(seed)
@@ -24,7 +25,7 @@ def synthetic_prompts(batch_size: int, prompt_length: int, *, vocab_size: int, s
         positions = torch.arange(prompt_length).unsqueeze(0)
         mask = (positions >= prompt_length - lengths.unsqueeze(1)).long()
         ids = ids.masked_fill(mask == 0, pad_token_id)
-    return RolloutRequest(ids, mask)
+    return RolloutRequest(ids.to(device), mask.to(device))
 
 
 def rollout_inputs(config: Any, settings: Any, tokenizer: Any, vocab_size: int, rank: int,
@@ -34,10 +35,10 @@ def rollout_inputs(config: Any, settings: Any, tokenizer: Any, vocab_size: int, 
     request = synthetic_prompts(config.batch_size, config.prompt_length, vocab_size=vocab_size,
                                 seed=settings.seed + 1000 * rank,
                                 pad_fraction=settings.pad_fraction if settings.prompts == "variable" else 0.0,
-                                pad_token_id=pad)
+                                pad_token_id=pad, device=device)
     greedy = config.decoding == "greedy"
     sampling = SamplingConfig(max_new_tokens=config.response_length, n_samples_per_prompt=config.samples_per_prompt,
                               temperature=0.0 if greedy else settings.temperature, top_k=settings.top_k,
                               top_p=settings.top_p,
                               continuous_batch_size=getattr(config, "continuous_batch_size", None))
-    return RolloutRequest(request.prompt_ids.to(device), request.prompt_attention_mask.to(device)), sampling
+    return request, sampling

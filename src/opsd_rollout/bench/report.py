@@ -3,10 +3,11 @@ tables for people (``bench/tables.py``) read too."""
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -72,10 +73,9 @@ class ConfigResult:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], config_type: type) -> "ConfigResult":
-        return cls(config=config_type(**data["config"]), status=data["status"], error=data.get("error"),
-                   iterations=list(data.get("iterations", [])), derived=dict(data.get("derived", {})),
-                   warnings=list(data.get("warnings", [])), per_rank=data.get("per_rank"), skew=data.get("skew"),
-                   warmup=data.get("warmup"), interference=data.get("interference"), baseline=data.get("baseline"))
+        """The result of ``data`` (``to_dict``'s), its lists and dicts copied: a resumed run appends to its own."""
+        given = {f.name: copy.copy(data[f.name]) for f in fields(cls) if f.name != "config" and f.name in data}
+        return cls(config=config_type(**data["config"]), **given)
 
     @property
     def disturbed(self) -> bool:

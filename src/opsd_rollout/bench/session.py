@@ -18,7 +18,7 @@ from opsd_rollout.bench.contenders import knob_notes
 from opsd_rollout.bench.matrix import Matrix, run_order
 from opsd_rollout.bench.plots import write_plots
 from opsd_rollout.bench.report import ConfigResult, results_of, write_json_atomic
-from opsd_rollout.bench.tables import PhraseText, compact_table, display_labels, fmt
+from opsd_rollout.bench.tables import CompactTable, PhraseText, display_labels, fmt
 
 MEASURING = "measuring the machine's ceilings"
 """Before the first config of a new result file: a large copy and a large matmul, for utilisation figures."""
@@ -159,8 +159,8 @@ def print_dry_run(matrix: Matrix, settings: Any, previous: dict[str, Any] | None
               f"{settings.warmup_max_seconds:g} s)" if settings.warmup is None else f"{settings.warmup} warm-up calls")
     rows = [([c.key, str(i), str(order[c.key]), fmt(estimates[c.key]) if estimates[c.key] is not None else "-"], None)
             for i, c in enumerate(configs, start=1)]
-    console.print(compact_table(f"{len(configs)} configs on {settings.model}: {warmup}, then {settings.iterations} "
-                                "iterations each ('run': the order they run in)", ["config", "#", "run", "est. s"], rows))
+    console.print(CompactTable(f"{len(configs)} configs on {settings.model}: {warmup}, then {settings.iterations} "
+                               "iterations each ('run': the order they run in)", ["config", "#", "run", "est. s"], rows))
     for line in knob_notes(matrix):
         console.print(f"note: {line}", markup=False, highlight=False)
     known = [v for v in estimates.values() if v is not None]

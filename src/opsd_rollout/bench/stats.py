@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import numpy as np
@@ -71,5 +71,4 @@ class Stats:
         return self.spread > SPREAD_WARNING
 
     def to_dict(self) -> dict[str, Any]:
-        return {"count": self.count, "mean": self.mean, "p50": self.p50, "p95": self.p95, "min": self.min,
-                "max": self.max, "stdev": self.stdev, "iqr": self.iqr}
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "values"}

@@ -17,6 +17,7 @@ from rich.table import Table
 from rich.text import Text
 
 from opsd_rollout.bench.axes import VARIANT_AXES
+from opsd_rollout.bench.contenders import CONFIDENCE
 from opsd_rollout.bench.report import ConfigResult
 
 
@@ -126,7 +127,7 @@ class CompactTable(Table):
     """A table that fits the width it is rendered at: the label column (first) folds its labels, the value
     columns (numbers, verdicts) never wrap nor get cut; when they do not all fit beside the label, they fold
     into several tables one under the other, each with the labels again. The title wraps between phrases at
-    the full width (not the table's)."""
+    the full width (not the table's). ``rows``: (cells, style)."""
 
     def __init__(self, title: str, columns: Sequence[str], rows: Sequence[tuple[Sequence[str], str | None]],
                  caption: str | None = None):
@@ -161,12 +162,6 @@ class CompactTable(Table):
             yield PhraseText(str(self.caption), style="table.caption")
 
 
-def compact_table(title: str, columns: Sequence[str], rows: Sequence[tuple[Sequence[str], str | None]],
-                  caption: str | None = None) -> Table:
-    """A table that fits the terminal (``CompactTable``). ``rows``: (cells, style)."""
-    return CompactTable(title, columns, rows, caption)
-
-
 def _two_lines(header: str) -> str:
     """A header of several words on two lines, split where the halves are most even: narrower columns."""
     words = header.split(" ")
@@ -184,7 +179,7 @@ def config_table(results: list[ConfigResult], title: str, columns: Sequence[str]
     labels = display_labels([r.config for r in results])
     rows = [([labels[r.config.key], *row(r)], None) if r.status == "ok"
             else ([f"{labels[r.config.key]}: {r.status} (see below)"], "red") for r in results]
-    return compact_table(title, ["config", *columns], rows, caption)
+    return CompactTable(title, ["config", *columns], rows, caption)
 
 
 def stability_table(results: list[ConfigResult]) -> Table:
@@ -219,7 +214,7 @@ def baseline_table(results: list[ConfigResult]) -> Table | None:
     if not compared:
         return None
     baseline = compared[0].baseline
-    confidence = baseline.get("confidence", 0.95)
+    confidence = baseline.get("confidence", CONFIDENCE)
 
     def row(result: ConfigResult) -> list[str]:
         if not result.baseline:

@@ -13,9 +13,6 @@ from dataclasses import dataclass
 
 import torch
 
-SOURCES = ("OMP_NUM_THREADS", "shared", "torch")
-
-
 @dataclass(frozen=True)
 class Threads:
     """The thread count a rank computes with and where it came from (the result's ``environment``)."""

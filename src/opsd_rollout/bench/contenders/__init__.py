@@ -56,6 +56,7 @@ RATIO_METRICS = ("total_ms", "tokens_per_second")
 """The figures each contender is set against its baseline on: the time of one iteration and its throughput (the
 one to read where sampled rows' lengths differ between contenders)."""
 CONFIDENCE = 0.95
+"""The confidence of every Hodges-Lehmann interval: a config's against its baseline's, and ``compare``'s."""
 
 
 def workload_key(config: Any, axes: Sequence[Any]) -> tuple:

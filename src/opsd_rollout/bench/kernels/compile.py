@@ -26,13 +26,13 @@ def bandwidth_share(spec: Any, rows: int, prompt_length: int, ms_per_token: floa
 
 class CompileContest(Contest):
     def __init__(self, model: Any, tokenizer: Any, rows: int, prompt_length: int, device: torch.device, seed: int = 0):
-        from opsd_rollout import HybridEngineRollout, HybridEngineRolloutConfig, RolloutRequest, SamplingConfig
+        from opsd_rollout import HybridEngineRollout, HybridEngineRolloutConfig, SamplingConfig
         from opsd_rollout.bench.prompts import synthetic_prompts
         from opsd_rollout.bench.workload import WorkloadRollout
 
         super().__init__(device)
-        request = synthetic_prompts(rows, prompt_length, vocab_size=model.config.vocab_size, seed=seed)
-        self.request = RolloutRequest(request.prompt_ids.to(device), request.prompt_attention_mask.to(device))
+        self.request = synthetic_prompts(rows, prompt_length, vocab_size=model.config.vocab_size, seed=seed,
+                                         device=device)
         self.sampling = {r: SamplingConfig(max_new_tokens=r, temperature=0) for r in (SHORT, LONG)}
         self.compiled, self.eager = (  # EOS ignored (fixed length): no EOS ids needed
             WorkloadRollout(HybridEngineRollout(model, tokenizer, HybridEngineRolloutConfig(compile_decode=on, seed=0)),

@@ -31,13 +31,12 @@ class Timed:
 
 def rollout_inputs(config: Any, settings: Any, built: Any, device: torch.device) -> tuple[Any, Any]:
     """The rollout kernels' request (``rows / n`` synthetic prompts on ``device``) and greedy sampling config."""
-    from opsd_rollout import RolloutRequest, SamplingConfig  # heavy: DeepSpeed's dataclasses
+    from opsd_rollout import SamplingConfig  # heavy: DeepSpeed's dataclasses
     from opsd_rollout.bench.prompts import synthetic_prompts
 
     n = config.samples_per_prompt
     request = synthetic_prompts(config.rows // n, config.prompt_length, vocab_size=built.spec.vocab_size,
-                                seed=settings.seed)
-    request = RolloutRequest(request.prompt_ids.to(device), request.prompt_attention_mask.to(device))
+                                seed=settings.seed, device=device)
     return request, SamplingConfig(max_new_tokens=config.response_length, n_samples_per_prompt=n, temperature=0.0)
 
 

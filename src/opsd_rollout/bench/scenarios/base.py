@@ -143,12 +143,16 @@ class Scenario:
         """The tables a person reads after a run (below the ``title`` line)."""
         raise NotImplementedError
 
+    def warmup_phrase(self, unit: str = "call") -> str:
+        """``warm-up until steady`` or ``3 warm-up calls`` (``unit``: what one warm-up iteration is)."""
+        warmup = self.settings.warmup
+        return "warm-up until steady" if warmup is None else f"{warmup} warm-up {unit}{'s' * (warmup != 1)}"
+
     def title(self, environment: dict[str, Any], world_size: int) -> str:
         """The line above the tables: model, device, threads, iterations."""
         s = self.settings
-        warmup = "warm-up until steady" if s.warmup is None else f"{s.warmup} warm-up call{'s' * (s.warmup != 1)}"
         title = (f"{s.model} on {environment['device_name']} ({threads_phrase(environment, world_size)}), "
-                 f"{s.iterations} iterations after {warmup}")
+                 f"{s.iterations} iterations after {self.warmup_phrase()}")
         if getattr(s, "interleave", False):
             title += "; contenders interleaved round by round"
         if world_size > 1:

@@ -10,7 +10,7 @@ from typing import Any, ClassVar
 
 from rich.table import Table
 
-from opsd_rollout.bench.axes import DTYPES, Axis, axis_defaults, choice_axis, positive_int, teacher_cache
+from opsd_rollout.bench.axes import DTYPES, Axis, axis_defaults, choice_axis, positive_int, shape_axis, teacher_cache
 from opsd_rollout.bench.kernels import DEFAULT_KERNELS, KERNELS, LONG
 from opsd_rollout.bench.report import ConfigResult
 from opsd_rollout.bench.tables import config_table, fmt, mib, stability_table
@@ -42,18 +42,15 @@ KERNEL_AXES = (
         f"{k.name}: {k.what}" for k in KERNELS.values()), None),
     choice_axis("dtypes", "dtype", DTYPES, "the logits' (sampling), the tensors' (fused_loss) or the model's dtype (a "
                 "dtype the device cannot run is reported as skipped)", "fp32"),
-    Axis("rows", "rows", positive_int, "an integer >= 1", "rows of the batch: logits rows (sampling), prompts x "
-         "samples (postprocess, attention, profiling), loss rows (fused_loss), rows of one token (weight_layout), "
-         "prompts (compile)", key="rows{}"),
-    Axis("vocab_sizes", "vocab_size", positive_int, "an integer >= 1", "vocabulary sizes (sampling, fused_loss)",
-         key="V{}"),
-    Axis("samples_per_prompt", "samples_per_prompt", positive_int, "an integer >= 1",
-         "samples per prompt (postprocess, attention: at least 2, profiling); it divides --rows", key="n{}"),
-    Axis("prompt_lengths", "prompt_length", positive_int, "an integer >= 1",
-         "prompt lengths in tokens (postprocess, attention, compile, profiling)", key="P{}"),
-    Axis("response_lengths", "response_length", positive_int, "an integer >= 1",
-         "response lengths: new tokens (postprocess, attention, profiling), trained tokens per row (fused_loss)",
-         key="R{}"),
+    shape_axis("rows", "rows", "rows{}", "rows of the batch: logits rows (sampling), prompts x samples (postprocess, "
+               "attention, profiling), loss rows (fused_loss), rows of one token (weight_layout), prompts (compile)"),
+    shape_axis("vocab_sizes", "vocab_size", "V{}", "vocabulary sizes (sampling, fused_loss)"),
+    shape_axis("samples_per_prompt", "samples_per_prompt", "n{}",
+               "samples per prompt (postprocess, attention: at least 2, profiling); it divides --rows"),
+    shape_axis("prompt_lengths", "prompt_length", "P{}",
+               "prompt lengths in tokens (postprocess, attention, compile, profiling)"),
+    shape_axis("response_lengths", "response_length", "R{}",
+               "response lengths: new tokens (postprocess, attention, profiling), trained tokens per row (fused_loss)"),
     Axis("top_ks", "top_k", any_int, "an integer (<= 0 disables top-k)", "sampling top-k values (sampling), <= 0 "
          "disables", key="topk{}"),
     Axis("top_ps", "top_p", top_p, "a number in (0, 1]", "sampling top-p values (sampling)", key="topp{:g}"),
@@ -221,10 +218,9 @@ class KernelsScenario(Scenario):
 
     def title(self, environment: dict[str, Any], world_size: int) -> str:
         s = self.settings
-        warmup = "warm-up until steady" if s.warmup is None else f"{s.warmup} warm-up round{'s' * (s.warmup != 1)}"
         return (f"kernels on {environment['device_name']} ({threads_phrase(environment, world_size)}), "
-                f"{s.iterations} rounds after {warmup}; each round both sides, their order alternating; the model "
-                f"kernels on {s.model}")
+                f"{s.iterations} rounds after {self.warmup_phrase('round')}; each round both sides, their order "
+                f"alternating; the model kernels on {s.model}")
 
     def tables(self, results: list[ConfigResult]) -> list[Table]:
         """Both sides and their ratio, with each kernel's own figures; who the sides are; warm-up and noise."""

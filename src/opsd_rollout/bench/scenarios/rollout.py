@@ -11,6 +11,7 @@ from rich.table import Table
 from opsd_rollout.bench.axes import KEY_AXES, ROLLOUT_AXES, axis_defaults
 from opsd_rollout.bench.contenders import CONTENDERS
 from opsd_rollout.bench.facts import decode_bytes_per_step, prefill_flops
+from opsd_rollout.bench.plots import VISIBLE_SHARE
 from opsd_rollout.bench.report import ConfigResult
 from opsd_rollout.bench.tables import baseline_table, config_table, fmt, mib, stability_table
 from opsd_rollout.bench.scenarios.base import MeasuringSettings, Scenario
@@ -114,38 +115,6 @@ def median_shares(result: ConfigResult) -> dict[str, float]:
     return RolloutProfile(**result.iterations[middle]).stage_shares()
 
 
-def derived_figures(result: ConfigResult, spec: Any, ceilings: dict[str, Any] | None,
-                    world_size: int = 1) -> dict[str, Any]:
-    """TTFT, TPOT, prefill and decode tokens/s (medians) and utilisation against the measured ceilings."""
-    c = result.config
-    med = {name: result.p50(name) for name in ("ttft_ms", "tpot_ms", "prefill_ms", "prefill_tokens",
-                                               "prefill_tokens_per_second", "decode_tokens_per_second",
-                                               "response_length")}
-    out: dict[str, Any] = {"time_to_first_token_ms": med["ttft_ms"], "time_per_output_token_ms": med["tpot_ms"],
-                           "prefill_tokens_per_second": med["prefill_tokens_per_second"],
-                           "decode_tokens_per_second": med["decode_tokens_per_second"],
-                           "real_tokens_per_second": result.p50("tokens_per_second"),
-                           "live_row_utilisation": result.p50("live_row_utilisation"),
-                           "row_latency_p50_ms": result.p50("row_latency_p50_ms"),
-                           "row_latency_p95_ms": result.p50("row_latency_p95_ms"),
-                           "decode_bandwidth_utilisation": None, "prefill_compute_utilisation": None}
-    if ceilings and med["tpot_ms"]:
-        response = (med["response_length"] or c.response_length) / 2
-        if any(it.get("kv_layout") == "shared_prefix" for it in result.iterations):  # each prompt read once
-            bytes_per_step = decode_bytes_per_step(spec, c.effective_batch_size, response,
-                                                   shared_prompts=c.batch_size, prompt_length=c.prompt_length)
-        else:
-            bytes_per_step = decode_bytes_per_step(spec, c.effective_batch_size, c.prompt_length + response)
-        out["decode_bandwidth_utilisation"] = bytes_per_step / (med["tpot_ms"] / 1e3) / ceilings[
-            "memory_bandwidth_bytes_per_s"]
-    if ceilings and med["prefill_ms"] and med["prefill_tokens"]:
-        # merged multi-rank iterations sum prefill tokens over ranks; the ceiling is one device's
-        rows = med["prefill_tokens"] / c.prompt_length / world_size
-        flops = prefill_flops(spec, round(rows), c.prompt_length)
-        out["prefill_compute_utilisation"] = flops / (med["prefill_ms"] / 1e3) / ceilings["matmul_flops_per_s"]
-    return out
-
-
 class RolloutScenario(Scenario):
     kind = "rollout"
     axes = ROLLOUT_AXES
@@ -168,7 +137,31 @@ class RolloutScenario(Scenario):
 
     def derive(self, result: ConfigResult, spec: Any, ceilings: dict[str, Any] | None,
                world_size: int) -> dict[str, Any]:
-        return derived_figures(result, spec, ceilings, world_size)
+        """TTFT, TPOT, prefill and decode tokens/s (medians) and utilisation against the measured ceilings."""
+        c, p50 = result.config, result.p50
+        out: dict[str, Any] = {"time_to_first_token_ms": p50("ttft_ms"), "time_per_output_token_ms": p50("tpot_ms"),
+                               "prefill_tokens_per_second": p50("prefill_tokens_per_second"),
+                               "decode_tokens_per_second": p50("decode_tokens_per_second"),
+                               "real_tokens_per_second": p50("tokens_per_second"),
+                               "live_row_utilisation": p50("live_row_utilisation"),
+                               "row_latency_p50_ms": p50("row_latency_p50_ms"),
+                               "row_latency_p95_ms": p50("row_latency_p95_ms"),
+                               "decode_bandwidth_utilisation": None, "prefill_compute_utilisation": None}
+        if ceilings and p50("tpot_ms"):
+            response = (p50("response_length") or c.response_length) / 2
+            if any(it.get("kv_layout") == "shared_prefix" for it in result.iterations):  # each prompt read once
+                bytes_per_step = decode_bytes_per_step(spec, c.effective_batch_size, response,
+                                                       shared_prompts=c.batch_size, prompt_length=c.prompt_length)
+            else:
+                bytes_per_step = decode_bytes_per_step(spec, c.effective_batch_size, c.prompt_length + response)
+            out["decode_bandwidth_utilisation"] = bytes_per_step / (p50("tpot_ms") / 1e3) / ceilings[
+                "memory_bandwidth_bytes_per_s"]
+        if ceilings and p50("prefill_ms") and p50("prefill_tokens"):
+            # merged multi-rank iterations sum prefill tokens over ranks; the ceiling is one device's
+            rows = p50("prefill_tokens") / c.prompt_length / world_size
+            flops = prefill_flops(spec, round(rows), c.prompt_length)
+            out["prefill_compute_utilisation"] = flops / (p50("prefill_ms") / 1e3) / ceilings["matmul_flops_per_s"]
+        return out
 
     def tables(self, results: list[ConfigResult]) -> list[Table]:
         """Latency and throughput; where the time goes (shares of the median iteration); warm-up and noise."""
@@ -186,7 +179,7 @@ class RolloutScenario(Scenario):
                     fmt(result.p50("row_latency_max_ms"))]
 
         shares = {r.config.key: median_shares(r) for r in results if r.status == "ok"}
-        stages = [k for k in self.stages if any(s.get(k, 0) >= 0.005 for s in shares.values())]
+        stages = [k for k in self.stages if any(s.get(k, 0) >= VISIBLE_SHARE for s in shares.values())]
         ratios = baseline_table(results)
         tables = [config_table(results, "latency and throughput (medians over the iterations; tok/s: real tokens)",
                                ["p50 ms", "p95 ms", "TTFT ms", "TPOT ms", "tok/s", "peak MiB"], figures),

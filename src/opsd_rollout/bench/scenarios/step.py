@@ -123,16 +123,6 @@ class StepMeasurement:
                         for s in self.rollout.get_last_timeline() or []]
 
 
-def step_figures(result: ConfigResult) -> dict[str, Any]:
-    """Medians a step benchmark reader wants first."""
-    step_ms, rollout_ms = result.p50("total_ms"), result.p50("rollout_ms")
-    return {"rollout_share": result.p50("rollout_share"), "loss": result.p50("loss"), "step_ms": step_ms,
-            "rollout_ms": rollout_ms, "teacher_cache_bytes": result.p50("teacher_cache_bytes"),
-            "teacher_cache_budget_bytes": result.p50("teacher_cache_budget_bytes"),
-            "trained_tokens_per_second": result.p50("tokens_per_second"),
-            "step_ms_without_rollout": (step_ms - rollout_ms) if step_ms and rollout_ms is not None else None}
-
-
 class StepScenario(Scenario):
     kind = "step"
     axes = STEP_AXES
@@ -187,7 +177,13 @@ class StepScenario(Scenario):
 
     def derive(self, result: ConfigResult, spec: Any, ceilings: dict[str, Any] | None,
                world_size: int) -> dict[str, Any]:
-        return step_figures(result)
+        """Medians a step benchmark reader wants first."""
+        step_ms, rollout_ms = result.p50("total_ms"), result.p50("rollout_ms")
+        return {"rollout_share": result.p50("rollout_share"), "loss": result.p50("loss"), "step_ms": step_ms,
+                "rollout_ms": rollout_ms, "teacher_cache_bytes": result.p50("teacher_cache_bytes"),
+                "teacher_cache_budget_bytes": result.p50("teacher_cache_budget_bytes"),
+                "trained_tokens_per_second": result.p50("tokens_per_second"),
+                "step_ms_without_rollout": (step_ms - rollout_ms) if step_ms and rollout_ms is not None else None}
 
     def title(self, environment: dict[str, Any], world_size: int) -> str:
         return f"OPSD steps: student {super().title(environment, world_size)}; teacher {self.settings.teacher}"
