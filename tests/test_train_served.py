@@ -188,3 +188,24 @@ def test_a_killed_server_stops_the_run_and_the_printed_command_finishes_it(tmp_p
     finally:
         run.kill()
         server.kill()
+
+
+def test_a_teacher_url_alone_is_the_users_run_not_the_built_in_one(monkeypatch, tmp_path):
+    """--teacher-url with no other model flag trains against that server (on the built-in corpus's prompts), never
+    the built-in run's cached teacher."""
+    from types import SimpleNamespace
+
+    import opsd_rollout.train
+    from opsd_rollout.train import default
+
+    seen = []
+
+    def stand_in(config):
+        seen.append(config)
+        return SimpleNamespace(interrupted=False, stopped=None, eval_curve=lambda: [], output_dir=tmp_path,
+                               model_dir=None, checkpoint=None, plot=None)
+
+    monkeypatch.setattr(opsd_rollout.train, "train", stand_in)
+    monkeypatch.setattr(default, "default_run", lambda *a, **k: pytest.fail("took the built-in run"))
+    assert main(["train", "--output-dir", str(tmp_path), "--teacher-url", "http://127.0.0.1:8000"]) == 0
+    assert [c.teacher_url for c in seen] == ["http://127.0.0.1:8000"] and seen[0].teacher is None

@@ -82,7 +82,7 @@ FLAGS: list[tuple[str, str, dict[str, Any]]] = [  # (flag, TrainConfig's flat na
                                         "end and on Ctrl-C)")),
     ("--resume", "resume", dict(metavar="DIR", help="continue a run from its latest checkpoint, exactly")),
 ]
-DEFAULT_RUN_FLAGS = ("student", "teacher", "prompts")
+DEFAULT_RUN_FLAGS = ("student", "teacher", "teacher_url", "prompts")
 """With none of these (and objective opsd), ``train`` is the built-in run."""
 FORMERLY = {"--prompts-per-micro-batch": "--batch-size", "--cache-dir": "--teacher-cache-dir"}
 """Renamed flags -> their old spellings, still accepted with a line naming the new: ``--batch-size`` counted
@@ -95,9 +95,9 @@ def add_train_parser(sub: Any, common: argparse.ArgumentParser) -> argparse.Argu
         "train", parents=[common], help="train a student by on-policy distillation (or SFT) into a checkpoint",
         description="Train a student on DeepSpeed by on-policy distillation from a prompt file to a checkpoint: "
         "metrics.jsonl, DeepSpeed's monitors, checkpoints/ (exact --resume), model/ and eval.png in --output-dir. "
-        "With no --student, --teacher or --prompts: the built-in run, a real one on the Python documentation that "
-        "ships with Python: a teacher trained on it by SFT (cached in --cache-dir), distilled into a "
-        "smaller student.")
+        "With no --student, --teacher, --teacher-url or --prompts: the built-in run, a real one on the Python "
+        "documentation that ships with Python: a teacher trained on it by SFT (cached in --cache-dir), distilled "
+        "into a smaller student.")
     train.add_argument("--output-dir", required=True, metavar="DIR", help="where the run writes")
     for flag, dest, kwargs in FLAGS:
         add_flag(train, flag, formerly=FORMERLY.get(flag), dest=dest, **kwargs)
