@@ -22,6 +22,7 @@ from rich.console import Console
 from rich.table import Table
 
 from opsd_rollout import __version__, checks
+from opsd_rollout.cores import share_cores_politely
 from opsd_rollout.bench.configfile import current_names, read_config_file, split_config
 from opsd_rollout.bench.matrix import Matrix
 from opsd_rollout.bench.report import load_document
@@ -384,6 +385,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def shares_cores(command: str, modules: Any) -> bool:
+    """Whether to pick OpenMP's wait for shared cores (``cores.py``) now: for ``train`` (a benchmark measures the
+    machine as it is), and only before torch is imported, as OpenMP reads the setting once."""
+    return command == "train" and "torch" not in modules
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     # torch deprecations raised from inside DeepSpeed are not the user's to act on
     warnings.filterwarnings("ignore", category=FutureWarning, module="torch")
@@ -395,6 +402,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(note, file=sys.stderr)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s")
     show_accelerator_fallback(args.verbose)
+    if shares_cores(args.command, sys.modules):
+        share_cores_politely()
     try:
         _apply_local_rank(getattr(args, "local_rank", None))
         return int(args.func(args) or 0)
