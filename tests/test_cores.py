@@ -1,6 +1,6 @@
 """``train`` picks OpenMP's passive wait on shared cores (cores.py): when other processes keep at least half a core
-busy as it starts, or when it is one of several ranks on the machine; never over the user's own setting, and not on
-cores of its own, where the active wait is faster. The measurement is stood in for: these are the rules."""
+busy as it starts; never over the user's own setting, not in a launcher's ranks, and not on cores of its own, where
+the active wait is faster. The measurement is stood in for: these are the rules."""
 
 from __future__ import annotations
 
@@ -11,22 +11,21 @@ import pytest
 from opsd_rollout import cores
 
 
-@pytest.mark.parametrize("environ,busy,ranks,expected", [
-    ({}, 0.1, 1, None),                                    # a quiet machine: torch's default
-    ({}, 0.5, 1, "PASSIVE"),                               # another process at half a core or more
-    ({}, 1.9, 1, "PASSIVE"),
-    ({}, 0.0, 2, "PASSIVE"),                               # two ranks on this machine share its cores
-    ({"OMP_WAIT_POLICY": "ACTIVE"}, 1.9, 2, None),         # the user's setting wins
+@pytest.mark.parametrize("environ,busy,expected", [
+    ({}, 0.1, None),                                       # a quiet machine: torch's default
+    ({}, 0.5, "PASSIVE"),                                  # another process at half a core or more
+    ({}, 1.9, "PASSIVE"),
+    ({"OMP_WAIT_POLICY": "ACTIVE"}, 1.9, None),            # the user's setting wins
+    ({"LOCAL_RANK": "0"}, 1.9, None),                      # a launcher's rank: left as it is
 ])
-def test_the_wait_policy_rules(environ, busy, ranks, expected):
-    assert cores.wait_policy(environ, busy, ranks) == expected
+def test_the_wait_policy_rules(environ, busy, expected):
+    assert cores.wait_policy(environ, busy) == expected
 
 
 @pytest.mark.parametrize("percent,expected", [(60.0, "PASSIVE"), (5.0, None)])
 def test_share_cores_politely_sets_the_variable_from_what_it_measured(monkeypatch, percent, expected):
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
-    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
-    monkeypatch.delenv("LOCAL_SIZE", raising=False)
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
     monkeypatch.setattr(cores.psutil, "cpu_percent", lambda interval: percent)
     monkeypatch.setattr(cores.os, "cpu_count", lambda: 2)
     assert cores.share_cores_politely() == expected
