@@ -252,8 +252,7 @@ def _check_served(config: TrainConfig) -> None:
         raise ValueError("teacher_url serves a teacher to distil from; objective sft trains on references alone")
     if config.teacher_zero_stage != 0:
         raise ValueError("teacher_zero_stage partitions an in-process teacher; a served teacher runs on its server")
-    if config.cache.mode == "full":
-        refuse_full_cache(config.cache)  # the reason, and what to use
+    refuse_full_cache(config.cache)  # a full cache: the reason, and what to use
 
 
 def load_train_config(path: str | Path) -> TrainConfig:
