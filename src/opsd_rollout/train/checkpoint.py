@@ -20,6 +20,12 @@ def find_checkpoint(path: str | Path) -> Path:
                      "pass the output directory of a run that saved one")
 
 
+def latest_tag(run: Path) -> str | None:
+    """The tag of a run's latest checkpoint (``run/checkpoints/latest``), or ``None`` when it saved none."""
+    latest = run / "checkpoints" / "latest"
+    return latest.read_text().strip() if latest.is_file() else None
+
+
 def save_model(engine: Any, tokenizer: Any, directory: Path, rank: Any) -> Path:
     """The student's weights and tokenizer in transformers' format (``from_pretrained`` loads them), written into
     a temporary directory and moved into place whole."""

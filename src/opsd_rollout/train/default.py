@@ -18,6 +18,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from opsd_rollout.train.checkpoint import latest_tag
 from opsd_rollout.train.config import TrainConfig
 from opsd_rollout.train.loop import TrainResult, train
 
@@ -87,7 +88,7 @@ def trained_teacher(cache_dir: str | None, *, progress: bool = True) -> Path:
         partial = directory.with_name(directory.name + ".partial")
         if directory.is_dir() and not partial.exists():  # an older release trained in place and was stopped
             os.replace(directory, partial)
-        saved = find_latest(partial)
+        saved = latest_tag(partial)
         print(f"teacher: {'resuming' if saved else 'training'} {TEACHER.student} on the built-in corpus "
               f"({TEACHER.steps} SFT steps{f', from {saved}' if saved else ''}) in {partial}", flush=True)
         result = train(replace(TEACHER, output_dir=str(partial), progress=progress,
@@ -98,12 +99,6 @@ def trained_teacher(cache_dir: str | None, *, progress: bool = True) -> Path:
         os.replace(partial, directory)  # whole, or not at all
     print(f"teacher: trained into {directory}", flush=True)
     return model
-
-
-def find_latest(directory: Path) -> str | None:
-    """The tag of ``directory``'s latest checkpoint, or ``None``."""
-    latest = directory / "checkpoints" / "latest"
-    return latest.read_text().strip() if latest.is_file() else None
 
 
 def default_run(output_dir: str, *, cache_dir: str | None = None, progress: bool = True,
