@@ -20,6 +20,10 @@ FLAGS: list[tuple[str, str, dict[str, Any]]] = [  # (flag, TrainConfig's flat na
     ("--prompts", "prompts", dict(metavar="FILE", help="JSON lines with 'prompt' (or chat 'messages') and an "
                                   "optional 'reference', or one prompt a line (default: the built-in corpus, the "
                                   "Python documentation's topics)")),
+    ("--task", "task", dict(choices=("arithmetic",), help="a built-in task's examples instead of --prompts: "
+                            "arithmetic (addition word problems made from a seed, worked solutions ending in "
+                            "'#### N'); with no --student, --teacher or --teacher-url: its built-in run, a teacher "
+                            "trained on it by SFT (cached) distilled into a smaller student")),
     ("--objective", "objective", dict(choices=("opsd", "sft"), help="opsd (default): distil the teacher on-policy; "
                                       "sft: cross-entropy on the references")),
     ("--deepspeed", "deepspeed", dict(metavar="JSON", help="the student's DeepSpeed config (ZeRO stage, optimizer, "

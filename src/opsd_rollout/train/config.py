@@ -86,6 +86,9 @@ class TrainConfig:
     prompts: str | None = None
     """JSON lines (``prompt`` or chat ``messages``, optional ``reference``) or one prompt a line; ``None``: the
     built-in corpus (the Python documentation's topics, with references)."""
+    task: str | None = None
+    """A built-in task's examples instead of ``prompts``: ``arithmetic`` (addition word problems made from a seed,
+    worked solutions ending in ``#### N`` as references, its own held-out problems; ``opsd_rollout.train.tasks``)."""
     prompts_per_micro_batch: int = 8
     """Prompts of one micro-batch (each rank's, with several ranks); DeepSpeed's micro-batch is this x
     ``sampling.n_samples_per_prompt`` rows."""
@@ -133,6 +136,13 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         checks.choice("objective", self.objective, OBJECTIVES)
+        if self.task is not None:
+            from opsd_rollout.train.tasks import TASKS
+
+            checks.choice("task", self.task, tuple(TASKS))
+            if self.prompts is not None:
+                raise ValueError(f"task {self.task!r} brings its own examples; prompts {self.prompts!r} would be "
+                                 "another set: give one of them")
         if self.objective == "opsd" and self.teacher is None and self.teacher_url is None:
             raise ValueError("teacher is needed to distil (objective opsd): a preset, a local checkpoint directory "
                              "or a served teacher's teacher_url")
