@@ -7,18 +7,21 @@ import dataclasses
 import logging
 import weakref
 from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from opsd_rollout.metrics import STEP_PARTS, STEP_STAGES, hidden_share, label
+from opsd_rollout.distributed import partitioned
 from opsd_rollout.modeling import innermost_model, position_ids, text_config
 from opsd_rollout.opsd.divergence import DivergenceConfig, chunked_divergence
 from opsd_rollout.opsd.fused import fusion_problem, head_divergence
 from opsd_rollout.opsd.sampled import head_sampled_divergence, sampled_divergence
-from opsd_rollout.opsd.served import ServedTeacher, refuse_full_cache
+from opsd_rollout.opsd.served import ServedTeacher
 from opsd_rollout.opsd.targets import response_targets
+from opsd_rollout.opsd.teachers import Share, check_routes, check_teacher, route_rows, share_targets
 from opsd_rollout.opsd.teacher import TeacherCacheBuffers, TeacherCacheConfig, build_teacher_cache
 from opsd_rollout.profiling import Clock, PeakMemory, RolloutProfile, StageRecorder, timed_eval
 from opsd_rollout.profiling.profile import byte_size, json_safe
@@ -70,6 +73,10 @@ class StepProfile:
     grad_norm: float | None = None
     """The 2-norm of the gradient the optimizer stepped on, before clipping, when asked for
     (``opsd_step(..., grad_norm=True)``) and the step was an accumulation boundary; else ``None``."""
+    teacher_losses: dict[str, float] = field(default_factory=dict)
+    """Several teachers: each one's loss, the mean over the response tokens routed to it (every rank's)."""
+    teacher_tokens: dict[str, int] = field(default_factory=dict)
+    """Several teachers: the response tokens routed to each (every rank's)."""
     teacher_latency_ms: float = 0.0
     """A served teacher: its requests, from sending to the cache written. In flight while the step works (the
     student's forward; in ``train`` with accumulation, the next micro-batches' rollouts too): not a part of
@@ -91,12 +98,14 @@ class StepProfile:
         ``tokens_per_second``, ``peak_memory_bytes`` (the largest part's) and ``peak_<part>_bytes``,
         ``<part>_start_ms``, and the rollout profile's record under ``rollout/`` (absent when it was not profiled)."""
         data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-                if f.name not in ("rollout", "peak_memory_bytes", "part_start_ms")}
+                if f.name not in ("rollout", "peak_memory_bytes", "part_start_ms", "teacher_losses", "teacher_tokens")}
         data["tokens_per_second"] = self.tokens_per_second
         data["teacher_hidden_share"] = self.teacher_hidden_share
         data["peak_memory_bytes"] = max(self.peak_memory_bytes.values(), default=0)
         data.update({f"peak_{part}_bytes": peak for part, peak in self.peak_memory_bytes.items()})
         data.update({f"{part}_start_ms": start for part, start in self.part_start_ms.items()})
+        data.update({f"loss/{name}": value for name, value in self.teacher_losses.items()})
+        data.update({f"response_tokens/{name}": value for name, value in self.teacher_tokens.items()})
         data = json_safe(data)
         if self.rollout is not None:
             data.update({f"rollout/{key}": value for key, value in self.rollout.to_dict().items()})
@@ -182,13 +191,20 @@ class StepState:
     buffers: TeacherCacheBuffers = field(default_factory=TeacherCacheBuffers)
     """The host memory the teacher cache is built in, reused from step to step (pinned on CUDA once, not every
     step)."""
-    slots: dict[int, TeacherCacheBuffers] = field(default_factory=dict)
-    """The buffers of the steps in flight beside the first (``start_step(..., slot=1, ...)``), each its own."""
+    slots: dict[tuple[int, str | None], TeacherCacheBuffers] = field(default_factory=dict)
+    """The buffers of the other caches: of steps in flight beside the first (``start_step(..., slot=1, ...)``),
+    and of each of several teachers, by ``(slot, teacher's name)``."""
     checked: "weakref.WeakSet[torch.nn.Module]" = field(default_factory=weakref.WeakSet)
     """Students already compared with their teacher: at their first step only, since afterwards their weights
     have moved (weak: a student dropped is forgotten)."""
     warned: "weakref.WeakSet[torch.nn.Module]" = field(default_factory=weakref.WeakSet)
     """Students already told that the fused loss cannot run on them: said once, not at every step."""
+
+    def buffers_for(self, slot: int, teacher: str | None) -> TeacherCacheBuffers:
+        """The host buffers of step ``slot``'s cache of ``teacher`` (``None``: a step's only teacher)."""
+        if slot == 0 and teacher is None:
+            return self.buffers
+        return self.slots.setdefault((slot, teacher), TeacherCacheBuffers())
 
 
 def _same_weights(student: torch.nn.Module, teacher: torch.nn.Module) -> bool:
@@ -292,14 +308,16 @@ def check_pairing(divergence: DivergenceConfig, teacher_cache: TeacherCacheConfi
 def opsd_step(student_engine: Any, teacher: Any, rollout: Any, request: Any, sampling: Any, *,
               divergence: DivergenceConfig | None = None, teacher_cache: TeacherCacheConfig | None = None,
               behaviour_logprobs: torch.Tensor | None = None, state: StepState | None = None,
-              rollout_seed: int | None = None, grad_norm: bool = False) -> StepProfile:
+              rollout_seed: int | None = None, grad_norm: bool = False,
+              routes: Sequence[str] | None = None) -> StepProfile:
     """Run one step on ``student_engine`` (a DeepSpeed engine, ZeRO 0-3) and return its profile:
     ``start_step(...).finish()``.
 
     ``teacher``: a model (plain, or a DeepSpeed engine, ZeRO-3 partitioned or not) run here into the host cache, or
     a ``ServedTeacher`` (``opsd/served.py``) whose server sends the cache's log-probabilities (``topk`` or
     ``sampled`` caches; ``full`` is refused before any work), its request in flight while the student's forward
-    runs (``ServedTeacher(overlap=True)``, the default).
+    runs (``ServedTeacher(overlap=True)``, the default); or several, ``{name: teacher}``, with ``routes`` naming
+    each prompt's (each scores its prompts' rows alone; ``StepProfile.teacher_losses`` has each one's loss).
 
     ``behaviour_logprobs`` [N, R]: with ``sampled_reverse_kl``, the log-probabilities of the sampled tokens under
     the policy that sampled them, for an off-policy update (a second step on one rollout, a generation buffer);
@@ -311,13 +329,14 @@ def opsd_step(student_engine: Any, teacher: Any, rollout: Any, request: Any, sam
     gradients, inside the ``optimizer`` part)."""
     return start_step(student_engine, teacher, rollout, request, sampling, divergence=divergence,
                       teacher_cache=teacher_cache, behaviour_logprobs=behaviour_logprobs, state=state,
-                      rollout_seed=rollout_seed, grad_norm=grad_norm).finish()
+                      rollout_seed=rollout_seed, grad_norm=grad_norm, routes=routes).finish()
 
 
 def start_step(student_engine: Any, teacher: Any, rollout: Any, request: Any, sampling: Any, *,
                divergence: DivergenceConfig | None = None, teacher_cache: TeacherCacheConfig | None = None,
                behaviour_logprobs: torch.Tensor | None = None, state: StepState | None = None,
-               rollout_seed: int | None = None, grad_norm: bool = False, slot: int = 0) -> "StepInFlight":
+               rollout_seed: int | None = None, grad_norm: bool = False, slot: int = 0,
+               routes: Sequence[str] | None = None) -> "StepInFlight":
     """The first half of ``opsd_step`` (its arguments), up to the teacher: the checks, the rollout, and the teacher's
     cache, built here by an in-process teacher, or asked of a served one in the background (``overlap``) and left
     in flight. ``.finish()`` is the rest: the student's forward, the wait for a served teacher, the loss, backward
@@ -326,50 +345,65 @@ def start_step(student_engine: Any, teacher: Any, rollout: Any, request: Any, sa
     Between the two halves the caller may work on something that does not change the student's weights: ``train``
     rolls out its next micro-batches there, so that each one's teacher request is in flight behind the next one's
     rollout. Steps in flight at once each take their own ``slot`` (0, 1, ...): the host buffers their teacher
-    caches are built in."""
+    caches are built in.
+
+    Several teachers: ``teacher`` a mapping ``{name: teacher}`` and ``routes`` one name per prompt of the request;
+    each teacher scores its prompts' rows alone, and the profile reports each one's loss (``teacher_losses``)."""
     state = state if state is not None else StepState()
     divergence = divergence or DivergenceConfig()
     teacher_cache = teacher_cache or TeacherCacheConfig()
     check_pairing(divergence, teacher_cache)
-    served = isinstance(teacher, ServedTeacher)
+    several = isinstance(teacher, Mapping)
+    teachers: dict[str | None, Any] = dict(teacher) if several else {None: teacher}
+    if several:
+        if not teachers:
+            raise ValueError("teacher: a model, a ServedTeacher, or a mapping {name: teacher} of at least one")
+        check_routes(teacher, routes, int(request.prompt_ids.shape[0]))
+    elif routes is not None:
+        raise ValueError("routes name each prompt's teacher: give teacher as a mapping {name: teacher}")
     student_vocab = text_config(innermost_model(student_engine).config).vocab_size
-    if served:  # before any work: the cache it can give, the server, its model, tokenizer and vocabulary
-        refuse_full_cache(teacher_cache)
-        teacher.connect(student_vocab)
-    else:
-        teacher_vocab = text_config(innermost_model(teacher).config).vocab_size
-        if student_vocab != teacher_vocab:  # before any work: a partitioned teacher would fail inside its gathers
-            raise ValueError(f"the teacher's vocabulary ({teacher_vocab:,} tokens) differs from the student's "
-                             f"({student_vocab:,}): distillation compares their distributions token by token")
-        _warn_if_teacher_is_student(innermost_model(student_engine), innermost_model(teacher), state)
+    for name, each in teachers.items():  # before any work
+        check_teacher(each, student_vocab, teacher_cache, name)
+        if not isinstance(each, ServedTeacher):
+            _warn_if_teacher_is_student(innermost_model(student_engine), innermost_model(each), state)
     fused = _fuses(innermost_model(student_engine), divergence, state)
     device = torch.device(student_engine.device)
     recorder = StageRecorder(Clock(device), time_forwards=False)
-    step = StepInFlight(engine=student_engine, teacher=teacher, rollout=rollout, divergence=divergence,
+    step = StepInFlight(engine=student_engine, rollout=rollout, divergence=divergence,
                         behaviour_logprobs=behaviour_logprobs, grad_norm=grad_norm, fused=fused,
                         recorder=recorder, parts=StepParts(recorder, device))
-    buffers = state.buffers if slot == 0 else state.slots.setdefault(slot, TeacherCacheBuffers())
     with recorder.stage("total"):
         with timed_eval(student_engine, device, train_after=True) as switch:
             seeded = {} if rollout_seed is None else {"seed": rollout_seed}
             batch = step.parts.run("rollout", rollout.generate, request, sampling, **seeded)
         step.switch, step.targets = switch, response_targets(batch)
-        if served:
-            step.pending = teacher.submit(step.targets, teacher_cache, buffers=buffers, pin=device.type == "cuda")
-            if not teacher.overlap:
-                step.wait()
+        if several:
+            step.names = list(teacher)
+            rows = route_rows(teacher, routes, sampling.n_samples_per_prompt, step.targets.input_ids.device)
+            step.shares = [Share(name=name, teacher=each, rows=rows[name], targets=share_targets(step.targets,
+                                 rows[name])) for name, each in teacher.items()
+                           if rows[name].numel() or partitioned(innermost_model(each))]  # ZeRO-3: every rank joins
         else:
-            step.cache = step.parts.run("teacher", build_teacher_cache, teacher, step.targets, teacher_cache,
-                                        recorder=recorder, buffers=buffers)
+            step.shares = [Share(name=None, teacher=teacher, rows=None, targets=step.targets)]
+        for share in sorted(step.shares, key=lambda share: not share.served):  # the servers' requests first
+            buffers = state.buffers_for(slot, share.name)
+            if share.served:
+                share.pending = share.teacher.submit(share.targets, teacher_cache, buffers=buffers,
+                                                     pin=device.type == "cuda")
+                if not share.teacher.overlap:
+                    step.wait(share)
+            else:
+                share.cache = step.parts.run("teacher", build_teacher_cache, share.teacher, share.targets,
+                                             teacher_cache, recorder=recorder, buffers=buffers)
     return step
 
 
 @dataclass(kw_only=True, eq=False)
 class StepInFlight:
-    """An OPSD step between its halves (``start_step``): its rollout done, its teacher cache built or asked for."""
+    """An OPSD step between its halves (``start_step``): its rollout done, its teachers' caches built or asked
+    for."""
 
     engine: Any
-    teacher: Any
     rollout: Any
     divergence: DivergenceConfig
     behaviour_logprobs: torch.Tensor | None
@@ -379,44 +413,77 @@ class StepInFlight:
     parts: StepParts
     switch: Any = None
     targets: Any = None
-    cache: Any = None
-    """The teacher's cache, once it is here."""
-    pending: Any = None
-    """A served teacher's answer in flight (a ``ServedTeacher.submit`` future)."""
+    shares: list[Share] = field(default_factory=list)
+    """Each teacher's rows and cache (one share, every row, with one teacher)."""
+    names: list[str] = field(default_factory=list)
+    """Several teachers: all their names, in the order given (alike on every rank, whatever each one's rows)."""
 
-    def wait(self) -> None:
-        """The served teacher's cache, waited for as the step's ``teacher`` part (the latency not hidden)."""
-        if self.cache is None:
-            self.cache = self.parts.run("teacher", self.pending.result)
+    def wait(self, share: Share) -> None:
+        """A served teacher's cache, waited for as the step's ``teacher`` part (the latency not hidden)."""
+        if share.cache is None:
+            self.parts.run("teacher", self._receive, share)
+
+    def _receive(self, share: Share) -> None:
+        with self.recorder.stage("teacher_wait"):
+            share.cache = share.pending.result()
+
+    def cancel(self) -> None:
+        """Drop the served answers not yet on their way (a run stopping with this step in flight)."""
+        for share in self.shares:
+            if share.pending is not None:
+                share.pending.cancel()
 
     def finish(self) -> StepProfile:
         """The rest of the step, then its profile: the student's forward (a served teacher's request in flight
-        during it), the teacher's cache, the loss, backward and the optimizer."""
+        during it), the teachers' caches, the loss (each teacher's over its rows), backward and the optimizer."""
         parts, targets = self.parts, self.targets
         with self.recorder.stage("total"):
             out = _student_forward(parts, self.engine, targets, self.fused)
-            self.wait()
-            total, count = _student_loss(parts, self.engine, out, targets, self.cache, self.divergence, self.fused,
-                                         self.behaviour_logprobs)
+            sums = []
+            for share in self.shares:
+                self.wait(share)
+                sums.append(_student_loss(parts, self.engine, share.pick(out), share.targets, share.cache,
+                                          self.divergence, self.fused, share.pick(self.behaviour_logprobs)))
+            total, count = (sum(column) for column in zip(*sums))
             loss, reported = token_mean(total, count)
             parts.run("backward", self.engine.backward, loss)
             norm = parts.run("optimizer", optimizer_step, self.engine, grad_norm=self.grad_norm)
-        return self._profile(reported, norm)
+        named = {share.name: sums[i] for i, share in enumerate(self.shares) if share.name is not None}
+        return self._profile(reported, norm, per_teacher(self.names, named, torch.device(self.engine.device)))
 
-    def _profile(self, reported: torch.Tensor, norm: Any) -> StepProfile:
+    def _profile(self, reported: torch.Tensor, norm: Any, teachers: dict[str, tuple[float, int]]) -> StepProfile:
         ms, starts = self.parts.times()
-        switch, cache, served = self.switch, self.cache, self.pending is not None
+        switch, caches = self.switch, [share.cache for share in self.shares]
+        served = [share.pending for share in self.shares if share.pending is not None]
         producing = switch.eval_ms + ms["rollout"] + (switch.train_ms or 0.0)
         return StepProfile(
             rollout=self.rollout.get_last_profile(), eval_ms=switch.eval_ms, train_ms=switch.train_ms or 0.0,
             rollout_ms=ms["rollout"], teacher_forward_ms=ms.get("teacher_forward", 0.0),
-            cache_write_ms=ms.get("cache_write", 0.0), teacher_wait_ms=ms["teacher"] if served else 0.0,
+            cache_write_ms=ms.get("cache_write", 0.0), teacher_wait_ms=ms.get("teacher_wait", 0.0),
             student_forward_ms=ms["student_forward"], loss_ms=ms["loss"], backward_ms=ms["backward"],
             optimizer_ms=ms["optimizer"], total_ms=ms["total"],
             rollout_share=producing / ms["total"] if ms["total"] > 0 else 0.0,
             peak_memory_bytes=dict(self.parts.peaks), part_start_ms=starts, response_tokens=self.targets.tokens,
-            teacher_cache_bytes=cache.nbytes, teacher_cache_budget_bytes=cache.budget_bytes,
-            teacher_cache_mode=cache.mode, fused_loss=self.fused, loss=float(reported),
-            teacher_parameter_bytes=0 if served else resident_bytes(self.teacher),
+            teacher_cache_bytes=sum(cache.nbytes for cache in caches),
+            teacher_cache_budget_bytes=max(cache.budget_bytes for cache in caches),
+            teacher_cache_mode=caches[0].mode, fused_loss=self.fused, loss=float(reported),
+            teacher_parameter_bytes=sum(resident_bytes(s.teacher) for s in self.shares if not s.served),
             grad_norm=None if norm is None else float(norm),
-            teacher_latency_ms=self.pending.latency_ms if served else 0.0)
+            teacher_latency_ms=max((pending.latency_ms for pending in served), default=0.0),
+            teacher_losses={name: value for name, (value, _) in teachers.items()},
+            teacher_tokens={name: tokens for name, (_, tokens) in teachers.items()})
+
+
+def per_teacher(names: list[str], sums: dict[str, tuple[torch.Tensor, torch.Tensor]],
+                device: torch.device) -> dict[str, tuple[float, int]]:
+    """Each named teacher's token-mean loss and its response tokens, over every rank (``names``: the step's
+    teachers, alike on every rank, in one all-reduce; a teacher no rank routed a token to is left out)."""
+    if not names:
+        return {}
+    zero = torch.zeros(())
+    stacked = torch.stack([torch.stack([t.detach().float().reshape(()).cpu(), c.float().reshape(()).cpu()])
+                           for t, c in (sums.get(name, (zero, zero)) for name in names)])  # [T, 2]
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        stacked = stacked.to(device)  # the student's: where the step's other collectives run
+        dist.all_reduce(stacked)
+    return {name: (total / count, int(count)) for name, (total, count) in zip(names, stacked.tolist()) if count}
