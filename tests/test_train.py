@@ -341,7 +341,7 @@ def test_distillation_brings_the_student_closer_to_the_teacher(tmp_path, confide
 def test_ctrl_c_saves_a_checkpoint_and_leaves_valid_files(tmp_path, monkeypatch):
     from opsd_rollout.train import loop
 
-    calls, step = [], loop.opsd_step
+    calls, step = [], loop.start_step
 
     def interrupted(*args, **kwargs):
         calls.append(1)
@@ -349,13 +349,13 @@ def test_ctrl_c_saves_a_checkpoint_and_leaves_valid_files(tmp_path, monkeypatch)
             raise KeyboardInterrupt
         return step(*args, **kwargs)
 
-    monkeypatch.setattr(loop, "opsd_step", interrupted)
+    monkeypatch.setattr(loop, "start_step", interrupted)
     out = tmp_path / "run"
     result = train(flat_config(output_dir=str(out), steps=5, **TINY))
     assert result.interrupted and result.steps == 2
     assert (out / "checkpoints" / "latest").read_text().strip() == "step2"
     assert [r["step"] for r in records(out)] == [0, 1, 2]
-    monkeypatch.setattr(loop, "opsd_step", step)
+    monkeypatch.setattr(loop, "start_step", step)
     resumed = train(flat_config(output_dir=str(out), steps=5, resume=str(out), **TINY))
     assert not resumed.interrupted and [r["step"] for r in records(out)] == [0, 1, 2, 3, 4, 5]
 
