@@ -1,11 +1,15 @@
 """Task scorers: answers read from the datasets' own formats (GSM8K's ``####``, MATH's ``\\boxed{}``), the number
-normalisation table, unextractable answers, and the reference read as a worked solution or a bare answer."""
+normalisation table, unextractable answers, the reference read as a worked solution or a bare answer, and the unbiased
+pass@k against enumeration."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
-from opsd_rollout.train.scorers import SCORERS, extract, is_correct, normalize_number, reference_answer
+from opsd_rollout.train.scorers import (SCORERS, extract, is_correct, normalize_number, pass_at_k,
+                                         reference_answer)
 
 GSM8K_ANSWER = ("Natalia sold 48/2 = <<48/2=24>>24 clips in May.\nNatalia sold 48+24 = <<48+24=72>>72 clips "
                 "altogether in April and May.\n#### 72")
@@ -132,3 +136,24 @@ def test_every_scorer_is_known_and_unknown_ones_refused():
         extract("math", "5")
     with pytest.raises(ValueError, match="holds no answer"):
         is_correct("gsm8k", "#### 5", "five")
+
+
+# ---- pass@k -------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("n", [1, 2, 5, 8])
+def test_pass_at_k_equals_enumeration(n):
+    """Over every draw of k of the n samples without replacement, the fraction holding a correct one."""
+    for c in range(n + 1):
+        outcomes = [True] * c + [False] * (n - c)
+        for k in range(1, n + 1):
+            draws = list(itertools.combinations(outcomes, k))
+            assert pass_at_k(n, c, k) == pytest.approx(sum(any(d) for d in draws) / len(draws), abs=1e-12)
+
+
+def test_pass_at_k_reference_values():
+    assert pass_at_k(16, 4, 1) == pytest.approx(4 / 16)  # pass@1 is c / n
+    assert pass_at_k(200, 1, 100) == pytest.approx(0.5)
+    assert pass_at_k(1000, 0, 500) == 0.0 and pass_at_k(1000, 600, 500) == 1.0
+    assert 0.0 < pass_at_k(10_000, 3, 5_000) < 1.0  # large n: a product, no overflow
+    with pytest.raises(ValueError, match="1 <= k <= n"):
+        pass_at_k(4, 1, 5)

@@ -194,3 +194,17 @@ def is_correct(scorer: str, completion: str, reference: str) -> bool | None:
         raise ValueError(f"reference {reference!r} holds no answer the {scorer} scorer can read")
     answer = extract(scorer, completion)
     return None if answer is None else answer == expected
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """The unbiased pass@k of one problem with ``c`` correct of ``n`` samples (Chen et al. 2021): the chance that
+    ``k`` of the ``n`` drawn without replacement hold a correct one, ``1 - C(n-c, k) / C(n, k)``, computed as a
+    product (no huge binomials)."""
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"pass@k needs 0 <= c <= n and 1 <= k <= n; got n={n}, c={c}, k={k}")
+    if n - c < k:
+        return 1.0
+    missed = 1.0
+    for i in range(n - c + 1, n + 1):
+        missed *= 1.0 - k / i
+    return 1.0 - missed
