@@ -163,6 +163,7 @@ def test_numbers_and_worked_solutions_are_answers(tmp_path):
     (dict(data="x.jsonl", scorer="gsm8k", samples=-3), "--eval-samples must be an int >= 1"),
     (dict(data="x.jsonl"), "--eval-data needs --eval-scorer"),
     (dict(scorer="gsm8k"), "--eval-scorer needs --eval-data"),
+    (dict(samples=4), "--eval-samples or --eval-max-new-tokens needs --eval-data and --eval-scorer"),
     (dict(data="x.jsonl", scorer="gsm8k", max_new_tokens=0), "--eval-max-new-tokens must be an int >= 1"),
 ])
 def test_bad_task_eval_settings_are_refused(fields, message):

@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from opsd_rollout import checks
 from opsd_rollout.distributed import agree_max, rank_info
+from opsd_rollout.modeling import max_positions_of, text_config
 from opsd_rollout.seeding import seeded
 from opsd_rollout.train.data import Encoder, Example, render_messages
 from opsd_rollout.train.eval_file import EvalRecord
@@ -44,10 +45,16 @@ class TaskEvalConfig:
     max_new_tokens: int | None = None
     """Tokens a completion may take; ``None``: the run's ``--max-new-tokens`` (``train``), 256 (``eval``)."""
 
+    def new_tokens(self, default: int) -> int:
+        """``max_new_tokens``, or ``default`` (the run's) when it is not given."""
+        return default if self.max_new_tokens is None else self.max_new_tokens
+
     def __post_init__(self) -> None:
         if self.data is None or self.scorer is None:
-            given, missing = ("--eval-data", "--eval-scorer") if self.scorer is None else ("--eval-scorer",
-                                                                                           "--eval-data")
+            given = ("--eval-data" if self.data is not None else "--eval-scorer" if self.scorer is not None
+                     else "--eval-samples or --eval-max-new-tokens")
+            missing = " and ".join(flag for flag, value in (("--eval-data", self.data), ("--eval-scorer", self.scorer))
+                                   if value is None)
             raise ValueError(f"{given} needs {missing}: task evaluation scores an eval file (--eval-data FILE) with a "
                              "scorer (--eval-scorer gsm8k, boxed, last-number or exact)")
         checks.text("--eval-data", self.data, what="an eval file's path")
@@ -164,6 +171,17 @@ def render_problems(records: list[EvalRecord], tokenizer: Any, *, max_prompt_tok
                              "--eval-max-new-tokens or shorten the prompt")
         problems.append(Problem(record, Example(example.prompt)))
     return problems
+
+
+def task_problems(records: list[EvalRecord], tokenizer: Any, models: list[Any], max_new_tokens: int) -> list[Problem]:
+    """``render_problems`` for ``models`` (the modules among them: a served teacher is not scored): every prompt
+    fits the fewest positions less ``max_new_tokens``."""
+    limits = [max_positions_of(text_config(m.config)) for m in models if isinstance(m, torch.nn.Module)]
+    positions = min((p for p in limits if p), default=1 << 30)
+    if max_new_tokens >= positions:
+        raise ValueError(f"--eval-max-new-tokens {max_new_tokens} leaves no room for a prompt in the model's "
+                         f"{positions} positions")
+    return render_problems(records, tokenizer, max_prompt_tokens=positions - max_new_tokens)
 
 
 def _completions(batch: Any, tokenizer: Any) -> tuple[list[str], int]:
