@@ -115,3 +115,34 @@ def test_a_k_dependent_key_is_its_at_k_entry_under_its_own_names():
     assert training_metric("eval_pass@1").meaning != training_metric("eval_pass@2").meaning  # pass@1 is its own
     assert training_metric("eval_pass@x") is None and training_metric("loss@3") is None
     assert monitor_events({"step": 0, "eval_pass@16": 0.5}) == [("eval/pass@16", 0.5, 0)]
+
+
+@pytest.mark.slow
+def test_two_zero3_ranks_score_every_problem_in_lockstep(tmp_path, known_teacher):
+    """Under torchrun, student and teacher partitioned (ZeRO-3), 5 problems over 2 ranks at 2 prompts a rollout:
+    rank 0 takes 3 problems (2 rollouts), rank 1 2 (1, and one more to keep step); no hang, and the figures are over
+    all 5 problems (rank 0's alone would give the teacher 1/3)."""
+    import sys
+
+    from conftest import clean_env, run_named
+    from opsd_rollout.distributed import free_port
+    from test_task_eval import PROBLEMS
+
+    rows = [{"prompt": p, "answer": a} for p, a in PROBLEMS + PROBLEMS[:2]]  # right, none, wrong, right, none
+    data = tmp_path / "eval.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    out = tmp_path / "run"
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+               "--master_port", str(free_port()), "-m", "opsd_rollout", "train", "--student", "llama-tiny",
+               "--teacher", known_teacher, "--steps", "1", "--prompts-per-micro-batch", "2", "--max-new-tokens", "6",
+               "--eval-every", "1", "--eval-prompts", "4", "--zero-stage", "3", "--teacher-zero-stage", "3",
+               "--temperature", "1.0", "--eval-data", str(data), "--eval-scorer", "last-number", "--eval-samples",
+               "2", "--output-dir", str(out), "--quiet"]
+    result = run_named("train with task evaluation on 2 ZeRO-3 ranks (about 20 s on 2 quiet cores)", command,
+                       env={**clean_env(), "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}, timeout=1500)
+    assert result.returncode == 0, result.stderr[-4000:]
+    first, last = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert first["teacher_eval_accuracy"] == pytest.approx(2 / 5) and first["teacher_eval_unextractable"] == 2
+    assert first["teacher_eval_pass@1"] == pytest.approx(2 / 5) and first["teacher_eval_pass@2"] == pytest.approx(2 / 5)
+    assert all(0 <= r["eval_accuracy"] <= 1 and "eval_pass@2" in r for r in (first, last))
+    assert result.stdout.count("task accuracy:") == 1  # rank 0 speaks
