@@ -67,6 +67,7 @@ def test_every_scorer_is_named_in_both_helps():
     (["--eval-data", "{words}", "--eval-scorer", "exact", "--top-p", "0"], "top_p"),
     (["--eval-data", "{words}", "--eval-scorer", "exact", "--eval-max-new-tokens", "0"],
      "--eval-max-new-tokens must be an int >= 1"),
+    (["--eval-data", "{words}", "--eval-scorer", "exact", "--seed", "-1"], "--seed must be an int >= 0"),
     (["--model", "org/hub-model", "--eval-data", "{words}", "--eval-scorer", "exact"], "never downloads"),
 ])
 def test_bad_input_is_one_line_before_the_model_loads(tmp_path, monkeypatch, capsys, argv, message):

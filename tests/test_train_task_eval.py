@@ -146,3 +146,22 @@ def test_two_zero3_ranks_score_every_problem_in_lockstep(tmp_path, known_teacher
     assert first["teacher_eval_pass@1"] == pytest.approx(2 / 5) and first["teacher_eval_pass@2"] == pytest.approx(2 / 5)
     assert all(0 <= r["eval_accuracy"] <= 1 and "eval_pass@2" in r for r in (first, last))
     assert result.stdout.count("task accuracy:") == 1  # rank 0 speaks
+
+
+def test_the_built_in_run_checks_the_eval_file_before_its_teacher_trains(tmp_path, monkeypatch, capsys):
+    import opsd_rollout.train.default as default
+
+    monkeypatch.setattr(default, "trained_teacher", lambda *args, **kwargs: pytest.fail("the teacher trained first"))
+    assert main(["train", "--output-dir", str(tmp_path / "out"), "--eval-data", str(tmp_path / "none.jsonl"),
+                 "--eval-scorer", "gsm8k"]) == 2
+    assert "--eval-data" in capsys.readouterr().err
+
+
+def test_the_task_eval_section_reads_back_from_train_config_json(tmp_path):
+    from opsd_rollout.train import load_train_config
+
+    config = TrainConfig.from_flat(dict(TINY, teacher="qwen2-tiny", output_dir=str(tmp_path), eval_data="e.jsonl",
+                                        eval_scorer="boxed", eval_samples=8, eval_max_new_tokens=512))
+    (tmp_path / "train_config.json").write_text(json.dumps(config.to_dict()))
+    assert load_train_config(tmp_path / "train_config.json") == config
+    assert config.task_eval.new_tokens(6) == 512 and config.sampling.max_new_tokens == 6

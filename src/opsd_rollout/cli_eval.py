@@ -70,6 +70,7 @@ def run_eval(args: argparse.Namespace) -> int:
                             max_new_tokens=(DEFAULT_MAX_NEW_TOKENS if args.eval_max_new_tokens is None
                                             else args.eval_max_new_tokens))
     checks.integer("--prompts-per-batch", args.prompts_per_batch)
+    checks.integer("--seed", args.seed, minimum=0)
     if config.samples > 1 and args.temperature <= 0:
         raise ValueError(f"--eval-samples {config.samples} at --temperature {args.temperature:g}, which is greedy: K "
                          "identical completions say nothing of pass@k; sample (--temperature > 0) or drop "
