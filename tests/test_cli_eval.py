@@ -40,8 +40,9 @@ def test_eval_prints_the_table_and_writes_the_same_figures_as_json(tmp_path, kno
     assert result["accuracy"] == result["pass@1"] == result["pass@4"] == pytest.approx(1 / 3)
     assert result["generated_tokens"] == 7 * 5  # greedy and 4 samples alike: "42", "x", "5" and their EOS
     assert [p["completion"] for p in result["per_problem"]] == ["42", "x", "5"]
-    assert [(p["line"], p["answer"], p["greedy"], p["correct"]) for p in result["per_problem"]] == [
-        (1, "42", "42", 4), (2, "3", None, 0), (3, "7", "5", 0)]
+    assert [(p["line"], p["answer"], p["greedy"], p["greedy_correct"], p["correct"])
+            for p in result["per_problem"]] == [(1, "42", "42", True, 4), (2, "3", None, False, 0),
+                                                (3, "7", "5", False, 0)]
     assert f"{result['tokens_per_second']:,.1f}" in printed
 
 

@@ -82,6 +82,7 @@ def test_greedy_accuracy_and_unextractable_answers_are_counted(tmp_path):
     assert result.accuracy == pytest.approx(1 / 3) and result.unextractable == 1
     assert result.generated_tokens == 3 + 2 + 2  # EOS counted, padding not
     assert result.pass_at_1 is None and result.pass_at_k is None
+    assert not any(key.startswith(("pass@", "sampled")) for key in result.to_dict())  # K = 1: greedy alone
     assert result.record() == {"eval_accuracy": pytest.approx(1 / 3), "eval_unextractable": 1}
     assert result.tokens_per_second == pytest.approx(result.generated_tokens / result.seconds)
 

@@ -36,7 +36,7 @@ def add_eval_parser(sub: Any, common: argparse.ArgumentParser) -> argparse.Argum
                         "'messages', rendered with the tokenizer's chat template) and 'answer' (bare, or a worked "
                         "solution the scorer reads its answer from)")
     parser.add_argument("--eval-scorer", required=True, metavar="NAME", help="how answers are read: gsm8k (the "
-                        "number after ####), boxed (the last \\\\boxed{}), last-number or exact (the first line)")
+                        "number after ####), boxed (the last \\boxed{}), last-number or exact (the first line)")
     parser.add_argument("--eval-samples", type=int, metavar="K", help="samples per problem: pass@1 averaged over K "
                         "and the unbiased pass@K besides greedy accuracy (default 1: greedy alone)")
     parser.add_argument("--eval-max-new-tokens", type=int, metavar="N", help="tokens a completion may take "

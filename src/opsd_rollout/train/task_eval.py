@@ -140,13 +140,15 @@ class TaskEvalResult:
         return figures
 
     def to_dict(self) -> dict[str, Any]:
-        """For JSON: the figures, then every problem's outcome."""
+        """For JSON: the figures (``pass@1``, ``pass@K`` and ``sampled_unextractable`` with K > 1), then every
+        problem's outcome."""
+        sampled = {"pass@1": self.pass_at_1, f"pass@{self.samples}": self.pass_at_k,
+                   "sampled_unextractable": self.sampled_unextractable} if self.samples > 1 else {}
         return {"scorer": self.scorer, "samples": self.samples, "problems": len(self.problems),
                 "accuracy": self.accuracy, "correct": sum(p.greedy_correct for p in self.problems),
-                "unextractable": self.unextractable, "pass@1": self.pass_at_1, f"pass@{self.samples}": self.pass_at_k,
-                "sampled_unextractable": self.sampled_unextractable, "generated_tokens": self.generated_tokens,
+                "unextractable": self.unextractable, **sampled, "generated_tokens": self.generated_tokens,
                 "seconds": self.seconds, "tokens_per_second": self.tokens_per_second,
-                "per_problem": [asdict(p) for p in self.problems]}
+                "per_problem": [{**asdict(p), "greedy_correct": p.greedy_correct} for p in self.problems]}
 
 
 @dataclass(frozen=True)
