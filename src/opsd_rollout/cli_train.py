@@ -70,6 +70,10 @@ FLAGS: list[tuple[str, str, dict[str, Any]]] = [  # (flag, TrainConfig's flat na
                                         "vocabulary: renormalize both distributions over the k tokens, or keep "
                                         "each side's rest as one tail bucket (default: tail with --teacher-url, "
                                         "else renormalize)")),
+    ("--no-teacher-overlap", "teacher_overlap", dict(action="store_const", const=False, help="a served teacher's "
+                                                     "request waited for before the student's forward, and each "
+                                                     "micro-batch rolled out after the last one's update (default: "
+                                                     "in flight behind them; the same samples and losses)")),
     ("--teacher-zero-stage", "teacher_zero_stage", dict(type=int, choices=(0, 3), help="0 (default): the teacher "
                                                         "whole on every rank; 3: a DeepSpeed ZeRO-3 inference engine, "
                                                         "its parameters partitioned across the ranks")),

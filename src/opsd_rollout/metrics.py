@@ -118,6 +118,9 @@ METRICS: dict[str, Metric] = {m.name: m for m in [
     _ms("train_ms", "train"),
     _ms("teacher_forward_ms", "teacher", compared=True),
     _ms("cache_write_ms", "cache write"),
+    _ms("teacher_wait_ms", "teacher wait", compared=True),
+    _ms("teacher_latency_ms", "teacher latency"),
+    Metric("teacher_hidden_share", "teacher hidden %", "ratio", merge="mean", lower_is_better=False),
     _ms("student_forward_ms", "student"),
     _ms("loss_ms", "loss time", compared=True),
     _ms("backward_ms", "backward", compared=True),
@@ -147,9 +150,17 @@ ROLLOUT_STAGES = ("prompt_expansion_ms", "prefill_ms", "decode_ms", *(f"{p}_ms" 
 """A rollout's time, broken down: disjoint parts that add up to (at most) ``total_ms``."""
 STEP_PARTS = ("rollout", "teacher", "student_forward", "loss", "backward", "optimizer")
 """The parts of an OPSD step, in the order they run."""
-STEP_STAGES = ("eval_ms", "rollout_ms", "train_ms", "teacher_forward_ms", "cache_write_ms", "student_forward_ms",
-               "loss_ms", "backward_ms", "optimizer_ms")
+STEP_STAGES = ("eval_ms", "rollout_ms", "train_ms", "teacher_forward_ms", "cache_write_ms", "teacher_wait_ms",
+               "student_forward_ms", "loss_ms", "backward_ms", "optimizer_ms")
 """An OPSD step's time, broken down: disjoint parts that add up to (at most) its ``total_ms``."""
+
+
+def hidden_share(wait_ms: float, latency_ms: float) -> float | None:
+    """The share of a served teacher's latency hidden behind other work, ``1 - wait / latency`` in [0, 1];
+    ``None`` when no request was in flight (an in-process teacher)."""
+    if latency_ms <= 0:
+        return None
+    return min(1.0, max(0.0, 1.0 - wait_ms / latency_ms))
 
 
 DEEPSPEED_ALIASES: dict[str, str] = {
@@ -195,6 +206,7 @@ _STEP_PART_MEANINGS = {
     "train_ms": "`engine.train()` after each rollout (the mode switch)",
     "teacher_forward_ms": "the teacher's forwards and LM-head chunks",
     "cache_write_ms": "copying the teacher's logits (or their top-k) to the host cache",
+    "teacher_wait_ms": "waiting for a served teacher's answer, after the student's forward: its latency not hidden",
     "student_forward_ms": "the student's forwards",
     "loss_ms": "the divergence (with the fused loss, the LM head and its gradients too)",
     "backward_ms": "the backward passes",
@@ -229,6 +241,13 @@ TRAINING: dict[str, Metric] = {m.name: m for m in [
            meaning="the optimizer steps' wall time so far, evaluations apart (`time/step_ms` summed, continued "
                    "by `--resume`)"),
     *(_timed(name, _STEP_PART_MEANINGS[name]) for name in ("total_ms", *STEP_STAGES)),
+    replace(METRICS["teacher_latency_ms"], name="time/teacher_latency_ms", monitor="time/teacher_latency_ms",
+            compared=False, meaning="a served teacher's requests, sending to the cache written, summed: in flight "
+                                    "behind the student's forwards (and, with accumulation, the next micro-batches' "
+                                    "rollouts), so not a part of `time/total_ms`"),
+    replace(METRICS["teacher_hidden_share"], name="time/teacher_hidden_share", monitor="time/teacher_hidden_share",
+            meaning="1 - `time/teacher_wait_ms` / `time/teacher_latency_ms`: the share of the served teacher's "
+                    "latency the step's own work hid (with a served teacher)"),
     replace(METRICS["rollout_share"], name="time/rollout_share", monitor="time/rollout_share",
             meaning="(`time/eval_ms` + `time/rollout_ms` + `time/train_ms`) / `time/total_ms`"),
     *(_timed(ROLLOUT_PREFIX + stage, f"the rollout profile's `{stage}`, summed (when a rollout ran it)")

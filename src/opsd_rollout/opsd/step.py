@@ -12,7 +12,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from opsd_rollout.metrics import STEP_PARTS, STEP_STAGES, label
+from opsd_rollout.metrics import STEP_PARTS, STEP_STAGES, hidden_share, label
 from opsd_rollout.modeling import innermost_model, position_ids, text_config
 from opsd_rollout.opsd.divergence import DivergenceConfig, chunked_divergence
 from opsd_rollout.opsd.fused import fusion_problem, head_divergence
@@ -40,8 +40,11 @@ class StepProfile:
     rollout_ms: float
     """The rollout call (its profile's ``total_ms`` plus validation)."""
     teacher_forward_ms: float
+    """The in-process teacher's forwards and LM-head chunks (0 with a served teacher: see ``teacher_wait_ms``)."""
     cache_write_ms: float
-    """Copying teacher logits (or their top-k) to the host cache."""
+    """Copying teacher logits (or their top-k) to the host cache (the in-process teacher's)."""
+    teacher_wait_ms: float = 0.0
+    """A served teacher: the step blocked on its answer, after the student's forward (the latency not hidden)."""
     student_forward_ms: float
     loss_ms: float
     backward_ms: float
@@ -67,6 +70,16 @@ class StepProfile:
     grad_norm: float | None = None
     """The 2-norm of the gradient the optimizer stepped on, before clipping, when asked for
     (``opsd_step(..., grad_norm=True)``) and the step was an accumulation boundary; else ``None``."""
+    teacher_latency_ms: float = 0.0
+    """A served teacher: its requests, from sending to the cache written. In flight while the step works (the
+    student's forward; in ``train`` with accumulation, the next micro-batches' rollouts too): not a part of
+    ``total_ms``, whose parts hold only ``teacher_wait_ms``, the latency left exposed."""
+
+    @property
+    def teacher_hidden_share(self) -> float | None:
+        """The share of a served teacher's latency the step's own work hid, ``1 - wait / latency``; ``None`` with
+        an in-process teacher."""
+        return hidden_share(self.teacher_wait_ms, self.teacher_latency_ms)
 
     @property
     def tokens_per_second(self) -> float:
@@ -80,6 +93,7 @@ class StepProfile:
         data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
                 if f.name not in ("rollout", "peak_memory_bytes", "part_start_ms")}
         data["tokens_per_second"] = self.tokens_per_second
+        data["teacher_hidden_share"] = self.teacher_hidden_share
         data["peak_memory_bytes"] = max(self.peak_memory_bytes.values(), default=0)
         data.update({f"peak_{part}_bytes": peak for part, peak in self.peak_memory_bytes.items()})
         data.update({f"{part}_start_ms": start for part, start in self.part_start_ms.items()})
@@ -168,6 +182,8 @@ class StepState:
     buffers: TeacherCacheBuffers = field(default_factory=TeacherCacheBuffers)
     """The host memory the teacher cache is built in, reused from step to step (pinned on CUDA once, not every
     step)."""
+    slots: dict[int, TeacherCacheBuffers] = field(default_factory=dict)
+    """The buffers of the steps in flight beside the first (``start_step(..., slot=1, ...)``), each its own."""
     checked: "weakref.WeakSet[torch.nn.Module]" = field(default_factory=weakref.WeakSet)
     """Students already compared with their teacher: at their first step only, since afterwards their weights
     have moved (weak: a student dropped is forgotten)."""
@@ -215,24 +231,27 @@ def _fuses(model: torch.nn.Module, divergence: DivergenceConfig, state: StepStat
     return problem is None
 
 
-def _student_loss(parts: "StepParts", engine: Any, targets, cache, divergence: DivergenceConfig,
+def _student_forward(parts: "StepParts", engine: Any, targets, fused: bool) -> torch.Tensor:
+    """The student's forward: its final hidden states over the response window [N, R, H] when the loss runs fused
+    with the LM head, else its logits [N, R, V]."""
+    return parts.run("student_forward", _student_hidden if fused else student_logits, engine, targets)
+
+
+def _student_loss(parts: "StepParts", engine: Any, out: torch.Tensor, targets, cache, divergence: DivergenceConfig,
                   fused: bool, behaviour_logp: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The student forward and the divergence's sum and count: fused with the LM head, or over whole logits."""
+    """The divergence's sum and count over ``out`` (``_student_forward``'s): fused with the LM head, or over
+    whole logits."""
     if divergence.loss == "sampled_reverse_kl":
         if fused:
-            hidden = parts.run("student_forward", _student_hidden, engine, targets)
-            return parts.run("loss", head_sampled_divergence, innermost_model(engine), hidden, targets.labels,
-                             cache.values, targets.mask.to(hidden.device), divergence, behaviour_logp)
-        logits = parts.run("student_forward", student_logits, engine, targets)
-        return parts.run("loss", sampled_divergence, logits, targets.labels, cache.values, targets.mask, divergence,
+            return parts.run("loss", head_sampled_divergence, innermost_model(engine), out, targets.labels,
+                             cache.values, targets.mask.to(out.device), divergence, behaviour_logp)
+        return parts.run("loss", sampled_divergence, out, targets.labels, cache.values, targets.mask, divergence,
                          behaviour_logp)
     if fused:
-        hidden = parts.run("student_forward", _student_hidden, engine, targets)
-        return parts.run("loss", head_divergence, innermost_model(engine), hidden, cache.stored,
-                         targets.mask.to(hidden.device), divergence)
-    logits = parts.run("student_forward", student_logits, engine, targets)
-    return parts.run("loss", chunked_divergence, logits, lambda s, e: cache.chunk(s, e, logits.device),
-                     targets.mask.to(logits.device), divergence)
+        return parts.run("loss", head_divergence, innermost_model(engine), out, cache.stored,
+                         targets.mask.to(out.device), divergence)
+    return parts.run("loss", chunked_divergence, out, lambda s, e: cache.chunk(s, e, out.device),
+                     targets.mask.to(out.device), divergence)
 
 
 def token_mean(total: torch.Tensor, count: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -274,11 +293,13 @@ def opsd_step(student_engine: Any, teacher: Any, rollout: Any, request: Any, sam
               divergence: DivergenceConfig | None = None, teacher_cache: TeacherCacheConfig | None = None,
               behaviour_logprobs: torch.Tensor | None = None, state: StepState | None = None,
               rollout_seed: int | None = None, grad_norm: bool = False) -> StepProfile:
-    """Run one step on ``student_engine`` (a DeepSpeed engine, ZeRO 0-3) and return its profile.
+    """Run one step on ``student_engine`` (a DeepSpeed engine, ZeRO 0-3) and return its profile:
+    ``start_step(...).finish()``.
 
     ``teacher``: a model (plain, or a DeepSpeed engine, ZeRO-3 partitioned or not) run here into the host cache, or
     a ``ServedTeacher`` (``opsd/served.py``) whose server sends the cache's log-probabilities (``topk`` or
-    ``sampled`` caches; ``full`` is refused before any work).
+    ``sampled`` caches; ``full`` is refused before any work), its request in flight while the student's forward
+    runs (``ServedTeacher(overlap=True)``, the default).
 
     ``behaviour_logprobs`` [N, R]: with ``sampled_reverse_kl``, the log-probabilities of the sampled tokens under
     the policy that sampled them, for an off-policy update (a second step on one rollout, a generation buffer);
@@ -288,6 +309,24 @@ def opsd_step(student_engine: Any, teacher: Any, rollout: Any, request: Any, sam
     what a trainer that resumes needs); ``None``: the rollout is called as DeepSpeed's is. ``grad_norm``: report the
     gradient norm of the optimizer step this call completes (``StepProfile.grad_norm``; at ZeRO-0 a pass over the
     gradients, inside the ``optimizer`` part)."""
+    return start_step(student_engine, teacher, rollout, request, sampling, divergence=divergence,
+                      teacher_cache=teacher_cache, behaviour_logprobs=behaviour_logprobs, state=state,
+                      rollout_seed=rollout_seed, grad_norm=grad_norm).finish()
+
+
+def start_step(student_engine: Any, teacher: Any, rollout: Any, request: Any, sampling: Any, *,
+               divergence: DivergenceConfig | None = None, teacher_cache: TeacherCacheConfig | None = None,
+               behaviour_logprobs: torch.Tensor | None = None, state: StepState | None = None,
+               rollout_seed: int | None = None, grad_norm: bool = False, slot: int = 0) -> "StepInFlight":
+    """The first half of ``opsd_step`` (its arguments), up to the teacher: the checks, the rollout, and the teacher's
+    cache, built here by an in-process teacher, or asked of a served one in the background (``overlap``) and left
+    in flight. ``.finish()`` is the rest: the student's forward, the wait for a served teacher, the loss, backward
+    and the optimizer.
+
+    Between the two halves the caller may work on something that does not change the student's weights: ``train``
+    rolls out its next micro-batches there, so that each one's teacher request is in flight behind the next one's
+    rollout. Steps in flight at once each take their own ``slot`` (0, 1, ...): the host buffers their teacher
+    caches are built in."""
     state = state if state is not None else StepState()
     divergence = divergence or DivergenceConfig()
     teacher_cache = teacher_cache or TeacherCacheConfig()
@@ -306,32 +345,78 @@ def opsd_step(student_engine: Any, teacher: Any, rollout: Any, request: Any, sam
     fused = _fuses(innermost_model(student_engine), divergence, state)
     device = torch.device(student_engine.device)
     recorder = StageRecorder(Clock(device), time_forwards=False)
-    parts = StepParts(recorder, device)
+    step = StepInFlight(engine=student_engine, teacher=teacher, rollout=rollout, divergence=divergence,
+                        behaviour_logprobs=behaviour_logprobs, grad_norm=grad_norm, fused=fused,
+                        recorder=recorder, parts=StepParts(recorder, device))
+    buffers = state.buffers if slot == 0 else state.slots.setdefault(slot, TeacherCacheBuffers())
     with recorder.stage("total"):
         with timed_eval(student_engine, device, train_after=True) as switch:
             seeded = {} if rollout_seed is None else {"seed": rollout_seed}
-            batch = parts.run("rollout", rollout.generate, request, sampling, **seeded)
-        targets = response_targets(batch)
+            batch = step.parts.run("rollout", rollout.generate, request, sampling, **seeded)
+        step.switch, step.targets = switch, response_targets(batch)
         if served:
-            cache = parts.run("teacher", teacher.build_cache, targets, teacher_cache, recorder=recorder,
-                              buffers=state.buffers, pin=device.type == "cuda")
+            step.pending = teacher.submit(step.targets, teacher_cache, buffers=buffers, pin=device.type == "cuda")
+            if not teacher.overlap:
+                step.wait()
         else:
-            cache = parts.run("teacher", build_teacher_cache, teacher, targets, teacher_cache, recorder=recorder,
-                              buffers=state.buffers)
-        total, count = _student_loss(parts, student_engine, targets, cache, divergence, fused, behaviour_logprobs)
-        loss, reported = token_mean(total, count)
-        parts.run("backward", student_engine.backward, loss)
-        norm = parts.run("optimizer", optimizer_step, student_engine, grad_norm=grad_norm)
-    ms, starts = parts.times()
-    producing = switch.eval_ms + ms["rollout"] + (switch.train_ms or 0.0)
-    return StepProfile(
-        rollout=rollout.get_last_profile(), eval_ms=switch.eval_ms, train_ms=switch.train_ms or 0.0,
-        rollout_ms=ms["rollout"], teacher_forward_ms=ms.get("teacher_forward", 0.0),
-        cache_write_ms=ms.get("cache_write", 0.0), student_forward_ms=ms["student_forward"], loss_ms=ms["loss"],
-        backward_ms=ms["backward"], optimizer_ms=ms["optimizer"], total_ms=ms["total"],
-        rollout_share=producing / ms["total"] if ms["total"] > 0 else 0.0,
-        peak_memory_bytes=dict(parts.peaks), part_start_ms=starts, response_tokens=targets.tokens,
-        teacher_cache_bytes=cache.nbytes, teacher_cache_budget_bytes=cache.budget_bytes,
-        teacher_cache_mode=cache.mode, fused_loss=fused, loss=float(reported),
-        teacher_parameter_bytes=0 if served else resident_bytes(teacher),
-        grad_norm=None if norm is None else float(norm))
+            step.cache = step.parts.run("teacher", build_teacher_cache, teacher, step.targets, teacher_cache,
+                                        recorder=recorder, buffers=buffers)
+    return step
+
+
+@dataclass(kw_only=True, eq=False)
+class StepInFlight:
+    """An OPSD step between its halves (``start_step``): its rollout done, its teacher cache built or asked for."""
+
+    engine: Any
+    teacher: Any
+    rollout: Any
+    divergence: DivergenceConfig
+    behaviour_logprobs: torch.Tensor | None
+    grad_norm: bool
+    fused: bool
+    recorder: StageRecorder
+    parts: StepParts
+    switch: Any = None
+    targets: Any = None
+    cache: Any = None
+    """The teacher's cache, once it is here."""
+    pending: Any = None
+    """A served teacher's answer in flight (a ``ServedTeacher.submit`` future)."""
+
+    def wait(self) -> None:
+        """The served teacher's cache, waited for as the step's ``teacher`` part (the latency not hidden)."""
+        if self.cache is None:
+            self.cache = self.parts.run("teacher", self.pending.result)
+
+    def finish(self) -> StepProfile:
+        """The rest of the step, then its profile: the student's forward (a served teacher's request in flight
+        during it), the teacher's cache, the loss, backward and the optimizer."""
+        parts, targets = self.parts, self.targets
+        with self.recorder.stage("total"):
+            out = _student_forward(parts, self.engine, targets, self.fused)
+            self.wait()
+            total, count = _student_loss(parts, self.engine, out, targets, self.cache, self.divergence, self.fused,
+                                         self.behaviour_logprobs)
+            loss, reported = token_mean(total, count)
+            parts.run("backward", self.engine.backward, loss)
+            norm = parts.run("optimizer", optimizer_step, self.engine, grad_norm=self.grad_norm)
+        return self._profile(reported, norm)
+
+    def _profile(self, reported: torch.Tensor, norm: Any) -> StepProfile:
+        ms, starts = self.parts.times()
+        switch, cache, served = self.switch, self.cache, self.pending is not None
+        producing = switch.eval_ms + ms["rollout"] + (switch.train_ms or 0.0)
+        return StepProfile(
+            rollout=self.rollout.get_last_profile(), eval_ms=switch.eval_ms, train_ms=switch.train_ms or 0.0,
+            rollout_ms=ms["rollout"], teacher_forward_ms=ms.get("teacher_forward", 0.0),
+            cache_write_ms=ms.get("cache_write", 0.0), teacher_wait_ms=ms["teacher"] if served else 0.0,
+            student_forward_ms=ms["student_forward"], loss_ms=ms["loss"], backward_ms=ms["backward"],
+            optimizer_ms=ms["optimizer"], total_ms=ms["total"],
+            rollout_share=producing / ms["total"] if ms["total"] > 0 else 0.0,
+            peak_memory_bytes=dict(self.parts.peaks), part_start_ms=starts, response_tokens=self.targets.tokens,
+            teacher_cache_bytes=cache.nbytes, teacher_cache_budget_bytes=cache.budget_bytes,
+            teacher_cache_mode=cache.mode, fused_loss=self.fused, loss=float(reported),
+            teacher_parameter_bytes=0 if served else resident_bytes(self.teacher),
+            grad_norm=None if norm is None else float(norm),
+            teacher_latency_ms=self.pending.latency_ms if served else 0.0)

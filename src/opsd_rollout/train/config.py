@@ -85,6 +85,11 @@ class TrainConfig:
     teacher_protocol: str = "vllm"
     """``vllm`` (vLLM's OpenAI-compatible ``/v1/completions``, also ``serve-teacher``'s) or ``sglang``
     (SGLang's ``/generate``)."""
+    teacher_overlap: bool = True
+    """A served teacher's requests in flight while the student works: its forward, and, with gradient
+    accumulation, the next micro-batches' rollouts (a whole optimizer step rolled out before its updates: the
+    weights it samples from are the same until the step). ``False``: each micro-batch waits for its answer (the same
+    samples and losses, every latency exposed)."""
     teacher_zero_stage: int = 0
     """0: the teacher whole beside the student on every rank; 3: a DeepSpeed ZeRO-3 inference engine (no
     optimizer), its parameters partitioned across the ranks (a teacher larger than one device)."""

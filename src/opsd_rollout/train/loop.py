@@ -21,7 +21,7 @@ import torch
 
 from opsd_rollout.files import write_text_atomic
 from opsd_rollout.opsd.served import ServedTeacher
-from opsd_rollout.opsd.step import StepState, opsd_step
+from opsd_rollout.opsd.step import StepState, start_step
 from opsd_rollout.seeding import seeded
 from opsd_rollout.train.checkpoint import find_checkpoint, save_model
 from opsd_rollout.train.config import TrainConfig
@@ -105,6 +105,10 @@ class _Run:
         self.teacher_rollout = (HybridEngineRollout(self.teacher, models.tokenizer, profiled)
                                 if self.teacher is not None and config.lmbda < 1 and not self.references else None)
         self.step_state = StepState()  # opsd_step's, kept across the run's steps: buffers reused, warnings once
+        self.ahead = (isinstance(self.teacher, ServedTeacher) and self.teacher.overlap and self.accumulation > 1
+                      and config.objective == "opsd")
+        """Roll out a whole optimizer step's micro-batches before their updates (the weights they sample from are
+        the same until the step): each served teacher request is then in flight behind the next rollout."""
         self.step = 0
         if config.resume is not None:
             _, client = self.engine.load_checkpoint(str(find_checkpoint(config.resume)))
@@ -116,7 +120,8 @@ class _Run:
 
     # ---- one optimizer step --------------------------------------------------------------------------------
 
-    def micro_batch(self, index: int, on_policy: bool) -> Any:
+    def micro_batch(self, index: int, on_policy: bool, slot: int = 0) -> "_Started":
+        """Micro-batch ``index`` begun: SFT's step done, or an OPSD step in flight (``start_step``)."""
         config = self.config
         seed = _seed_of(config.seed, index)
         with seeded(seed, self.device):  # dropout's random numbers; the rollout takes the seed itself
@@ -124,7 +129,8 @@ class _Run:
                                    index * self.rank.world_size + self.rank.rank)
             examples = [self.train[i] for i in picked]
             if config.objective == "sft":
-                return sft_step(self.engine, self.encoder.with_references(examples, self.device), grad_norm=True)
+                return _Started(seed, self.device, profile=sft_step(
+                    self.engine, self.encoder.with_references(examples, self.device), grad_norm=True))
             request = self.encoder.request(examples, self.device)
             if on_policy:
                 rollout = self.rollout
@@ -133,17 +139,25 @@ class _Run:
                                                               config.sampling.n_samples_per_prompt))
             else:
                 rollout = self.teacher_rollout
-            return opsd_step(self.engine, self.teacher, rollout, request, config.sampling,
-                             divergence=config.divergence, teacher_cache=config.cache, state=self.step_state,
-                             rollout_seed=seed, grad_norm=True)
+            return _Started(seed, self.device, step=start_step(
+                self.engine, self.teacher, rollout, request, config.sampling, divergence=config.divergence,
+                teacher_cache=config.cache, state=self.step_state, rollout_seed=seed, grad_norm=True, slot=slot))
 
     def optimizer_step(self, step: int) -> dict[str, Any]:
         config = self.config
         on_policy = None if config.objective == "sft" else bool(
             np.random.default_rng(_seed_of(config.seed, step, 1)).random() < config.lmbda)
         start = time.perf_counter()
-        profiles = [self.micro_batch((step - 1) * self.accumulation + g, bool(on_policy))
-                    for g in range(self.accumulation)]
+        first = (step - 1) * self.accumulation
+        if self.ahead:  # every rollout first, each teacher request in flight behind the next one's rollout
+            try:
+                started = [self.micro_batch(first + g, on_policy, slot=g) for g in range(self.accumulation)]
+                profiles = [micro.finish() for micro in started]
+            except BaseException:  # the run stops: the answers still on their way are dropped
+                self.teacher.close()
+                raise
+        else:
+            profiles = [self.micro_batch(first + g, on_policy).finish() for g in range(self.accumulation)]
         step_ms = (time.perf_counter() - start) * 1e3
         divergence = "cross_entropy" if config.objective == "sft" else config.divergence.loss
         drawn = step * self.accumulation * config.prompts_per_micro_batch * self.rank.world_size  # every rank's
@@ -234,6 +248,9 @@ class _Run:
             result.interrupted = True
         except ConnectionError as error:  # a served teacher gone for longer than teacher_timeout: keep what is done
             result.stopped = str(error)
+        finally:
+            if isinstance(self.teacher, ServedTeacher):
+                self.teacher.close()
         if self.saved_at != self.step:
             result.checkpoint = self.save()
         else:
@@ -247,6 +264,23 @@ class _Run:
                      else f"{_short(config.student)} trained by SFT")
             result.plot = plot_eval(result.records, self.out / "eval.png", title)
         return result
+
+
+@dataclass
+class _Started:
+    """A micro-batch begun: an OPSD step in flight, finished under the micro-batch's seed as it was started (the
+    student forward's dropout, as if the step had run in one piece), or SFT's profile."""
+
+    seed: int
+    device: Any
+    step: Any = None
+    profile: Any = None
+
+    def finish(self) -> Any:
+        if self.profile is None:
+            with seeded(self.seed, self.device):
+                self.profile = self.step.finish()
+        return self.profile
 
 
 def train(config: TrainConfig) -> TrainResult:

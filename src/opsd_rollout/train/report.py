@@ -16,7 +16,8 @@ from typing import Any
 import psutil
 
 from opsd_rollout.files import write_text_atomic
-from opsd_rollout.metrics import RECORD_ROLLOUT_STAGES, ROLLOUT_PREFIX, STEP_STAGES, TIME, training_metric, upgrade
+from opsd_rollout.metrics import (RECORD_ROLLOUT_STAGES, ROLLOUT_PREFIX, STEP_STAGES, TIME, hidden_share,
+                                  training_metric, upgrade)
 
 
 def step_record(step: int, profiles: list[Any], *, step_ms: float, learning_rate: float, on_policy: bool | None,
@@ -33,6 +34,10 @@ def step_record(step: int, profiles: list[Any], *, step_ms: float, learning_rate
         "tokens_per_second": tokens / (step_ms / 1e3) if step_ms > 0 else 0.0, "time/step_ms": step_ms}
     times = {name: sum(getattr(p, name) for p in profiles) for name in ("total_ms", *STEP_STAGES)}
     record.update({TIME + name: value for name, value in times.items()})
+    latency = sum(p.teacher_latency_ms for p in profiles)
+    if latency > 0:  # a served teacher
+        record["time/teacher_latency_ms"] = latency
+        record["time/teacher_hidden_share"] = hidden_share(times["teacher_wait_ms"], latency)
     producing = times["eval_ms"] + times["rollout_ms"] + times["train_ms"]
     record["time/rollout_share"] = producing / times["total_ms"] if times["total_ms"] > 0 else 0.0
     for stage in RECORD_ROLLOUT_STAGES:

@@ -97,7 +97,7 @@ def served_teacher(config: Any, tokenizer: Any, vocab_size: int) -> ServedTeache
     teacher = ServedTeacher(config.teacher_url, model=config.teacher,
                             api_key=config.teacher_api_key or os.environ.get("OPSD_ROLLOUT_API_KEY"),
                             protocol=config.teacher_protocol, tokenizer=tokenizer,
-                            retry_timeout_s=config.teacher_timeout)
+                            retry_timeout_s=config.teacher_timeout, overlap=config.teacher_overlap)
     try:
         teacher.connect(vocab_size)
     except ConnectionError as error:
