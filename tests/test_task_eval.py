@@ -13,9 +13,9 @@ import torch
 from conftest import chain_table
 from opsd_rollout import HybridEngineRollout, SamplingConfig
 from opsd_rollout.models import BYTE_OFFSET, EOS_ID, VOCAB_SIZE, byte_tokenizer
-from opsd_rollout.train.eval_file import read_eval_file
+from opsd_rollout.train.eval_file import TaskEvalConfig, read_eval_file
 from opsd_rollout.train.scorers import pass_at_k
-from opsd_rollout.train.task_eval import TaskEvalConfig, evaluate_task, render_problems
+from opsd_rollout.train.task_eval import evaluate_task, render_problems
 
 
 def byte(char: str) -> int:

@@ -62,8 +62,7 @@ def run_eval(args: argparse.Namespace) -> int:
     """Every input checked (the eval file whole) before the model loads; then the rollouts, the table, the JSON."""
     from opsd_rollout import checks
     from opsd_rollout.models import max_positions
-    from opsd_rollout.train.eval_file import read_eval_file
-    from opsd_rollout.train.task_eval import TaskEvalConfig  # heavy: torch
+    from opsd_rollout.train.eval_file import TaskEvalConfig, read_eval_file
 
     config = TaskEvalConfig(data=args.eval_data, scorer=args.eval_scorer,
                             samples=1 if args.eval_samples is None else args.eval_samples,

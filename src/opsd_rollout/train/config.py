@@ -26,8 +26,8 @@ from opsd_rollout.opsd.step import check_pairing
 from opsd_rollout.opsd.teacher import TeacherCacheConfig
 from opsd_rollout.rollout.config import HybridEngineRolloutConfig
 from opsd_rollout.rollout.validation import check_sampling
+from opsd_rollout.train.eval_file import TaskEvalConfig
 from opsd_rollout.train.setup import OptimizationConfig
-from opsd_rollout.train.task_eval import TaskEvalConfig
 
 logger = logging.getLogger(__name__)
 

@@ -4,7 +4,8 @@
 ``answer`` is a bare answer (``72``, ``\\frac{1}{2}``) or a worked solution the scorer reads its answer from (GSM8K's
 ``answer`` field ending ``#### 72``, a MATH solution with its ``\\boxed{}``): see ``scorers.reference_answer``. Every
 answer must hold one the scorer can read (one that cannot would only ever count wrong); a file where none does has
-the wrong scorer, and says so. Light (no torch): the command line checks a file before it loads a model.
+the wrong scorer, and says so. ``TaskEvalConfig`` is what a task evaluation scores (``train``'s and ``eval``'s
+``--eval-*`` flags). Light (no torch): the command line checks them, and the file, before it loads a model.
 """
 
 from __future__ import annotations
@@ -14,7 +15,42 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from opsd_rollout import checks
 from opsd_rollout.train.scorers import SCORERS, check_scorer, reference_answer
+
+
+@dataclass(frozen=True, kw_only=True)
+class TaskEvalConfig:
+    """What a task evaluation scores: ``opsd-rollout train``'s and ``opsd-rollout eval``'s ``--eval-*`` flags."""
+
+    data: str | None = None
+    """The eval file: JSON lines with ``prompt`` (or chat ``messages``) and ``answer`` (``read_eval_file``)."""
+    scorer: str | None = None
+    """How an answer is read: ``gsm8k``, ``boxed``, ``last-number`` or ``exact`` (``scorers.py``)."""
+    samples: int = 1
+    """K: samples per problem for pass@1 (averaged over K) and pass@K; 1: greedy accuracy alone."""
+    max_new_tokens: int | None = None
+    """Tokens a completion may take; ``None``: the run's ``--max-new-tokens`` (``train``), 256 (``eval``)."""
+
+    def __post_init__(self) -> None:
+        if self.data is None or self.scorer is None:
+            given = ("--eval-data" if self.data is not None else "--eval-scorer" if self.scorer is not None
+                     else "--eval-samples or --eval-max-new-tokens")
+            missing = " and ".join(flag for flag, value in (("--eval-data", self.data), ("--eval-scorer", self.scorer))
+                                   if value is None)
+            raise ValueError(f"{given} needs {missing}: task evaluation scores an eval file (--eval-data FILE) with a "
+                             "scorer (--eval-scorer gsm8k, boxed, last-number or exact)")
+        checks.text("--eval-data", self.data, what="an eval file's path")
+        try:
+            check_scorer(self.scorer)
+        except ValueError as error:
+            raise ValueError(f"--eval-scorer: {error}") from None
+        checks.integer("--eval-samples", self.samples, hint="samples per problem for pass@k; 1: greedy alone")
+        checks.integer("--eval-max-new-tokens", self.max_new_tokens, optional=True)
+
+    def new_tokens(self, default: int) -> int:
+        """``max_new_tokens``, or ``default`` (the run's) when it is not given."""
+        return default if self.max_new_tokens is None else self.max_new_tokens
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ unbiased pass@K (Chen et al. 2021), as NeMo-RL and Thinking Machines report a di
 teacher. Completions come from our rollout engine (``HybridEngineRollout``), batched: greedy, then K sampled per
 prompt from a fixed seed (the same samples at every evaluation; the caller's random state untouched). An answer the
 scorer cannot read counts wrong and is counted apart. ``TaskEvalResult`` is what training records and what
-``opsd-rollout eval`` prints and writes.
+``opsd-rollout eval`` prints and writes; ``TaskEvalConfig`` (what is scored) is in the light ``eval_file.py``.
 
 On several ranks every rank scores its share of the problems in as many rollouts as the others (the ones it lacks
 run over its first prompts, their result unused), so that ZeRO-3's gathers and the rollouts' own collectives meet;
@@ -23,47 +23,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from opsd_rollout import checks
 from opsd_rollout.distributed import agree_max, rank_info
 from opsd_rollout.modeling import max_positions_of, text_config
 from opsd_rollout.seeding import seeded
 from opsd_rollout.train.data import Encoder, Example, render_messages
-from opsd_rollout.train.eval_file import EvalRecord
-from opsd_rollout.train.scorers import check_scorer, extract, pass_at_k
-
-
-@dataclass(frozen=True, kw_only=True)
-class TaskEvalConfig:
-    """What a task evaluation scores: ``opsd-rollout train``'s and ``opsd-rollout eval``'s ``--eval-*`` flags."""
-
-    data: str | None = None
-    """The eval file: JSON lines with ``prompt`` (or chat ``messages``) and ``answer`` (``eval_file.py``)."""
-    scorer: str | None = None
-    """How an answer is read: ``gsm8k``, ``boxed``, ``last-number`` or ``exact`` (``scorers.py``)."""
-    samples: int = 1
-    """K: samples per problem for pass@1 (averaged over K) and pass@K; 1: greedy accuracy alone."""
-    max_new_tokens: int | None = None
-    """Tokens a completion may take; ``None``: the run's ``--max-new-tokens`` (``train``), 256 (``eval``)."""
-
-    def new_tokens(self, default: int) -> int:
-        """``max_new_tokens``, or ``default`` (the run's) when it is not given."""
-        return default if self.max_new_tokens is None else self.max_new_tokens
-
-    def __post_init__(self) -> None:
-        if self.data is None or self.scorer is None:
-            given = ("--eval-data" if self.data is not None else "--eval-scorer" if self.scorer is not None
-                     else "--eval-samples or --eval-max-new-tokens")
-            missing = " and ".join(flag for flag, value in (("--eval-data", self.data), ("--eval-scorer", self.scorer))
-                                   if value is None)
-            raise ValueError(f"{given} needs {missing}: task evaluation scores an eval file (--eval-data FILE) with a "
-                             "scorer (--eval-scorer gsm8k, boxed, last-number or exact)")
-        checks.text("--eval-data", self.data, what="an eval file's path")
-        try:
-            check_scorer(self.scorer)
-        except ValueError as error:
-            raise ValueError(f"--eval-scorer: {error}") from None
-        checks.integer("--eval-samples", self.samples, hint="samples per problem for pass@k; 1: greedy alone")
-        checks.integer("--eval-max-new-tokens", self.max_new_tokens, optional=True)
+from opsd_rollout.train.eval_file import EvalRecord, TaskEvalConfig
+from opsd_rollout.train.scorers import extract, pass_at_k
 
 
 @dataclass(frozen=True)
