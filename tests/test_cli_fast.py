@@ -53,7 +53,7 @@ LIGHT_COMMANDS = [["--help"], ["bench", "--help"], ["step", "--help"], ["compare
                   ["step", "--dry-run"], ["kernels", "--model", "llama-tiny", "--dry-run"],
                   ["bench", "--iterations", "0"], ["bench", "--batch-sizes", "0,x"], ["bench", "--model", "org/x"],
                   ["bench", "--warmup", "soon"], ["serve-teacher", "--help"], ["serve-teacher", "--model", "org/x"],
-                  ["serve-teacher", "--model", "llama-tiny", "--port", "-1"]]
+                  ["serve-teacher", "--model", "llama-tiny", "--port", "-1"], ["eval", "--help"]]
 CHILD = """
 import sys
 from opsd_rollout.cli import main

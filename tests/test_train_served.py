@@ -245,8 +245,8 @@ def test_a_teacher_url_alone_is_the_users_run_not_the_built_in_one(monkeypatch, 
 
     def stand_in(config):
         seen.append(config)
-        return SimpleNamespace(interrupted=False, stopped=None, eval_curve=lambda: [], output_dir=tmp_path,
-                               model_dir=None, checkpoint=None, plot=None)
+        return SimpleNamespace(interrupted=False, stopped=None, eval_curve=lambda name="eval_reverse_kl": [],
+                               output_dir=tmp_path, model_dir=None, checkpoint=None, plot=None)
 
     monkeypatch.setattr(opsd_rollout.train, "train", stand_in)
     monkeypatch.setattr(default, "default_run", lambda *a, **k: pytest.fail("took the built-in run"))

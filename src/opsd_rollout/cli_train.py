@@ -83,6 +83,17 @@ FLAGS: list[tuple[str, str, dict[str, Any]]] = [  # (flag, TrainConfig's flat na
     ("--eval-every", "eval_every", dict(type=int, metavar="N", help="held-out evaluation every N steps, and at step "
                                         "0 and the last (default 10)")),
     ("--eval-prompts", "eval_prompts", dict(type=int, metavar="N", help="held-out prompts evaluated (default 64)")),
+    ("--eval-data", "eval_data", dict(metavar="FILE", help="task evaluation at every evaluation: JSON lines with "
+                                      "'prompt' (or chat 'messages') and 'answer'; the teacher is scored once at step "
+                                      "0 (not a served teacher)")),
+    ("--eval-scorer", "eval_scorer", dict(metavar="NAME", help="how --eval-data's answers are read: gsm8k (the "
+                                          "number after ####), boxed (the last \\boxed{}), last-number or exact "
+                                          "(the first line)")),
+    ("--eval-samples", "eval_samples", dict(type=int, metavar="K", help="samples per problem at the run's "
+                                            "--temperature: pass@1 averaged over K and the unbiased pass@K besides "
+                                            "greedy accuracy (default 1: greedy alone)")),
+    ("--eval-max-new-tokens", "eval_max_new_tokens", dict(type=int, metavar="N", help="tokens a task evaluation's "
+                                                          "completion may take (default: --max-new-tokens)")),
     ("--save-every", "save_every", dict(type=int, metavar="N", help="a checkpoint every N steps (always one at the "
                                         "end and on Ctrl-C)")),
     ("--resume", "resume", dict(metavar="DIR", help="continue a run from its latest checkpoint, exactly")),
@@ -156,6 +167,11 @@ def run_train(args: argparse.Namespace) -> int:
         (first_step, first), (last_step, last) = curve[0], curve[-1]
         print(f"held-out reverse KL to the teacher: {first:.4f} at step {first_step} -> {last:.4f} at step "
               f"{last_step} ({last / first:.2f}x)" if first else "")
+    accuracy = result.eval_curve("eval_accuracy")
+    if accuracy:
+        teacher = result.records[0].get("teacher_eval_accuracy") if result.records else None
+        print(f"task accuracy: {accuracy[0][1]:.1%} at step {accuracy[0][0]} -> {accuracy[-1][1]:.1%} at step "
+              f"{accuracy[-1][0]}" + (f" (teacher {teacher:.1%})" if teacher is not None else ""))
     print(f"metrics {result.output_dir / 'metrics.jsonl'}, model {result.model_dir}, checkpoint {result.checkpoint}"
           + (f", plot {result.plot}" if result.plot else ""))
     return 0

@@ -213,6 +213,9 @@ _STEP_PART_MEANINGS = {
     "optimizer_ms": "`engine.step()` (the optimizer at the accumulation boundary; the gradient norm at ZeRO-0)",
 }
 
+TEACHER_FIGURE = Metric("teacher_eval", "teacher", "ratio", merge="mean", lower_is_better=None)
+"""What the teacher's task figures share: a reference the student is read against, not a figure to improve."""
+
 TRAINING: dict[str, Metric] = {m.name: m for m in [
     Metric("step", "step", "count", lower_is_better=None,
            meaning="the optimizer step (0: the evaluation before any update); every monitor event's step"),
@@ -258,8 +261,27 @@ TRAINING: dict[str, Metric] = {m.name: m for m in [
                    "vocabulary (a served teacher's: the unbiased k3 estimate from the sampled tokens)"),
     Metric("eval_cross_entropy", "cross-entropy", "nats/token", merge="mean", monitor="eval/cross_entropy",
            meaning="held-out cross-entropy of the student on the references (when the data has them)"),
+    Metric("eval_accuracy", "accuracy", "ratio", merge="mean", lower_is_better=False, monitor="eval/accuracy",
+           meaning="task evaluation (`--eval-data`): the fraction of problems the student's greedy completion "
+                   "answers right, by `--eval-scorer`"),
+    Metric("eval_unextractable", "unextractable", "count", merge="mean", monitor="eval/unextractable",
+           meaning="task evaluation: greedy completions with no answer the scorer can read (counted wrong)"),
+    Metric("eval_pass@1", "pass@1", "ratio", merge="mean", lower_is_better=False, monitor="eval/pass@1",
+           meaning="task evaluation with `--eval-samples` K > 1: pass@1 averaged over K samples a problem (the "
+                   "mean of c/K)"),
+    Metric("eval_pass@K", "pass@K", "ratio", merge="mean", lower_is_better=False, monitor="eval/pass@K",
+           meaning="task evaluation with K > 1: the unbiased pass@K (Chen et al. 2021), K the number in the key "
+                   "(`eval_pass@8`) and the monitor name (`eval/pass@8`)"),
+    *(replace(TEACHER_FIGURE, name=f"teacher_eval_{name}", label=f"teacher {name}", monitor=f"eval/teacher_{name}",
+              unit="count" if name == "unextractable" else "ratio",
+              meaning=f"the teacher's `eval_{name}`, scored once, in the step-0 record (an in-process teacher's; "
+                      "a served teacher is not scored)")
+      for name in ("accuracy", "unextractable", "pass@1", "pass@K")),
     Metric("time/evaluation_ms", "evaluation", "ms", monitor="time/evaluation_ms",
-           meaning="the held-out evaluation's wall time (on evaluation steps)"),
+           meaning="the evaluation's wall time (on evaluation steps): held-out, task, and the teacher's task "
+                   "evaluation at step 0"),
+    Metric("time/task_evaluation_ms", "task evaluation", "ms", monitor="time/task_evaluation_ms",
+           meaning="the student's task evaluation's wall time (part of `time/evaluation_ms`)"),
 ]}
 """Every key a training run's record may hold (``metrics.jsonl``), in the order a record holds them, with its name
 in DeepSpeed's monitors; docs/TRAINING.md's table of the keys is made from it."""
@@ -287,6 +309,25 @@ def upgrade(record: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+K_SUFFIX = "@K"
+"""A key registered with ``@K`` (``eval_pass@K``) stands for every ``@<number>`` key (``eval_pass@8``)."""
+
+
+def training_metric(key: str) -> Metric | None:
+    """The registry's entry for a training record's key, ``None`` for a key it lacks. A key whose number
+    depends on the run (``eval_pass@8``, K = ``--eval-samples``) is its ``@K`` entry under its own name and
+    monitor name (``eval/pass@8``)."""
+    if key in TRAINING:
+        return TRAINING[key]
+    stem, at, number = key.rpartition("@")
+    template = TRAINING.get(stem + K_SUFFIX) if at and number.isdigit() else None
+    if template is None:
+        return None
+    numbered = {field: getattr(template, field).removesuffix(K_SUFFIX) + "@" + number
+                for field in ("label", "monitor") if getattr(template, field)}
+    return replace(template, name=key, **numbered)
+
+
 def metric(name: str) -> Metric:
     """The registered metric (also under DeepSpeed's name, or a step record's ``rollout/`` name, so ranks merge
     every spelling of a figure by its rule; or a training record's key), or a default one for an unregistered
@@ -296,8 +337,8 @@ def metric(name: str) -> Metric:
         return METRICS[name]
     if own in METRICS:
         return METRICS[own]
-    if name in TRAINING:
-        return TRAINING[name]
+    if training_metric(name) is not None:
+        return training_metric(name)
     unit = "ms" if name.endswith("_ms") else ("bytes" if name.endswith("_bytes") else "")
     return Metric(name, name.removesuffix("_ms"), unit, lower_is_better=True if unit else None)
 

@@ -26,6 +26,7 @@ from opsd_rollout.opsd.step import check_pairing
 from opsd_rollout.opsd.teacher import TeacherCacheConfig
 from opsd_rollout.rollout.config import HybridEngineRolloutConfig
 from opsd_rollout.rollout.validation import check_sampling
+from opsd_rollout.train.eval_file import TaskEvalConfig
 from opsd_rollout.train.setup import OptimizationConfig
 
 logger = logging.getLogger(__name__)
@@ -33,8 +34,10 @@ logger = logging.getLogger(__name__)
 OBJECTIVES = ("opsd", "sft")
 OFF_POLICY = ("auto", "references", "teacher")
 SECTIONS = {"sampling": SamplingConfig, "rollout": HybridEngineRolloutConfig, "divergence": DivergenceConfig,
-            "teacher_cache": TeacherCacheConfig, "optimization": OptimizationConfig}
+            "teacher_cache": TeacherCacheConfig, "optimization": OptimizationConfig, "task_eval": TaskEvalConfig}
 """The nested sections and their owners' types."""
+OPTIONAL_SECTIONS = ("teacher_cache", "task_eval")
+"""Sections that may be ``None`` (not named); given a field by a flat name, they are built from it alone."""
 FLAT = {
     "max_new_tokens": "sampling.max_new_tokens", "samples_per_prompt": "sampling.n_samples_per_prompt",
     "temperature": "sampling.temperature", "top_k": "sampling.top_k", "top_p": "sampling.top_p",
@@ -43,6 +46,8 @@ FLAT = {
     "teacher_cache": "teacher_cache.mode", "teacher_top_k": "teacher_cache.top_k",
     "deepspeed": "optimization.deepspeed", "zero_stage": "optimization.zero_stage", "lr": "optimization.lr",
     "gradient_accumulation_steps": "optimization.gradient_accumulation_steps",
+    "eval_data": "task_eval.data", "eval_scorer": "task_eval.scorer", "eval_samples": "task_eval.samples",
+    "eval_max_new_tokens": "task_eval.max_new_tokens",
 }
 """A flat name (a ``train`` flag's, a key of an older ``train_config.json``) -> the section field it sets; the
 names not listed are ``TrainConfig``'s own fields."""
@@ -135,6 +140,10 @@ class TrainConfig:
     reads the one in use."""
     optimization: OptimizationConfig = field(default_factory=OptimizationConfig)
     """The student's DeepSpeed config (the user's, or one built from ZeRO stage, learning rate and accumulation)."""
+    task_eval: TaskEvalConfig | None = None
+    """Task evaluation at every evaluation (an eval file with answers, a scorer, K samples per problem), the
+    teacher scored once at step 0; its samples use ``sampling``'s temperature, top-k and top-p, and its completions
+    ``task_eval.max_new_tokens`` (``None``: ``sampling.max_new_tokens``). ``None``: none."""
 
     def __post_init__(self) -> None:
         checks.choice("objective", self.objective, OBJECTIVES)
@@ -145,7 +154,7 @@ class TrainConfig:
             _check_served(self)
         for name, kind in SECTIONS.items():
             value = getattr(self, name)
-            if not (value is None and name == "teacher_cache") and not isinstance(value, kind):
+            if not (value is None and name in OPTIONAL_SECTIONS) and not isinstance(value, kind):
                 raise TypeError(f"{name} must be a {kind.__name__}; got {type(value).__name__}")
         for name in ("steps", "prompts_per_micro_batch", "eval_every", "eval_prompts"):
             checks.integer(name, getattr(self, name))
@@ -158,6 +167,10 @@ class TrainConfig:
         checks.choice("teacher_zero_stage", self.teacher_zero_stage, (0, 3))
         checks.choice("off_policy", self.off_policy, OFF_POLICY)
         check_pairing(self.divergence, self.cache)
+        if self.task_eval is not None and self.task_eval.samples > 1 and self.sampling.temperature <= 0:
+            raise ValueError(f"--eval-samples {self.task_eval.samples} samples at the run's temperature "
+                             f"{self.sampling.temperature!r}, which is greedy: K identical completions say nothing of "
+                             "pass@k; sample (--temperature > 0) or drop --eval-samples")
         if self.divergence.loss == "sampled_reverse_kl" and self.lmbda < 1 and self.objective == "opsd":
             raise ValueError("sampled_reverse_kl is an on-policy policy gradient over the student's own samples: "
                              f"lmbda must be 1 (got {self.lmbda!r})")
@@ -191,9 +204,11 @@ class TrainConfig:
             sections.setdefault("divergence", {}).setdefault("top_k_rest", "tail")
         defaults = cls.__dataclass_fields__
         for section, changes in sections.items():
-            base = top.pop(section, None) or (defaults[section].default_factory() if section != "teacher_cache"
-                                              else TeacherCacheConfig())
-            top[section] = replace(base, **changes)
+            base = top.pop(section, None)
+            if base is None and section in OPTIONAL_SECTIONS:  # not named: made of the flat fields alone
+                top[section] = SECTIONS[section](**changes)
+            else:
+                top[section] = replace(base or defaults[section].default_factory(), **changes)
         return cls(**top)
 
     @classmethod

@@ -30,6 +30,7 @@ from opsd_rollout.train.evaluate import evaluate
 from opsd_rollout.train.report import MetricsLog, Progress, monitor_events, plot_eval, step_record
 from opsd_rollout.train.setup import Models, build_student_engine, load_models, split_examples
 from opsd_rollout.train.sft import sft_step
+from opsd_rollout.train.task_eval import Problem, evaluate_task, task_problems
 
 logger = logging.getLogger(__name__)
 
@@ -77,11 +78,13 @@ def _seed_of(seed: int, *key: int) -> int:
 class _Run:
     """One training run's state: models, engine, data, logs."""
 
-    def __init__(self, config: TrainConfig, models: Models, train: list[Example], held_out: list[Example]):
+    def __init__(self, config: TrainConfig, models: Models, train: list[Example], held_out: list[Example],
+                 problems: list[Problem] | None = None):
         from opsd_rollout.distributed import rank_info
         from opsd_rollout.rollout import HybridEngineRollout
 
         self.config, self.models, self.train, self.held_out = config, models, train, held_out
+        self.problems = problems
         self.out = Path(config.output_dir)
         self.checkpoints = self.out / "checkpoints"
         self.engine = build_student_engine(config, models.student)
@@ -161,13 +164,47 @@ class _Run:
         return step_record(step, profiles, step_ms=step_ms, learning_rate=float(self.engine.get_lr()[0]),
                            on_policy=on_policy, divergence=divergence, epoch=drawn / len(self.train))
 
-    def evaluation(self) -> dict[str, float]:
+    def evaluation(self, *, teacher: bool = False) -> dict[str, float]:
+        """The held-out figures, the task evaluation's when there is one, and with ``teacher`` (step 0) the
+        teacher's task figures."""
         examples = self.held_out[:self.config.eval_prompts]
         shard = examples[self.rank.rank::self.rank.world_size][:len(examples) // self.rank.world_size or 1]
         start = time.perf_counter()
         figures = evaluate(self.engine, self.teacher, self.rollout, self.encoder, shard, self.config.sampling,
                            seed=_seed_of(self.config.seed, 2**31), batch_size=self.config.prompts_per_micro_batch)
+        if self.problems is not None:
+            if teacher:
+                figures.update(self.teacher_task_evaluation())
+            task_start = time.perf_counter()
+            figures.update(self.task_evaluation(self.engine, self.rollout).record())
+            figures["time/task_evaluation_ms"] = (time.perf_counter() - task_start) * 1e3
         return {**figures, "time/evaluation_ms": (time.perf_counter() - start) * 1e3}
+
+    def task_evaluation(self, model: Any, rollout: Any) -> Any:
+        task = self.config.task_eval
+        return evaluate_task(model, rollout, self.models.tokenizer, self.problems, task, self.config.sampling,
+                             max_new_tokens=task.new_tokens(self.config.sampling.max_new_tokens),
+                             seed=_seed_of(self.config.seed, 2**31, 1),
+                             batch_size=self.config.prompts_per_micro_batch)
+
+    def teacher_task_evaluation(self) -> dict[str, float]:
+        """The teacher's task figures (``teacher_eval_*``), once: what the student is read against. A served teacher
+        scores tokens and does not generate, so it is not scored (a line says so)."""
+        if self.teacher is None:
+            return {}
+        if isinstance(self.teacher, ServedTeacher):
+            if self.rank.rank == 0:
+                logger.warning("the served teacher is not scored on --eval-data (a teacher server scores tokens, it "
+                               "does not generate): for its figure, run opsd-rollout eval --model on its checkpoint")
+            return {}
+        from opsd_rollout.rollout import HybridEngineRollout
+
+        rollout = HybridEngineRollout(self.teacher, self.models.tokenizer,
+                                      self.config.rollout.replace(enable_profiling=False))
+        try:
+            return self.task_evaluation(self.teacher, rollout).record("teacher_eval_")
+        finally:
+            rollout.shutdown()
 
     # ---- the loop --------------------------------------------------------------------------------------------
 
@@ -193,7 +230,7 @@ class _Run:
         progress = Progress(config.steps, self.step, enabled=config.progress)
         try:
             if self.step == 0:
-                self.record({"step": 0, **self.evaluation()}, progress)
+                self.record({"step": 0, **self.evaluation(teacher=True)}, progress)
             trained_s = next((r["time/steps_s"] for r in reversed(self.log.records) if "time/steps_s" in r), 0.0)
             while self.step < config.steps:
                 record = self.optimizer_step(self.step + 1)
@@ -251,9 +288,12 @@ def train(config: TrainConfig) -> TrainResult:
     returns with ``interrupted`` set; a served teacher that stops answering for ``teacher_timeout`` seconds saves one
     at the last completed step and returns with ``stopped`` set."""
     from opsd_rollout.train.data import read_examples
+    from opsd_rollout.train.eval_file import read_eval_file
 
     if config.resume is not None:
         find_checkpoint(config.resume)  # before any work: a directory without a checkpoint is refused
+    task = config.task_eval
+    records = read_eval_file(task.data, task.scorer) if task is not None else None  # before any model work
     models = load_models(config)
     examples = read_examples(config.prompts, models.tokenizer) if config.prompts else None
     train_examples, held_out = split_examples(config, examples)
@@ -268,7 +308,11 @@ def train(config: TrainConfig) -> TrainResult:
         raise ValueError("the steps that are not on-policy would train on the teacher's samples, and a served "
                          "teacher scores tokens, it does not generate: use lmbda 1, or references (off_policy "
                          "references, every example with a 'reference')")
-    return _Run(config, models, train_examples, held_out).run()
+    problems = None
+    if records is not None:
+        problems = task_problems(records, models.tokenizer, [models.student, models.teacher],
+                                 task.new_tokens(config.sampling.max_new_tokens))
+    return _Run(config, models, train_examples, held_out, problems).run()
 
 
 

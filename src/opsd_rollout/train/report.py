@@ -16,8 +16,8 @@ from typing import Any
 import psutil
 
 from opsd_rollout.files import write_text_atomic
-from opsd_rollout.metrics import (RECORD_ROLLOUT_STAGES, ROLLOUT_PREFIX, STEP_STAGES, TIME, TRAINING, hidden_share,
-                                  upgrade)
+from opsd_rollout.metrics import (RECORD_ROLLOUT_STAGES, ROLLOUT_PREFIX, STEP_STAGES, TIME, hidden_share,
+                                  training_metric, upgrade)
 
 
 def step_record(step: int, profiles: list[Any], *, step_ms: float, learning_rate: float, on_policy: bool | None,
@@ -89,10 +89,11 @@ def monitor_events(record: dict[str, Any]) -> list[tuple[str, float, int]]:
     itself are not sent."""
     events = []
     for key, value in record.items():
-        if key not in TRAINING:
+        registered = training_metric(key)
+        if registered is None:
             raise ValueError(f"training record key {key!r} is not in metrics.TRAINING: register it there (its unit, "
                              "merge rule, direction and monitor name)")
-        tag = TRAINING[key].monitor
+        tag = registered.monitor
         if tag is None or isinstance(value, bool) or not isinstance(value, (int, float)):
             continue
         events.append((tag, float(value), record["step"]))
@@ -118,6 +119,8 @@ class Progress:
                 f"tok/s  rollout {record['time/rollout_share']:.0%}  ETA {_duration(left)}")
         if "eval_reverse_kl" in record:
             text += f"  eval reverse KL {record['eval_reverse_kl']:.4f}"
+        if "eval_accuracy" in record:
+            text += f"  accuracy {record['eval_accuracy']:.1%}"
         return text
 
     def show(self, record: dict[str, Any]) -> None:
@@ -126,7 +129,7 @@ class Progress:
         last = record["step"] == self.total
         if self.tty:
             print("\r" + self.line(record).ljust(100), end="\n" if last else "", file=self.stream, flush=True)
-        elif last or record["step"] % self.every == 0 or "eval_reverse_kl" in record:
+        elif last or record["step"] % self.every == 0 or "time/evaluation_ms" in record:
             print(self.line(record), file=self.stream, flush=True)
 
 
@@ -137,14 +140,31 @@ def _duration(seconds: float) -> str:
     return f"{minutes}m{seconds:02d}s" if minutes else f"{seconds}s"
 
 
+TASK_PANEL = "task"
+"""``plot_eval``'s panel of the task evaluation's figures (``eval_accuracy``, ``eval_pass@1``, ``eval_pass@K``)."""
+
+
+def _panels(records: list[dict[str, Any]]) -> dict[str, dict[str, list[tuple[int, float]]]]:
+    """Panel -> curve name -> (step, value): the held-out reverse KL, the cross-entropy, the task figures; the
+    panels with no point left out."""
+    def curve(name: str) -> list[tuple[int, float]]:
+        return [(r["step"], r[name]) for r in records if r.get(name) is not None]
+
+    task = sorted({key for r in records for key in r if key == "eval_accuracy" or key.startswith("eval_pass@")},
+                  key=lambda key: (key != "eval_accuracy", len(key), key))
+    panels = {"eval_reverse_kl": {"eval_reverse_kl": curve("eval_reverse_kl")},
+              "eval_cross_entropy": {"eval_cross_entropy": curve("eval_cross_entropy")},
+              TASK_PANEL: {name: curve(name) for name in task}}
+    return {panel: curves for panel, curves in panels.items() if any(curves.values())}
+
+
 def plot_eval(records: list[dict[str, Any]], path: Path, title: str) -> Path | None:
-    """The held-out curves (reverse KL to the teacher, cross-entropy on the references) against the optimizer
-    step, as a PNG; ``None`` without matplotlib or without an evaluation. Records of any age (``metrics.upgrade``)."""
+    """The held-out curves (reverse KL to the teacher, cross-entropy on the references) and the task evaluation's
+    (greedy accuracy, pass@1, pass@K, the teacher's figures as dashed lines) against the optimizer step, as a PNG;
+    ``None`` without matplotlib or without an evaluation. Records of any age (``metrics.upgrade``)."""
     records = [upgrade(r) for r in records]
-    curves = {name: [(r["step"], r[name]) for r in records if name in r]
-              for name in ("eval_reverse_kl", "eval_cross_entropy")}
-    curves = {name: points for name, points in curves.items() if points}
-    if not curves:
+    panels = _panels(records)
+    if not panels:
         return None
     try:
         import matplotlib
@@ -153,14 +173,23 @@ def plot_eval(records: list[dict[str, Any]], path: Path, title: str) -> Path | N
         import matplotlib.pyplot as plt
     except ImportError:
         return None
-    labels = {"eval_reverse_kl": "held-out reverse KL to the teacher",
-              "eval_cross_entropy": "held-out cross-entropy on the references"}
-    figure, axes = plt.subplots(1, len(curves), figsize=(5.5 * len(curves), 3.8), squeeze=False)
-    for axis, (name, points) in zip(axes[0], curves.items()):
-        axis.plot([s for s, _ in points], [v for _, v in points], marker="o")
-        axis.set_title(labels[name], fontsize=10)
+    titles = {"eval_reverse_kl": "held-out reverse KL to the teacher",
+              "eval_cross_entropy": "held-out cross-entropy on the references", TASK_PANEL: "task evaluation"}
+    figure, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 3.8), squeeze=False)
+    for axis, (panel, curves) in zip(axes[0], panels.items()):
+        for name, points in curves.items():
+            line, = axis.plot([s for s, _ in points], [v for _, v in points], marker="o",
+                              label=name.removeprefix("eval_") if panel == TASK_PANEL else None)
+            teacher = next((r["teacher_" + name] for r in records if r.get("teacher_" + name) is not None), None)
+            if teacher is not None:
+                axis.axhline(teacher, color=line.get_color(), linestyle="--", linewidth=1,
+                             label=f"teacher {name.removeprefix('eval_')}")
+        axis.set_title(titles[panel], fontsize=10)
         axis.set_xlabel("optimizer step")
-        axis.set_ylabel("nats / token")
+        axis.set_ylabel("fraction of problems" if panel == TASK_PANEL else "nats / token")
+        if panel == TASK_PANEL:
+            axis.set_ylim(-0.02, 1.02)
+            axis.legend(fontsize=8)
         axis.grid(alpha=0.3)
     figure.suptitle(title)
     figure.tight_layout()
