@@ -3,8 +3,9 @@
 The run's own fields (models, data, how long, when to evaluate and save) sit at the top; the rest are the owners'
 configs, nested, never restated: the rollouts' sampling is DeepSpeed's ``SamplingConfig`` (what ``generate``
 takes), the student's rollout engine ``HybridEngineRolloutConfig``, the loss ``DivergenceConfig``, the teacher's
-logit cache ``TeacherCacheConfig``, and the optimisation (DeepSpeed config, ZeRO stage, learning rate,
-accumulation) ``OptimizationConfig`` beside the code that builds the engine. ``TrainConfig.from_flat`` takes the
+logit cache ``TeacherCacheConfig``, the optimisation (DeepSpeed config, ZeRO stage, learning rate,
+accumulation) ``OptimizationConfig`` beside the code that builds the engine, and the student's LoRA adapters
+``AdapterConfig``. ``TrainConfig.from_flat`` takes the
 command line's flat names, which are also the keys of a ``train_config.json`` written before the sections existed.
 """
 
@@ -26,6 +27,8 @@ from opsd_rollout.opsd.step import check_pairing
 from opsd_rollout.opsd.teacher import TeacherCacheConfig
 from opsd_rollout.rollout.config import HybridEngineRolloutConfig
 from opsd_rollout.rollout.validation import check_sampling
+from opsd_rollout.train.lora import AdapterConfig
+from opsd_rollout.train.preflight import check_teacher_given
 from opsd_rollout.train.setup import OptimizationConfig
 
 logger = logging.getLogger(__name__)
@@ -33,7 +36,7 @@ logger = logging.getLogger(__name__)
 OBJECTIVES = ("opsd", "sft")
 OFF_POLICY = ("auto", "references", "teacher")
 SECTIONS = {"sampling": SamplingConfig, "rollout": HybridEngineRolloutConfig, "divergence": DivergenceConfig,
-            "teacher_cache": TeacherCacheConfig, "optimization": OptimizationConfig}
+            "teacher_cache": TeacherCacheConfig, "optimization": OptimizationConfig, "lora": AdapterConfig}
 """The nested sections and their owners' types."""
 FLAT = {
     "max_new_tokens": "sampling.max_new_tokens", "samples_per_prompt": "sampling.n_samples_per_prompt",
@@ -43,6 +46,7 @@ FLAT = {
     "teacher_cache": "teacher_cache.mode", "teacher_top_k": "teacher_cache.top_k",
     "deepspeed": "optimization.deepspeed", "zero_stage": "optimization.zero_stage", "lr": "optimization.lr",
     "gradient_accumulation_steps": "optimization.gradient_accumulation_steps",
+    "lora_rank": "lora.rank", "lora_alpha": "lora.alpha", "lora_targets": "lora.targets", "merge_lora": "lora.merge",
 }
 """A flat name (a ``train`` flag's, a key of an older ``train_config.json``) -> the section field it sets; the
 names not listed are ``TrainConfig``'s own fields."""
@@ -130,12 +134,13 @@ class TrainConfig:
     reads the one in use."""
     optimization: OptimizationConfig = field(default_factory=OptimizationConfig)
     """The student's DeepSpeed config (the user's, or one built from ZeRO stage, learning rate and accumulation)."""
+    lora: AdapterConfig = field(default_factory=AdapterConfig)
+    """LoRA adapters on the student (PEFT's), the only parameters trained and optimised, when ``lora.rank`` is set;
+    full fine-tuning otherwise."""
 
     def __post_init__(self) -> None:
         checks.choice("objective", self.objective, OBJECTIVES)
-        if self.objective == "opsd" and self.teacher is None and self.teacher_url is None:
-            raise ValueError("teacher is needed to distil (objective opsd): a preset, a local checkpoint directory "
-                             "or a served teacher's teacher_url")
+        check_teacher_given(self.objective, self.teacher, self.teacher_url)
         if self.teacher_url is not None:
             _check_served(self)
         for name, kind in SECTIONS.items():
