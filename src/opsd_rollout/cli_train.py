@@ -17,9 +17,10 @@ FLAGS: list[tuple[str, str, dict[str, Any]]] = [  # (flag, TrainConfig's flat na
     ("--student", "student", dict(help="preset or local checkpoint directory (default llama-tiny; with no model or "
                                        "data flag at all: the built-in run, see the description)")),
     ("--teacher", "teacher", dict(help="preset or local checkpoint of the student's vocabulary (needed to distil)")),
-    ("--prompts", "prompts", dict(metavar="FILE", help="JSON lines with 'prompt' (or chat 'messages') and an "
-                                  "optional 'reference', or one prompt a line (default: the built-in corpus, the "
-                                  "Python documentation's topics)")),
+    ("--prompts", "prompts", dict(metavar="FILE", help="JSON lines with 'prompt' (or chat 'messages': a new "
+                                  "assistant turn after a last user or tool turn, a last assistant turn continued) "
+                                  "and an optional 'reference', or one prompt a line (default: the built-in corpus, "
+                                  "the Python documentation's topics)")),
     ("--objective", "objective", dict(choices=("opsd", "sft"), help="opsd (default): distil the teacher on-policy; "
                                       "sft: cross-entropy on the references")),
     ("--deepspeed", "deepspeed", dict(metavar="JSON", help="the student's DeepSpeed config (ZeRO stage, optimizer, "
