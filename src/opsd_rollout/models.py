@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = ["BOS_ID", "DEFAULT_MODEL", "EOS_ID", "PAD_ID", "PRESETS", "VOCAB_SIZE", "ModelPreset", "byte_tokenizer",
-           "dtype_name", "load_model", "max_positions", "model_config", "model_skeleton",
+           "dtype_name", "load_model", "load_tokenizer", "max_positions", "model_config", "model_skeleton",
            "parse_dtype", "vocab_size"]
 
 
@@ -119,6 +119,30 @@ def model_config(name_or_path: str):
     raise _refuse(name_or_path)
 
 
+def load_tokenizer(name_or_path: str):
+    """The tokenizer alone (a preset's byte tokenizer, or a checkpoint directory's), set up as ``load_model``'s is;
+    ``None`` for a directory that holds none (a model saved without its tokenizer)."""
+    if name_or_path in PRESETS:
+        return byte_tokenizer()
+    if not os.path.isdir(name_or_path):
+        raise _refuse(name_or_path)
+    from transformers import AutoTokenizer  # heavy: see the module docstring
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(name_or_path, local_files_only=True)
+    except (OSError, ValueError):
+        return None
+    return _prepared(tokenizer)
+
+
+def _prepared(tokenizer):
+    """A checkpoint's tokenizer as rollouts take it: padding on the left, EOS as the pad when it has none."""
+    if tokenizer.pad_token_id is None and tokenizer.eos_token_id is not None:
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "left"  # rollouts take left-padded prompts
+    return tokenizer
+
+
 def model_skeleton(name_or_path: str):
     """The model built from its config on the meta device: its modules and shapes, no weights (what a check of its
     layers needs, in a fraction of loading it)."""
@@ -184,8 +208,5 @@ def _load_local(path: str, dtype: torch.dtype, device: str | torch.device):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
-    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    if tokenizer.pad_token_id is None and tokenizer.eos_token_id is not None:
-        tokenizer.pad_token = tokenizer.eos_token
-    tokenizer.padding_side = "left"  # rollouts take left-padded prompts
+    tokenizer = _prepared(AutoTokenizer.from_pretrained(path, local_files_only=True))
     return model.to(device).eval(), tokenizer

@@ -13,7 +13,7 @@ import torch
 from opsd_rollout import checks
 from opsd_rollout.deepspeed_config import check_deepspeed_config, read_deepspeed_file, refusal
 from opsd_rollout.modeling import max_positions_of, text_config
-from opsd_rollout.models import load_model, model_config, model_skeleton
+from opsd_rollout.models import load_model, load_tokenizer, model_config, model_skeleton
 from opsd_rollout.opsd.served import ServedTeacher
 from opsd_rollout.presets import PRESETS
 from opsd_rollout.train.data import Example
@@ -82,13 +82,34 @@ def load_models(config: Any) -> Models:
     if config.lora.enabled:  # before the weights load
         check_targets(model_skeleton(config.student), config.lora, config.student)
     student, tokenizer = load_model(config.student)
+    if len(tokenizer) > configs[0].vocab_size:  # an id past the embedding would fail mid-rollout, far from here
+        raise ValueError(f"student {config.student!r}: its tokenizer has {len(tokenizer):,} tokens and its model a "
+                         f"vocabulary of {configs[0].vocab_size:,}: the model's vocab_size must be at least "
+                         "len(tokenizer) (added tokens count; docs/MODELS.md)")
     if served:
         return Models(student, tokenizer, served_teacher(config, tokenizer, configs[0].vocab_size), longest)
     # a preset teacher that is also the student gets other random weights: the same would make the loss 0
     seed = 1 if config.teacher == config.student and config.teacher in PRESETS else None
+    if config.teacher is not None:
+        check_same_tokens(config.student, tokenizer, config.teacher, load_tokenizer(config.teacher))
     teacher = (load_model(config.teacher, seed=seed)[0].eval().requires_grad_(False) if config.teacher is not None
                else None)
     return Models(student, tokenizer, teacher, longest)
+
+
+def check_same_tokens(student: str, tokenizer: Any, teacher: str, teacher_tokenizer: Any) -> None:
+    """Refuses a teacher whose tokenizer maps a token to another id than the student's (same vocabulary size,
+    other tokens: its logits would score other text). A teacher saved without a tokenizer is taken as the
+    student's."""
+    if teacher_tokenizer is None:
+        return
+    ours, theirs = tokenizer.get_vocab(), teacher_tokenizer.get_vocab()
+    if ours != theirs:
+        token = next((t for t in sorted(ours) if theirs.get(t) != ours[t]), None) or next(
+            t for t in sorted(theirs) if t not in ours)
+        raise ValueError(f"teacher {teacher!r}'s tokenizer is not student {student!r}'s: token {token!r} is id "
+                         f"{ours.get(token)} in the student's and {theirs.get(token)} in the teacher's; "
+                         "distillation needs the same tokens at the same ids")
 
 
 def served_teacher(config: Any, tokenizer: Any, vocab_size: int) -> ServedTeacher:
