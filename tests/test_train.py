@@ -45,7 +45,7 @@ def test_prompt_files_in_every_format(tmp_path):
     jsonl.write_text('{"prompt": "a", "reference": "b"}\n{"prompt": "c", "completion": "d"}\n'
                      '{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}\n')
     assert read_examples(jsonl, tokenizer) == [Example("a", "b"), Example("c", "d"),
-                                               Example("user: hi\nassistant: ", "yo")]
+                                               Example("user: hi\nassistant: yo")]  # the turn to continue
     plain = tmp_path / "p.txt"
     plain.write_text("first prompt\n\nsecond prompt\n")
     assert read_examples(plain, tokenizer) == [Example("first prompt"), Example("second prompt")]

@@ -17,9 +17,10 @@ FLAGS: list[tuple[str, str, dict[str, Any]]] = [  # (flag, TrainConfig's flat na
     ("--student", "student", dict(help="preset or local checkpoint directory (default llama-tiny; with no model or "
                                        "data flag at all: the built-in run, see the description)")),
     ("--teacher", "teacher", dict(help="preset or local checkpoint of the student's vocabulary (needed to distil)")),
-    ("--prompts", "prompts", dict(metavar="FILE", help="JSON lines with 'prompt' (or chat 'messages') and an "
-                                  "optional 'reference', or one prompt a line (default: the built-in corpus, the "
-                                  "Python documentation's topics)")),
+    ("--prompts", "prompts", dict(metavar="FILE", help="JSON lines with 'prompt' (or chat 'messages': a new "
+                                  "assistant turn after a last user or tool turn, a last assistant turn continued) "
+                                  "and an optional 'reference', or one prompt a line (default: the built-in corpus, "
+                                  "the Python documentation's topics)")),
     ("--objective", "objective", dict(choices=("opsd", "sft"), help="opsd (default): distil the teacher on-policy; "
                                       "sft: cross-entropy on the references")),
     ("--deepspeed", "deepspeed", dict(metavar="JSON", help="the student's DeepSpeed config (ZeRO stage, optimizer, "
@@ -97,6 +98,15 @@ FLAGS: list[tuple[str, str, dict[str, Any]]] = [  # (flag, TrainConfig's flat na
     ("--save-every", "save_every", dict(type=int, metavar="N", help="a checkpoint every N steps (always one at the "
                                         "end and on Ctrl-C)")),
     ("--resume", "resume", dict(metavar="DIR", help="continue a run from its latest checkpoint, exactly")),
+    ("--lora-rank", "lora_rank", dict(type=int, metavar="R", help="train LoRA adapters (PEFT) of rank R on the "
+                                      "student instead of every weight; model/ is then a PEFT adapter directory")),
+    ("--lora-alpha", "lora_alpha", dict(type=float, metavar="A", help="LoRA's alpha: updates scaled by A / R "
+                                        "(default 2 x R)")),
+    ("--lora-targets", "lora_targets", dict(metavar="NAMES", help="comma list of the layers the adapters wrap, "
+                                            "e.g. q_proj,v_proj (default all-linear: every linear layer but the "
+                                            "output head); each must match a layer of the student")),
+    ("--merge-lora", "merge_lora", dict(action="store_true", default=None, help="also write the merged model "
+                                        "(adapters folded into the weights) to merged/")),
 ]
 DEFAULT_RUN_FLAGS = ("student", "teacher", "teacher_url", "prompts")
 """With none of these (and objective opsd), ``train`` is the built-in run."""
@@ -138,15 +148,19 @@ def resume_command(argv: list[str], output_dir: Any) -> str:
 
 
 def run_train(args: argparse.Namespace) -> int:
+    from opsd_rollout.train.preflight import preflight  # light: checks what needs no model, before torch loads
+
+    given = {dest: getattr(args, dest) for _flag, dest, _kw in FLAGS if getattr(args, dest) is not None}
+    builtin = not any(name in given for name in DEFAULT_RUN_FLAGS) and given.get("objective", "opsd") == "opsd"
+    preflight(given, builtin=builtin)
+
     from transformers.utils import logging as transformers_logging
 
     from opsd_rollout.train import TrainConfig, train  # heavy: see the module docstring
     from opsd_rollout.train.default import default_run
 
     transformers_logging.disable_progress_bar()  # loading and saving checkpoints: our progress line says enough
-
-    given = {dest: getattr(args, dest) for _flag, dest, _kw in FLAGS if getattr(args, dest) is not None}
-    if not any(name in given for name in DEFAULT_RUN_FLAGS) and given.get("objective", "opsd") == "opsd":
+    if builtin:
         result = default_run(args.output_dir, cache_dir=args.cache_dir, progress=not args.quiet,
                              overrides=given)
     else:

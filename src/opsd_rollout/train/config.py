@@ -3,8 +3,9 @@
 The run's own fields (models, data, how long, when to evaluate and save) sit at the top; the rest are the owners'
 configs, nested, never restated: the rollouts' sampling is DeepSpeed's ``SamplingConfig`` (what ``generate``
 takes), the student's rollout engine ``HybridEngineRolloutConfig``, the loss ``DivergenceConfig``, the teacher's
-logit cache ``TeacherCacheConfig``, and the optimisation (DeepSpeed config, ZeRO stage, learning rate,
-accumulation) ``OptimizationConfig`` beside the code that builds the engine. ``TrainConfig.from_flat`` takes the
+logit cache ``TeacherCacheConfig``, the optimisation (DeepSpeed config, ZeRO stage, learning rate,
+accumulation) ``OptimizationConfig`` beside the code that builds the engine, and the student's LoRA adapters
+``AdapterConfig``. ``TrainConfig.from_flat`` takes the
 command line's flat names, which are also the keys of a ``train_config.json`` written before the sections existed.
 """
 
@@ -27,6 +28,8 @@ from opsd_rollout.opsd.teacher import TeacherCacheConfig
 from opsd_rollout.rollout.config import HybridEngineRolloutConfig
 from opsd_rollout.rollout.validation import check_sampling
 from opsd_rollout.train.eval_file import TaskEvalConfig
+from opsd_rollout.train.lora import AdapterConfig
+from opsd_rollout.train.preflight import check_teacher_given
 from opsd_rollout.train.setup import OptimizationConfig
 
 logger = logging.getLogger(__name__)
@@ -34,7 +37,8 @@ logger = logging.getLogger(__name__)
 OBJECTIVES = ("opsd", "sft")
 OFF_POLICY = ("auto", "references", "teacher")
 SECTIONS = {"sampling": SamplingConfig, "rollout": HybridEngineRolloutConfig, "divergence": DivergenceConfig,
-            "teacher_cache": TeacherCacheConfig, "optimization": OptimizationConfig, "task_eval": TaskEvalConfig}
+            "teacher_cache": TeacherCacheConfig, "optimization": OptimizationConfig, "task_eval": TaskEvalConfig,
+            "lora": AdapterConfig}
 """The nested sections and their owners' types."""
 OPTIONAL_SECTIONS = ("teacher_cache", "task_eval")
 """Sections that may be ``None`` (not named); given a field by a flat name, they are built from it alone."""
@@ -48,6 +52,7 @@ FLAT = {
     "gradient_accumulation_steps": "optimization.gradient_accumulation_steps",
     "eval_data": "task_eval.data", "eval_scorer": "task_eval.scorer", "eval_samples": "task_eval.samples",
     "eval_max_new_tokens": "task_eval.max_new_tokens",
+    "lora_rank": "lora.rank", "lora_alpha": "lora.alpha", "lora_targets": "lora.targets", "merge_lora": "lora.merge",
 }
 """A flat name (a ``train`` flag's, a key of an older ``train_config.json``) -> the section field it sets; the
 names not listed are ``TrainConfig``'s own fields."""
@@ -144,12 +149,13 @@ class TrainConfig:
     """Task evaluation at every evaluation (an eval file with answers, a scorer, K samples per problem), the
     teacher scored once at step 0; its samples use ``sampling``'s temperature, top-k and top-p, and its completions
     ``task_eval.max_new_tokens`` (``None``: ``sampling.max_new_tokens``). ``None``: none."""
+    lora: AdapterConfig = field(default_factory=AdapterConfig)
+    """LoRA adapters on the student (PEFT's), the only parameters trained and optimised, when ``lora.rank`` is set;
+    full fine-tuning otherwise."""
 
     def __post_init__(self) -> None:
         checks.choice("objective", self.objective, OBJECTIVES)
-        if self.objective == "opsd" and self.teacher is None and self.teacher_url is None:
-            raise ValueError("teacher is needed to distil (objective opsd): a preset, a local checkpoint directory "
-                             "or a served teacher's teacher_url")
+        check_teacher_given(self.objective, self.teacher, self.teacher_url)
         if self.teacher_url is not None:
             _check_served(self)
         for name, kind in SECTIONS.items():

@@ -1,0 +1,80 @@
+"""A training run's inputs checked before torch, transformers or DeepSpeed load: the files and names that need no
+model (each flag's value; the prompt file, line by line; the DeepSpeed config file; a ``--resume`` directory; student and teacher
+named as presets or checkpoint directories, their vocabularies from their configs; the LoRA flags), so that a
+mistake costs the command line a fraction of a second, as ``bench``'s do. ``TrainConfig`` checks the same values
+again (for the library's callers, and the combinations of flags: a loss and a cache that do not go together);
+what needs a model (a LoRA target that matches no layer) is checked once its config is loaded, before any step.
+Light: this module imports none of the three.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from opsd_rollout import checks
+from opsd_rollout.deepspeed_config import read_deepspeed_file
+from opsd_rollout.models import vocab_size
+from opsd_rollout.train.checkpoint import find_checkpoint
+from opsd_rollout.train.eval_file import TaskEvalConfig, read_eval_file
+from opsd_rollout.train.lora import AdapterConfig
+from opsd_rollout.train.records import read_records
+
+DEFAULT_STUDENT = "llama-tiny"
+"""``TrainConfig.student``'s default (a test checks they agree)."""
+COUNT = checks.rule(checks.integer)
+RULES = {
+    **{name: COUNT for name in ("steps", "prompts_per_micro_batch", "samples_per_prompt", "max_new_tokens",
+                                "max_prompt_tokens", "eval_every", "eval_prompts", "save_every", "teacher_top_k",
+                                "gradient_accumulation_steps", "lora_rank")},
+    "top_k": checks.rule(checks.integer, minimum=None), "lr": checks.rule(checks.number, above=0),
+    "lmbda": checks.rule(checks.number, at_least=0, at_most=1), "beta": checks.rule(checks.number, at_least=0,
+                                                                                    at_most=1),
+    "top_p": checks.rule(checks.number, above=0, at_most=1), "temperature": checks.rule(checks.number),
+    "teacher_timeout": checks.rule(checks.number, at_least=0), "lora_alpha": checks.rule(checks.number, above=0),
+}
+"""The flags' values as ``TrainConfig`` and its sections check them, by their flat names (a test checks that
+``TrainConfig`` refuses each value these refuse)."""
+
+
+def preflight(values: dict[str, Any], *, builtin: bool = False) -> None:
+    """Refuses (``ValueError``, one line naming the flag) what is wrong in ``values`` (``TrainConfig.from_flat``'s
+    names) before any heavy import. ``builtin``: the built-in run, whose teacher is its own."""
+    for name, rule in RULES.items():
+        if values.get(name) is not None:
+            rule("--" + name.replace("_", "-"), values[name])
+    if values.get("resume") is not None:
+        find_checkpoint(values["resume"])
+    if values.get("deepspeed") is not None and not isinstance(values["deepspeed"], dict):
+        read_deepspeed_file(values["deepspeed"])
+    AdapterConfig(**{leaf: values[flat] for flat, leaf in (("lora_rank", "rank"), ("lora_alpha", "alpha"),
+                                                           ("lora_targets", "targets"), ("merge_lora", "merge"))
+                     if values.get(flat) is not None})
+    if not builtin:
+        check_teacher_given(values.get("objective", "opsd"), values.get("teacher"), values.get("teacher_url"))
+        student = values.get("student") or DEFAULT_STUDENT
+        teacher = values.get("teacher") if values.get("teacher_url") is None else None
+        check_vocabularies(student, vocab_size(student), teacher, vocab_size(teacher) if teacher else None)
+    if values.get("prompts") is not None:
+        read_records(values["prompts"])
+    task = {leaf: values[flat] for flat, leaf in (("eval_data", "data"), ("eval_scorer", "scorer"),
+                                                  ("eval_samples", "samples"),
+                                                  ("eval_max_new_tokens", "max_new_tokens"))
+            if values.get(flat) is not None}
+    if task:
+        config = TaskEvalConfig(**task)
+        read_eval_file(config.data, config.scorer)
+
+
+def check_teacher_given(objective: str, teacher: str | None, teacher_url: str | None) -> None:
+    """Distilling needs a teacher: a preset, a checkpoint directory, or a served one."""
+    if objective == "opsd" and teacher is None and teacher_url is None:
+        raise ValueError("teacher is needed to distil (objective opsd): a preset, a local checkpoint directory or a "
+                         "served teacher's teacher_url (--teacher, --teacher-url)")
+
+
+def check_vocabularies(student: str, student_vocab: int | None, teacher: str | None,
+                       teacher_vocab: int | None) -> None:
+    """Refuses a teacher whose vocabulary is not the student's (sizes ``None`` when unknown yet: not checked)."""
+    if teacher is not None and None not in (student_vocab, teacher_vocab) and student_vocab != teacher_vocab:
+        raise ValueError(f"student {student!r} has a vocabulary of {student_vocab:,} tokens and teacher {teacher!r} "
+                         f"one of {teacher_vocab:,}: distillation needs the same vocabulary")
