@@ -185,7 +185,8 @@ def test_train_flags_set_the_train_config_fields_of_their_names():
     named_otherwise = {"samples_per_prompt": "sampling.n_samples_per_prompt", "teacher_cache": "teacher_cache.mode",
                        "teacher_top_k": "teacher_cache.top_k", "eval_data": "task_eval.data",
                        "eval_scorer": "task_eval.scorer", "eval_samples": "task_eval.samples",
-                       "eval_max_new_tokens": "task_eval.max_new_tokens"}
+                       "eval_max_new_tokens": "task_eval.max_new_tokens", "lora_rank": "lora.rank",
+                       "lora_alpha": "lora.alpha", "lora_targets": "lora.targets", "merge_lora": "lora.merge"}
     top = {f.name for f in fields(TrainConfig)} - set(SECTIONS)
     for flag, dest, _kwargs in FLAGS:
         assert dest == flag[2:].replace("-", "_"), flag
