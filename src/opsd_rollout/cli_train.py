@@ -16,7 +16,10 @@ LOSSES = ("forward_kl", "reverse_kl", "jsd", "sampled_reverse_kl")
 FLAGS: list[tuple[str, str, dict[str, Any]]] = [  # (flag, TrainConfig's flat name, argparse keywords)
     ("--student", "student", dict(help="preset or local checkpoint directory (default llama-tiny; with no model or "
                                        "data flag at all: the built-in run, see the description)")),
-    ("--teacher", "teacher", dict(help="preset or local checkpoint of the student's vocabulary (needed to distil)")),
+    ("--teacher", "teacher", dict(action="append", metavar="[NAME=]PRESET_OR_DIR", help="preset or local checkpoint "
+                                  "of the student's vocabulary (needed to distil); repeat it as NAME=PRESET_OR_DIR "
+                                  "for several teachers, each example going to the one its 'teacher' field names "
+                                  "(the one given without a name, or the first named, takes the rest)")),
     ("--prompts", "prompts", dict(metavar="FILE", help="JSON lines with 'prompt' (or chat 'messages': a new "
                                   "assistant turn after a last user or tool turn, a last assistant turn continued) "
                                   "and an optional 'reference', or one prompt a line (default: the built-in corpus, "
@@ -57,9 +60,13 @@ FLAGS: list[tuple[str, str, dict[str, Any]]] = [  # (flag, TrainConfig's flat na
     ("--teacher-cache", "teacher_cache", dict(choices=("full", "topk", "sampled"), help="teacher logits cached "
                                               "whole, their top-k, or each sampled token's log-probability "
                                               "(default: sampled for sampled_reverse_kl, else full)")),
-    ("--teacher-url", "teacher_url", dict(metavar="URL", help="a served teacher: vLLM's or SGLang's server, or "
-                                          "opsd-rollout serve-teacher (--teacher then names the model it must "
-                                          "serve); its cache is topk (default) or sampled, never full")),
+    ("--teacher-url", "teacher_url", dict(action="append", metavar="[NAME=]URL", help="a served teacher: vLLM's or "
+                                          "SGLang's server, or opsd-rollout serve-teacher (an unnamed --teacher then "
+                                          "names the model it must serve); its cache is topk (default) or sampled, "
+                                          "never full; repeat it as NAME=URL for several")),
+    ("--default-teacher", "default_teacher", dict(metavar="NAME", help="with several teachers, the one of examples "
+                                                  "without a 'teacher' field (default: the one given without a "
+                                                  "name, else the first named)")),
     ("--teacher-api-key", "teacher_api_key", dict(metavar="KEY", help="the served teacher's --api-key (default "
                                                   "$OPSD_ROLLOUT_API_KEY); never written to train_config.json")),
     ("--teacher-timeout", "teacher_timeout", dict(type=float, metavar="SECONDS", help="how long an unanswering "
@@ -108,7 +115,7 @@ FLAGS: list[tuple[str, str, dict[str, Any]]] = [  # (flag, TrainConfig's flat na
     ("--merge-lora", "merge_lora", dict(action="store_true", default=None, help="also write the merged model "
                                         "(adapters folded into the weights) to merged/")),
 ]
-DEFAULT_RUN_FLAGS = ("student", "teacher", "teacher_url", "prompts")
+DEFAULT_RUN_FLAGS = ("student", "teacher", "teacher_url", "teachers", "teacher_urls", "prompts")
 """With none of these (and objective opsd), ``train`` is the built-in run."""
 FORMERLY = {"--prompts-per-micro-batch": "--batch-size", "--cache-dir": "--teacher-cache-dir"}
 """Renamed flags -> their old spellings, still accepted with a line naming the new: ``--batch-size`` counted
@@ -148,9 +155,9 @@ def resume_command(argv: list[str], output_dir: Any) -> str:
 
 
 def run_train(args: argparse.Namespace) -> int:
-    from opsd_rollout.train.preflight import preflight  # light: checks what needs no model, before torch loads
+    from opsd_rollout.train.preflight import preflight, split_teachers  # light: before torch loads
 
-    given = {dest: getattr(args, dest) for _flag, dest, _kw in FLAGS if getattr(args, dest) is not None}
+    given = split_teachers({dest: getattr(args, dest) for _flag, dest, _kw in FLAGS if getattr(args, dest) is not None})
     builtin = not any(name in given for name in DEFAULT_RUN_FLAGS) and given.get("objective", "opsd") == "opsd"
     preflight(given, builtin=builtin)
 

@@ -222,6 +222,9 @@ TRAINING: dict[str, Metric] = {m.name: m for m in [
     Metric("epoch", "epoch", "epochs", merge="mean", lower_is_better=None, monitor="train/epoch",
            meaning="the training prompts drawn so far (every rank's) over the training set's, as HF Trainer counts"),
     METRICS["loss"],
+    Metric("loss/NAME", "loss NAME", "loss", merge="mean", lower_is_better=None, monitor="train/loss/NAME",
+           meaning="with several teachers, the loss over the response tokens routed to teacher NAME (one key a "
+                   "teacher: `loss/math`)"),
     Metric("grad_norm", "grad norm", "", merge="mean", lower_is_better=None, monitor="train/grad_norm",
            meaning="the 2-norm of the gradient the optimizer stepped on, before clipping (DeepSpeed's at ZeRO 1-3; "
                    "taken before the step at ZeRO-0)"),
@@ -259,6 +262,9 @@ TRAINING: dict[str, Metric] = {m.name: m for m in [
     Metric("eval_reverse_kl", "reverse KL", "nats/token", merge="mean", monitor="eval/reverse_kl",
            meaning="held-out reverse KL, student to teacher, on the student's samples, exact over the "
                    "vocabulary (a served teacher's: the unbiased k3 estimate from the sampled tokens)"),
+    Metric("eval_reverse_kl/NAME", "reverse KL NAME", "nats/token", merge="mean", monitor="eval/reverse_kl/NAME",
+           meaning="with several teachers, `eval_reverse_kl` over the held-out examples routed to teacher NAME "
+                   "(one key a teacher: `eval_reverse_kl/math`)"),
     Metric("eval_cross_entropy", "cross-entropy", "nats/token", merge="mean", monitor="eval/cross_entropy",
            meaning="held-out cross-entropy of the student on the references (when the data has them)"),
     Metric("eval_accuracy", "accuracy", "ratio", merge="mean", lower_is_better=False, monitor="eval/accuracy",
@@ -309,6 +315,8 @@ def upgrade(record: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+TEACHER_SUFFIX = "/NAME"
+"""A key registered with ``/NAME`` (``loss/NAME``) stands for every teacher's (``loss/math``)."""
 K_SUFFIX = "@K"
 """A key registered with ``@K`` (``eval_pass@K``) stands for every ``@<number>`` key (``eval_pass@8``)."""
 
@@ -316,9 +324,16 @@ K_SUFFIX = "@K"
 def training_metric(key: str) -> Metric | None:
     """The registry's entry for a training record's key, ``None`` for a key it lacks. A key whose number
     depends on the run (``eval_pass@8``, K = ``--eval-samples``) is its ``@K`` entry under its own name and
-    monitor name (``eval/pass@8``)."""
+    monitor name (``eval/pass@8``); a teacher's (``loss/math``, with several teachers) its ``/NAME`` entry
+    (``train/loss/math``)."""
     if key in TRAINING:
         return TRAINING[key]
+    stem, slash, teacher = key.rpartition("/")
+    template = TRAINING.get(stem + TEACHER_SUFFIX) if slash and teacher else None
+    if template is not None:
+        named = {field: getattr(template, field).removesuffix("NAME") + teacher
+                 for field in ("label", "monitor") if getattr(template, field)}
+        return replace(template, name=key, **named)
     stem, at, number = key.rpartition("@")
     template = TRAINING.get(stem + K_SUFFIX) if at and number.isdigit() else None
     if template is None:

@@ -29,7 +29,7 @@ from opsd_rollout.rollout.config import HybridEngineRolloutConfig
 from opsd_rollout.rollout.validation import check_sampling
 from opsd_rollout.train.eval_file import TaskEvalConfig
 from opsd_rollout.train.lora import AdapterConfig
-from opsd_rollout.train.preflight import check_teacher_given
+from opsd_rollout.train.preflight import NAME, UNNAMED, check_teacher_given
 from opsd_rollout.train.setup import OptimizationConfig
 
 logger = logging.getLogger(__name__)
@@ -90,6 +90,15 @@ class TrainConfig:
     teacher_protocol: str = "vllm"
     """``vllm`` (vLLM's OpenAI-compatible ``/v1/completions``, also ``serve-teacher``'s) or ``sglang``
     (SGLang's ``/generate``)."""
+    teachers: dict[str, str] = field(default_factory=dict)
+    """Several teachers, by name: a preset or local checkpoint directory each (``--teacher NAME=PRESET_OR_DIR``,
+    repeatable). Each example goes to the teacher its ``teacher`` field names, or to ``default_teacher``."""
+    teacher_urls: dict[str, str] = field(default_factory=dict)
+    """Several served teachers, by name (``--teacher-url NAME=URL``, repeatable), beside or instead of
+    ``teachers``."""
+    default_teacher: str | None = None
+    """With several teachers, the one of examples without a ``teacher`` field; ``None``: the teacher given without
+    a name (``teacher``, or ``teacher_url``, named ``default``), else the first one named."""
     teacher_overlap: bool = True
     """A served teacher's requests in flight while the student works: its forward, and, with gradient
     accumulation, the next micro-batches' rollouts (a whole optimizer step rolled out before its updates: the
@@ -155,9 +164,11 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         checks.choice("objective", self.objective, OBJECTIVES)
-        check_teacher_given(self.objective, self.teacher, self.teacher_url)
-        if self.teacher_url is not None:
+        check_teacher_given(self.objective, self.teacher, self.teacher_url, self.teachers, self.teacher_urls)
+        if self.served:
             _check_served(self)
+        if self.several:
+            _check_several(self)
         for name, kind in SECTIONS.items():
             value = getattr(self, name)
             if not (value is None and name in OPTIONAL_SECTIONS) and not isinstance(value, kind):
@@ -186,7 +197,36 @@ class TrainConfig:
         """The teacher cache in use: ``teacher_cache``, or the loss's default."""
         if self.teacher_cache is not None:
             return self.teacher_cache
-        return TeacherCacheConfig(mode=default_cache_mode(self.divergence.loss, served=self.teacher_url is not None))
+        return TeacherCacheConfig(mode=default_cache_mode(self.divergence.loss, served=self.served))
+
+    @property
+    def served(self) -> bool:
+        """Whether a teacher is served (``teacher_url`` or ``teacher_urls``)."""
+        return self.teacher_url is not None or bool(self.teacher_urls)
+
+    @property
+    def several(self) -> bool:
+        """Whether the run has named teachers (``teachers``, ``teacher_urls``), each example routed to one."""
+        return bool(self.teachers or self.teacher_urls)
+
+    def named_teachers(self) -> dict[str, tuple[str, str | None]]:
+        """With several teachers: each name -> ``("model", PRESET_OR_DIR)`` or ``("url", URL)`` (``None`` for the model
+        a served one must serve: its only one), the unnamed one (if given) as ``default``, first."""
+        named: dict[str, tuple[str, str | None]] = {}
+        if self.teacher_url is not None:
+            named[UNNAMED] = ("url", self.teacher_url)
+        elif self.teacher is not None:
+            named[UNNAMED] = ("model", self.teacher)
+        named.update({name: ("model", spec) for name, spec in self.teachers.items()})
+        named.update({name: ("url", url) for name, url in self.teacher_urls.items()})
+        return named
+
+    @property
+    def default_teacher_name(self) -> str | None:
+        """The teacher of examples without a ``teacher`` field, with several teachers."""
+        if not self.several:
+            return None
+        return self.default_teacher or next(iter(self.named_teachers()))
 
     @classmethod
     def from_flat(cls, values: dict[str, Any]) -> TrainConfig:
@@ -203,7 +243,7 @@ class TrainConfig:
                 section, leaf = FLAT[name].split(".")
                 sections.setdefault(section, {})[leaf] = value
         loss = sections.get("divergence", {}).get("loss", DivergenceConfig().loss)
-        served = values.get("teacher_url") is not None
+        served = values.get("teacher_url") is not None or bool(values.get("teacher_urls"))
         if "teacher_cache" in sections:
             sections["teacher_cache"].setdefault("mode", default_cache_mode(loss, served=served))
         if served and loss != "sampled_reverse_kl":  # the served top-k's rest of the mass as one bucket
@@ -266,14 +306,34 @@ def default_cache_mode(loss: str, *, served: bool = False) -> str:
     return "sampled" if loss == "sampled_reverse_kl" else "topk" if served else "full"
 
 
+def _check_several(config: TrainConfig) -> None:
+    """Several teachers: names unique, the default one of them, each teacher whole on every rank."""
+    for name in (*config.teachers, *config.teacher_urls):
+        if not isinstance(name, str) or not NAME.fullmatch(name) or name == UNNAMED:
+            raise ValueError(f"teacher name {name!r}: letters, digits, '_', '-' and '.' (and not {UNNAMED!r}, the "
+                             "name of the teacher given without one)")
+    both = sorted(set(config.teachers) & set(config.teacher_urls))
+    if both:
+        raise ValueError(f"teacher name{'s' if len(both) > 1 else ''} {both} given both as a model (--teacher) and "
+                         "as a server (--teacher-url): a name is one teacher")
+    names = config.named_teachers()
+    if config.default_teacher is not None and config.default_teacher not in names:
+        raise ValueError(f"default_teacher {config.default_teacher!r} is none of the teachers {sorted(names)}")
+    if config.teacher_zero_stage != 0:
+        raise ValueError("teacher_zero_stage 3 partitions one teacher across the ranks; with several teachers each is "
+                         "whole on every rank (serve a large one: --teacher-url NAME=URL)")
+
+
 def _check_served(config: TrainConfig) -> None:
     """What a served teacher cannot do, refused before any work: it scores tokens, it neither trains nor generates,
     and it sends no whole vocabulary."""
     checks.choice("teacher_protocol", config.teacher_protocol, PROTOCOLS)
     checks.number("teacher_timeout", config.teacher_timeout, at_least=0)
-    if not isinstance(config.teacher_url, str) or not config.teacher_url.startswith(("http://", "https://")):
-        raise ValueError(f"teacher_url must be the teacher server's http:// or https:// address; got "
-                         f"{config.teacher_url!r}")
+    urls = {"teacher_url": config.teacher_url} if config.teacher_url is not None else {}
+    urls.update({f"teacher_urls[{name!r}]": url for name, url in config.teacher_urls.items()})
+    for where, url in urls.items():
+        if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+            raise ValueError(f"{where} must be the teacher server's http:// or https:// address; got {url!r}")
     if config.objective != "opsd":
         raise ValueError("teacher_url serves a teacher to distil from; objective sft trains on references alone")
     if config.teacher_zero_stage != 0:

@@ -105,7 +105,9 @@ class _Run:
         self.teacher_rollout = (HybridEngineRollout(self.teacher, models.tokenizer, profiled)
                                 if self.teacher is not None and config.lmbda < 1 and not self.references else None)
         self.step_state = StepState()  # opsd_step's, kept across the run's steps: buffers reused, warnings once
-        self.ahead = (isinstance(self.teacher, ServedTeacher) and self.teacher.overlap and self.accumulation > 1
+        self.servers = [t for t in (self.teacher.values() if config.several else [self.teacher])
+                        if isinstance(t, ServedTeacher)]
+        self.ahead = (bool(self.servers) and all(s.overlap for s in self.servers) and self.accumulation > 1
                       and config.objective == "opsd")
         """Roll out a whole optimizer step's micro-batches before their updates (the weights they sample from are
         the same until the step): each served teacher request is then in flight behind the next rollout."""
@@ -139,9 +141,11 @@ class _Run:
                                                               config.sampling.n_samples_per_prompt))
             else:
                 rollout = self.teacher_rollout
+            routes = [e.teacher or config.default_teacher_name for e in examples] if config.several else None
             return _Started(seed, self.device, step=start_step(
                 self.engine, self.teacher, rollout, request, config.sampling, divergence=config.divergence,
-                teacher_cache=config.cache, state=self.step_state, rollout_seed=seed, grad_norm=True, slot=slot))
+                teacher_cache=config.cache, state=self.step_state, rollout_seed=seed, grad_norm=True, slot=slot,
+                routes=routes))
 
     def optimizer_step(self, step: int) -> dict[str, Any]:
         config = self.config
@@ -154,7 +158,8 @@ class _Run:
                 started = [self.micro_batch(first + g, on_policy, slot=g) for g in range(self.accumulation)]
                 profiles = [micro.finish() for micro in started]
             except BaseException:  # the run stops: the answers still on their way are dropped
-                self.teacher.close()
+                for server in self.servers:
+                    server.close()
                 raise
         else:
             profiles = [self.micro_batch(first + g, on_policy).finish() for g in range(self.accumulation)]
@@ -171,7 +176,8 @@ class _Run:
         shard = examples[self.rank.rank::self.rank.world_size][:len(examples) // self.rank.world_size or 1]
         start = time.perf_counter()
         figures = evaluate(self.engine, self.teacher, self.rollout, self.encoder, shard, self.config.sampling,
-                           seed=_seed_of(self.config.seed, 2**31), batch_size=self.config.prompts_per_micro_batch)
+                           seed=_seed_of(self.config.seed, 2**31), batch_size=self.config.prompts_per_micro_batch,
+                           default_teacher=self.config.default_teacher_name)
         if self.problems is not None:
             if teacher:
                 figures.update(self.teacher_task_evaluation())
@@ -191,6 +197,11 @@ class _Run:
         """The teacher's task figures (``teacher_eval_*``), once: what the student is read against. A served teacher
         scores tokens and does not generate, so it is not scored (a line says so)."""
         if self.teacher is None:
+            return {}
+        if self.config.several:
+            if self.rank.rank == 0:
+                logger.warning("with several teachers, none is scored on --eval-data here: for a teacher's figure, "
+                               "run opsd-rollout eval --model on its checkpoint")
             return {}
         if isinstance(self.teacher, ServedTeacher):
             if self.rank.rank == 0:
@@ -249,8 +260,8 @@ class _Run:
         except ConnectionError as error:  # a served teacher gone for longer than teacher_timeout: keep what is done
             result.stopped = str(error)
         finally:
-            if isinstance(self.teacher, ServedTeacher):
-                self.teacher.close()
+            for server in self.servers:
+                server.close()
         if self.saved_at != self.step:
             result.checkpoint = self.save()
         else:
@@ -259,7 +270,8 @@ class _Run:
         if not result.interrupted and result.stopped is None:
             result.model_dir = save_model(self.engine, self.models.tokenizer, self.out / "model", self.rank)
         if self.rank.rank == 0:
-            teacher = _short(config.teacher) if config.teacher else config.teacher_url
+            teacher = (", ".join(config.named_teachers()) if config.several else _short(config.teacher)
+                       if config.teacher else config.teacher_url)
             title = (f"{_short(config.student)} distilled from {teacher}" if config.objective == "opsd"
                      else f"{_short(config.student)} trained by SFT")
             result.plot = plot_eval(result.records, self.out / "eval.png", title)
@@ -283,6 +295,15 @@ class _Started:
         return self.profile
 
 
+def check_example_teachers(examples: list[Example], names: set[str]) -> None:
+    """Every example's ``teacher`` is one of the run's (a library caller's data; the command line's file is checked
+    by line before torch loads)."""
+    for number, example in enumerate(examples, 1):
+        if example.teacher is not None and example.teacher not in names:
+            raise ValueError(f"example {number} names teacher {example.teacher!r}, which is none of the run's "
+                             f"teachers {sorted(names)}")
+
+
 def train(config: TrainConfig) -> TrainResult:
     """Run ``config``: every input checked before any model work, then the loop. Ctrl-C saves a checkpoint and
     returns with ``interrupted`` set; a served teacher that stops answering for ``teacher_timeout`` seconds saves one
@@ -304,6 +325,12 @@ def train(config: TrainConfig) -> TrainResult:
     if config.off_policy == "references" and not references:
         raise ValueError("off_policy references trains on references: every example needs a 'reference'")
     teacher_samples = config.off_policy == "teacher" or (config.off_policy == "auto" and not references)
+    if config.several:
+        check_example_teachers(train_examples + held_out, set(config.named_teachers()))
+        if config.lmbda < 1 and teacher_samples:
+            raise ValueError("with several teachers, the steps that are not on-policy train on references (off_policy "
+                             "references, every example with a 'reference'), not on one teacher's samples: use "
+                             "lmbda 1, or references")
     if config.teacher_url is not None and config.lmbda < 1 and teacher_samples:
         raise ValueError("the steps that are not on-policy would train on the teacher's samples, and a served "
                          "teacher scores tokens, it does not generate: use lmbda 1, or references (off_policy "

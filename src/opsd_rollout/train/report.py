@@ -28,6 +28,7 @@ def step_record(step: int, profiles: list[Any], *, step_ms: float, learning_rate
     tokens = sum(p.response_tokens for p in profiles)
     record: dict[str, Any] = {
         "step": step, "epoch": epoch, "loss": sum(p.loss * p.response_tokens for p in profiles) / max(tokens, 1),
+        **teacher_losses(profiles),
         "grad_norm": next((p.grad_norm for p in reversed(profiles) if p.grad_norm is not None), None),
         "learning_rate": learning_rate, "divergence": divergence, "on_policy": on_policy,
         "micro_batches": len(profiles), "response_tokens": tokens,
@@ -48,6 +49,18 @@ def step_record(step: int, profiles: list[Any], *, step_ms: float, learning_rate
     record["teacher_cache_bytes"] = max((p.teacher_cache_bytes for p in profiles), default=0)
     record["rss_bytes"] = psutil.Process().memory_info().rss  # after the step: flat over a run, or a leak
     return record
+
+
+def teacher_losses(profiles: list[Any]) -> dict[str, float]:
+    """With several teachers, each one's loss over the step (``loss/NAME``): token-weighted over the micro-batches
+    that routed it tokens."""
+    tokens: dict[str, int] = {}
+    sums: dict[str, float] = {}
+    for profile in profiles:
+        for name, count in profile.teacher_tokens.items():
+            tokens[name] = tokens.get(name, 0) + count
+            sums[name] = sums.get(name, 0.0) + profile.teacher_losses[name] * count
+    return {f"loss/{name}": sums[name] / tokens[name] for name in tokens if tokens[name]}
 
 
 def read_records(path: Path) -> list[dict[str, Any]]:

@@ -86,6 +86,8 @@ def load_models(config: Any) -> Models:
         raise ValueError(f"student {config.student!r}: its tokenizer has {len(tokenizer):,} tokens and its model a "
                          f"vocabulary of {configs[0].vocab_size:,}: the model's vocab_size must be at least "
                          "len(tokenizer) (added tokens count; docs/MODELS.md)")
+    if config.several:
+        return Models(student, tokenizer, load_teachers(config, tokenizer, configs[0].vocab_size), longest)
     if served:
         return Models(student, tokenizer, served_teacher(config, tokenizer, configs[0].vocab_size), longest)
     # a preset teacher that is also the student gets other random weights: the same would make the loss 0
@@ -95,6 +97,22 @@ def load_models(config: Any) -> Models:
     teacher = (load_model(config.teacher, seed=seed)[0].eval().requires_grad_(False) if config.teacher is not None
                else None)
     return Models(student, tokenizer, teacher, longest)
+
+
+def load_teachers(config: Any, tokenizer: Any, vocab_size: int) -> dict[str, Any]:
+    """Several teachers by name (``config.named_teachers()``), each checked as one teacher is before any step: a
+    model's vocabulary and tokens against the student's, a server's answer, model, tokenizer and vocabulary."""
+    teachers: dict[str, Any] = {}
+    for name, (kind, spec) in config.named_teachers().items():
+        if kind == "url":
+            teachers[name] = served_teacher(config, tokenizer, vocab_size, url=spec, name=name)
+            continue
+        theirs = text_config(model_config(spec)).vocab_size
+        check_vocabularies(config.student, vocab_size, f"{name}={spec}", theirs)
+        check_same_tokens(config.student, tokenizer, f"{name}={spec}", load_tokenizer(spec))
+        seed = 1 if spec == config.student and spec in PRESETS else None  # not the student's own weights
+        teachers[name] = load_model(spec, seed=seed)[0].eval().requires_grad_(False)
+    return teachers
 
 
 def check_same_tokens(student: str, tokenizer: Any, teacher: str, teacher_tokenizer: Any) -> None:
@@ -112,18 +130,21 @@ def check_same_tokens(student: str, tokenizer: Any, teacher: str, teacher_tokeni
                          "distillation needs the same tokens at the same ids")
 
 
-def served_teacher(config: Any, tokenizer: Any, vocab_size: int) -> ServedTeacher:
-    """The served teacher of ``config.teacher_url``, checked before any step: it answers (retried up to
-    ``teacher_timeout``), serves ``config.teacher`` (when named), and has the student's tokenizer and vocabulary;
-    each failure one line naming both sides."""
-    teacher = ServedTeacher(config.teacher_url, model=config.teacher,
+def served_teacher(config: Any, tokenizer: Any, vocab_size: int, *, url: str | None = None,
+                   name: str | None = None) -> ServedTeacher:
+    """The served teacher of ``config.teacher_url`` (or ``url``, teacher ``name``'s), checked before any step: it
+    answers (retried up to ``teacher_timeout``), serves ``config.teacher`` (when named; the one teacher's), and has
+    the student's tokenizer and vocabulary; each failure one line naming both sides."""
+    model = config.teacher if url is None or url == config.teacher_url else None
+    flag = "--teacher-url" if name is None else f"--teacher-url {name}="
+    teacher = ServedTeacher(url or config.teacher_url, model=model,
                             api_key=config.teacher_api_key or os.environ.get("OPSD_ROLLOUT_API_KEY"),
                             protocol=config.teacher_protocol, tokenizer=tokenizer,
                             retry_timeout_s=config.teacher_timeout, overlap=config.teacher_overlap)
     try:
         teacher.connect(vocab_size)
     except ConnectionError as error:
-        raise ValueError(f"--teacher-url: {error}") from None
+        raise ValueError(f"{flag}: {error}") from None
     return teacher
 
 
