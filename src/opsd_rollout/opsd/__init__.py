@@ -8,7 +8,8 @@ from opsd_rollout.opsd.divergence import (DivergenceConfig, chunked_divergence, 
                                           pointwise_jsd, token_divergence)
 from opsd_rollout.opsd.fused import fused_divergence, head_divergence
 from opsd_rollout.opsd.served import ServedTeacher
-from opsd_rollout.opsd.step import StepInFlight, StepProfile, StepState, opsd_step, start_step
+from opsd_rollout.opsd.step import StepInFlight, StepState, opsd_step, start_step
+from opsd_rollout.opsd.step_profile import StepProfile
 from opsd_rollout.opsd.targets import ResponseTargets, response_targets
 from opsd_rollout.opsd.teacher import TeacherCache, TeacherCacheBuffers, TeacherCacheConfig, build_teacher_cache
 
