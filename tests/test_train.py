@@ -400,7 +400,8 @@ def test_the_registry_names_every_figure_once_and_puts_times_under_time():
     assert len(monitors) == len(set(monitors))  # one name per figure
     assert all(m.monitor.startswith(TIME) for m in TRAINING.values() if m.unit in ("ms", "s"))
     assert {m.name for m in TRAINING.values() if (m.monitor or "").startswith("eval/")} == {
-        "eval_reverse_kl", "eval_cross_entropy", "eval_accuracy", "eval_unextractable", "eval_pass@1", "eval_pass@K",
+        "eval_reverse_kl", "eval_reverse_kl/NAME", "eval_cross_entropy", "eval_accuracy", "eval_unextractable",
+        "eval_pass@1", "eval_pass@K",
         *(f"teacher_eval_{name}" for name in ("accuracy", "unextractable", "pass@1", "pass@K"))
     }  # the held-out and task evaluations alone; not engine.eval()'s time
     assert all(m.monitor is None for m in TRAINING.values() if m.unit in ("text", "bool"))

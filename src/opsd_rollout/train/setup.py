@@ -93,7 +93,8 @@ def load_models(config: Any) -> Models:
     # a preset teacher that is also the student gets other random weights: the same would make the loss 0
     seed = 1 if config.teacher == config.student and config.teacher in PRESETS else None
     if config.teacher is not None:
-        check_same_tokens(config.student, tokenizer, config.teacher, load_tokenizer(config.teacher))
+        check_same_tokens(config.student, tokenizer, config.teacher, load_tokenizer(config.teacher),
+                          configs[0].vocab_size)
     teacher = (load_model(config.teacher, seed=seed)[0].eval().requires_grad_(False) if config.teacher is not None
                else None)
     return Models(student, tokenizer, teacher, longest)
@@ -109,19 +110,23 @@ def load_teachers(config: Any, tokenizer: Any, vocab_size: int) -> dict[str, Any
             continue
         theirs = text_config(model_config(spec)).vocab_size
         check_vocabularies(config.student, vocab_size, f"{name}={spec}", theirs)
-        check_same_tokens(config.student, tokenizer, f"{name}={spec}", load_tokenizer(spec))
+        check_same_tokens(config.student, tokenizer, f"{name}={spec}", load_tokenizer(spec), vocab_size)
         seed = 1 if spec == config.student and spec in PRESETS else None  # not the student's own weights
         teachers[name] = load_model(spec, seed=seed)[0].eval().requires_grad_(False)
     return teachers
 
 
-def check_same_tokens(student: str, tokenizer: Any, teacher: str, teacher_tokenizer: Any) -> None:
+def check_same_tokens(student: str, tokenizer: Any, teacher: str, teacher_tokenizer: Any,
+                      vocab_size: int | None = None) -> None:
     """Refuses a teacher whose tokenizer maps a token to another id than the student's (same vocabulary size,
-    other tokens: its logits would score other text). A teacher saved without a tokenizer is taken as the
-    student's."""
+    other tokens: its logits would score other text), among the ids the models have (``vocab_size``: a token a
+    tokenizer adds past the models' vocabulary is one neither can produce or score). A teacher saved without a
+    tokenizer is taken as the student's."""
     if teacher_tokenizer is None:
         return
-    ours, theirs = tokenizer.get_vocab(), teacher_tokenizer.get_vocab()
+    limit = vocab_size if vocab_size is not None else float("inf")
+    ours, theirs = ({token: i for token, i in side.get_vocab().items() if i < limit}
+                    for side in (tokenizer, teacher_tokenizer))
     if ours != theirs:
         token = next((t for t in sorted(ours) if theirs.get(t) != ours[t]), None) or next(
             t for t in sorted(theirs) if t not in ours)
