@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
                   teacher_cache="topk", teacher_top_k=64, top_k_rest="tail", progress=False,
                   gradient_accumulation_steps=args.accumulation)
     served = {"in-process": {}, "served, waited": {"teacher_url": url, "teacher_overlap": False},
-              "served, overlapped": {"teacher_url": url}}
+              "served, overlapped": {"teacher_url": url, "teacher_overlap": True}}
     times: dict[str, dict[str, list[float]]] = {side: {} for side in SIDES}
     load = [os.getloadavg()[0]]
     try:

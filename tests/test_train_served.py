@@ -252,3 +252,18 @@ def test_a_teacher_url_alone_is_the_users_run_not_the_built_in_one(monkeypatch, 
     monkeypatch.setattr(default, "default_run", lambda *a, **k: pytest.fail("took the built-in run"))
     assert main(["train", "--output-dir", str(tmp_path), "--teacher-url", "http://127.0.0.1:8000"]) == 0
     assert [c.teacher_url for c in seen] == ["http://127.0.0.1:8000"] and seen[0].teacher is None
+
+
+def test_the_overlap_defaults_off_only_for_a_loopback_server_beside_a_cpu_student(monkeypatch):
+    """Both on the same CPU cores, a request in flight competes with the student's compute (measured slower);
+    a server elsewhere, or a GPU student, overlaps; what the user asks wins."""
+    import torch
+
+    from opsd_rollout.train.setup import overlaps
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert not overlaps(None, "http://127.0.0.1:8000") and not overlaps(None, "http://localhost:8000/")
+    assert overlaps(None, "http://10.0.0.5:8000") and overlaps(True, "http://127.0.0.1:8000")
+    assert not overlaps(False, "http://10.0.0.5:8000")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert overlaps(None, "http://127.0.0.1:8000")

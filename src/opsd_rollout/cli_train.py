@@ -80,9 +80,10 @@ FLAGS: list[tuple[str, str, dict[str, Any]]] = [  # (flag, TrainConfig's flat na
                                         "else renormalize)")),
     ("--teacher-overlap", "teacher_overlap", dict(action=argparse.BooleanOptionalAction, help="a served teacher's "
                                                   "requests in flight behind the student's forward and, with "
-                                                  "gradient accumulation, the next micro-batches' rollouts (default "
-                                                  "on; --no-teacher-overlap waits for each: the same samples and "
-                                                  "losses)")),
+                                                  "gradient accumulation, the next micro-batches' rollouts; "
+                                                  "--no-teacher-overlap waits for each (the same samples and "
+                                                  "losses). Default: on, but off for a server on loopback with the "
+                                                  "student on the CPU (the same cores)")),
     ("--teacher-zero-stage", "teacher_zero_stage", dict(type=int, choices=(0, 3), help="0 (default): the teacher "
                                                         "whole on every rank; 3: a DeepSpeed ZeRO-3 inference engine, "
                                                         "its parameters partitioned across the ranks")),

@@ -99,11 +99,12 @@ class TrainConfig:
     default_teacher: str | None = None
     """With several teachers, the one of examples without a ``teacher`` field; ``None``: the teacher given without
     a name (``teacher``, or ``teacher_url``, named ``default``), else the first one named."""
-    teacher_overlap: bool = True
+    teacher_overlap: bool | None = None
     """A served teacher's requests in flight while the student works: its forward, and, with gradient
     accumulation, the next micro-batches' rollouts (a whole optimizer step rolled out before its updates: the
     weights it samples from are the same until the step). ``False``: each micro-batch waits for its answer (the same
-    samples and losses, every latency exposed)."""
+    samples and losses, every latency exposed). ``None``: on, unless the server is on this machine's loopback and
+    the student on its CPU, where the two would compete for the same cores (benchmarks/RESULTS.md measures it)."""
     teacher_zero_stage: int = 0
     """0: the teacher whole beside the student on every rank; 3: a DeepSpeed ZeRO-3 inference engine (no
     optimizer), its parameters partitioned across the ranks (a teacher larger than one device)."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import os
+import urllib.parse
 from dataclasses import dataclass
 from typing import Any
 
@@ -145,12 +146,23 @@ def served_teacher(config: Any, tokenizer: Any, vocab_size: int, *, url: str | N
     teacher = ServedTeacher(url or config.teacher_url, model=model,
                             api_key=config.teacher_api_key or os.environ.get("OPSD_ROLLOUT_API_KEY"),
                             protocol=config.teacher_protocol, tokenizer=tokenizer,
-                            retry_timeout_s=config.teacher_timeout, overlap=config.teacher_overlap)
+                            retry_timeout_s=config.teacher_timeout,
+                            overlap=overlaps(config.teacher_overlap, url or config.teacher_url))
     try:
         teacher.connect(vocab_size)
     except ConnectionError as error:
         raise ValueError(f"{flag}: {error}") from None
     return teacher
+
+
+def overlaps(asked: bool | None, url: str) -> bool:
+    """Whether a served teacher's requests go in flight behind the student's work: as asked, else on unless the
+    server is on loopback and the student on the CPU (both would compute on the same cores: measured slower)."""
+    if asked is not None:
+        return asked
+    host = urllib.parse.urlsplit(url).hostname or ""
+    loopback = host == "localhost" or host.startswith("127.") or host == "::1"
+    return not (loopback and not torch.cuda.is_available())
 
 
 def split_examples(config: Any, examples: list[Example] | None) -> tuple[list[Example], list[Example]]:
