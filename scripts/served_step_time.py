@@ -1,25 +1,66 @@
 """A training step with a served teacher against the same teacher in process, runs alternating in one process:
 ``train`` on the built-in corpus (student ``llama-tiny``, teacher ``--teacher``, a top-k cache with the tail
-bucket on both sides, so both train the same loss), the served one against our server on loopback (a thread of this
-process, sharing its cores). Reports the median step time and teacher time of each side over every round.
+bucket on both sides, so all sides train the same loss), the served sides against our server on loopback (a thread
+of this process, or with ``--server process`` its own ``opsd-rollout serve-teacher`` process), its requests waited
+for (``--no-teacher-overlap``) or in flight behind the student's work (the default). Reports, over every round, the
+median step time of each side, its teacher latency and wait, and the share of the latency hidden.
 
-    python scripts/served_step_time.py --rounds 2 --steps 8 --output benchmarks/serve/step-time.json
+    python scripts/served_step_time.py --rounds 2 --steps 8 --accumulation 2 --server process \\
+        [--split-cores] --output benchmarks/serve/step-time.json
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
+import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
+import psutil
+import torch
+
+from opsd_rollout.distributed import free_port
 from opsd_rollout.files import write_text_atomic
-from opsd_rollout.models import load_model
-from opsd_rollout.serve import ServeConfig, TeacherServer
 from opsd_rollout.train import TrainConfig, train
+
+SIDES = ("in-process", "served, waited", "served, overlapped")
+
+
+def thread_server(model: str):
+    """Our server as a thread of this process: its forwards and JSON share this process's interpreter."""
+    from opsd_rollout.models import load_model
+    from opsd_rollout.serve import ServeConfig, TeacherServer
+
+    teacher, tokenizer = load_model(model)
+    server = TeacherServer(ServeConfig(model=model, port=0), model=teacher, tokenizer=tokenizer).start()
+    return server.url, server.stop
+
+
+def process_server(model: str, cores: set[int] | None = None):
+    """``opsd-rollout serve-teacher`` in its own process, as a user runs it: on the same cores as the run, or on
+    ``cores`` alone with as many threads (a teacher on its own machine, in miniature)."""
+    port = free_port()
+    env = dict(os.environ, **({"OMP_NUM_THREADS": str(len(cores))} if cores else {}))
+    server = subprocess.Popen([sys.executable, "-m", "opsd_rollout", "serve-teacher", "--model", model, "--port",
+                               str(port)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                              preexec_fn=(lambda: os.sched_setaffinity(0, cores)) if cores else None)
+    for line in server.stdout:
+        if "serving teacher" in line:
+            break
+    else:
+        raise RuntimeError(f"serve-teacher exited with status {server.wait()}")
+
+    def stop():
+        server.terminate()
+        server.wait(timeout=30)
+
+    return f"http://127.0.0.1:{port}", stop
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -27,36 +68,64 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--teacher", default="llama-mini")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--accumulation", type=int, default=1, help="micro-batches per optimizer step")
+    parser.add_argument("--server", choices=("thread", "process"), default="thread")
+    parser.add_argument("--split-cores", action="store_true", help="the server process on the last core, the run "
+                        "on the others, one thread a core each: the teacher's compute off the student's cores, as "
+                        "on its own machine (with --server process)")
     parser.add_argument("--output")
     args = parser.parse_args(argv)
-    model, tokenizer = load_model(args.teacher)
-    server = TeacherServer(ServeConfig(model=args.teacher, port=0), model=model, tokenizer=tokenizer).start()
+    if args.split_cores:
+        if args.server != "process":
+            parser.error("--split-cores needs --server process")
+        cores = sorted(os.sched_getaffinity(0))
+        if len(cores) < 2:
+            parser.error("--split-cores needs two cores")
+        os.sched_setaffinity(0, set(cores[:-1]))
+        torch.set_num_threads(len(cores) - 1)
+        url, stop = process_server(args.teacher, {cores[-1]})
+    else:
+        url, stop = (process_server if args.server == "process" else thread_server)(args.teacher)
     common = dict(student="llama-tiny", teacher=args.teacher, steps=args.steps, eval_every=10**6, eval_prompts=1,
-                  teacher_cache="topk", teacher_top_k=64, top_k_rest="tail", progress=False)
-    times: dict[str, dict[str, list[float]]] = {}
+                  teacher_cache="topk", teacher_top_k=64, top_k_rest="tail", progress=False,
+                  gradient_accumulation_steps=args.accumulation)
+    served = {"in-process": {}, "served, waited": {"teacher_url": url, "teacher_overlap": False},
+              "served, overlapped": {"teacher_url": url, "teacher_overlap": True}}
+    times: dict[str, dict[str, list[float]]] = {side: {} for side in SIDES}
+    load = [os.getloadavg()[0]]
     try:
         for round_ in range(args.rounds):
-            for side in (("in-process", "served") if round_ % 2 == 0 else ("served", "in-process")):
-                extra = {"teacher_url": server.url} if side == "served" else {}
+            for side in (SIDES if round_ % 2 == 0 else SIDES[::-1]):
                 with tempfile.TemporaryDirectory() as out:
-                    result = train(TrainConfig.from_flat({**common, **extra, "output_dir": out}))
-                steps = [r for r in result.records if r["step"] > 1]  # the first step warms up
-                seen = times.setdefault(side, {"step_ms": [], "teacher_ms": []})
-                seen["step_ms"] += [r["time/step_ms"] for r in steps]
-                seen["teacher_ms"] += [r["time/teacher_forward_ms"] + r.get("time/cache_write_ms", 0) for r in steps]
+                    result = train(TrainConfig.from_flat({**common, **served[side], "output_dir": out}))
+                seen = times[side]
+                for record in (r for r in result.records if r["step"] > 1):  # the first step warms up
+                    figures = {"step_ms": record["time/step_ms"],
+                               "teacher_ms": record["time/teacher_forward_ms"] + record["time/cache_write_ms"]
+                               + record["time/teacher_wait_ms"],
+                               "teacher_latency_ms": record.get("time/teacher_latency_ms", 0.0),
+                               "teacher_wait_ms": record["time/teacher_wait_ms"],
+                               "hidden_share": record.get("time/teacher_hidden_share") or 0.0}
+                    for name, value in figures.items():
+                        seen.setdefault(name, []).append(value)
+                load.append(os.getloadavg()[0])
     finally:
-        server.stop()
+        stop()
     summary = {side: {name: statistics.median(values) for name, values in seen.items()}
                for side, seen in times.items()}
-    for side, figures in summary.items():
-        print(f"{side}: step {figures['step_ms']:.0f} ms, teacher {figures['teacher_ms']:.0f} ms (medians)")
-    ratio = summary["served"]["step_ms"] / summary["in-process"]["step_ms"]
-    print(f"served / in-process step time: {ratio:.2f}")
+    for side, f in summary.items():
+        print(f"{side}: step {f['step_ms']:.0f} ms, teacher on the step's path {f['teacher_ms']:.0f} ms, latency "
+              f"{f['teacher_latency_ms']:.0f} ms, hidden {f['hidden_share']:.0%} (medians)")
+    base = summary["in-process"]["step_ms"]
+    ratios = {side: summary[side]["step_ms"] / base for side in SIDES[1:]}
+    print("over in-process step time: " + ", ".join(f"{side} {ratio:.2f}" for side, ratio in ratios.items()))
     if args.output:
         write_text_atomic(Path(args.output), json.dumps({
             "command": " ".join(["python", "scripts/served_step_time.py", *(argv or sys.argv[1:])]),
-            "machine": f"{platform.machine()}, {platform.python_version()}", "medians": summary,
-            "served_over_in_process": ratio, "raw": times}, indent=2))
+            "machine": f"{platform.machine()}, {psutil.cpu_count()} cores, Python {platform.python_version()}",
+            "load_average_1min": {"min": min(load), "max": max(load)}, "config": vars(args),
+            "medians": summary, "over_in_process": ratios, "raw": times,
+            "when": time.strftime("%Y-%m-%d %H:%M")}, indent=2))
     return 0
 
 

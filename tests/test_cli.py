@@ -41,7 +41,8 @@ def test_python_dash_m_help_works():
     assert result.returncode == 0 and "bench" in result.stdout and "models" in result.stdout
 
 
-@pytest.mark.parametrize("command", [[], ["bench"], ["step"], ["kernels"], ["train"], ["compare"], ["models"]])
+@pytest.mark.parametrize("command", [[], ["bench"], ["step"], ["kernels"], ["train"], ["compare"], ["models"],
+                                     ["eval"]])
 def test_every_help_page_prints(command, capsys):
     """argparse formats help lazily: a stray ``%`` in a help text only fails when someone asks for --help."""
     from opsd_rollout.cli import build_parser
@@ -173,7 +174,8 @@ def test_a_flag_has_one_type_in_every_subcommand():
 
 def test_train_flags_set_the_train_config_fields_of_their_names():
     """A flag's name is the field it sets: TrainConfig's own, or its section's field (``--loss`` sets
-    ``divergence.loss``). Three say which section's field by their prefix or follow DeepSpeed's spelling."""
+    ``divergence.loss``). Some say which section's field by their prefix (``--eval-*`` are ``task_eval``'s) or
+    follow DeepSpeed's spelling."""
     from dataclasses import fields
 
     from opsd_rollout.cli_train import FLAGS
@@ -181,7 +183,10 @@ def test_train_flags_set_the_train_config_fields_of_their_names():
     from opsd_rollout.train.config import FLAT, SECTIONS
 
     named_otherwise = {"samples_per_prompt": "sampling.n_samples_per_prompt", "teacher_cache": "teacher_cache.mode",
-                       "teacher_top_k": "teacher_cache.top_k"}
+                       "teacher_top_k": "teacher_cache.top_k", "eval_data": "task_eval.data",
+                       "eval_scorer": "task_eval.scorer", "eval_samples": "task_eval.samples",
+                       "eval_max_new_tokens": "task_eval.max_new_tokens", "lora_rank": "lora.rank",
+                       "lora_alpha": "lora.alpha", "lora_targets": "lora.targets", "merge_lora": "lora.merge"}
     top = {f.name for f in fields(TrainConfig)} - set(SECTIONS)
     for flag, dest, _kwargs in FLAGS:
         assert dest == flag[2:].replace("-", "_"), flag

@@ -53,7 +53,14 @@ LIGHT_COMMANDS = [["--help"], ["bench", "--help"], ["step", "--help"], ["compare
                   ["step", "--dry-run"], ["kernels", "--model", "llama-tiny", "--dry-run"],
                   ["bench", "--iterations", "0"], ["bench", "--batch-sizes", "0,x"], ["bench", "--model", "org/x"],
                   ["bench", "--warmup", "soon"], ["serve-teacher", "--help"], ["serve-teacher", "--model", "org/x"],
-                  ["serve-teacher", "--model", "llama-tiny", "--port", "-1"]]
+                  ["serve-teacher", "--model", "llama-tiny", "--port", "-1"], ["eval", "--help"],
+                  ["train", "--output-dir", "o", "--steps", "0"],
+                  ["train", "--output-dir", "o", "--lora-rank", "0", "--teacher", "llama-mini"],
+                  ["train", "--output-dir", "o", "--teacher", "qwen2-0.5b"],
+                  ["train", "--output-dir", "o", "--teacher", "llama-mini", "--prompts", "missing.jsonl"],
+                  ["train", "--output-dir", "o", "--teacher", "llama-mini", "--eval-data", "missing.jsonl",
+                   "--eval-scorer", "gsm8k"],
+                  ["eval", "--model", "llama-tiny", "--eval-data", "missing.jsonl", "--eval-scorer", "gsm8k"]]
 CHILD = """
 import sys
 from opsd_rollout.cli import main

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from opsd_rollout import HybridEngineRollout, RolloutRequest, SamplingConfig
+from opsd_rollout.metrics import STEP_STAGES
 from opsd_rollout.opsd import (DivergenceConfig, ServedTeacher, StepState, TeacherCacheConfig, build_teacher_cache,
                                opsd_step, response_targets)
 from opsd_rollout.serve import EngineLimits, ServeConfig, TeacherServer
@@ -97,6 +98,76 @@ def test_served_steps_equal_in_process_steps(server, teacher, tiny_models, token
     assert abs(here[0]) > 1e-3 and here[0] != pytest.approx(here[5], rel=1e-3), "the student learns something"
     assert there[0] == pytest.approx(here[0], rel=1e-5, abs=1e-7)
     assert there[5] == pytest.approx(here[5], rel=1e-5, abs=1e-7)
+
+
+class Gated(ServedTeacher):
+    """A served teacher whose answers wait until the student's forward has started (or 60 s): with the request in
+    flight during the forward, they come at once; a step that waited for them before the forward would wait the
+    whole minute. ``order`` records which came first."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.forward_started, self.order, self.armed = threading.Event(), [], False
+
+    def submit(self, *args, **kwargs):
+        self.order.append("teacher asked")  # here, in the step's thread: before whatever the step does next
+        return super().submit(*args, **kwargs)
+
+    def build_cache(self, *args, **kwargs):
+        if self.overlap:  # the forward starts while this waits
+            assert self.forward_started.wait(60), "the student's forward never ran while the request was in flight"
+        cache = super().build_cache(*args, **kwargs)
+        self.order.append("teacher answered")
+        return cache
+
+
+class Arming:
+    """A rollout that arms ``teacher``'s gate when it returns: the student's forwards from then on are the step's."""
+
+    def __init__(self, rollout, teacher):
+        self.rollout, self.teacher = rollout, teacher
+
+    def generate(self, *args, **kwargs):
+        batch = self.rollout.generate(*args, **kwargs)
+        self.teacher.armed = True
+        return batch
+
+    def get_last_profile(self):
+        return self.rollout.get_last_profile()
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_the_teacher_request_is_in_flight_during_the_student_forward(server, tiny_models, tokenizer, overlap):
+    """The request goes out after the rollout and the student's forward runs before its answer is waited for (with
+    ``overlap=False``, after it); the losses are the same either way, and the profile says how much latency the
+    forward hid, its wait the only teacher time among the step's parts."""
+    divergence, cache = DivergenceConfig(loss="jsd", top_k_rest="tail"), TeacherCacheConfig(mode="topk", top_k=8)
+    sampling = SamplingConfig(max_new_tokens=8, n_samples_per_prompt=2, temperature=0)
+    losses = {}
+    for gate in sorted({True, overlap}):
+        teacher = Gated(server.url, model="teacher", tokenizer=tokenizer, overlap=gate)
+        engine = sgd_engine(copy.deepcopy(tiny_models["llama-tiny"]).train(), 0, lr=0.5)
+
+        def started(*_, teacher=teacher):
+            if teacher.armed:
+                teacher.order.append("student forward")
+                teacher.forward_started.set()
+
+        hook = engine.module.register_forward_pre_hook(started)
+        try:
+            profile = opsd_step(engine, teacher, Arming(HybridEngineRollout(engine, tokenizer), teacher),
+                                request(tokenizer), sampling, divergence=divergence, teacher_cache=cache)
+        finally:
+            hook.remove()
+        expected = (["teacher asked", "student forward", "teacher answered"] if gate else
+                    ["teacher asked", "teacher answered", "student forward"])
+        assert teacher.order == expected
+        assert profile.teacher_latency_ms > 0 and profile.teacher_forward_ms == profile.cache_write_ms == 0.0
+        assert 0.0 <= profile.teacher_hidden_share <= 1.0
+        assert sum(getattr(profile, name) for name in STEP_STAGES) <= profile.total_ms * 1.01 + 0.1
+        assert profile.to_dict()["teacher_hidden_share"] == profile.teacher_hidden_share
+        losses[gate] = profile.loss
+    assert losses[True] == losses[overlap]
 
 
 class Untouchable:

@@ -45,7 +45,7 @@ def test_prompt_files_in_every_format(tmp_path):
     jsonl.write_text('{"prompt": "a", "reference": "b"}\n{"prompt": "c", "completion": "d"}\n'
                      '{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}\n')
     assert read_examples(jsonl, tokenizer) == [Example("a", "b"), Example("c", "d"),
-                                               Example("user: hi\nassistant: ", "yo")]
+                                               Example("user: hi\nassistant: yo")]  # the turn to continue
     plain = tmp_path / "p.txt"
     plain.write_text("first prompt\n\nsecond prompt\n")
     assert read_examples(plain, tokenizer) == [Example("first prompt"), Example("second prompt")]
@@ -341,7 +341,7 @@ def test_distillation_brings_the_student_closer_to_the_teacher(tmp_path, confide
 def test_ctrl_c_saves_a_checkpoint_and_leaves_valid_files(tmp_path, monkeypatch):
     from opsd_rollout.train import loop
 
-    calls, step = [], loop.opsd_step
+    calls, step = [], loop.start_step
 
     def interrupted(*args, **kwargs):
         calls.append(1)
@@ -349,13 +349,13 @@ def test_ctrl_c_saves_a_checkpoint_and_leaves_valid_files(tmp_path, monkeypatch)
             raise KeyboardInterrupt
         return step(*args, **kwargs)
 
-    monkeypatch.setattr(loop, "opsd_step", interrupted)
+    monkeypatch.setattr(loop, "start_step", interrupted)
     out = tmp_path / "run"
     result = train(flat_config(output_dir=str(out), steps=5, **TINY))
     assert result.interrupted and result.steps == 2
     assert (out / "checkpoints" / "latest").read_text().strip() == "step2"
     assert [r["step"] for r in records(out)] == [0, 1, 2]
-    monkeypatch.setattr(loop, "opsd_step", step)
+    monkeypatch.setattr(loop, "start_step", step)
     resumed = train(flat_config(output_dir=str(out), steps=5, resume=str(out), **TINY))
     assert not resumed.interrupted and [r["step"] for r in records(out)] == [0, 1, 2, 3, 4, 5]
 
@@ -400,7 +400,10 @@ def test_the_registry_names_every_figure_once_and_puts_times_under_time():
     assert len(monitors) == len(set(monitors))  # one name per figure
     assert all(m.monitor.startswith(TIME) for m in TRAINING.values() if m.unit in ("ms", "s"))
     assert {m.name for m in TRAINING.values() if (m.monitor or "").startswith("eval/")} == {
-        "eval_reverse_kl", "eval_cross_entropy"}  # the held-out evaluation alone; not engine.eval()'s time
+        "eval_reverse_kl", "eval_reverse_kl/NAME", "eval_cross_entropy", "eval_accuracy", "eval_unextractable",
+        "eval_pass@1", "eval_pass@K",
+        *(f"teacher_eval_{name}" for name in ("accuracy", "unextractable", "pass@1", "pass@K"))
+    }  # the held-out and task evaluations alone; not engine.eval()'s time
     assert all(m.monitor is None for m in TRAINING.values() if m.unit in ("text", "bool"))
     assert {"loss", "grad_norm", "learning_rate", "epoch"} <= set(TRAINING)  # TRL's names
     assert all(m.merge in ("max", "sum", "mean") and m.meaning for m in TRAINING.values())

@@ -96,27 +96,70 @@ def test_what_a_served_teacher_cannot_do_is_refused_before_any_step(tmp_path, mo
                                      "teacher_url": qwen_server.url, **change}))
 
 
-def test_a_server_gone_mid_run_stops_it_with_a_checkpoint_and_resume_continues(tmp_path, monkeypatch, capsys):
+def test_accumulated_micro_batches_roll_out_ahead_of_their_updates_with_the_same_losses(tmp_path, qwen_server,
+                                                                                        monkeypatch):
+    """With gradient accumulation, every micro-batch of an optimizer step is rolled out (its teacher request sent)
+    before the first update, so each request is in flight behind the next rollout; the samples, losses and gradient
+    norms are those of the run that waits for each answer in turn (``--no-teacher-overlap``), and the records say
+    how much of the teacher's latency was hidden."""
+    from opsd_rollout.opsd import step as step_module
+    from opsd_rollout.train import loop
+
+    order = []
+    start, finish = loop.start_step, step_module.StepInFlight.finish
+
+    def starting(*args, **kwargs):
+        order.append("rollout")
+        return start(*args, **kwargs)
+
+    def finishing(self):
+        order.append("update")
+        return finish(self)
+
+    monkeypatch.setattr(loop, "start_step", starting)
+    monkeypatch.setattr(step_module.StepInFlight, "finish", finishing)
+    common = dict(TINY, steps=2, gradient_accumulation_steps=3, samples_per_prompt=2, temperature=1.0,
+                  teacher_url=qwen_server.url, teacher_cache="topk", teacher_top_k=16)
+    runs = {}
+    for overlap in (True, False):
+        order.clear()
+        runs[overlap] = train(TrainConfig.from_flat(dict(common, output_dir=str(tmp_path / str(overlap)),
+                                                         teacher_overlap=overlap)))
+        per_step = ["rollout"] * 3 + ["update"] * 3 if overlap else ["rollout", "update"] * 3
+        assert order == per_step * 2
+    ahead, waited = (runs[True].records[1:], runs[False].records[1:])
+    assert [r["loss"] for r in ahead] == pytest.approx([r["loss"] for r in waited], rel=1e-6)
+    assert [r["grad_norm"] for r in ahead] == pytest.approx([r["grad_norm"] for r in waited], rel=1e-6)
+    assert [r["response_tokens"] for r in ahead] == [r["response_tokens"] for r in waited]
+    for record in ahead + waited:
+        assert record["time/teacher_latency_ms"] > 0 and 0 <= record["time/teacher_hidden_share"] <= 1
+        assert record["time/teacher_forward_ms"] == 0
+
+
+@pytest.mark.parametrize("accumulation", [1, 2])
+def test_a_server_gone_mid_run_stops_it_with_a_checkpoint_and_resume_continues(tmp_path, monkeypatch, capsys,
+                                                                               accumulation):
     """The server stops before step 3's teacher request: retried for --teacher-timeout, then the run saves step 2,
     exits 3 and prints the command that continues it; with the server back, that command finishes the run and
-    metrics.jsonl holds every step once."""
+    metrics.jsonl holds every step once. With accumulation, step 3's micro-batches are in flight together when it
+    goes: the run still stops after its first request's retries."""
     from opsd_rollout.train import loop
 
     server = serve("qwen2-tiny")
     port = int(server.url.rsplit(":", 1)[1])
-    calls, step = [], loop.opsd_step
+    calls, step = [], loop.start_step
 
     def stopping(*args, **kwargs):
         calls.append(1)
-        if len(calls) == 3:
+        if len(calls) == 2 * accumulation + 1:
             server.stop()
         return step(*args, **kwargs)
 
-    monkeypatch.setattr(loop, "opsd_step", stopping)
+    monkeypatch.setattr(loop, "start_step", stopping)
     out = tmp_path / "run"
     argv = ["train", "--student", "llama-tiny", "--teacher-url", server.url, "--teacher-timeout", "1", "--steps", "4",
             "--prompts-per-micro-batch", "2", "--max-new-tokens", "6", "--eval-every", "2", "--eval-prompts", "4",
-            "--output-dir", str(out), "--quiet"]
+            "--gradient-accumulation-steps", str(accumulation), "--output-dir", str(out), "--quiet"]
     assert main(argv) == 3
     err = capsys.readouterr().err
     assert "stopped after step 2: the teacher server at" in err and "did not answer POST /v1/completions" in err
@@ -124,7 +167,7 @@ def test_a_server_gone_mid_run_stops_it_with_a_checkpoint_and_resume_continues(t
     command = err.strip().splitlines()[-1].strip()
     assert command == "opsd-rollout " + " ".join(argv) + f" --resume {out}"
     assert [r["step"] for r in records(out)] == [0, 1, 2] and not (out / "model").exists()
-    monkeypatch.setattr(loop, "opsd_step", step)
+    monkeypatch.setattr(loop, "start_step", step)
     back = serve("qwen2-tiny", port=port)
     try:
         assert main(command.split()[1:]) == 0
@@ -202,10 +245,25 @@ def test_a_teacher_url_alone_is_the_users_run_not_the_built_in_one(monkeypatch, 
 
     def stand_in(config):
         seen.append(config)
-        return SimpleNamespace(interrupted=False, stopped=None, eval_curve=lambda: [], output_dir=tmp_path,
-                               model_dir=None, checkpoint=None, plot=None)
+        return SimpleNamespace(interrupted=False, stopped=None, eval_curve=lambda name="eval_reverse_kl": [],
+                               output_dir=tmp_path, model_dir=None, checkpoint=None, plot=None)
 
     monkeypatch.setattr(opsd_rollout.train, "train", stand_in)
     monkeypatch.setattr(default, "default_run", lambda *a, **k: pytest.fail("took the built-in run"))
     assert main(["train", "--output-dir", str(tmp_path), "--teacher-url", "http://127.0.0.1:8000"]) == 0
     assert [c.teacher_url for c in seen] == ["http://127.0.0.1:8000"] and seen[0].teacher is None
+
+
+def test_the_overlap_defaults_off_only_for_a_loopback_server_beside_a_cpu_student(monkeypatch):
+    """Both on the same CPU cores, a request in flight competes with the student's compute (measured slower);
+    a server elsewhere, or a GPU student, overlaps; what the user asks wins."""
+    import torch
+
+    from opsd_rollout.train.setup import overlaps
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert not overlaps(None, "http://127.0.0.1:8000") and not overlaps(None, "http://localhost:8000/")
+    assert overlaps(None, "http://10.0.0.5:8000") and overlaps(True, "http://127.0.0.1:8000")
+    assert not overlaps(False, "http://10.0.0.5:8000")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert overlaps(None, "http://127.0.0.1:8000")

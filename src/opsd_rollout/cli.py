@@ -30,6 +30,7 @@ from opsd_rollout.files import write_text_atomic
 from opsd_rollout.bench.tables import PhraseText
 from opsd_rollout.bench.scenarios import KernelsScenario, RolloutScenario, Scenario, StepScenario
 from opsd_rollout.cli_bench import add_bench_flags
+from opsd_rollout.cli_eval import add_eval_parser
 from opsd_rollout.cli_serve import add_serve_teacher_parser
 from opsd_rollout.cli_train import add_train_parser
 from opsd_rollout.presets import DEFAULT_MODEL, PRESETS
@@ -328,6 +329,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "the other lacks")
     compare.set_defaults(func=_cmd_compare)
     add_train_parser(sub, common)
+    add_eval_parser(sub, common)
     add_serve_teacher_parser(sub, common)
     return parser
 
@@ -358,10 +360,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"opsd-rollout: error: {error}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as interrupted:
-        print("opsd-rollout: interrupted; " + (str(interrupted) or ("nothing trained yet" if args.command == "train"
-                                                                   else "finished configs are in the result file "
-                                                                   "(finish with --resume-results)")),
-              file=sys.stderr)
+        said = {"train": "nothing trained yet", "eval": "no result written"}.get(
+            args.command, "finished configs are in the result file (finish with --resume-results)")
+        print("opsd-rollout: interrupted; " + (str(interrupted) or said), file=sys.stderr)
         return 130
 
 

@@ -16,10 +16,14 @@ LOSSES = ("forward_kl", "reverse_kl", "jsd", "sampled_reverse_kl")
 FLAGS: list[tuple[str, str, dict[str, Any]]] = [  # (flag, TrainConfig's flat name, argparse keywords)
     ("--student", "student", dict(help="preset or local checkpoint directory (default llama-tiny; with no model or "
                                        "data flag at all: the built-in run, see the description)")),
-    ("--teacher", "teacher", dict(help="preset or local checkpoint of the student's vocabulary (needed to distil)")),
-    ("--prompts", "prompts", dict(metavar="FILE", help="JSON lines with 'prompt' (or chat 'messages') and an "
-                                  "optional 'reference', or one prompt a line (default: the built-in corpus, the "
-                                  "Python documentation's topics)")),
+    ("--teacher", "teacher", dict(action="append", metavar="[NAME=]PRESET_OR_DIR", help="preset or local checkpoint "
+                                  "of the student's vocabulary (needed to distil); repeat it as NAME=PRESET_OR_DIR "
+                                  "for several teachers, each example going to the one its 'teacher' field names "
+                                  "(the one given without a name, or the first named, takes the rest)")),
+    ("--prompts", "prompts", dict(metavar="FILE", help="JSON lines with 'prompt' (or chat 'messages': a new "
+                                  "assistant turn after a last user or tool turn, a last assistant turn continued) "
+                                  "and an optional 'reference', or one prompt a line (default: the built-in corpus, "
+                                  "the Python documentation's topics)")),
     ("--task", "task", dict(choices=("arithmetic",), help="a built-in task's examples instead of --prompts: "
                             "arithmetic (addition word problems made from a seed, worked solutions ending in "
                             "'#### N'); with no --student, --teacher or --teacher-url: its built-in run, a teacher "
@@ -60,9 +64,13 @@ FLAGS: list[tuple[str, str, dict[str, Any]]] = [  # (flag, TrainConfig's flat na
     ("--teacher-cache", "teacher_cache", dict(choices=("full", "topk", "sampled"), help="teacher logits cached "
                                               "whole, their top-k, or each sampled token's log-probability "
                                               "(default: sampled for sampled_reverse_kl, else full)")),
-    ("--teacher-url", "teacher_url", dict(metavar="URL", help="a served teacher: vLLM's or SGLang's server, or "
-                                          "opsd-rollout serve-teacher (--teacher then names the model it must "
-                                          "serve); its cache is topk (default) or sampled, never full")),
+    ("--teacher-url", "teacher_url", dict(action="append", metavar="[NAME=]URL", help="a served teacher: vLLM's or "
+                                          "SGLang's server, or opsd-rollout serve-teacher (an unnamed --teacher then "
+                                          "names the model it must serve); its cache is topk (default) or sampled, "
+                                          "never full; repeat it as NAME=URL for several")),
+    ("--default-teacher", "default_teacher", dict(metavar="NAME", help="with several teachers, the one of examples "
+                                                  "without a 'teacher' field (default: the one given without a "
+                                                  "name, else the first named)")),
     ("--teacher-api-key", "teacher_api_key", dict(metavar="KEY", help="the served teacher's --api-key (default "
                                                   "$OPSD_ROLLOUT_API_KEY); never written to train_config.json")),
     ("--teacher-timeout", "teacher_timeout", dict(type=float, metavar="SECONDS", help="how long an unanswering "
@@ -74,6 +82,12 @@ FLAGS: list[tuple[str, str, dict[str, Any]]] = [  # (flag, TrainConfig's flat na
                                         "vocabulary: renormalize both distributions over the k tokens, or keep "
                                         "each side's rest as one tail bucket (default: tail with --teacher-url, "
                                         "else renormalize)")),
+    ("--teacher-overlap", "teacher_overlap", dict(action=argparse.BooleanOptionalAction, help="a served teacher's "
+                                                  "requests in flight behind the student's forward and, with "
+                                                  "gradient accumulation, the next micro-batches' rollouts; "
+                                                  "--no-teacher-overlap waits for each (the same samples and "
+                                                  "losses). Default: on, but off for a server on loopback with the "
+                                                  "student on the CPU (the same cores)")),
     ("--teacher-zero-stage", "teacher_zero_stage", dict(type=int, choices=(0, 3), help="0 (default): the teacher "
                                                         "whole on every rank; 3: a DeepSpeed ZeRO-3 inference engine, "
                                                         "its parameters partitioned across the ranks")),
@@ -82,11 +96,31 @@ FLAGS: list[tuple[str, str, dict[str, Any]]] = [  # (flag, TrainConfig's flat na
     ("--eval-every", "eval_every", dict(type=int, metavar="N", help="held-out evaluation every N steps, and at step "
                                         "0 and the last (default 10)")),
     ("--eval-prompts", "eval_prompts", dict(type=int, metavar="N", help="held-out prompts evaluated (default 64)")),
+    ("--eval-data", "eval_data", dict(metavar="FILE", help="task evaluation at every evaluation: JSON lines with "
+                                      "'prompt' (or chat 'messages') and 'answer'; the teacher is scored once at step "
+                                      "0 (not a served teacher)")),
+    ("--eval-scorer", "eval_scorer", dict(metavar="NAME", help="how --eval-data's answers are read: gsm8k (the "
+                                          "number after ####), boxed (the last \\boxed{}), last-number or exact "
+                                          "(the first line)")),
+    ("--eval-samples", "eval_samples", dict(type=int, metavar="K", help="samples per problem at the run's "
+                                            "--temperature: pass@1 averaged over K and the unbiased pass@K besides "
+                                            "greedy accuracy (default 1: greedy alone)")),
+    ("--eval-max-new-tokens", "eval_max_new_tokens", dict(type=int, metavar="N", help="tokens a task evaluation's "
+                                                          "completion may take (default: --max-new-tokens)")),
     ("--save-every", "save_every", dict(type=int, metavar="N", help="a checkpoint every N steps (always one at the "
                                         "end and on Ctrl-C)")),
     ("--resume", "resume", dict(metavar="DIR", help="continue a run from its latest checkpoint, exactly")),
+    ("--lora-rank", "lora_rank", dict(type=int, metavar="R", help="train LoRA adapters (PEFT) of rank R on the "
+                                      "student instead of every weight; model/ is then a PEFT adapter directory")),
+    ("--lora-alpha", "lora_alpha", dict(type=float, metavar="A", help="LoRA's alpha: updates scaled by A / R "
+                                        "(default 2 x R)")),
+    ("--lora-targets", "lora_targets", dict(metavar="NAMES", help="comma list of the layers the adapters wrap, "
+                                            "e.g. q_proj,v_proj (default all-linear: every linear layer but the "
+                                            "output head); each must match a layer of the student")),
+    ("--merge-lora", "merge_lora", dict(action="store_true", default=None, help="also write the merged model "
+                                        "(adapters folded into the weights) to merged/")),
 ]
-DEFAULT_RUN_FLAGS = ("student", "teacher", "teacher_url", "prompts")
+DEFAULT_RUN_FLAGS = ("student", "teacher", "teacher_url", "teachers", "teacher_urls", "prompts")
 """With none of these (and objective opsd), ``train`` is the built-in run."""
 FORMERLY = {"--prompts-per-micro-batch": "--batch-size", "--cache-dir": "--teacher-cache-dir"}
 """Renamed flags -> their old spellings, still accepted with a line naming the new: ``--batch-size`` counted
@@ -126,15 +160,19 @@ def resume_command(argv: list[str], output_dir: Any) -> str:
 
 
 def run_train(args: argparse.Namespace) -> int:
+    from opsd_rollout.train.preflight import preflight, split_teachers  # light: before torch loads
+
+    given = split_teachers({dest: getattr(args, dest) for _flag, dest, _kw in FLAGS if getattr(args, dest) is not None})
+    builtin = not any(name in given for name in DEFAULT_RUN_FLAGS) and given.get("objective", "opsd") == "opsd"
+    preflight(given, builtin=builtin)
+
     from transformers.utils import logging as transformers_logging
 
     from opsd_rollout.train import TrainConfig, train  # heavy: see the module docstring
     from opsd_rollout.train.default import default_run
 
     transformers_logging.disable_progress_bar()  # loading and saving checkpoints: our progress line says enough
-
-    given = {dest: getattr(args, dest) for _flag, dest, _kw in FLAGS if getattr(args, dest) is not None}
-    if not any(name in given for name in DEFAULT_RUN_FLAGS) and given.get("objective", "opsd") == "opsd":
+    if builtin:
         result = default_run(args.output_dir, cache_dir=args.cache_dir, progress=not args.quiet,
                              overrides=given)
     else:
@@ -155,6 +193,11 @@ def run_train(args: argparse.Namespace) -> int:
         (first_step, first), (last_step, last) = curve[0], curve[-1]
         print(f"held-out reverse KL to the teacher: {first:.4f} at step {first_step} -> {last:.4f} at step "
               f"{last_step} ({last / first:.2f}x)" if first else "")
+    accuracy = result.eval_curve("eval_accuracy")
+    if accuracy:
+        teacher = result.records[0].get("teacher_eval_accuracy") if result.records else None
+        print(f"task accuracy: {accuracy[0][1]:.1%} at step {accuracy[0][0]} -> {accuracy[-1][1]:.1%} at step "
+              f"{accuracy[-1][0]}" + (f" (teacher {teacher:.1%})" if teacher is not None else ""))
     print(f"metrics {result.output_dir / 'metrics.jsonl'}, model {result.model_dir}, checkpoint {result.checkpoint}"
           + (f", plot {result.plot}" if result.plot else ""))
     return 0

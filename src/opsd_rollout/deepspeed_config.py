@@ -26,6 +26,21 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 
+def read_deepspeed_file(path: str) -> dict[str, Any]:
+    """A DeepSpeed config file read: a ``ValueError`` naming ``--deepspeed`` and the file when it is missing, not
+    JSON, or not a JSON object (light: the command line checks the file before DeepSpeed loads)."""
+    try:
+        with open(path) as handle:
+            ds = json.load(handle)
+    except FileNotFoundError:
+        raise ValueError(f"--deepspeed {str(path)!r} does not exist") from None
+    except json.JSONDecodeError as error:
+        raise ValueError(f"--deepspeed {str(path)!r} is not JSON: {error}") from None
+    if not isinstance(ds, dict):
+        raise ValueError(f"--deepspeed {str(path)!r} must hold a JSON object")
+    return ds
+
+
 def check_deepspeed_config(ds: dict[str, Any], source: str = "deepspeed config") -> list[str]:
     """Refuses (``ValueError``, one line naming ``source`` and the key) what DeepSpeed would refuse, and warns of
     each top-level key DeepSpeed would ignore; returns the warnings logged. ``ds`` is not changed."""

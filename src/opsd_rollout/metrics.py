@@ -118,6 +118,9 @@ METRICS: dict[str, Metric] = {m.name: m for m in [
     _ms("train_ms", "train"),
     _ms("teacher_forward_ms", "teacher", compared=True),
     _ms("cache_write_ms", "cache write"),
+    _ms("teacher_wait_ms", "teacher wait", compared=True),
+    _ms("teacher_latency_ms", "teacher latency"),
+    Metric("teacher_hidden_share", "teacher hidden %", "ratio", merge="mean", lower_is_better=False),
     _ms("student_forward_ms", "student"),
     _ms("loss_ms", "loss time", compared=True),
     _ms("backward_ms", "backward", compared=True),
@@ -147,9 +150,17 @@ ROLLOUT_STAGES = ("prompt_expansion_ms", "prefill_ms", "decode_ms", *(f"{p}_ms" 
 """A rollout's time, broken down: disjoint parts that add up to (at most) ``total_ms``."""
 STEP_PARTS = ("rollout", "teacher", "student_forward", "loss", "backward", "optimizer")
 """The parts of an OPSD step, in the order they run."""
-STEP_STAGES = ("eval_ms", "rollout_ms", "train_ms", "teacher_forward_ms", "cache_write_ms", "student_forward_ms",
-               "loss_ms", "backward_ms", "optimizer_ms")
+STEP_STAGES = ("eval_ms", "rollout_ms", "train_ms", "teacher_forward_ms", "cache_write_ms", "teacher_wait_ms",
+               "student_forward_ms", "loss_ms", "backward_ms", "optimizer_ms")
 """An OPSD step's time, broken down: disjoint parts that add up to (at most) its ``total_ms``."""
+
+
+def hidden_share(wait_ms: float, latency_ms: float) -> float | None:
+    """The share of a served teacher's latency hidden behind other work, ``1 - wait / latency`` in [0, 1];
+    ``None`` when no request was in flight (an in-process teacher)."""
+    if latency_ms <= 0:
+        return None
+    return min(1.0, max(0.0, 1.0 - wait_ms / latency_ms))
 
 
 DEEPSPEED_ALIASES: dict[str, str] = {
@@ -195,11 +206,15 @@ _STEP_PART_MEANINGS = {
     "train_ms": "`engine.train()` after each rollout (the mode switch)",
     "teacher_forward_ms": "the teacher's forwards and LM-head chunks",
     "cache_write_ms": "copying the teacher's logits (or their top-k) to the host cache",
+    "teacher_wait_ms": "waiting for a served teacher's answer, after the student's forward: its latency not hidden",
     "student_forward_ms": "the student's forwards",
     "loss_ms": "the divergence (with the fused loss, the LM head and its gradients too)",
     "backward_ms": "the backward passes",
     "optimizer_ms": "`engine.step()` (the optimizer at the accumulation boundary; the gradient norm at ZeRO-0)",
 }
+
+TEACHER_FIGURE = Metric("teacher_eval", "teacher", "ratio", merge="mean", lower_is_better=None)
+"""What the teacher's task figures share: a reference the student is read against, not a figure to improve."""
 
 TRAINING: dict[str, Metric] = {m.name: m for m in [
     Metric("step", "step", "count", lower_is_better=None,
@@ -207,6 +222,9 @@ TRAINING: dict[str, Metric] = {m.name: m for m in [
     Metric("epoch", "epoch", "epochs", merge="mean", lower_is_better=None, monitor="train/epoch",
            meaning="the training prompts drawn so far (every rank's) over the training set's, as HF Trainer counts"),
     METRICS["loss"],
+    Metric("loss/NAME", "loss NAME", "loss", merge="mean", lower_is_better=None, monitor="train/loss/NAME",
+           meaning="with several teachers, the loss over the response tokens routed to teacher NAME (one key a "
+                   "teacher: `loss/math`)"),
     Metric("grad_norm", "grad norm", "", merge="mean", lower_is_better=None, monitor="train/grad_norm",
            meaning="the 2-norm of the gradient the optimizer stepped on, before clipping (DeepSpeed's at ZeRO 1-3; "
                    "taken before the step at ZeRO-0)"),
@@ -226,6 +244,13 @@ TRAINING: dict[str, Metric] = {m.name: m for m in [
            meaning="the optimizer steps' wall time so far, evaluations apart (`time/step_ms` summed, continued "
                    "by `--resume`)"),
     *(_timed(name, _STEP_PART_MEANINGS[name]) for name in ("total_ms", *STEP_STAGES)),
+    replace(METRICS["teacher_latency_ms"], name="time/teacher_latency_ms", monitor="time/teacher_latency_ms",
+            compared=False, meaning="a served teacher's requests, sending to the cache written, summed: in flight "
+                                    "behind the student's forwards (and, with accumulation, the next micro-batches' "
+                                    "rollouts), so not a part of `time/total_ms`"),
+    replace(METRICS["teacher_hidden_share"], name="time/teacher_hidden_share", monitor="time/teacher_hidden_share",
+            meaning="1 - `time/teacher_wait_ms` / `time/teacher_latency_ms`: the share of the served teacher's "
+                    "latency the step's own work hid (with a served teacher)"),
     replace(METRICS["rollout_share"], name="time/rollout_share", monitor="time/rollout_share",
             meaning="(`time/eval_ms` + `time/rollout_ms` + `time/train_ms`) / `time/total_ms`"),
     *(_timed(ROLLOUT_PREFIX + stage, f"the rollout profile's `{stage}`, summed (when a rollout ran it)")
@@ -237,10 +262,32 @@ TRAINING: dict[str, Metric] = {m.name: m for m in [
     Metric("eval_reverse_kl", "reverse KL", "nats/token", merge="mean", monitor="eval/reverse_kl",
            meaning="held-out reverse KL, student to teacher, on the student's samples, exact over the "
                    "vocabulary (a served teacher's: the unbiased k3 estimate from the sampled tokens)"),
+    Metric("eval_reverse_kl/NAME", "reverse KL NAME", "nats/token", merge="mean", monitor="eval/reverse_kl/NAME",
+           meaning="with several teachers, `eval_reverse_kl` over the held-out examples routed to teacher NAME "
+                   "(one key a teacher: `eval_reverse_kl/math`)"),
     Metric("eval_cross_entropy", "cross-entropy", "nats/token", merge="mean", monitor="eval/cross_entropy",
            meaning="held-out cross-entropy of the student on the references (when the data has them)"),
+    Metric("eval_accuracy", "accuracy", "ratio", merge="mean", lower_is_better=False, monitor="eval/accuracy",
+           meaning="task evaluation (`--eval-data`): the fraction of problems the student's greedy completion "
+                   "answers right, by `--eval-scorer`"),
+    Metric("eval_unextractable", "unextractable", "count", merge="mean", monitor="eval/unextractable",
+           meaning="task evaluation: greedy completions with no answer the scorer can read (counted wrong)"),
+    Metric("eval_pass@1", "pass@1", "ratio", merge="mean", lower_is_better=False, monitor="eval/pass@1",
+           meaning="task evaluation with `--eval-samples` K > 1: pass@1 averaged over K samples a problem (the "
+                   "mean of c/K)"),
+    Metric("eval_pass@K", "pass@K", "ratio", merge="mean", lower_is_better=False, monitor="eval/pass@K",
+           meaning="task evaluation with K > 1: the unbiased pass@K (Chen et al. 2021), K the number in the key "
+                   "(`eval_pass@8`) and the monitor name (`eval/pass@8`)"),
+    *(replace(TEACHER_FIGURE, name=f"teacher_eval_{name}", label=f"teacher {name}", monitor=f"eval/teacher_{name}",
+              unit="count" if name == "unextractable" else "ratio",
+              meaning=f"the teacher's `eval_{name}`, scored once, in the step-0 record (an in-process teacher's; "
+                      "a served teacher is not scored)")
+      for name in ("accuracy", "unextractable", "pass@1", "pass@K")),
     Metric("time/evaluation_ms", "evaluation", "ms", monitor="time/evaluation_ms",
-           meaning="the held-out evaluation's wall time (on evaluation steps)"),
+           meaning="the evaluation's wall time (on evaluation steps): held-out, task, and the teacher's task "
+                   "evaluation at step 0"),
+    Metric("time/task_evaluation_ms", "task evaluation", "ms", monitor="time/task_evaluation_ms",
+           meaning="the student's task evaluation's wall time (part of `time/evaluation_ms`)"),
 ]}
 """Every key a training run's record may hold (``metrics.jsonl``), in the order a record holds them, with its name
 in DeepSpeed's monitors; docs/TRAINING.md's table of the keys is made from it."""
@@ -268,6 +315,34 @@ def upgrade(record: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+TEACHER_SUFFIX = "/NAME"
+"""A key registered with ``/NAME`` (``loss/NAME``) stands for every teacher's (``loss/math``)."""
+K_SUFFIX = "@K"
+"""A key registered with ``@K`` (``eval_pass@K``) stands for every ``@<number>`` key (``eval_pass@8``)."""
+
+
+def training_metric(key: str) -> Metric | None:
+    """The registry's entry for a training record's key, ``None`` for a key it lacks. A key whose number
+    depends on the run (``eval_pass@8``, K = ``--eval-samples``) is its ``@K`` entry under its own name and
+    monitor name (``eval/pass@8``); a teacher's (``loss/math``, with several teachers) its ``/NAME`` entry
+    (``train/loss/math``)."""
+    if key in TRAINING:
+        return TRAINING[key]
+    stem, slash, teacher = key.rpartition("/")
+    template = TRAINING.get(stem + TEACHER_SUFFIX) if slash and teacher else None
+    if template is not None:
+        named = {field: getattr(template, field).removesuffix("NAME") + teacher
+                 for field in ("label", "monitor") if getattr(template, field)}
+        return replace(template, name=key, **named)
+    stem, at, number = key.rpartition("@")
+    template = TRAINING.get(stem + K_SUFFIX) if at and number.isdigit() else None
+    if template is None:
+        return None
+    numbered = {field: getattr(template, field).removesuffix(K_SUFFIX) + "@" + number
+                for field in ("label", "monitor") if getattr(template, field)}
+    return replace(template, name=key, **numbered)
+
+
 def metric(name: str) -> Metric:
     """The registered metric (also under DeepSpeed's name, or a step record's ``rollout/`` name, so ranks merge
     every spelling of a figure by its rule; or a training record's key), or a default one for an unregistered
@@ -277,8 +352,8 @@ def metric(name: str) -> Metric:
         return METRICS[name]
     if own in METRICS:
         return METRICS[own]
-    if name in TRAINING:
-        return TRAINING[name]
+    if training_metric(name) is not None:
+        return training_metric(name)
     unit = "ms" if name.endswith("_ms") else ("bytes" if name.endswith("_bytes") else "")
     return Metric(name, name.removesuffix("_ms"), unit, lower_is_better=True if unit else None)
 

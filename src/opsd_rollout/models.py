@@ -19,7 +19,8 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = ["BOS_ID", "DEFAULT_MODEL", "EOS_ID", "PAD_ID", "PRESETS", "VOCAB_SIZE", "ModelPreset", "byte_tokenizer",
-           "dtype_name", "load_model", "max_positions", "model_config", "parse_dtype"]
+           "dtype_name", "load_model", "load_tokenizer", "max_positions", "model_config", "model_skeleton",
+           "parse_dtype", "vocab_size"]
 
 
 def _dtypes() -> dict[str, torch.dtype]:
@@ -118,6 +119,40 @@ def model_config(name_or_path: str):
     raise _refuse(name_or_path)
 
 
+def load_tokenizer(name_or_path: str):
+    """The tokenizer alone (a preset's byte tokenizer, or a checkpoint directory's), set up as ``load_model``'s is;
+    ``None`` for a directory that holds none (a model saved without its tokenizer)."""
+    if name_or_path in PRESETS:
+        return byte_tokenizer()
+    if not os.path.isdir(name_or_path):
+        raise _refuse(name_or_path)
+    from transformers import AutoTokenizer  # heavy: see the module docstring
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(name_or_path, local_files_only=True)
+    except (OSError, ValueError):
+        return None
+    return _prepared(tokenizer)
+
+
+def _prepared(tokenizer):
+    """A checkpoint's tokenizer as rollouts take it: padding on the left, EOS as the pad when it has none."""
+    if tokenizer.pad_token_id is None and tokenizer.eos_token_id is not None:
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "left"  # rollouts take left-padded prompts
+    return tokenizer
+
+
+def model_skeleton(name_or_path: str):
+    """The model built from its config on the meta device: its modules and shapes, no weights (what a check of its
+    layers needs, in a fraction of loading it)."""
+    import torch  # heavy: see the module docstring
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(model_config(name_or_path))
+
+
 def max_positions(name_or_path: str) -> int | None:
     """The model's position limit, from its config alone (no weights); ``None`` when it has none. A preset's
     config numbers and a checkpoint's ``config.json`` are read directly (no transformers import: the dry run
@@ -135,28 +170,43 @@ def max_positions(name_or_path: str) -> int | None:
     return max_positions_of(model_config(name_or_path))
 
 
+def vocab_size(name_or_path: str) -> int | None:
+    """The model's vocabulary size, from its config alone and without transformers (a preset's number, a
+    checkpoint's ``config.json``, its text config's for a multimodal model); ``None`` when the file does not say
+    (transformers' config then tells, once loaded). A name that is neither a preset nor a directory is refused."""
+    if name_or_path in PRESETS:
+        return PRESETS[name_or_path].vocab_size
+    if os.path.isdir(name_or_path):
+        size = _text_config_file(os.path.join(name_or_path, "config.json")).get("vocab_size")
+        return size if isinstance(size, int) else None
+    raise _refuse(name_or_path)
+
+
 def _positions_in_config_file(path: str) -> int | None:
     """``max_position_embeddings`` (or GPT-2's ``n_positions``) of a checkpoint's ``config.json``, its text
     config's for a multimodal model, as ``modeling.max_positions_of`` reads it; ``None`` when absent or unreadable."""
+    config = _text_config_file(path)
+    limit = config.get("max_position_embeddings") or config.get("n_positions")
+    return limit if isinstance(limit, int) else None
+
+
+def _text_config_file(path: str) -> dict:
+    """A checkpoint's ``config.json`` as a dict, its ``text_config`` for a multimodal model; empty when absent or
+    unreadable."""
     try:
         with open(path) as handle:
             config = json.load(handle)
     except (OSError, ValueError):
-        return None
+        return {}
     if not isinstance(config, dict):
-        return None
+        return {}
     text = config.get("text_config")
-    config = text if isinstance(text, dict) else config
-    limit = config.get("max_position_embeddings") or config.get("n_positions")
-    return limit if isinstance(limit, int) else None
+    return text if isinstance(text, dict) else config
 
 
 def _load_local(path: str, dtype: torch.dtype, device: str | torch.device):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
-    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    if tokenizer.pad_token_id is None and tokenizer.eos_token_id is not None:
-        tokenizer.pad_token = tokenizer.eos_token
-    tokenizer.padding_side = "left"  # rollouts take left-padded prompts
+    tokenizer = _prepared(AutoTokenizer.from_pretrained(path, local_files_only=True))
     return model.to(device).eval(), tokenizer

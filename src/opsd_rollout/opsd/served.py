@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -40,11 +41,14 @@ class ServedTeacher:
     ours) or ``sglang``; ``tokenizer``: the student's, compared with the server's ``/tokenize`` at connect time;
     ``rows_per_request``: rows sent in one request; ``concurrency``: requests in flight at once (the server batches
     them); ``request_timeout_s``: one request's limit; ``retry_timeout_s``: how long connection failures and busy
-    answers are retried, with exponential backoff, before a ``ConnectionError``."""
+    answers are retried, with exponential backoff, before a ``ConnectionError``; ``overlap``: ``opsd_step`` sends
+    its request in the background and runs the student's forward while it is in flight (and ``train`` with gradient
+    accumulation rolls out the next micro-batches then); ``False``: each step waits for its answer before going on
+    (the same losses, every latency exposed)."""
 
     def __init__(self, url: str, *, model: str | None = None, api_key: str | None = None, protocol: str = "vllm",
                  tokenizer: Any = None, rows_per_request: int = 8, concurrency: int = 4,
-                 request_timeout_s: float = 600.0, retry_timeout_s: float = 120.0):
+                 request_timeout_s: float = 600.0, retry_timeout_s: float = 120.0, overlap: bool = True):
         if not isinstance(url, str) or not url.startswith(("http://", "https://")):
             raise ValueError(f"url must be the teacher server's http:// or https:// address; got {url!r}")
         checks.choice("protocol", protocol, PROTOCOLS)
@@ -54,7 +58,8 @@ class ServedTeacher:
         checks.number("retry_timeout_s", retry_timeout_s, at_least=0)
         self.wire = Wire(url, api_key=api_key, request_timeout_s=request_timeout_s, retry_timeout_s=retry_timeout_s)
         self.model, self.protocol, self.tokenizer = model, protocol, tokenizer
-        self.rows_per_request, self.concurrency = rows_per_request, concurrency
+        self.rows_per_request, self.concurrency, self.overlap = rows_per_request, concurrency, bool(overlap)
+        self._sender: ThreadPoolExecutor | None = None  # one thread: the steps' requests, in the order sent
         self.vocab_size: int | None = None
         """The server's vocabulary size when it says (ours does, in ``/v1/models``); ``None`` otherwise."""
         self.connected = False
@@ -141,6 +146,23 @@ class ServedTeacher:
                 indices[row, columns] = torch.tensor(answer.top_ids, dtype=torch.int32)
         return TeacherCache(values, indices, budget_bytes=budget)
 
+    def submit(self, targets: Any, config: TeacherCacheConfig, *, buffers: TeacherCacheBuffers | None = None,
+               pin: bool = False) -> "InFlight":
+        """``build_cache`` in the background: the answer in flight while the caller works. Requests go out one
+        step after another, in the order submitted; ``buffers`` must not be another pending answer's."""
+        if self._sender is None:
+            self.wire.stopping.clear()
+            self._sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix="served-teacher")
+        return InFlight(self._sender, self.build_cache, targets, config, buffers=buffers, pin=pin)
+
+    def close(self) -> None:
+        """Stop the background sender: the answers not yet asked for are dropped, a request being retried gives
+        up; a later ``submit`` starts another sender."""
+        if self._sender is not None:
+            self.wire.stopping.set()
+            self._sender.shutdown(wait=False, cancel_futures=True)
+            self._sender = None
+
     def _ask(self, sent: list[list[int]], positions: list[list[int]], k: int) -> list[RowLogprobs]:
         """Every row's answer, ``rows_per_request`` rows a request, ``concurrency`` requests in flight."""
         groups = [range(start, min(start + self.rows_per_request, len(sent)))
@@ -159,6 +181,30 @@ class ServedTeacher:
             return [row for group in groups for row in ask(group)]
         with ThreadPoolExecutor(max_workers=min(self.concurrency, len(groups))) as pool:
             return [row for answer in pool.map(ask, groups) for row in answer]
+
+
+class InFlight:
+    """A served teacher's cache on its way (``ServedTeacher.submit``): ``result()`` waits for it (raising what the
+    request raised), ``latency_ms`` is the time from sending to the cache written."""
+
+    def __init__(self, pool: ThreadPoolExecutor, fn: Any, *args: Any, **kwargs: Any):
+        self.sent = time.perf_counter()
+        self.latency_ms = 0.0
+
+        def timed() -> TeacherCache:
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.latency_ms = (time.perf_counter() - self.sent) * 1e3
+
+        self.future = pool.submit(timed)
+
+    def result(self) -> TeacherCache:
+        return self.future.result()
+
+    def cancel(self) -> None:
+        """Drop it if it has not started (a run stopping with steps in flight)."""
+        self.future.cancel()
 
 
 def refuse_full_cache(config: TeacherCacheConfig) -> None:

@@ -19,6 +19,7 @@ import http.client
 import json
 import math
 import socket
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -45,6 +46,8 @@ class Wire:
         self.first_backoff_s, self.max_backoff_s = first_backoff_s, max_backoff_s
         self.retries = 0
         """Requests retried so far (all paths), for reports and tests."""
+        self.stopping = threading.Event()
+        """Set when the run stops: a request being retried gives up at once instead of at ``retry_timeout_s``."""
 
     def get(self, path: str) -> tuple[int, Any]:
         return self.call("GET", path, None)
@@ -68,7 +71,9 @@ class Wire:
                         f"({failures} tries, backing off up to {self.max_backoff_s:g} s; retry_timeout_s="
                         f"{self.retry_timeout_s:g}): {retry.reason}") from None
                 self.retries += 1
-                time.sleep(backoff)
+                if self.stopping.wait(backoff):
+                    raise ConnectionError(f"the teacher server at {self.url} did not answer {method} {path}, and "
+                                          f"the run stopped while it was retried: {retry.reason}") from None
                 backoff = min(2 * backoff, self.max_backoff_s)
 
     def _once(self, method: str, path: str, payload: Any) -> tuple[int, Any]:

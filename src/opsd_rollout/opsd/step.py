@@ -3,125 +3,29 @@ backward -> optimizer step, with the eval/train switches around the rollout time
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import weakref
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from opsd_rollout.metrics import STEP_PARTS, STEP_STAGES, label
+from opsd_rollout.distributed import partitioned
 from opsd_rollout.modeling import innermost_model, position_ids, text_config
 from opsd_rollout.opsd.divergence import DivergenceConfig, chunked_divergence
 from opsd_rollout.opsd.fused import fusion_problem, head_divergence
 from opsd_rollout.opsd.sampled import head_sampled_divergence, sampled_divergence
-from opsd_rollout.opsd.served import ServedTeacher, refuse_full_cache
+from opsd_rollout.opsd.served import ServedTeacher
 from opsd_rollout.opsd.targets import response_targets
+from opsd_rollout.opsd.teachers import Share, check_routes, check_teacher, route_rows, share_targets
 from opsd_rollout.opsd.teacher import TeacherCacheBuffers, TeacherCacheConfig, build_teacher_cache
-from opsd_rollout.profiling import Clock, PeakMemory, RolloutProfile, StageRecorder, timed_eval
-from opsd_rollout.profiling.profile import byte_size, json_safe
+from opsd_rollout.opsd.step_profile import StepParts, StepProfile
+from opsd_rollout.profiling import Clock, StageRecorder, timed_eval
 
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, kw_only=True)
-class StepProfile:
-    """Where one OPSD step's time went (ms), with the rollout's own profile nested."""
-
-    rollout: RolloutProfile | None
-    """The rollout's full profile (``None`` if the rollout was not profiled)."""
-    eval_ms: float
-    """``engine.eval()`` before the rollout."""
-    train_ms: float
-    """``engine.train()`` after it."""
-    rollout_ms: float
-    """The rollout call (its profile's ``total_ms`` plus validation)."""
-    teacher_forward_ms: float
-    cache_write_ms: float
-    """Copying teacher logits (or their top-k) to the host cache."""
-    student_forward_ms: float
-    loss_ms: float
-    backward_ms: float
-    optimizer_ms: float
-    total_ms: float
-    rollout_share: float
-    """(eval + rollout + train) / total: what the step spends producing its samples."""
-    peak_memory_bytes: dict[str, int] = field(default_factory=dict)
-    """Per step part: accelerator peak allocated on CUDA, process peak RSS on CPU."""
-    part_start_ms: dict[str, float] = field(default_factory=dict)
-    """Per step part: its start, from the start of the step (for traces)."""
-    response_tokens: int = 0
-    teacher_cache_bytes: int = 0
-    teacher_cache_budget_bytes: int = 0
-    """The host-memory budget the teacher cache was checked against."""
-    teacher_cache_mode: str = "full"
-    """The cache that was built: ``full`` or ``topk`` (also when ``over_budget="topk"`` switched to it)."""
-    fused_loss: bool = False
-    """Whether the loss ran fused with the student's LM head (``DivergenceConfig.fused``)."""
-    teacher_parameter_bytes: int = 0
-    """The teacher's parameter bytes held on this rank: all of them, or its partition under ZeRO-3."""
-    loss: float = 0.0
-    grad_norm: float | None = None
-    """The 2-norm of the gradient the optimizer stepped on, before clipping, when asked for
-    (``opsd_step(..., grad_norm=True)``) and the step was an accumulation boundary; else ``None``."""
-
-    @property
-    def tokens_per_second(self) -> float:
-        """Response tokens trained on per second of step."""
-        return self.response_tokens / (self.total_ms / 1e3) if self.total_ms > 0 else 0.0
-
-    def to_dict(self) -> dict[str, Any]:
-        """One flat, JSON-safe record with stable names, for a JSON line or a scalar logger: the step's fields,
-        ``tokens_per_second``, ``peak_memory_bytes`` (the largest part's) and ``peak_<part>_bytes``,
-        ``<part>_start_ms``, and the rollout profile's record under ``rollout/`` (absent when it was not profiled)."""
-        data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-                if f.name not in ("rollout", "peak_memory_bytes", "part_start_ms")}
-        data["tokens_per_second"] = self.tokens_per_second
-        data["peak_memory_bytes"] = max(self.peak_memory_bytes.values(), default=0)
-        data.update({f"peak_{part}_bytes": peak for part, peak in self.peak_memory_bytes.items()})
-        data.update({f"{part}_start_ms": start for part, start in self.part_start_ms.items()})
-        data = json_safe(data)
-        if self.rollout is not None:
-            data.update({f"rollout/{key}": value for key, value in self.rollout.to_dict().items()})
-        return data
-
-    def __str__(self) -> str:
-        """A few lines for a person: loss, the parts in ms, throughput and memory, then the rollout's first line."""
-        parts = ", ".join(f"{label(name)} {getattr(self, name):.1f}" for name in STEP_STAGES)
-        peak = byte_size(max(self.peak_memory_bytes.values(), default=0))
-        lines = [f"StepProfile: loss {self.loss:.4f}, {self.total_ms:.1f} ms, rollout share {self.rollout_share:.0%}",
-                 f"  parts ms: {parts}",
-                 f"  {self.response_tokens} response tokens, {self.tokens_per_second:.1f} tok/s; peak memory {peak}; "
-                 f"teacher cache {self.teacher_cache_mode} {byte_size(self.teacher_cache_bytes)}; "
-                 f"fused loss {'on' if self.fused_loss else 'off'}"]
-        if self.rollout is not None:
-            lines.append("  rollout: " + str(self.rollout).splitlines()[0].removeprefix("RolloutProfile: "))
-        return "\n".join(lines)
-
-
-class StepParts:
-    """The step's parts as stages of one deferred recorder (marks read once, at the end), each with the peak
-    memory it reached."""
-
-    def __init__(self, recorder: StageRecorder, device: torch.device):
-        self.recorder, self.device = recorder, device
-        self.peaks: dict[str, int] = {}
-
-    def run(self, name: str, fn, *args, **kwargs):
-        memory = PeakMemory(self.device)
-        memory.start()
-        with self.recorder.stage(name):
-            result = fn(*args, **kwargs)
-        self.peaks[name] = memory.stop()[0]
-        return result
-
-    def times(self) -> tuple[dict[str, float], dict[str, float]]:
-        """Once the step is over: each stage's ms, and each step part's start from the start of the step."""
-        resolved = self.recorder.resolve()
-        return resolved.stages, {span.name: span.start_ms for span in resolved.spans if span.name in STEP_PARTS}
 
 
 def optimizer_step(engine: Any, *, grad_norm: bool = False) -> Any:
@@ -168,11 +72,20 @@ class StepState:
     buffers: TeacherCacheBuffers = field(default_factory=TeacherCacheBuffers)
     """The host memory the teacher cache is built in, reused from step to step (pinned on CUDA once, not every
     step)."""
+    slots: dict[tuple[int, str | None], TeacherCacheBuffers] = field(default_factory=dict)
+    """The buffers of the other caches: of steps in flight beside the first (``start_step(..., slot=1, ...)``),
+    and of each of several teachers, by ``(slot, teacher's name)``."""
     checked: "weakref.WeakSet[torch.nn.Module]" = field(default_factory=weakref.WeakSet)
     """Students already compared with their teacher: at their first step only, since afterwards their weights
     have moved (weak: a student dropped is forgotten)."""
     warned: "weakref.WeakSet[torch.nn.Module]" = field(default_factory=weakref.WeakSet)
     """Students already told that the fused loss cannot run on them: said once, not at every step."""
+
+    def buffers_for(self, slot: int, teacher: str | None) -> TeacherCacheBuffers:
+        """The host buffers of step ``slot``'s cache of ``teacher`` (``None``: a step's only teacher)."""
+        if slot == 0 and teacher is None:
+            return self.buffers
+        return self.slots.setdefault((slot, teacher), TeacherCacheBuffers())
 
 
 def _same_weights(student: torch.nn.Module, teacher: torch.nn.Module) -> bool:
@@ -215,24 +128,27 @@ def _fuses(model: torch.nn.Module, divergence: DivergenceConfig, state: StepStat
     return problem is None
 
 
-def _student_loss(parts: "StepParts", engine: Any, targets, cache, divergence: DivergenceConfig,
+def _student_forward(parts: "StepParts", engine: Any, targets, fused: bool) -> torch.Tensor:
+    """The student's forward: its final hidden states over the response window [N, R, H] when the loss runs fused
+    with the LM head, else its logits [N, R, V]."""
+    return parts.run("student_forward", _student_hidden if fused else student_logits, engine, targets)
+
+
+def _student_loss(parts: "StepParts", engine: Any, out: torch.Tensor, targets, cache, divergence: DivergenceConfig,
                   fused: bool, behaviour_logp: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The student forward and the divergence's sum and count: fused with the LM head, or over whole logits."""
+    """The divergence's sum and count over ``out`` (``_student_forward``'s): fused with the LM head, or over
+    whole logits."""
     if divergence.loss == "sampled_reverse_kl":
         if fused:
-            hidden = parts.run("student_forward", _student_hidden, engine, targets)
-            return parts.run("loss", head_sampled_divergence, innermost_model(engine), hidden, targets.labels,
-                             cache.values, targets.mask.to(hidden.device), divergence, behaviour_logp)
-        logits = parts.run("student_forward", student_logits, engine, targets)
-        return parts.run("loss", sampled_divergence, logits, targets.labels, cache.values, targets.mask, divergence,
+            return parts.run("loss", head_sampled_divergence, innermost_model(engine), out, targets.labels,
+                             cache.values, targets.mask.to(out.device), divergence, behaviour_logp)
+        return parts.run("loss", sampled_divergence, out, targets.labels, cache.values, targets.mask, divergence,
                          behaviour_logp)
     if fused:
-        hidden = parts.run("student_forward", _student_hidden, engine, targets)
-        return parts.run("loss", head_divergence, innermost_model(engine), hidden, cache.stored,
-                         targets.mask.to(hidden.device), divergence)
-    logits = parts.run("student_forward", student_logits, engine, targets)
-    return parts.run("loss", chunked_divergence, logits, lambda s, e: cache.chunk(s, e, logits.device),
-                     targets.mask.to(logits.device), divergence)
+        return parts.run("loss", head_divergence, innermost_model(engine), out, cache.stored,
+                         targets.mask.to(out.device), divergence)
+    return parts.run("loss", chunked_divergence, out, lambda s, e: cache.chunk(s, e, out.device),
+                     targets.mask.to(out.device), divergence)
 
 
 def token_mean(total: torch.Tensor, count: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -273,12 +189,16 @@ def check_pairing(divergence: DivergenceConfig, teacher_cache: TeacherCacheConfi
 def opsd_step(student_engine: Any, teacher: Any, rollout: Any, request: Any, sampling: Any, *,
               divergence: DivergenceConfig | None = None, teacher_cache: TeacherCacheConfig | None = None,
               behaviour_logprobs: torch.Tensor | None = None, state: StepState | None = None,
-              rollout_seed: int | None = None, grad_norm: bool = False) -> StepProfile:
-    """Run one step on ``student_engine`` (a DeepSpeed engine, ZeRO 0-3) and return its profile.
+              rollout_seed: int | None = None, grad_norm: bool = False,
+              routes: Sequence[str] | None = None) -> StepProfile:
+    """Run one step on ``student_engine`` (a DeepSpeed engine, ZeRO 0-3) and return its profile:
+    ``start_step(...).finish()``.
 
     ``teacher``: a model (plain, or a DeepSpeed engine, ZeRO-3 partitioned or not) run here into the host cache, or
     a ``ServedTeacher`` (``opsd/served.py``) whose server sends the cache's log-probabilities (``topk`` or
-    ``sampled`` caches; ``full`` is refused before any work).
+    ``sampled`` caches; ``full`` is refused before any work), its request in flight while the student's forward
+    runs (``ServedTeacher(overlap=True)``, the default); or several, ``{name: teacher}``, with ``routes`` naming
+    each prompt's (each scores its prompts' rows alone; ``StepProfile.teacher_losses`` has each one's loss).
 
     ``behaviour_logprobs`` [N, R]: with ``sampled_reverse_kl``, the log-probabilities of the sampled tokens under
     the policy that sampled them, for an off-policy update (a second step on one rollout, a generation buffer);
@@ -288,50 +208,163 @@ def opsd_step(student_engine: Any, teacher: Any, rollout: Any, request: Any, sam
     what a trainer that resumes needs); ``None``: the rollout is called as DeepSpeed's is. ``grad_norm``: report the
     gradient norm of the optimizer step this call completes (``StepProfile.grad_norm``; at ZeRO-0 a pass over the
     gradients, inside the ``optimizer`` part)."""
+    return start_step(student_engine, teacher, rollout, request, sampling, divergence=divergence,
+                      teacher_cache=teacher_cache, behaviour_logprobs=behaviour_logprobs, state=state,
+                      rollout_seed=rollout_seed, grad_norm=grad_norm, routes=routes).finish()
+
+
+def start_step(student_engine: Any, teacher: Any, rollout: Any, request: Any, sampling: Any, *,
+               divergence: DivergenceConfig | None = None, teacher_cache: TeacherCacheConfig | None = None,
+               behaviour_logprobs: torch.Tensor | None = None, state: StepState | None = None,
+               rollout_seed: int | None = None, grad_norm: bool = False, slot: int = 0,
+               routes: Sequence[str] | None = None) -> "StepInFlight":
+    """The first half of ``opsd_step`` (its arguments), up to the teacher: the checks, the rollout, and the teacher's
+    cache, built here by an in-process teacher, or asked of a served one in the background (``overlap``) and left
+    in flight. ``.finish()`` is the rest: the student's forward, the wait for a served teacher, the loss, backward
+    and the optimizer.
+
+    Between the two halves the caller may work on something that does not change the student's weights: ``train``
+    rolls out its next micro-batches there, so that each one's teacher request is in flight behind the next one's
+    rollout. Steps in flight at once each take their own ``slot`` (0, 1, ...): the host buffers their teacher
+    caches are built in.
+
+    Several teachers: ``teacher`` a mapping ``{name: teacher}`` and ``routes`` one name per prompt of the request;
+    each teacher scores its prompts' rows alone, and the profile reports each one's loss (``teacher_losses``)."""
     state = state if state is not None else StepState()
     divergence = divergence or DivergenceConfig()
     teacher_cache = teacher_cache or TeacherCacheConfig()
     check_pairing(divergence, teacher_cache)
-    served = isinstance(teacher, ServedTeacher)
+    several = isinstance(teacher, Mapping)
+    teachers: dict[str | None, Any] = dict(teacher) if several else {None: teacher}
+    if several:
+        if not teachers:
+            raise ValueError("teacher: a model, a ServedTeacher, or a mapping {name: teacher} of at least one")
+        check_routes(teacher, routes, int(request.prompt_ids.shape[0]))
+    elif routes is not None:
+        raise ValueError("routes name each prompt's teacher: give teacher as a mapping {name: teacher}")
     student_vocab = text_config(innermost_model(student_engine).config).vocab_size
-    if served:  # before any work: the cache it can give, the server, its model, tokenizer and vocabulary
-        refuse_full_cache(teacher_cache)
-        teacher.connect(student_vocab)
-    else:
-        teacher_vocab = text_config(innermost_model(teacher).config).vocab_size
-        if student_vocab != teacher_vocab:  # before any work: a partitioned teacher would fail inside its gathers
-            raise ValueError(f"the teacher's vocabulary ({teacher_vocab:,} tokens) differs from the student's "
-                             f"({student_vocab:,}): distillation compares their distributions token by token")
-        _warn_if_teacher_is_student(innermost_model(student_engine), innermost_model(teacher), state)
+    for name, each in teachers.items():  # before any work
+        check_teacher(each, student_vocab, teacher_cache, name)
+        if not isinstance(each, ServedTeacher):
+            _warn_if_teacher_is_student(innermost_model(student_engine), innermost_model(each), state)
     fused = _fuses(innermost_model(student_engine), divergence, state)
     device = torch.device(student_engine.device)
     recorder = StageRecorder(Clock(device), time_forwards=False)
-    parts = StepParts(recorder, device)
+    step = StepInFlight(engine=student_engine, rollout=rollout, divergence=divergence,
+                        behaviour_logprobs=behaviour_logprobs, grad_norm=grad_norm, fused=fused,
+                        recorder=recorder, parts=StepParts(recorder, device))
     with recorder.stage("total"):
         with timed_eval(student_engine, device, train_after=True) as switch:
             seeded = {} if rollout_seed is None else {"seed": rollout_seed}
-            batch = parts.run("rollout", rollout.generate, request, sampling, **seeded)
-        targets = response_targets(batch)
-        if served:
-            cache = parts.run("teacher", teacher.build_cache, targets, teacher_cache, recorder=recorder,
-                              buffers=state.buffers, pin=device.type == "cuda")
+            batch = step.parts.run("rollout", rollout.generate, request, sampling, **seeded)
+        step.switch, step.targets = switch, response_targets(batch)
+        if several:
+            step.names = list(teacher)
+            rows = route_rows(teacher, routes, sampling.n_samples_per_prompt, step.targets.input_ids.device)
+            step.shares = [Share(name=name, teacher=each, rows=rows[name], targets=share_targets(step.targets,
+                                 rows[name])) for name, each in teacher.items()
+                           if rows[name].numel() or partitioned(innermost_model(each))]  # ZeRO-3: every rank joins
         else:
-            cache = parts.run("teacher", build_teacher_cache, teacher, targets, teacher_cache, recorder=recorder,
-                              buffers=state.buffers)
-        total, count = _student_loss(parts, student_engine, targets, cache, divergence, fused, behaviour_logprobs)
-        loss, reported = token_mean(total, count)
-        parts.run("backward", student_engine.backward, loss)
-        norm = parts.run("optimizer", optimizer_step, student_engine, grad_norm=grad_norm)
-    ms, starts = parts.times()
-    producing = switch.eval_ms + ms["rollout"] + (switch.train_ms or 0.0)
-    return StepProfile(
-        rollout=rollout.get_last_profile(), eval_ms=switch.eval_ms, train_ms=switch.train_ms or 0.0,
-        rollout_ms=ms["rollout"], teacher_forward_ms=ms.get("teacher_forward", 0.0),
-        cache_write_ms=ms.get("cache_write", 0.0), student_forward_ms=ms["student_forward"], loss_ms=ms["loss"],
-        backward_ms=ms["backward"], optimizer_ms=ms["optimizer"], total_ms=ms["total"],
-        rollout_share=producing / ms["total"] if ms["total"] > 0 else 0.0,
-        peak_memory_bytes=dict(parts.peaks), part_start_ms=starts, response_tokens=targets.tokens,
-        teacher_cache_bytes=cache.nbytes, teacher_cache_budget_bytes=cache.budget_bytes,
-        teacher_cache_mode=cache.mode, fused_loss=fused, loss=float(reported),
-        teacher_parameter_bytes=0 if served else resident_bytes(teacher),
-        grad_norm=None if norm is None else float(norm))
+            step.shares = [Share(name=None, teacher=teacher, rows=None, targets=step.targets)]
+        for share in sorted(step.shares, key=lambda share: not share.served):  # the servers' requests first
+            buffers = state.buffers_for(slot, share.name)
+            if share.served:
+                share.pending = share.teacher.submit(share.targets, teacher_cache, buffers=buffers,
+                                                     pin=device.type == "cuda")
+                if not share.teacher.overlap:
+                    step.wait(share)
+            else:
+                share.cache = step.parts.run("teacher", build_teacher_cache, share.teacher, share.targets,
+                                             teacher_cache, recorder=recorder, buffers=buffers)
+    return step
+
+
+@dataclass(kw_only=True, eq=False)
+class StepInFlight:
+    """An OPSD step between its halves (``start_step``): its rollout done, its teachers' caches built or asked
+    for."""
+
+    engine: Any
+    rollout: Any
+    divergence: DivergenceConfig
+    behaviour_logprobs: torch.Tensor | None
+    grad_norm: bool
+    fused: bool
+    recorder: StageRecorder
+    parts: StepParts
+    switch: Any = None
+    targets: Any = None
+    shares: list[Share] = field(default_factory=list)
+    """Each teacher's rows and cache (one share, every row, with one teacher)."""
+    names: list[str] = field(default_factory=list)
+    """Several teachers: all their names, in the order given (alike on every rank, whatever each one's rows)."""
+
+    def wait(self, share: Share) -> None:
+        """A served teacher's cache, waited for as the step's ``teacher`` part (the latency not hidden)."""
+        if share.cache is None:
+            self.parts.run("teacher", self._receive, share)
+
+    def _receive(self, share: Share) -> None:
+        with self.recorder.stage("teacher_wait"):
+            share.cache = share.pending.result()
+
+    def cancel(self) -> None:
+        """Drop the served answers not yet on their way (a run stopping with this step in flight)."""
+        for share in self.shares:
+            if share.pending is not None:
+                share.pending.cancel()
+
+    def finish(self) -> StepProfile:
+        """The rest of the step, then its profile: the student's forward (a served teacher's request in flight
+        during it), the teachers' caches, the loss (each teacher's over its rows), backward and the optimizer."""
+        parts, targets = self.parts, self.targets
+        with self.recorder.stage("total"):
+            out = _student_forward(parts, self.engine, targets, self.fused)
+            sums = []
+            for share in self.shares:
+                self.wait(share)
+                sums.append(_student_loss(parts, self.engine, share.pick(out), share.targets, share.cache,
+                                          self.divergence, self.fused, share.pick(self.behaviour_logprobs)))
+            total, count = (sum(column) for column in zip(*sums))
+            loss, reported = token_mean(total, count)
+            parts.run("backward", self.engine.backward, loss)
+            norm = parts.run("optimizer", optimizer_step, self.engine, grad_norm=self.grad_norm)
+        named = {share.name: sums[i] for i, share in enumerate(self.shares) if share.name is not None}
+        return self._profile(reported, norm, per_teacher(self.names, named, torch.device(self.engine.device)))
+
+    def _profile(self, reported: torch.Tensor, norm: Any, teachers: dict[str, tuple[float, int]]) -> StepProfile:
+        ms, starts = self.parts.times()
+        switch, caches = self.switch, [share.cache for share in self.shares]
+        served = [share.pending for share in self.shares if share.pending is not None]
+        producing = switch.eval_ms + ms["rollout"] + (switch.train_ms or 0.0)
+        return StepProfile(
+            rollout=self.rollout.get_last_profile(), eval_ms=switch.eval_ms, train_ms=switch.train_ms or 0.0,
+            rollout_ms=ms["rollout"], teacher_forward_ms=ms.get("teacher_forward", 0.0),
+            cache_write_ms=ms.get("cache_write", 0.0), teacher_wait_ms=ms.get("teacher_wait", 0.0),
+            student_forward_ms=ms["student_forward"], loss_ms=ms["loss"], backward_ms=ms["backward"],
+            optimizer_ms=ms["optimizer"], total_ms=ms["total"],
+            rollout_share=producing / ms["total"] if ms["total"] > 0 else 0.0,
+            peak_memory_bytes=dict(self.parts.peaks), part_start_ms=starts, response_tokens=self.targets.tokens,
+            teacher_cache_bytes=sum(cache.nbytes for cache in caches),
+            teacher_cache_budget_bytes=max(cache.budget_bytes for cache in caches),
+            teacher_cache_mode=caches[0].mode, fused_loss=self.fused, loss=float(reported),
+            teacher_parameter_bytes=sum(resident_bytes(s.teacher) for s in self.shares if not s.served),
+            grad_norm=None if norm is None else float(norm),
+            teacher_latency_ms=max((pending.latency_ms for pending in served), default=0.0),
+            teacher_losses={name: value for name, (value, _) in teachers.items()},
+            teacher_tokens={name: tokens for name, (_, tokens) in teachers.items()})
+
+
+def per_teacher(names: list[str], sums: dict[str, tuple[torch.Tensor, torch.Tensor]],
+                device: torch.device) -> dict[str, tuple[float, int]]:
+    """Each named teacher's token-mean loss and its response tokens, over every rank (``names``: the step's
+    teachers, alike on every rank, in one all-reduce; a teacher no rank routed a token to is left out)."""
+    if not names:
+        return {}
+    zero = torch.zeros(())
+    stacked = torch.stack([torch.stack([t.detach().float().reshape(()).cpu(), c.float().reshape(()).cpu()])
+                           for t, c in (sums.get(name, (zero, zero)) for name in names)])  # [T, 2]
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        stacked = stacked.to(device)  # the student's: where the step's other collectives run
+        dist.all_reduce(stacked)
+    return {name: (total / count, int(count)) for name, (total, count) in zip(names, stacked.tolist()) if count}

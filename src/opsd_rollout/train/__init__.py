@@ -1,11 +1,20 @@
 """Training with the OPSD step: ``train(TrainConfig(...))`` (``opsd-rollout train``), a loop from a prompt file
-to a checkpoint, with held-out evaluation, metrics where users look and exact resume."""
+to a checkpoint, with held-out evaluation, metrics where users look and exact resume.
 
-from opsd_rollout.train.data import Example, read_examples
-from opsd_rollout.train.config import TrainConfig, load_train_config
-from opsd_rollout.train.loop import TrainResult, train
-from opsd_rollout.train.setup import OptimizationConfig
-from opsd_rollout.train.sft import sft_step
+Light at import (the names load when used), so the command line checks a run's arguments and files
+(``train.preflight``) before torch, transformers and DeepSpeed load."""
 
 __all__ = ["Example", "OptimizationConfig", "TrainConfig", "TrainResult", "load_train_config", "read_examples",
            "sft_step", "train"]
+
+_HOMES = {"Example": "data", "read_examples": "data", "TrainConfig": "config", "load_train_config": "config",
+          "TrainResult": "loop", "train": "loop", "OptimizationConfig": "setup", "sft_step": "sft"}
+"""Each public name -> the module of ``opsd_rollout.train`` that defines it."""
+
+
+def __getattr__(name: str):
+    if name not in _HOMES:
+        raise AttributeError(name)
+    import importlib
+
+    return getattr(importlib.import_module(f"opsd_rollout.train.{_HOMES[name]}"), name)

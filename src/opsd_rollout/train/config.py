@@ -3,8 +3,9 @@
 The run's own fields (models, data, how long, when to evaluate and save) sit at the top; the rest are the owners'
 configs, nested, never restated: the rollouts' sampling is DeepSpeed's ``SamplingConfig`` (what ``generate``
 takes), the student's rollout engine ``HybridEngineRolloutConfig``, the loss ``DivergenceConfig``, the teacher's
-logit cache ``TeacherCacheConfig``, and the optimisation (DeepSpeed config, ZeRO stage, learning rate,
-accumulation) ``OptimizationConfig`` beside the code that builds the engine. ``TrainConfig.from_flat`` takes the
+logit cache ``TeacherCacheConfig``, the optimisation (DeepSpeed config, ZeRO stage, learning rate,
+accumulation) ``OptimizationConfig`` beside the code that builds the engine, and the student's LoRA adapters
+``AdapterConfig``. ``TrainConfig.from_flat`` takes the
 command line's flat names, which are also the keys of a ``train_config.json`` written before the sections existed.
 """
 
@@ -26,6 +27,9 @@ from opsd_rollout.opsd.step import check_pairing
 from opsd_rollout.opsd.teacher import TeacherCacheConfig
 from opsd_rollout.rollout.config import HybridEngineRolloutConfig
 from opsd_rollout.rollout.validation import check_sampling
+from opsd_rollout.train.eval_file import TaskEvalConfig
+from opsd_rollout.train.lora import AdapterConfig
+from opsd_rollout.train.preflight import NAME, UNNAMED, check_teacher_given
 from opsd_rollout.train.setup import OptimizationConfig
 
 logger = logging.getLogger(__name__)
@@ -33,8 +37,11 @@ logger = logging.getLogger(__name__)
 OBJECTIVES = ("opsd", "sft")
 OFF_POLICY = ("auto", "references", "teacher")
 SECTIONS = {"sampling": SamplingConfig, "rollout": HybridEngineRolloutConfig, "divergence": DivergenceConfig,
-            "teacher_cache": TeacherCacheConfig, "optimization": OptimizationConfig}
+            "teacher_cache": TeacherCacheConfig, "optimization": OptimizationConfig, "task_eval": TaskEvalConfig,
+            "lora": AdapterConfig}
 """The nested sections and their owners' types."""
+OPTIONAL_SECTIONS = ("teacher_cache", "task_eval")
+"""Sections that may be ``None`` (not named); given a field by a flat name, they are built from it alone."""
 FLAT = {
     "max_new_tokens": "sampling.max_new_tokens", "samples_per_prompt": "sampling.n_samples_per_prompt",
     "temperature": "sampling.temperature", "top_k": "sampling.top_k", "top_p": "sampling.top_p",
@@ -43,6 +50,9 @@ FLAT = {
     "teacher_cache": "teacher_cache.mode", "teacher_top_k": "teacher_cache.top_k",
     "deepspeed": "optimization.deepspeed", "zero_stage": "optimization.zero_stage", "lr": "optimization.lr",
     "gradient_accumulation_steps": "optimization.gradient_accumulation_steps",
+    "eval_data": "task_eval.data", "eval_scorer": "task_eval.scorer", "eval_samples": "task_eval.samples",
+    "eval_max_new_tokens": "task_eval.max_new_tokens",
+    "lora_rank": "lora.rank", "lora_alpha": "lora.alpha", "lora_targets": "lora.targets", "merge_lora": "lora.merge",
 }
 """A flat name (a ``train`` flag's, a key of an older ``train_config.json``) -> the section field it sets; the
 names not listed are ``TrainConfig``'s own fields."""
@@ -80,6 +90,21 @@ class TrainConfig:
     teacher_protocol: str = "vllm"
     """``vllm`` (vLLM's OpenAI-compatible ``/v1/completions``, also ``serve-teacher``'s) or ``sglang``
     (SGLang's ``/generate``)."""
+    teachers: dict[str, str] = field(default_factory=dict)
+    """Several teachers, by name: a preset or local checkpoint directory each (``--teacher NAME=PRESET_OR_DIR``,
+    repeatable). Each example goes to the teacher its ``teacher`` field names, or to ``default_teacher``."""
+    teacher_urls: dict[str, str] = field(default_factory=dict)
+    """Several served teachers, by name (``--teacher-url NAME=URL``, repeatable), beside or instead of
+    ``teachers``."""
+    default_teacher: str | None = None
+    """With several teachers, the one of examples without a ``teacher`` field; ``None``: the teacher given without
+    a name (``teacher``, or ``teacher_url``, named ``default``), else the first one named."""
+    teacher_overlap: bool | None = None
+    """A served teacher's requests in flight while the student works: its forward, and, with gradient
+    accumulation, the next micro-batches' rollouts (a whole optimizer step rolled out before its updates: the
+    weights it samples from are the same until the step). ``False``: each micro-batch waits for its answer (the same
+    samples and losses, every latency exposed). ``None``: on, unless the server is on this machine's loopback and
+    the student on its CPU, where the two would compete for the same cores (benchmarks/RESULTS.md measures it)."""
     teacher_zero_stage: int = 0
     """0: the teacher whole beside the student on every rank; 3: a DeepSpeed ZeRO-3 inference engine (no
     optimizer), its parameters partitioned across the ranks (a teacher larger than one device)."""
@@ -133,6 +158,13 @@ class TrainConfig:
     reads the one in use."""
     optimization: OptimizationConfig = field(default_factory=OptimizationConfig)
     """The student's DeepSpeed config (the user's, or one built from ZeRO stage, learning rate and accumulation)."""
+    task_eval: TaskEvalConfig | None = None
+    """Task evaluation at every evaluation (an eval file with answers, a scorer, K samples per problem), the
+    teacher scored once at step 0; its samples use ``sampling``'s temperature, top-k and top-p, and its completions
+    ``task_eval.max_new_tokens`` (``None``: ``sampling.max_new_tokens``). ``None``: none."""
+    lora: AdapterConfig = field(default_factory=AdapterConfig)
+    """LoRA adapters on the student (PEFT's), the only parameters trained and optimised, when ``lora.rank`` is set;
+    full fine-tuning otherwise."""
 
     def __post_init__(self) -> None:
         checks.choice("objective", self.objective, OBJECTIVES)
@@ -143,14 +175,14 @@ class TrainConfig:
             if self.prompts is not None:
                 raise ValueError(f"task {self.task!r} brings its own examples; prompts {self.prompts!r} would be "
                                  "another set: give one of them")
-        if self.objective == "opsd" and self.teacher is None and self.teacher_url is None:
-            raise ValueError("teacher is needed to distil (objective opsd): a preset, a local checkpoint directory "
-                             "or a served teacher's teacher_url")
-        if self.teacher_url is not None:
+        check_teacher_given(self.objective, self.teacher, self.teacher_url, self.teachers, self.teacher_urls)
+        if self.served:
             _check_served(self)
+        if self.several:
+            _check_several(self)
         for name, kind in SECTIONS.items():
             value = getattr(self, name)
-            if not (value is None and name == "teacher_cache") and not isinstance(value, kind):
+            if not (value is None and name in OPTIONAL_SECTIONS) and not isinstance(value, kind):
                 raise TypeError(f"{name} must be a {kind.__name__}; got {type(value).__name__}")
         for name in ("steps", "prompts_per_micro_batch", "eval_every", "eval_prompts"):
             checks.integer(name, getattr(self, name))
@@ -163,6 +195,10 @@ class TrainConfig:
         checks.choice("teacher_zero_stage", self.teacher_zero_stage, (0, 3))
         checks.choice("off_policy", self.off_policy, OFF_POLICY)
         check_pairing(self.divergence, self.cache)
+        if self.task_eval is not None and self.task_eval.samples > 1 and self.sampling.temperature <= 0:
+            raise ValueError(f"--eval-samples {self.task_eval.samples} samples at the run's temperature "
+                             f"{self.sampling.temperature!r}, which is greedy: K identical completions say nothing of "
+                             "pass@k; sample (--temperature > 0) or drop --eval-samples")
         if self.divergence.loss == "sampled_reverse_kl" and self.lmbda < 1 and self.objective == "opsd":
             raise ValueError("sampled_reverse_kl is an on-policy policy gradient over the student's own samples: "
                              f"lmbda must be 1 (got {self.lmbda!r})")
@@ -172,7 +208,36 @@ class TrainConfig:
         """The teacher cache in use: ``teacher_cache``, or the loss's default."""
         if self.teacher_cache is not None:
             return self.teacher_cache
-        return TeacherCacheConfig(mode=default_cache_mode(self.divergence.loss, served=self.teacher_url is not None))
+        return TeacherCacheConfig(mode=default_cache_mode(self.divergence.loss, served=self.served))
+
+    @property
+    def served(self) -> bool:
+        """Whether a teacher is served (``teacher_url`` or ``teacher_urls``)."""
+        return self.teacher_url is not None or bool(self.teacher_urls)
+
+    @property
+    def several(self) -> bool:
+        """Whether the run has named teachers (``teachers``, ``teacher_urls``), each example routed to one."""
+        return bool(self.teachers or self.teacher_urls)
+
+    def named_teachers(self) -> dict[str, tuple[str, str | None]]:
+        """With several teachers: each name -> ``("model", PRESET_OR_DIR)`` or ``("url", URL)`` (``None`` for the model
+        a served one must serve: its only one), the unnamed one (if given) as ``default``, first."""
+        named: dict[str, tuple[str, str | None]] = {}
+        if self.teacher_url is not None:
+            named[UNNAMED] = ("url", self.teacher_url)
+        elif self.teacher is not None:
+            named[UNNAMED] = ("model", self.teacher)
+        named.update({name: ("model", spec) for name, spec in self.teachers.items()})
+        named.update({name: ("url", url) for name, url in self.teacher_urls.items()})
+        return named
+
+    @property
+    def default_teacher_name(self) -> str | None:
+        """The teacher of examples without a ``teacher`` field, with several teachers."""
+        if not self.several:
+            return None
+        return self.default_teacher or next(iter(self.named_teachers()))
 
     @classmethod
     def from_flat(cls, values: dict[str, Any]) -> TrainConfig:
@@ -189,16 +254,18 @@ class TrainConfig:
                 section, leaf = FLAT[name].split(".")
                 sections.setdefault(section, {})[leaf] = value
         loss = sections.get("divergence", {}).get("loss", DivergenceConfig().loss)
-        served = values.get("teacher_url") is not None
+        served = values.get("teacher_url") is not None or bool(values.get("teacher_urls"))
         if "teacher_cache" in sections:
             sections["teacher_cache"].setdefault("mode", default_cache_mode(loss, served=served))
         if served and loss != "sampled_reverse_kl":  # the served top-k's rest of the mass as one bucket
             sections.setdefault("divergence", {}).setdefault("top_k_rest", "tail")
         defaults = cls.__dataclass_fields__
         for section, changes in sections.items():
-            base = top.pop(section, None) or (defaults[section].default_factory() if section != "teacher_cache"
-                                              else TeacherCacheConfig())
-            top[section] = replace(base, **changes)
+            base = top.pop(section, None)
+            if base is None and section in OPTIONAL_SECTIONS:  # not named: made of the flat fields alone
+                top[section] = SECTIONS[section](**changes)
+            else:
+                top[section] = replace(base or defaults[section].default_factory(), **changes)
         return cls(**top)
 
     @classmethod
@@ -250,14 +317,34 @@ def default_cache_mode(loss: str, *, served: bool = False) -> str:
     return "sampled" if loss == "sampled_reverse_kl" else "topk" if served else "full"
 
 
+def _check_several(config: TrainConfig) -> None:
+    """Several teachers: names unique, the default one of them, each teacher whole on every rank."""
+    for name in (*config.teachers, *config.teacher_urls):
+        if not isinstance(name, str) or not NAME.fullmatch(name) or name == UNNAMED:
+            raise ValueError(f"teacher name {name!r}: letters, digits, '_', '-' and '.' (and not {UNNAMED!r}, the "
+                             "name of the teacher given without one)")
+    both = sorted(set(config.teachers) & set(config.teacher_urls))
+    if both:
+        raise ValueError(f"teacher name{'s' if len(both) > 1 else ''} {both} given both as a model (--teacher) and "
+                         "as a server (--teacher-url): a name is one teacher")
+    names = config.named_teachers()
+    if config.default_teacher is not None and config.default_teacher not in names:
+        raise ValueError(f"default_teacher {config.default_teacher!r} is none of the teachers {sorted(names)}")
+    if config.teacher_zero_stage != 0:
+        raise ValueError("teacher_zero_stage 3 partitions one teacher across the ranks; with several teachers each is "
+                         "whole on every rank (serve a large one: --teacher-url NAME=URL)")
+
+
 def _check_served(config: TrainConfig) -> None:
     """What a served teacher cannot do, refused before any work: it scores tokens, it neither trains nor generates,
     and it sends no whole vocabulary."""
     checks.choice("teacher_protocol", config.teacher_protocol, PROTOCOLS)
     checks.number("teacher_timeout", config.teacher_timeout, at_least=0)
-    if not isinstance(config.teacher_url, str) or not config.teacher_url.startswith(("http://", "https://")):
-        raise ValueError(f"teacher_url must be the teacher server's http:// or https:// address; got "
-                         f"{config.teacher_url!r}")
+    urls = {"teacher_url": config.teacher_url} if config.teacher_url is not None else {}
+    urls.update({f"teacher_urls[{name!r}]": url for name, url in config.teacher_urls.items()})
+    for where, url in urls.items():
+        if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+            raise ValueError(f"{where} must be the teacher server's http:// or https:// address; got {url!r}")
     if config.objective != "opsd":
         raise ValueError("teacher_url serves a teacher to distil from; objective sft trains on references alone")
     if config.teacher_zero_stage != 0:

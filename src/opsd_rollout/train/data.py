@@ -1,16 +1,18 @@
 """Training data: prompts (with optional reference text) from a file or the built-in corpus, and the
 deterministic order the loop takes them in.
 
-A prompt file is JSON lines with a ``prompt`` field (or chat ``messages``) and an optional ``reference`` (the text
-the prompt should continue with; ``completion`` is read as a synonym), or plain text with one prompt a line. The
-order is a function of the seed and the micro-batch's index alone, so a resumed run takes exactly the batches the
-uninterrupted run would have.
+A prompt file (``records.py`` reads and checks it, without a tokenizer) is JSON lines with a ``prompt`` field or
+chat ``messages`` and an optional ``reference`` (the text the prompt should continue with; ``completion`` is read as
+a synonym), or plain text with one prompt a line. Chat messages are rendered with the tokenizer's chat template:
+after a last user (or tool) turn with the generation prompt (a new assistant turn follows), a last assistant turn
+continued (its text is the prefix the student completes). Every earlier turn is prompt: context the student is
+never trained on. The order is a function of the seed and the micro-batch's index alone, so a resumed run takes
+exactly the batches the uninterrupted run would have.
 """
 
 from __future__ import annotations
 
 import functools
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,59 +22,63 @@ import torch
 
 from deepspeed.runtime.rollout.base import RolloutBatch, RolloutRequest
 
+from opsd_rollout.train.records import CONTINUE, Record, check_messages, read_records
+
 
 @dataclass(frozen=True)
 class Example:
     prompt: str
     reference: str | None = None
     """The text that follows the prompt in the data (SFT's target, supervised KD's references)."""
+    teacher: str | None = None
+    """The teacher that scores it (a name, with several teachers); ``None``: the default teacher."""
     eos: bool = False
     """The reference is a whole response (a built-in task's worked solution), not a window of running text:
     training on it trains the tokenizer's EOS after it too, so the model learns to stop."""
 
 
-def render_messages(messages: list[dict[str, str]], tokenizer: Any) -> Example:
-    """Chat ``messages`` as a prompt: the tokenizer's chat template when it has one (with the generation prompt),
-    else ``role: content`` lines. A last ``assistant`` message is the reference, not part of the prompt."""
-    if not messages or not all(isinstance(m, dict) and "role" in m and "content" in m for m in messages):
-        raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} objects")
-    reference = None
-    if messages[-1]["role"] == "assistant" and len(messages) > 1:
-        reference, messages = messages[-1]["content"], messages[:-1]
-    if getattr(tokenizer, "chat_template", None):
-        prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+def render_messages(messages: list[dict[str, Any]], tokenizer: Any, reference: str | None = None) -> Example:
+    """Chat ``messages`` as a prompt, with the tokenizer's chat template (``role: content`` lines when it has
+    none): a last user (or tool) turn gets the generation prompt, a last assistant turn is left open to continue
+    (``continue_final_message``). ``reference``, when given, is the rest of that assistant turn (or the whole new
+    one): rendered as the template closes a turn (its end-of-turn text included), the part after the prompt."""
+    messages = list(check_messages(messages))
+    prompt = _render(messages, tokenizer)
+    if reference is None:
+        return Example(prompt)
+    if messages[-1]["role"] == CONTINUE:
+        whole = [*messages[:-1], {**messages[-1], "content": messages[-1]["content"] + reference}]
     else:
-        prompt = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
-    return Example(prompt, reference)
+        whole = [*messages, {"role": CONTINUE, "content": reference}]
+    closed = _render(whole, tokenizer, closed=True)
+    return Example(prompt, closed[len(prompt):] if closed.startswith(prompt) else reference)
+
+
+def _render(messages: list[dict[str, Any]], tokenizer: Any, *, closed: bool = False) -> str:
+    """The conversation's text: its last assistant turn closed (``closed``), left open, or followed by the
+    generation prompt."""
+    final = messages[-1]["role"] == CONTINUE
+    if final and not closed and not messages[-1].get("content") and len(messages) > 1:
+        messages, final = messages[:-1], False  # an empty turn to continue is a new turn to generate
+    if getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=not final and not closed,
+                                             continue_final_message=final and not closed)
+    lines = [f"{m['role']}: {m.get('content') or ''}" for m in messages]
+    return "\n".join(lines) if final or closed else "".join(line + "\n" for line in lines) + f"{CONTINUE}: "
+
+
+def example_of(record: Record, tokenizer: Any) -> Example:
+    """A record rendered: a chat record's messages through the tokenizer's template, a text record as it is."""
+    if record.messages is None:
+        return Example(record.prompt, record.reference, record.teacher)
+    example = render_messages(list(record.messages), tokenizer, record.reference)
+    return Example(example.prompt, example.reference, record.teacher)
 
 
 def read_examples(path: str | Path, tokenizer: Any) -> list[Example]:
-    """Every example of a prompt file (see the module docstring); a clear error for a missing or empty file or a
-    line that is not an example."""
-    path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"--prompts {str(path)!r} does not exist (or is not a file)")
-    lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-    if not lines:
-        raise ValueError(f"--prompts {str(path)!r} holds no prompt")
-    if path.suffix not in (".jsonl", ".json") and not lines[0].lstrip().startswith("{"):
-        return [Example(line) for line in lines]
-    examples = []
-    for number, line in enumerate(lines, 1):
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as error:
-            raise ValueError(f"--prompts {str(path)!r} line {number} is not JSON: {error}") from None
-        if not isinstance(record, dict) or not ("prompt" in record or "messages" in record):
-            raise ValueError(f"--prompts {str(path)!r} line {number} has neither a 'prompt' nor 'messages' field")
-        if "messages" in record:
-            example = render_messages(record["messages"], tokenizer)
-        else:
-            example = Example(str(record["prompt"]), record.get("reference", record.get("completion")))
-        if not example.prompt:
-            raise ValueError(f"--prompts {str(path)!r} line {number} has an empty prompt")
-        examples.append(example)
-    return examples
+    """Every example of a prompt file (see the module docstring); a clear error, naming the line, for a missing or
+    empty file or a line that is not an example (``records.read_records``)."""
+    return [example_of(record, tokenizer) for record in read_records(path)]
 
 
 @functools.lru_cache(maxsize=4)

@@ -23,6 +23,7 @@ from typing import Any
 from opsd_rollout import checks
 from opsd_rollout.train.checkpoint import latest_tag
 from opsd_rollout.train.config import TrainConfig
+from opsd_rollout.train.eval_file import read_eval_file
 from opsd_rollout.train.loop import TrainResult, train
 
 TEACHER = TrainConfig.from_flat(dict(output_dir="", objective="sft", student="llama-mini", steps=800,
@@ -139,6 +140,8 @@ def default_run(output_dir: str, *, cache_dir: str | None = None, progress: bool
     teacher = teacher_dir(cache_dir, teacher_config) / "model"
     config = TrainConfig.from_flat({**student, "output_dir": output_dir, "teacher": str(teacher),
                                     "progress": progress, **overrides})  # checked before the teacher trains
+    if config.task_eval is not None:  # the eval file too
+        read_eval_file(config.task_eval.data, config.task_eval.scorer)
     trained_teacher(cache_dir, progress=progress, config=teacher_config)
     print(f"student: distilling into {config.student} on-policy ({config.steps} steps) into {output_dir}", flush=True)
     return train(config)

@@ -10,6 +10,7 @@ the training's random state is left as it was (``seeded``, for what takes no see
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -20,6 +21,7 @@ from opsd_rollout.modeling import position_ids, text_config
 from opsd_rollout.opsd.divergence import DivergenceConfig, token_divergence
 from opsd_rollout.opsd.served import ServedTeacher
 from opsd_rollout.opsd.targets import response_targets
+from opsd_rollout.opsd.teachers import route_rows, share_targets
 from opsd_rollout.opsd.teacher import TeacherCacheConfig
 from opsd_rollout.seeding import seeded
 from opsd_rollout.train.data import Encoder, Example
@@ -100,15 +102,18 @@ def cross_entropy_of(student: torch.nn.Module, batch: Any) -> tuple[float, int]:
 
 
 @torch.no_grad()
-def evaluate(engine: Any, teacher: torch.nn.Module | None, rollout: Any, encoder: Encoder, examples: list[Example],
-             sampling: Any, *, seed: int, batch_size: int) -> dict[str, float]:
+def evaluate(engine: Any, teacher: Any, rollout: Any, encoder: Encoder, examples: list[Example],
+             sampling: Any, *, seed: int, batch_size: int, default_teacher: str | None = None) -> dict[str, float]:
     """``eval_reverse_kl`` (with a teacher) and ``eval_cross_entropy`` (when every example has a reference) of the
-    student ``engine`` over ``examples``."""
+    student ``engine`` over ``examples``. Several teachers (``teacher`` a mapping by name): each example's KL to its
+    own (its ``teacher`` field's, else ``default_teacher``), also per teacher as ``eval_reverse_kl/NAME``."""
     module = getattr(engine, "module", engine)
     device = torch.device(getattr(engine, "device", next(module.parameters()).device))
     was_training = module.training
     engine.eval()
     sums = {"eval_reverse_kl": [0.0, 0], "eval_cross_entropy": [0.0, 0]}
+    several = isinstance(teacher, Mapping)
+    sums.update({f"eval_reverse_kl/{name}": [0.0, 0] for name in (teacher if several else ())})  # alike on every rank
     references = all(e.reference is not None for e in examples)
     try:
         with seeded(seed, device):  # the same samples at every evaluation; training's random state untouched
@@ -116,8 +121,16 @@ def evaluate(engine: Any, teacher: torch.nn.Module | None, rollout: Any, encoder
                 chunk = examples[start:start + batch_size]
                 if teacher is not None:
                     batch = rollout.generate(encoder.request(chunk, device), sampling, seed=seed + start)
-                    kl = (served_reverse_kl_sum if isinstance(teacher, ServedTeacher) else reverse_kl_sum)
-                    _add(sums["eval_reverse_kl"], kl(module, teacher, batch))
+                    if not several:
+                        _add(sums["eval_reverse_kl"], _reverse_kl(module, teacher, batch))
+                    routes = [e.teacher or default_teacher for e in chunk] if several else []
+                    rows = route_rows(teacher, routes, sampling.n_samples_per_prompt, batch.input_ids.device) \
+                        if several else {}
+                    for name, picked in rows.items():
+                        if picked.numel():
+                            figure = _reverse_kl(module, teacher[name], share_targets(response_targets(batch), picked))
+                            _add(sums["eval_reverse_kl"], figure)
+                            _add(sums[f"eval_reverse_kl/{name}"], figure)
                 if references:
                     _add(sums["eval_cross_entropy"], cross_entropy_of(module, encoder.with_references(chunk, device)))
     finally:
@@ -128,6 +141,11 @@ def evaluate(engine: Any, teacher: torch.nn.Module | None, rollout: Any, encoder
         dist.all_reduce(both)
         sums = {name: both[2 * i:2 * i + 2].tolist() for i, name in enumerate(sums)}
     return {name: total / count for name, (total, count) in sums.items() if count}
+
+
+def _reverse_kl(student: torch.nn.Module, teacher: Any, batch: Any) -> tuple[float, int]:
+    kl = served_reverse_kl_sum if isinstance(teacher, ServedTeacher) else reverse_kl_sum
+    return kl(student, teacher, batch)
 
 
 def _add(into: list, value: tuple[float, int]) -> None:

@@ -20,7 +20,8 @@ import numpy as np
 import torch
 
 from opsd_rollout.files import write_text_atomic
-from opsd_rollout.opsd.step import StepState, opsd_step
+from opsd_rollout.opsd.served import ServedTeacher
+from opsd_rollout.opsd.step import StepState, start_step
 from opsd_rollout.seeding import seeded
 from opsd_rollout.train.checkpoint import find_checkpoint, save_model
 from opsd_rollout.train.config import TrainConfig
@@ -29,6 +30,7 @@ from opsd_rollout.train.evaluate import evaluate
 from opsd_rollout.train.report import MetricsLog, Progress, monitor_events, plot_eval, step_record
 from opsd_rollout.train.setup import Models, build_student_engine, load_models, split_examples
 from opsd_rollout.train.sft import sft_step
+from opsd_rollout.train.task_eval import Problem, evaluate_task, task_problems
 
 logger = logging.getLogger(__name__)
 
@@ -76,11 +78,13 @@ def _seed_of(seed: int, *key: int) -> int:
 class _Run:
     """One training run's state: models, engine, data, logs."""
 
-    def __init__(self, config: TrainConfig, models: Models, train: list[Example], held_out: list[Example]):
+    def __init__(self, config: TrainConfig, models: Models, train: list[Example], held_out: list[Example],
+                 problems: list[Problem] | None = None):
         from opsd_rollout.distributed import rank_info
         from opsd_rollout.rollout import HybridEngineRollout
 
         self.config, self.models, self.train, self.held_out = config, models, train, held_out
+        self.problems = problems
         self.out = Path(config.output_dir)
         self.checkpoints = self.out / "checkpoints"
         self.engine = build_student_engine(config, models.student)
@@ -101,6 +105,12 @@ class _Run:
         self.teacher_rollout = (HybridEngineRollout(self.teacher, models.tokenizer, profiled)
                                 if self.teacher is not None and config.lmbda < 1 and not self.references else None)
         self.step_state = StepState()  # opsd_step's, kept across the run's steps: buffers reused, warnings once
+        self.servers = [t for t in (self.teacher.values() if config.several else [self.teacher])
+                        if isinstance(t, ServedTeacher)]
+        self.ahead = (bool(self.servers) and all(s.overlap for s in self.servers) and self.accumulation > 1
+                      and config.objective == "opsd")
+        """Roll out a whole optimizer step's micro-batches before their updates (the weights they sample from are
+        the same until the step): each served teacher request is then in flight behind the next rollout."""
         self.step = 0
         if config.resume is not None:
             _, client = self.engine.load_checkpoint(str(find_checkpoint(config.resume)))
@@ -112,7 +122,8 @@ class _Run:
 
     # ---- one optimizer step --------------------------------------------------------------------------------
 
-    def micro_batch(self, index: int, on_policy: bool) -> Any:
+    def micro_batch(self, index: int, on_policy: bool, slot: int = 0) -> "_Started":
+        """Micro-batch ``index`` begun: SFT's step done, or an OPSD step in flight (``start_step``)."""
         config = self.config
         seed = _seed_of(config.seed, index)
         with seeded(seed, self.device):  # dropout's random numbers; the rollout takes the seed itself
@@ -120,7 +131,8 @@ class _Run:
                                    index * self.rank.world_size + self.rank.rank)
             examples = [self.train[i] for i in picked]
             if config.objective == "sft":
-                return sft_step(self.engine, self.encoder.with_references(examples, self.device), grad_norm=True)
+                return _Started(seed, self.device, profile=sft_step(
+                    self.engine, self.encoder.with_references(examples, self.device), grad_norm=True))
             request = self.encoder.request(examples, self.device)
             if on_policy:
                 rollout = self.rollout
@@ -129,30 +141,81 @@ class _Run:
                                                               config.sampling.n_samples_per_prompt))
             else:
                 rollout = self.teacher_rollout
-            return opsd_step(self.engine, self.teacher, rollout, request, config.sampling,
-                             divergence=config.divergence, teacher_cache=config.cache, state=self.step_state,
-                             rollout_seed=seed, grad_norm=True)
+            routes = [e.teacher or config.default_teacher_name for e in examples] if config.several else None
+            return _Started(seed, self.device, step=start_step(
+                self.engine, self.teacher, rollout, request, config.sampling, divergence=config.divergence,
+                teacher_cache=config.cache, state=self.step_state, rollout_seed=seed, grad_norm=True, slot=slot,
+                routes=routes))
 
     def optimizer_step(self, step: int) -> dict[str, Any]:
         config = self.config
         on_policy = None if config.objective == "sft" else bool(
             np.random.default_rng(_seed_of(config.seed, step, 1)).random() < config.lmbda)
         start = time.perf_counter()
-        profiles = [self.micro_batch((step - 1) * self.accumulation + g, bool(on_policy))
-                    for g in range(self.accumulation)]
+        first = (step - 1) * self.accumulation
+        if self.ahead:  # every rollout first, each teacher request in flight behind the next one's rollout
+            try:
+                started = [self.micro_batch(first + g, on_policy, slot=g) for g in range(self.accumulation)]
+                profiles = [micro.finish() for micro in started]
+            except BaseException:  # the run stops: the answers still on their way are dropped
+                for server in self.servers:
+                    server.close()
+                raise
+        else:
+            profiles = [self.micro_batch(first + g, on_policy).finish() for g in range(self.accumulation)]
         step_ms = (time.perf_counter() - start) * 1e3
         divergence = "cross_entropy" if config.objective == "sft" else config.divergence.loss
         drawn = step * self.accumulation * config.prompts_per_micro_batch * self.rank.world_size  # every rank's
         return step_record(step, profiles, step_ms=step_ms, learning_rate=float(self.engine.get_lr()[0]),
                            on_policy=on_policy, divergence=divergence, epoch=drawn / len(self.train))
 
-    def evaluation(self) -> dict[str, float]:
+    def evaluation(self, *, teacher: bool = False) -> dict[str, float]:
+        """The held-out figures, the task evaluation's when there is one, and with ``teacher`` (step 0) the
+        teacher's task figures."""
         examples = self.held_out[:self.config.eval_prompts]
         shard = examples[self.rank.rank::self.rank.world_size][:len(examples) // self.rank.world_size or 1]
         start = time.perf_counter()
         figures = evaluate(self.engine, self.teacher, self.rollout, self.encoder, shard, self.config.sampling,
-                           seed=_seed_of(self.config.seed, 2**31), batch_size=self.config.prompts_per_micro_batch)
+                           seed=_seed_of(self.config.seed, 2**31), batch_size=self.config.prompts_per_micro_batch,
+                           default_teacher=self.config.default_teacher_name)
+        if self.problems is not None:
+            if teacher:
+                figures.update(self.teacher_task_evaluation())
+            task_start = time.perf_counter()
+            figures.update(self.task_evaluation(self.engine, self.rollout).record())
+            figures["time/task_evaluation_ms"] = (time.perf_counter() - task_start) * 1e3
         return {**figures, "time/evaluation_ms": (time.perf_counter() - start) * 1e3}
+
+    def task_evaluation(self, model: Any, rollout: Any) -> Any:
+        task = self.config.task_eval
+        return evaluate_task(model, rollout, self.models.tokenizer, self.problems, task, self.config.sampling,
+                             max_new_tokens=task.new_tokens(self.config.sampling.max_new_tokens),
+                             seed=_seed_of(self.config.seed, 2**31, 1),
+                             batch_size=self.config.prompts_per_micro_batch)
+
+    def teacher_task_evaluation(self) -> dict[str, float]:
+        """The teacher's task figures (``teacher_eval_*``), once: what the student is read against. A served teacher
+        scores tokens and does not generate, so it is not scored (a line says so)."""
+        if self.teacher is None:
+            return {}
+        if self.config.several:
+            if self.rank.rank == 0:
+                logger.warning("with several teachers, none is scored on --eval-data here: for a teacher's figure, "
+                               "run opsd-rollout eval --model on its checkpoint")
+            return {}
+        if isinstance(self.teacher, ServedTeacher):
+            if self.rank.rank == 0:
+                logger.warning("the served teacher is not scored on --eval-data (a teacher server scores tokens, it "
+                               "does not generate): for its figure, run opsd-rollout eval --model on its checkpoint")
+            return {}
+        from opsd_rollout.rollout import HybridEngineRollout
+
+        rollout = HybridEngineRollout(self.teacher, self.models.tokenizer,
+                                      self.config.rollout.replace(enable_profiling=False))
+        try:
+            return self.task_evaluation(self.teacher, rollout).record("teacher_eval_")
+        finally:
+            rollout.shutdown()
 
     # ---- the loop --------------------------------------------------------------------------------------------
 
@@ -178,7 +241,7 @@ class _Run:
         progress = Progress(config.steps, self.step, enabled=config.progress)
         try:
             if self.step == 0:
-                self.record({"step": 0, **self.evaluation()}, progress)
+                self.record({"step": 0, **self.evaluation(teacher=True)}, progress)
             trained_s = next((r["time/steps_s"] for r in reversed(self.log.records) if "time/steps_s" in r), 0.0)
             while self.step < config.steps:
                 record = self.optimizer_step(self.step + 1)
@@ -196,6 +259,9 @@ class _Run:
             result.interrupted = True
         except ConnectionError as error:  # a served teacher gone for longer than teacher_timeout: keep what is done
             result.stopped = str(error)
+        finally:
+            for server in self.servers:
+                server.close()
         if self.saved_at != self.step:
             result.checkpoint = self.save()
         else:
@@ -204,11 +270,38 @@ class _Run:
         if not result.interrupted and result.stopped is None:
             result.model_dir = save_model(self.engine, self.models.tokenizer, self.out / "model", self.rank)
         if self.rank.rank == 0:
-            teacher = _short(config.teacher) if config.teacher else config.teacher_url
+            teacher = (", ".join(config.named_teachers()) if config.several else _short(config.teacher)
+                       if config.teacher else config.teacher_url)
             title = (f"{_short(config.student)} distilled from {teacher}" if config.objective == "opsd"
                      else f"{_short(config.student)} trained by SFT")
             result.plot = plot_eval(result.records, self.out / "eval.png", title)
         return result
+
+
+@dataclass
+class _Started:
+    """A micro-batch begun: an OPSD step in flight, finished under the micro-batch's seed as it was started (the
+    student forward's dropout, as if the step had run in one piece), or SFT's profile."""
+
+    seed: int
+    device: Any
+    step: Any = None
+    profile: Any = None
+
+    def finish(self) -> Any:
+        if self.profile is None:
+            with seeded(self.seed, self.device):
+                self.profile = self.step.finish()
+        return self.profile
+
+
+def check_example_teachers(examples: list[Example], names: set[str]) -> None:
+    """Every example's ``teacher`` is one of the run's (a library caller's data; the command line's file is checked
+    by line before torch loads)."""
+    for number, example in enumerate(examples, 1):
+        if example.teacher is not None and example.teacher not in names:
+            raise ValueError(f"example {number} names teacher {example.teacher!r}, which is none of the run's "
+                             f"teachers {sorted(names)}")
 
 
 def train(config: TrainConfig) -> TrainResult:
@@ -216,9 +309,12 @@ def train(config: TrainConfig) -> TrainResult:
     returns with ``interrupted`` set; a served teacher that stops answering for ``teacher_timeout`` seconds saves one
     at the last completed step and returns with ``stopped`` set."""
     from opsd_rollout.train.data import read_examples
+    from opsd_rollout.train.eval_file import read_eval_file
 
     if config.resume is not None:
         find_checkpoint(config.resume)  # before any work: a directory without a checkpoint is refused
+    task = config.task_eval
+    records = read_eval_file(task.data, task.scorer) if task is not None else None  # before any model work
     models = load_models(config)
     examples = read_examples(config.prompts, models.tokenizer) if config.prompts else None
     train_examples, held_out = split_examples(config, examples)
@@ -229,11 +325,21 @@ def train(config: TrainConfig) -> TrainResult:
     if config.off_policy == "references" and not references:
         raise ValueError("off_policy references trains on references: every example needs a 'reference'")
     teacher_samples = config.off_policy == "teacher" or (config.off_policy == "auto" and not references)
+    if config.several:
+        check_example_teachers(train_examples + held_out, set(config.named_teachers()))
+        if config.lmbda < 1 and teacher_samples:
+            raise ValueError("with several teachers, the steps that are not on-policy train on references (off_policy "
+                             "references, every example with a 'reference'), not on one teacher's samples: use "
+                             "lmbda 1, or references")
     if config.teacher_url is not None and config.lmbda < 1 and teacher_samples:
         raise ValueError("the steps that are not on-policy would train on the teacher's samples, and a served "
                          "teacher scores tokens, it does not generate: use lmbda 1, or references (off_policy "
                          "references, every example with a 'reference')")
-    return _Run(config, models, train_examples, held_out).run()
+    problems = None
+    if records is not None:
+        problems = task_problems(records, models.tokenizer, [models.student, models.teacher],
+                                 task.new_tokens(config.sampling.max_new_tokens))
+    return _Run(config, models, train_examples, held_out, problems).run()
 
 
 

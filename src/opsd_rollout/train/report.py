@@ -16,7 +16,8 @@ from typing import Any
 import psutil
 
 from opsd_rollout.files import write_text_atomic
-from opsd_rollout.metrics import RECORD_ROLLOUT_STAGES, ROLLOUT_PREFIX, STEP_STAGES, TIME, TRAINING, upgrade
+from opsd_rollout.metrics import (RECORD_ROLLOUT_STAGES, ROLLOUT_PREFIX, STEP_STAGES, TIME, hidden_share,
+                                  training_metric, upgrade)
 
 
 def step_record(step: int, profiles: list[Any], *, step_ms: float, learning_rate: float, on_policy: bool | None,
@@ -27,12 +28,17 @@ def step_record(step: int, profiles: list[Any], *, step_ms: float, learning_rate
     tokens = sum(p.response_tokens for p in profiles)
     record: dict[str, Any] = {
         "step": step, "epoch": epoch, "loss": sum(p.loss * p.response_tokens for p in profiles) / max(tokens, 1),
+        **teacher_losses(profiles),
         "grad_norm": next((p.grad_norm for p in reversed(profiles) if p.grad_norm is not None), None),
         "learning_rate": learning_rate, "divergence": divergence, "on_policy": on_policy,
         "micro_batches": len(profiles), "response_tokens": tokens,
         "tokens_per_second": tokens / (step_ms / 1e3) if step_ms > 0 else 0.0, "time/step_ms": step_ms}
     times = {name: sum(getattr(p, name) for p in profiles) for name in ("total_ms", *STEP_STAGES)}
     record.update({TIME + name: value for name, value in times.items()})
+    latency = sum(p.teacher_latency_ms for p in profiles)
+    if latency > 0:  # a served teacher
+        record["time/teacher_latency_ms"] = latency
+        record["time/teacher_hidden_share"] = hidden_share(times["teacher_wait_ms"], latency)
     producing = times["eval_ms"] + times["rollout_ms"] + times["train_ms"]
     record["time/rollout_share"] = producing / times["total_ms"] if times["total_ms"] > 0 else 0.0
     for stage in RECORD_ROLLOUT_STAGES:
@@ -43,6 +49,18 @@ def step_record(step: int, profiles: list[Any], *, step_ms: float, learning_rate
     record["teacher_cache_bytes"] = max((p.teacher_cache_bytes for p in profiles), default=0)
     record["rss_bytes"] = psutil.Process().memory_info().rss  # after the step: flat over a run, or a leak
     return record
+
+
+def teacher_losses(profiles: list[Any]) -> dict[str, float]:
+    """With several teachers, each one's loss over the step (``loss/NAME``): token-weighted over the micro-batches
+    that routed it tokens."""
+    tokens: dict[str, int] = {}
+    sums: dict[str, float] = {}
+    for profile in profiles:
+        for name, count in profile.teacher_tokens.items():
+            tokens[name] = tokens.get(name, 0) + count
+            sums[name] = sums.get(name, 0.0) + profile.teacher_losses[name] * count
+    return {f"loss/{name}": sums[name] / tokens[name] for name in tokens if tokens[name]}
 
 
 def read_records(path: Path) -> list[dict[str, Any]]:
@@ -84,10 +102,11 @@ def monitor_events(record: dict[str, Any]) -> list[tuple[str, float, int]]:
     itself are not sent."""
     events = []
     for key, value in record.items():
-        if key not in TRAINING:
+        registered = training_metric(key)
+        if registered is None:
             raise ValueError(f"training record key {key!r} is not in metrics.TRAINING: register it there (its unit, "
                              "merge rule, direction and monitor name)")
-        tag = TRAINING[key].monitor
+        tag = registered.monitor
         if tag is None or isinstance(value, bool) or not isinstance(value, (int, float)):
             continue
         events.append((tag, float(value), record["step"]))
@@ -113,6 +132,8 @@ class Progress:
                 f"tok/s  rollout {record['time/rollout_share']:.0%}  ETA {_duration(left)}")
         if "eval_reverse_kl" in record:
             text += f"  eval reverse KL {record['eval_reverse_kl']:.4f}"
+        if "eval_accuracy" in record:
+            text += f"  accuracy {record['eval_accuracy']:.1%}"
         return text
 
     def show(self, record: dict[str, Any]) -> None:
@@ -121,7 +142,7 @@ class Progress:
         last = record["step"] == self.total
         if self.tty:
             print("\r" + self.line(record).ljust(100), end="\n" if last else "", file=self.stream, flush=True)
-        elif last or record["step"] % self.every == 0 or "eval_reverse_kl" in record:
+        elif last or record["step"] % self.every == 0 or "time/evaluation_ms" in record:
             print(self.line(record), file=self.stream, flush=True)
 
 
@@ -132,14 +153,31 @@ def _duration(seconds: float) -> str:
     return f"{minutes}m{seconds:02d}s" if minutes else f"{seconds}s"
 
 
+TASK_PANEL = "task"
+"""``plot_eval``'s panel of the task evaluation's figures (``eval_accuracy``, ``eval_pass@1``, ``eval_pass@K``)."""
+
+
+def _panels(records: list[dict[str, Any]]) -> dict[str, dict[str, list[tuple[int, float]]]]:
+    """Panel -> curve name -> (step, value): the held-out reverse KL, the cross-entropy, the task figures; the
+    panels with no point left out."""
+    def curve(name: str) -> list[tuple[int, float]]:
+        return [(r["step"], r[name]) for r in records if r.get(name) is not None]
+
+    task = sorted({key for r in records for key in r if key == "eval_accuracy" or key.startswith("eval_pass@")},
+                  key=lambda key: (key != "eval_accuracy", len(key), key))
+    panels = {"eval_reverse_kl": {"eval_reverse_kl": curve("eval_reverse_kl")},
+              "eval_cross_entropy": {"eval_cross_entropy": curve("eval_cross_entropy")},
+              TASK_PANEL: {name: curve(name) for name in task}}
+    return {panel: curves for panel, curves in panels.items() if any(curves.values())}
+
+
 def plot_eval(records: list[dict[str, Any]], path: Path, title: str) -> Path | None:
-    """The held-out curves (reverse KL to the teacher, cross-entropy on the references) against the optimizer
-    step, as a PNG; ``None`` without matplotlib or without an evaluation. Records of any age (``metrics.upgrade``)."""
+    """The held-out curves (reverse KL to the teacher, cross-entropy on the references) and the task evaluation's
+    (greedy accuracy, pass@1, pass@K, the teacher's figures as dashed lines) against the optimizer step, as a PNG;
+    ``None`` without matplotlib or without an evaluation. Records of any age (``metrics.upgrade``)."""
     records = [upgrade(r) for r in records]
-    curves = {name: [(r["step"], r[name]) for r in records if name in r]
-              for name in ("eval_reverse_kl", "eval_cross_entropy")}
-    curves = {name: points for name, points in curves.items() if points}
-    if not curves:
+    panels = _panels(records)
+    if not panels:
         return None
     try:
         import matplotlib
@@ -148,14 +186,23 @@ def plot_eval(records: list[dict[str, Any]], path: Path, title: str) -> Path | N
         import matplotlib.pyplot as plt
     except ImportError:
         return None
-    labels = {"eval_reverse_kl": "held-out reverse KL to the teacher",
-              "eval_cross_entropy": "held-out cross-entropy on the references"}
-    figure, axes = plt.subplots(1, len(curves), figsize=(5.5 * len(curves), 3.8), squeeze=False)
-    for axis, (name, points) in zip(axes[0], curves.items()):
-        axis.plot([s for s, _ in points], [v for _, v in points], marker="o")
-        axis.set_title(labels[name], fontsize=10)
+    titles = {"eval_reverse_kl": "held-out reverse KL to the teacher",
+              "eval_cross_entropy": "held-out cross-entropy on the references", TASK_PANEL: "task evaluation"}
+    figure, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 3.8), squeeze=False)
+    for axis, (panel, curves) in zip(axes[0], panels.items()):
+        for name, points in curves.items():
+            line, = axis.plot([s for s, _ in points], [v for _, v in points], marker="o",
+                              label=name.removeprefix("eval_") if panel == TASK_PANEL else None)
+            teacher = next((r["teacher_" + name] for r in records if r.get("teacher_" + name) is not None), None)
+            if teacher is not None:
+                axis.axhline(teacher, color=line.get_color(), linestyle="--", linewidth=1,
+                             label=f"teacher {name.removeprefix('eval_')}")
+        axis.set_title(titles[panel], fontsize=10)
         axis.set_xlabel("optimizer step")
-        axis.set_ylabel("nats / token")
+        axis.set_ylabel("fraction of problems" if panel == TASK_PANEL else "nats / token")
+        if panel == TASK_PANEL:
+            axis.set_ylim(-0.02, 1.02)
+            axis.legend(fontsize=8)
         axis.grid(alpha=0.3)
     figure.suptitle(title)
     figure.tight_layout()

@@ -4,21 +4,22 @@ the examples and their held-out split, and the student's DeepSpeed engine from t
 from __future__ import annotations
 
 import copy
-import json
 import os
+import urllib.parse
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from opsd_rollout import checks
-from opsd_rollout.deepspeed_config import check_deepspeed_config, refusal
+from opsd_rollout.deepspeed_config import check_deepspeed_config, read_deepspeed_file, refusal
 from opsd_rollout.modeling import max_positions_of, text_config
-from opsd_rollout.models import load_model, model_config
+from opsd_rollout.models import load_model, load_tokenizer, model_config, model_skeleton
 from opsd_rollout.opsd.served import ServedTeacher
 from opsd_rollout.presets import PRESETS
 from opsd_rollout.train.data import Example
+from opsd_rollout.train.lora import check_targets
+from opsd_rollout.train.preflight import check_vocabularies
 
 HELD_OUT_EVERY = 10
 """A prompt file's every tenth example is held out (files of fewer than ten evaluate on their training prompts)."""
@@ -70,9 +71,8 @@ def load_models(config: Any) -> Models:
     served = config.teacher_url is not None
     names = [config.student] + ([config.teacher] if config.teacher is not None and not served else [])
     configs = [text_config(model_config(name)) for name in names]
-    if len(configs) == 2 and configs[0].vocab_size != configs[1].vocab_size:
-        raise ValueError(f"student {config.student!r} has a vocabulary of {configs[0].vocab_size:,} tokens and teacher "
-                         f"{config.teacher!r} one of {configs[1].vocab_size:,}: distillation needs the same vocabulary")
+    if len(configs) == 2:
+        check_vocabularies(config.student, configs[0].vocab_size, config.teacher, configs[1].vocab_size)
     limits = [p for p in (max_positions_of(c) for c in configs) if p]
     positions = min(limits) if limits else 1 << 30
     new_tokens = config.sampling.max_new_tokens
@@ -80,29 +80,89 @@ def load_models(config: Any) -> Models:
     if longest < 1 or longest + new_tokens > positions:
         raise ValueError(f"max_prompt_tokens {longest} + max_new_tokens {new_tokens} exceed the models' "
                          f"{positions} positions")
+    if config.lora.enabled:  # before the weights load
+        check_targets(model_skeleton(config.student), config.lora, config.student)
     student, tokenizer = load_model(config.student)
+    if len(tokenizer) > configs[0].vocab_size:  # an id past the embedding would fail mid-rollout, far from here
+        raise ValueError(f"student {config.student!r}: its tokenizer has {len(tokenizer):,} tokens and its model a "
+                         f"vocabulary of {configs[0].vocab_size:,}: the model's vocab_size must be at least "
+                         "len(tokenizer) (added tokens count; docs/MODELS.md)")
+    if config.several:
+        return Models(student, tokenizer, load_teachers(config, tokenizer, configs[0].vocab_size), longest)
     if served:
         return Models(student, tokenizer, served_teacher(config, tokenizer, configs[0].vocab_size), longest)
     # a preset teacher that is also the student gets other random weights: the same would make the loss 0
     seed = 1 if config.teacher == config.student and config.teacher in PRESETS else None
+    if config.teacher is not None:
+        check_same_tokens(config.student, tokenizer, config.teacher, load_tokenizer(config.teacher),
+                          configs[0].vocab_size)
     teacher = (load_model(config.teacher, seed=seed)[0].eval().requires_grad_(False) if config.teacher is not None
                else None)
     return Models(student, tokenizer, teacher, longest)
 
 
-def served_teacher(config: Any, tokenizer: Any, vocab_size: int) -> ServedTeacher:
-    """The served teacher of ``config.teacher_url``, checked before any step: it answers (retried up to
-    ``teacher_timeout``), serves ``config.teacher`` (when named), and has the student's tokenizer and vocabulary;
-    each failure one line naming both sides."""
-    teacher = ServedTeacher(config.teacher_url, model=config.teacher,
+def load_teachers(config: Any, tokenizer: Any, vocab_size: int) -> dict[str, Any]:
+    """Several teachers by name (``config.named_teachers()``), each checked as one teacher is before any step: a
+    model's vocabulary and tokens against the student's, a server's answer, model, tokenizer and vocabulary."""
+    teachers: dict[str, Any] = {}
+    for name, (kind, spec) in config.named_teachers().items():
+        if kind == "url":
+            teachers[name] = served_teacher(config, tokenizer, vocab_size, url=spec, name=name)
+            continue
+        theirs = text_config(model_config(spec)).vocab_size
+        check_vocabularies(config.student, vocab_size, f"{name}={spec}", theirs)
+        check_same_tokens(config.student, tokenizer, f"{name}={spec}", load_tokenizer(spec), vocab_size)
+        seed = 1 if spec == config.student and spec in PRESETS else None  # not the student's own weights
+        teachers[name] = load_model(spec, seed=seed)[0].eval().requires_grad_(False)
+    return teachers
+
+
+def check_same_tokens(student: str, tokenizer: Any, teacher: str, teacher_tokenizer: Any,
+                      vocab_size: int | None = None) -> None:
+    """Refuses a teacher whose tokenizer maps a token to another id than the student's (same vocabulary size,
+    other tokens: its logits would score other text), among the ids the models have (``vocab_size``: a token a
+    tokenizer adds past the models' vocabulary is one neither can produce or score). A teacher saved without a
+    tokenizer is taken as the student's."""
+    if teacher_tokenizer is None:
+        return
+    limit = vocab_size if vocab_size is not None else float("inf")
+    ours, theirs = ({token: i for token, i in side.get_vocab().items() if i < limit}
+                    for side in (tokenizer, teacher_tokenizer))
+    if ours != theirs:
+        token = next((t for t in sorted(ours) if theirs.get(t) != ours[t]), None) or next(
+            t for t in sorted(theirs) if t not in ours)
+        raise ValueError(f"teacher {teacher!r}'s tokenizer is not student {student!r}'s: token {token!r} is id "
+                         f"{ours.get(token)} in the student's and {theirs.get(token)} in the teacher's; "
+                         "distillation needs the same tokens at the same ids")
+
+
+def served_teacher(config: Any, tokenizer: Any, vocab_size: int, *, url: str | None = None,
+                   name: str | None = None) -> ServedTeacher:
+    """The served teacher of ``config.teacher_url`` (or ``url``, teacher ``name``'s), checked before any step: it
+    answers (retried up to ``teacher_timeout``), serves ``config.teacher`` (when named; the one teacher's), and has
+    the student's tokenizer and vocabulary; each failure one line naming both sides."""
+    model = config.teacher if url is None or url == config.teacher_url else None
+    flag = "--teacher-url" if name is None else f"--teacher-url {name}="
+    teacher = ServedTeacher(url or config.teacher_url, model=model,
                             api_key=config.teacher_api_key or os.environ.get("OPSD_ROLLOUT_API_KEY"),
                             protocol=config.teacher_protocol, tokenizer=tokenizer,
-                            retry_timeout_s=config.teacher_timeout)
+                            retry_timeout_s=config.teacher_timeout,
+                            overlap=overlaps(config.teacher_overlap, url or config.teacher_url))
     try:
         teacher.connect(vocab_size)
     except ConnectionError as error:
-        raise ValueError(f"--teacher-url: {error}") from None
+        raise ValueError(f"{flag}: {error}") from None
     return teacher
+
+
+def overlaps(asked: bool | None, url: str) -> bool:
+    """Whether a served teacher's requests go in flight behind the student's work: as asked, else on unless the
+    server is on loopback and the student on the CPU (both would compute on the same cores: measured slower)."""
+    if asked is not None:
+        return asked
+    host = urllib.parse.urlsplit(url).hostname or ""
+    loopback = host == "localhost" or host.startswith("127.") or host == "::1"
+    return not (loopback and not torch.cuda.is_available())
 
 
 def split_examples(config: Any, examples: list[Example] | None) -> tuple[list[Example], list[Example]]:
@@ -132,15 +192,7 @@ def deepspeed_config_of(config: Any, *, check: bool = True) -> dict[str, Any]:
     if isinstance(optimization.deepspeed, dict):
         ds = copy.deepcopy(optimization.deepspeed)
     elif optimization.deepspeed is not None:
-        path = Path(optimization.deepspeed)
-        try:
-            ds = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise ValueError(f"--deepspeed {str(path)!r} does not exist") from None
-        except json.JSONDecodeError as error:
-            raise ValueError(f"--deepspeed {str(path)!r} is not JSON: {error}") from None
-        if not isinstance(ds, dict):
-            raise ValueError(f"--deepspeed {str(path)!r} must hold a JSON object")
+        ds = read_deepspeed_file(optimization.deepspeed)
     else:
         ds = deepspeed_config(optimization.zero_stage, lr=optimization.lr)
         ds["gradient_clipping"] = 1.0

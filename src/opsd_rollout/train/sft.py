@@ -9,7 +9,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from opsd_rollout.opsd.step import StepParts, StepProfile, optimizer_step, student_logits, token_mean
+from opsd_rollout.opsd.step import optimizer_step, student_logits, token_mean
+from opsd_rollout.opsd.step_profile import StepParts, StepProfile
 from opsd_rollout.opsd.targets import response_targets
 from opsd_rollout.profiling import Clock, StageRecorder
 

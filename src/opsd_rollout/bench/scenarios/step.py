@@ -113,7 +113,7 @@ class StepMeasurement:
         from opsd_rollout.profiling.recorder import Span
 
         p = self._last
-        durations = {"rollout": p.rollout_ms, "teacher": p.teacher_forward_ms + p.cache_write_ms,
+        durations = {"rollout": p.rollout_ms, "teacher": p.teacher_forward_ms + p.cache_write_ms + p.teacher_wait_ms,
                      "student_forward": p.student_forward_ms, "loss": p.loss_ms, "backward": p.backward_ms,
                      "optimizer": p.optimizer_ms}
         offset = p.part_start_ms.get("rollout", 0.0)

@@ -1,0 +1,94 @@
+"""LoRA students: PEFT's adapters on the student, the only parameters trained and optimised.
+
+``AdapterConfig`` (``TrainConfig.lora``) is light (no torch, transformers or PEFT at import: the command line checks
+it before they load); the functions that wrap a model, check the targets against its modules or merge import PEFT
+when they run. The adapters are PEFT's own (``LoraConfig``, ``get_peft_model``), saved in its format
+(``save_pretrained``: ``adapter_config.json`` and the adapter weights) so that ``PeftModel.from_pretrained`` and
+every tool that reads PEFT adapters load them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from opsd_rollout import checks
+
+ALL_LINEAR = "all-linear"
+"""PEFT's name for every linear layer but the output head."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class AdapterConfig:
+    """LoRA adapters on the student (``rank`` set), or full fine-tuning (``rank`` ``None``, the default)."""
+
+    rank: int | None = None
+    """The adapters' rank r (PEFT's ``r``); ``None``: no adapters, every parameter trains."""
+    alpha: float | None = None
+    """PEFT's ``lora_alpha`` (the update is scaled by alpha / r); ``None``: 2 x rank."""
+    targets: tuple[str, ...] = (ALL_LINEAR,)
+    """Module names the adapters wrap, as PEFT's ``target_modules`` matches them (a name matches a module whose
+    dotted path ends with it: ``q_proj`` wraps every layer's ``q_proj``), or ``all-linear`` (PEFT's: every linear
+    layer but the output head). Each name must match at least one module of the student, checked before any step."""
+    merge: bool = False
+    """Also write the merged model (the adapters folded into the base weights, PEFT's ``merge_and_unload``) to
+    ``merged/`` beside the adapters' ``model/``."""
+
+    def __post_init__(self) -> None:
+        checks.integer("lora rank", self.rank, optional=True, hint="--lora-rank")
+        checks.number("lora alpha", self.alpha, above=0, optional=True, hint="--lora-alpha")
+        if isinstance(self.targets, (str, list)):  # a flag's comma list, or train_config.json's list
+            targets = split_targets(self.targets) if isinstance(self.targets, str) else tuple(self.targets)
+            object.__setattr__(self, "targets", targets)
+        if not self.targets or not all(isinstance(t, str) and t for t in self.targets):
+            raise ValueError(f"lora targets must be module names (--lora-targets q_proj,v_proj) or all-linear; got "
+                             f"{self.targets!r}")
+        if self.rank is None and (self.alpha is not None or self.merge or self.targets != (ALL_LINEAR,)):
+            given = [name for name, on in (("--lora-alpha", self.alpha is not None), ("--merge-lora", self.merge),
+                                           ("--lora-targets", self.targets != (ALL_LINEAR,))) if on]
+            raise ValueError(f"{', '.join(given)} shape{'s' if len(given) == 1 else ''} LoRA adapters, and there are "
+                             "none without --lora-rank R (lora rank): add it, or drop "
+                             f"{'it' if len(given) == 1 else 'them'}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank is not None
+
+    @property
+    def scale_alpha(self) -> float:
+        """``alpha`` as PEFT takes it: the one given, else 2 x rank."""
+        return float(self.alpha) if self.alpha is not None else 2.0 * float(self.rank or 0)
+
+
+def split_targets(text: str) -> tuple[str, ...]:
+    """``q_proj,v_proj`` -> ``("q_proj", "v_proj")``."""
+    return tuple(name.strip() for name in text.split(",") if name.strip())
+
+
+def peft_config(adapters: AdapterConfig) -> Any:
+    """PEFT's ``LoraConfig`` of ``adapters`` (a causal LM's)."""
+    from peft import LoraConfig  # heavy: see the module docstring
+
+    targets = ALL_LINEAR if adapters.targets == (ALL_LINEAR,) else list(adapters.targets)
+    return LoraConfig(r=adapters.rank, lora_alpha=adapters.scale_alpha, target_modules=targets, lora_dropout=0.0,
+                      bias="none", task_type="CAUSAL_LM")
+
+
+ADAPTABLE = ("Linear", "Embedding", "Conv1D", "Conv1d", "Conv2d")
+"""Class names of the layers PEFT's LoRA wraps (``Conv1D``: GPT-2's linear layers, transformers' class)."""
+
+
+def check_targets(model: Any, adapters: AdapterConfig, name: str) -> None:
+    """Refuses a target that matches no layer PEFT can wrap in ``model`` (built from its config on the meta device:
+    no weights needed), naming the layers there are. PEFT refuses only when no target matches at all; a misspelt
+    one of several would silently adapt fewer layers."""
+    layers = sorted({path.rsplit(".", 1)[-1] for path, module in model.named_modules()
+                     if path and type(module).__name__ in ADAPTABLE})
+    if adapters.targets == (ALL_LINEAR,):
+        return
+    paths = [path for path, module in model.named_modules() if path and type(module).__name__ in ADAPTABLE]
+    missing = [t for t in adapters.targets if not any(p == t or p.endswith("." + t) for p in paths)]
+    if missing:
+        raise ValueError(f"--lora-targets {', '.join(map(repr, missing))} match{'es' if len(missing) == 1 else ''} "
+                         f"no layer of the student {name!r}; its layers LoRA can wrap: {', '.join(layers)} (or "
+                         f"{ALL_LINEAR})")
