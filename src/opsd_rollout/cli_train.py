@@ -169,9 +169,11 @@ def run_train(args: argparse.Namespace) -> int:
     from transformers.utils import logging as transformers_logging
 
     from opsd_rollout.train import TrainConfig, train  # heavy: see the module docstring
-    from opsd_rollout.train.default import default_run
+    from opsd_rollout.train.default import default_run, task_eval_flags
 
     transformers_logging.disable_progress_bar()  # loading and saving checkpoints: our progress line says enough
+    if "task" in given and "eval_data" not in given:  # a built-in task's run is scored on its held-out problems
+        given = {**task_eval_flags(args.cache_dir, given["task"]), **given}
     if builtin:
         result = default_run(args.output_dir, cache_dir=args.cache_dir, progress=not args.quiet,
                              overrides=given)

@@ -23,7 +23,7 @@ from typing import Any
 from opsd_rollout import checks
 from opsd_rollout.train.checkpoint import latest_tag
 from opsd_rollout.train.config import TrainConfig
-from opsd_rollout.train.eval_file import read_eval_file
+from opsd_rollout.train.eval_file import TaskEvalConfig, read_eval_file
 from opsd_rollout.train.loop import TrainResult, train
 
 TEACHER = TrainConfig.from_flat(dict(output_dir="", objective="sft", student="llama-mini", steps=800,
@@ -60,6 +60,15 @@ def data_hash(task: str | None) -> str:
     train_examples, held_out = task_examples(task)
     data = [asdict(TASKS[task]), [[e.prompt, e.reference, e.eos] for e in train_examples + held_out]]
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
+
+
+def task_eval_flags(cache_dir: str | None, task: str) -> dict[str, str]:
+    """``--eval-data`` and ``--eval-scorer`` of a built-in task: its held-out problems as an eval file in the cache
+    (named by the task's data, written once) and the scorer of its answers."""
+    from opsd_rollout.train.tasks import SCORERS, write_eval_file
+
+    path = cache_root(cache_dir) / "tasks" / f"{task}-{data_hash(task)[:12]}.jsonl"
+    return {"eval_data": str(path if path.is_file() else write_eval_file(task, path)), "eval_scorer": SCORERS[task]}
 
 
 def teacher_dir(cache_dir: str | None, config: TrainConfig = TEACHER) -> Path:
@@ -117,6 +126,9 @@ def trained_teacher(cache_dir: str | None, *, progress: bool = True, config: Tra
         data = "the built-in corpus" if config.task is None else f"the {config.task} task"
         print(f"teacher: {'resuming' if saved else 'training'} {config.student} on {data} "
               f"({config.steps} SFT steps{f', from {saved}' if saved else ''}) in {partial}", flush=True)
+        if config.task is not None and config.task_eval is None:  # its accuracy as it trains (not in its name)
+            flags = task_eval_flags(cache_dir, config.task)
+            config = replace(config, task_eval=TaskEvalConfig(data=flags["eval_data"], scorer=flags["eval_scorer"]))
         result = train(replace(config, output_dir=str(partial), progress=progress,
                                resume=str(partial) if saved else None))
         if result.interrupted or result.model_dir is None:
@@ -138,7 +150,8 @@ def default_run(output_dir: str, *, cache_dir: str | None = None, progress: bool
         checks.choice("task", task, [name for name in RUNS if name is not None])
     teacher_config, student = RUNS[task]
     teacher = teacher_dir(cache_dir, teacher_config) / "model"
-    config = TrainConfig.from_flat({**student, "output_dir": output_dir, "teacher": str(teacher),
+    scored = task_eval_flags(cache_dir, task) if task is not None and "eval_data" not in overrides else {}
+    config = TrainConfig.from_flat({**student, **scored, "output_dir": output_dir, "teacher": str(teacher),
                                     "progress": progress, **overrides})  # checked before the teacher trains
     if config.task_eval is not None:  # the eval file too
         read_eval_file(config.task_eval.data, config.task_eval.scorer)

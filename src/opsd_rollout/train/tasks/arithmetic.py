@@ -17,6 +17,7 @@ never share numbers (addition's terms taken as a set), and everything is a funct
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from dataclasses import dataclass
 
@@ -107,9 +108,14 @@ class ArithmeticTask:
             raise ValueError(f"train_size + held_out_size ({self.train_size + self.held_out_size}) must be at most "
                              f"half the {distinct:,} or so distinct problems of {self.terms} {self.digits}-digit terms")
 
-    def problems(self) -> tuple[list[Problem], list[Problem]]:
+    def problems(self) -> tuple[tuple[Problem, ...], tuple[Problem, ...]]:
         """(train, held-out): distinct problems, in the order drawn; a problem's terms (as a set) belong to one split
-        alone, chosen by a hash of them and the seed, so the splits never share a problem whatever the sizes."""
+        alone, chosen by a hash of them and the seed, so the splits never share a problem whatever the sizes. Made
+        once per recipe in a process (a run asks for them several times: its teacher's name, its split, its eval
+        file)."""
+        return _problems(self)
+
+    def _draw(self) -> tuple[tuple[Problem, ...], tuple[Problem, ...]]:
         rng = np.random.default_rng([self.seed, self.digits, self.terms])
         low, high = 10 ** (self.digits - 1), 10 ** self.digits
         train: list[Problem] = []
@@ -124,7 +130,7 @@ class ArithmeticTask:
             split = held_out if self._held_out(key) else train
             if len(split) < (self.held_out_size if split is held_out else self.train_size):
                 split.append(self._problem(terms, rng))
-        return train, held_out
+        return tuple(train), tuple(held_out)
 
     def _held_out(self, key: tuple[int, ...]) -> bool:
         """One set of terms in ten is held out, by a hash of it and the seed (stable across Pythons)."""
@@ -137,3 +143,8 @@ class ArithmeticTask:
         name, items = NAMES[int(rng.integers(len(NAMES)))], ITEMS[int(rng.integers(len(ITEMS)))]
         prompt = template.format(*terms, name=name, items=items) + "\n"
         return Problem(prompt, worked_sum(terms), sum(terms), terms)
+
+
+@functools.lru_cache(maxsize=4)
+def _problems(task: ArithmeticTask) -> tuple[tuple[Problem, ...], tuple[Problem, ...]]:
+    return task._draw()
