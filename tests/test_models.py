@@ -11,7 +11,7 @@ from opsd_rollout.models import DEFAULT_MODEL, PRESETS, VOCAB_SIZE, byte_tokeniz
 
 def test_presets_cover_every_architecture_and_size():
     assert set(PRESETS) == {f"{a}-{s}" for a in ("llama", "qwen2", "gpt2") for s in ("tiny", "small")} | {
-        "qwen2-0.5b", "llama-1b", "llama-mini"}  # llama-mini: the built-in training run's teacher
+        "qwen2-0.5b", "llama-1b", "llama-mini", "llama-micro"}  # the built-in training runs' teachers
     assert DEFAULT_MODEL == "llama-small"
 
 

@@ -12,7 +12,7 @@ import pytest
 
 from opsd_rollout.cli import main
 from opsd_rollout.train import TrainConfig, TrainResult, default, train
-from opsd_rollout.train.tasks import TASKS
+from opsd_rollout.train.tasks import TASKS, response_tokens
 from opsd_rollout.train.tasks.arithmetic import ArithmeticTask
 
 SMALL = ArithmeticTask(train_size=200, held_out_size=12)
@@ -74,6 +74,16 @@ def test_task_with_models_of_ones_own_is_scored_on_the_task_too(tmp_path, monkey
     (config,) = calls
     assert config.objective == "sft" and config.task == "arithmetic" and config.student == "llama-tiny"
     assert config.task_eval.scorer == "gsm8k" and Path(config.task_eval.data).parent == tmp_path / "cache" / "tasks"
+    longest = max(len(p.reference) for split in small_task.problems() for p in split)
+    assert config.sampling.max_new_tokens == response_tokens("arithmetic") == longest + 1  # and the EOS
+
+
+def test_responses_too_short_for_the_worked_solutions_are_refused(small_task):
+    needed = response_tokens("arithmetic")
+    with pytest.raises(ValueError, match=f"max_new_tokens {needed - 1} cuts task 'arithmetic'.s worked solutions, "
+                                         f"up to {needed} tokens with the EOS: give at least {needed}"):
+        TrainConfig.from_flat(dict(output_dir="o", teacher="llama-tiny", task="arithmetic", max_new_tokens=needed - 1))
+    TrainConfig.from_flat(dict(output_dir="o", teacher="llama-tiny", task="arithmetic", max_new_tokens=needed))
 
 
 def test_an_unknown_task_is_refused(tmp_path, capsys):
@@ -101,7 +111,8 @@ def test_the_student_trains_on_its_own_samples_never_on_a_reference(tmp_path, mo
         encoded.extend(examples), real(self, examples, *a, **k))[1])
     result = train(TrainConfig.from_flat(dict(
         output_dir=str(tmp_path / "run"), task="arithmetic", student="llama-tiny", teacher="qwen2-tiny", steps=3,
-        prompts_per_micro_batch=2, max_new_tokens=8, eval_every=2, eval_prompts=2, progress=False)))
+        prompts_per_micro_batch=2, max_new_tokens=response_tokens("arithmetic"), eval_every=2, eval_prompts=2,
+        progress=False)))
     assert [r["on_policy"] for r in result.records if "loss" in r] == [True] * 3
     training = {p.prompt for p in small_task.problems()[0]}
     assert encoded and not any(e.prompt in training for e in encoded)

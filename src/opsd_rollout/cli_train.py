@@ -169,15 +169,15 @@ def run_train(args: argparse.Namespace) -> int:
     from transformers.utils import logging as transformers_logging
 
     from opsd_rollout.train import TrainConfig, train  # heavy: see the module docstring
-    from opsd_rollout.train.default import default_run, task_eval_flags
+    from opsd_rollout.train.default import default_run, task_flags
 
     transformers_logging.disable_progress_bar()  # loading and saving checkpoints: our progress line says enough
-    if "task" in given and "eval_data" not in given:  # a built-in task's run is scored on its held-out problems
-        given = {**task_eval_flags(args.cache_dir, given["task"]), **given}
     if builtin:
         result = default_run(args.output_dir, cache_dir=args.cache_dir, progress=not args.quiet,
                              overrides=given)
     else:
+        if "task" in given:  # responses as long as its solutions, scored on its held-out problems
+            given = {**task_flags(args.cache_dir, given["task"]), **given}
         result = train(TrainConfig.from_flat({"output_dir": args.output_dir, "progress": not args.quiet, **given}))
     if int(os.environ.get("RANK", "0")) != 0:  # under a launcher, rank 0 speaks
         return 130 if result.interrupted else 0

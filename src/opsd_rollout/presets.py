@@ -141,6 +141,8 @@ PRESETS: dict[str, ModelPreset] = {
     p.name: p for p in [
         ModelPreset(name="llama-tiny", arch="llama", description="Llama, 2 layers, d=64 (tests)",
                     config_kwargs=_llama_like(64, 2, 4, 2, 128, 1024)),
+        ModelPreset(name="llama-micro", arch="llama", description="Llama, 2 layers, d=128, GQA 4/2 (the built-in "
+                    "arithmetic task's teacher)", config_kwargs=_llama_like(128, 2, 4, 2, 352, 1024)),
         ModelPreset(name="llama-mini", arch="llama", description="Llama, 4 layers, d=256, GQA 4/2 (the built-in "
                     "training run's teacher)", config_kwargs=_llama_like(256, 4, 4, 2, 704, 1024)),
         ModelPreset(name="llama-small", arch="llama", description="Llama, 8 layers, d=512, GQA 8/4 (bench)",

@@ -169,12 +169,7 @@ class TrainConfig:
     def __post_init__(self) -> None:
         checks.choice("objective", self.objective, OBJECTIVES)
         if self.task is not None:
-            from opsd_rollout.train.tasks import TASKS
-
-            checks.choice("task", self.task, tuple(TASKS))
-            if self.prompts is not None:
-                raise ValueError(f"task {self.task!r} brings its own examples; prompts {self.prompts!r} would be "
-                                 "another set: give one of them")
+            _check_task(self)
         check_teacher_given(self.objective, self.teacher, self.teacher_url, self.teachers, self.teacher_urls)
         if self.served:
             _check_served(self)
@@ -333,6 +328,21 @@ def _check_several(config: TrainConfig) -> None:
     if config.teacher_zero_stage != 0:
         raise ValueError("teacher_zero_stage 3 partitions one teacher across the ranks; with several teachers each is "
                          "whole on every rank (serve a large one: --teacher-url NAME=URL)")
+
+
+def _check_task(config: TrainConfig) -> None:
+    """A built-in task named, alone (it brings its own examples), with responses long enough for its worked
+    solutions (a reference cut short would train no answer and no EOS)."""
+    from opsd_rollout.train.tasks import TASKS, response_tokens
+
+    checks.choice("task", config.task, tuple(TASKS))
+    if config.prompts is not None:
+        raise ValueError(f"task {config.task!r} brings its own examples; prompts {config.prompts!r} would be another "
+                         "set: give one of them")
+    needed = response_tokens(config.task)
+    if config.sampling.max_new_tokens < needed:
+        raise ValueError(f"max_new_tokens {config.sampling.max_new_tokens} cuts task {config.task!r}'s worked "
+                         f"solutions, up to {needed} tokens with the EOS: give at least {needed}")
 
 
 def _check_served(config: TrainConfig) -> None:

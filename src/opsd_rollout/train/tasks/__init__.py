@@ -26,6 +26,13 @@ def task_examples(name: str) -> tuple[list[Example], list[Example]]:
     return examples_of(train), examples_of(held_out)
 
 
+def response_tokens(name: str) -> int:
+    """The most tokens a response of task ``name`` needs: its longest worked solution's bytes and the EOS (a
+    byte-level tokenizer's count, which a byte-level BPE's never exceeds)."""
+    train, held_out = TASKS[name].problems()
+    return max(len(p.reference.encode()) for p in train + held_out) + 1
+
+
 def write_eval_file(name: str, path: str | Path) -> Path:
     """The held-out problems of task ``name`` as an eval file (``--eval-data``: JSON lines with ``prompt``,
     ``reference`` and ``answer``), written whole."""
