@@ -13,7 +13,7 @@ from rich.table import Table
 from opsd_rollout.bench.axes import DTYPES, Axis, axis_defaults, choice_axis, positive_int, shape_axis, teacher_cache
 from opsd_rollout.bench.kernels import DEFAULT_KERNELS, KERNELS, LONG
 from opsd_rollout.bench.report import ConfigResult
-from opsd_rollout.bench.tables import config_table, fmt, mib, stability_table
+from opsd_rollout.bench.tables import config_table, fmt, mib, roofline_table, stability_table
 from opsd_rollout.bench.scenarios.base import MeasuringSettings, Scenario, threads_phrase
 from opsd_rollout import checks
 from opsd_rollout.checks import integer, number, rule, text
@@ -145,7 +145,7 @@ def _also(result: ConfigResult) -> str:
         return f"peak {mib(result.p50('peak_memory_bytes'))} / {mib(result.p50('baseline_peak_memory_bytes'))} MiB"
     if kernel == "compile" and d.get("kernel_bandwidth_utilisation") is not None:
         shares = [d[f"{side}_bandwidth_utilisation"] for side in ("kernel", "baseline")]
-        return "bandwidth " + " / ".join(f"{v:.0%}" if v >= 0.1 else f"{v:.1%}" for v in shares)
+        return "roofline " + " / ".join(f"{v:.0%}" if v >= 0.1 else f"{v:.1%}" for v in shares)
     return ""
 
 
@@ -207,13 +207,11 @@ class KernelsScenario(Scenario):
         equal = [it["outputs_equal"] for it in result.iterations if "outputs_equal" in it]
         out["outputs_equal"] = all(equal) if equal else None
         c, positive = result.config, min(out["kernel_ms"] or 0, out["baseline_ms"] or 0) > 0
-        if c.kernel == "compile" and ceilings and spec is not None and positive:
-            from opsd_rollout.bench.kernels.compile import bandwidth_share
+        if c.kernel == "compile" and spec is not None and positive:
+            from opsd_rollout.bench.kernels.compile import step_roofline
 
-            bandwidth = ceilings["memory_bandwidth_bytes_per_s"]
-            for side in ("kernel", "baseline"):
-                out[f"{side}_bandwidth_utilisation"] = bandwidth_share(spec, c.rows, c.prompt_length,
-                                                                       out[f"{side}_ms"], bandwidth)
+            out.update(step_roofline(spec, c.rows, c.prompt_length,
+                                     {side: out[f"{side}_ms"] for side in ("kernel", "baseline")}, ceilings))
         return out
 
     def title(self, environment: dict[str, Any], world_size: int) -> str:
@@ -234,7 +232,8 @@ class KernelsScenario(Scenario):
         kernels = dict.fromkeys(r.config.kernel for r in results)
         caption = "\n".join(f"{name}: ours = {KERNELS[name].ours}; baseline = {KERNELS[name].baseline}"
                             for name in kernels)
+        roofline = roofline_table(results, [("ours", "kernel_"), ("baseline", "baseline_")])
         return [config_table(results, "kernels (medians over the rounds; speed-up: baseline / ours, per round)",
                              ["ours ms", "baseline ms", "speed-up", "also (ours / baseline)", "same output"], row,
                              caption=caption),
-                stability_table(results)]
+                *([roofline] if roofline is not None else []), stability_table(results)]
