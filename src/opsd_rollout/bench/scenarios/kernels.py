@@ -18,6 +18,7 @@ from opsd_rollout.bench.scenarios.base import MeasuringSettings, Scenario, threa
 from opsd_rollout import checks
 from opsd_rollout.checks import integer, number, rule, text
 from opsd_rollout.presets import DEFAULT_MODEL
+from opsd_rollout.rollout.config import RESPONSE_WIDTHS
 
 
 def any_int(value: Any) -> int:
@@ -58,6 +59,9 @@ KERNEL_AXES = (
          "the teacher's cache (fused_loss): full (every logit) or top<k>", key="{}"),
     Axis("weight_shapes", "weight_shape", weight_shape, "model or KxN (e.g. 1024x4096)",
          "weight_layout: model (every nn.Linear of --model) or KxN (one weight of K inputs and N outputs)", key="W{}"),
+    choice_axis("response_widths", "response_width", RESPONSE_WIDTHS, "postprocess: our batch's response columns, "
+                "max_new_tokens (DeepSpeed's width, our default) or longest (trimmed to the longest response)",
+                "max_new_tokens", key="{}"),
 )
 """Each axis a kernel reads appears in its configs' key and label (``Axis.key``; ``None`` in the others)."""
 
@@ -157,7 +161,7 @@ class KernelsScenario(Scenario):
     defaults: ClassVar[dict[str, list[Any]]] = {
         **axis_defaults(KERNEL_AXES), "kernels": list(DEFAULT_KERNELS), "rows": [16], "vocab_sizes": [32000],
         "samples_per_prompt": [4], "prompt_lengths": [128], "response_lengths": [32], "top_ks": [50],
-        "top_ps": [0.95], "teacher_caches": ["full"], "weight_shapes": ["model"]}
+        "top_ps": [0.95], "teacher_caches": ["full"], "weight_shapes": ["model"], "response_widths": ["max_new_tokens"]}
     stages = ("kernel_ms", "baseline_ms", "greedy_ms")
     what = "kernel round"
     throughput_label = "speed-up (baseline / ours, p50)"
