@@ -82,7 +82,9 @@ class KernelPoint:
 
     @property
     def label(self) -> str:
-        return " ".join([self.kernel, *self._parts()])
+        """The kernel and its axes, then its dtype where it reads one that is not fp32."""
+        dtype = [self.dtype] if "dtype" in KERNELS[self.kernel].reads and self.dtype != "fp32" else []
+        return " ".join([self.kernel, *self._parts(), *dtype])
 
     @property
     def engine_key(self) -> tuple[str, str]:
