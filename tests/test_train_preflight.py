@@ -70,6 +70,8 @@ def bad_inputs(tmp: Path) -> list[tuple[list[str], str]]:
         (["--student", "org/model", *teacher], "model 'org/model' is neither a built-in preset"),
         (["--prompts", write(tmp / "p.jsonl", [{"prompt": "x"}])], "teacher is needed to distil"),
         (["--prompts", str(tmp / "missing.jsonl"), *teacher], "does not exist (or is not a file)"),
+        (["--task", "arithmetic", "--prompts", write(tmp / "p.jsonl", [{"prompt": "x"}]), *teacher],
+         "--task arithmetic brings its own examples and --prompts"),
         (["--prompts", write(tmp / "bad.jsonl", [{"prompt": "a"}, "", '{"prompt": "x"']), *teacher],
          "bad.jsonl' line 3 is not JSON"),
         (["--prompts", write(tmp / "sys.jsonl", [{"prompt": "a"}, {"messages": [

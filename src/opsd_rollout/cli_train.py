@@ -24,6 +24,10 @@ FLAGS: list[tuple[str, str, dict[str, Any]]] = [  # (flag, TrainConfig's flat na
                                   "assistant turn after a last user or tool turn, a last assistant turn continued) "
                                   "and an optional 'reference', or one prompt a line (default: the built-in corpus, "
                                   "the Python documentation's topics)")),
+    ("--task", "task", dict(choices=("arithmetic",), help="a built-in task's examples instead of --prompts: "
+                            "arithmetic (addition word problems made from a seed, worked solutions ending in "
+                            "'#### N'); with no --student, --teacher or --teacher-url: its built-in run, a teacher "
+                            "trained on it by SFT (cached) distilled into a smaller student")),
     ("--objective", "objective", dict(choices=("opsd", "sft"), help="opsd (default): distil the teacher on-policy; "
                                       "sft: cross-entropy on the references")),
     ("--deepspeed", "deepspeed", dict(metavar="JSON", help="the student's DeepSpeed config (ZeRO stage, optimizer, "
@@ -165,9 +169,11 @@ def run_train(args: argparse.Namespace) -> int:
     from transformers.utils import logging as transformers_logging
 
     from opsd_rollout.train import TrainConfig, train  # heavy: see the module docstring
-    from opsd_rollout.train.default import default_run
+    from opsd_rollout.train.default import default_run, task_eval_flags
 
     transformers_logging.disable_progress_bar()  # loading and saving checkpoints: our progress line says enough
+    if "task" in given and "eval_data" not in given:  # a built-in task's run is scored on its held-out problems
+        given = {**task_eval_flags(args.cache_dir, given["task"]), **given}
     if builtin:
         result = default_run(args.output_dir, cache_dir=args.cache_dir, progress=not args.quiet,
                              overrides=given)

@@ -111,6 +111,9 @@ class TrainConfig:
     prompts: str | None = None
     """JSON lines (``prompt`` or chat ``messages``, optional ``reference``) or one prompt a line; ``None``: the
     built-in corpus (the Python documentation's topics, with references)."""
+    task: str | None = None
+    """A built-in task's examples instead of ``prompts``: ``arithmetic`` (addition word problems made from a seed,
+    worked solutions ending in ``#### N`` as references, its own held-out problems; ``opsd_rollout.train.tasks``)."""
     prompts_per_micro_batch: int = 8
     """Prompts of one micro-batch (each rank's, with several ranks); DeepSpeed's micro-batch is this x
     ``sampling.n_samples_per_prompt`` rows."""
@@ -165,6 +168,13 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         checks.choice("objective", self.objective, OBJECTIVES)
+        if self.task is not None:
+            from opsd_rollout.train.tasks import TASKS
+
+            checks.choice("task", self.task, tuple(TASKS))
+            if self.prompts is not None:
+                raise ValueError(f"task {self.task!r} brings its own examples; prompts {self.prompts!r} would be "
+                                 "another set: give one of them")
         check_teacher_given(self.objective, self.teacher, self.teacher_url, self.teachers, self.teacher_urls)
         if self.served:
             _check_served(self)

@@ -32,6 +32,9 @@ class Example:
     """The text that follows the prompt in the data (SFT's target, supervised KD's references)."""
     teacher: str | None = None
     """The teacher that scores it (a name, with several teachers); ``None``: the default teacher."""
+    eos: bool = False
+    """The reference is a whole response (a built-in task's worked solution), not a window of running text:
+    training on it trains the tokenizer's EOS after it too, so the model learns to stop."""
 
 
 def render_messages(messages: list[dict[str, Any]], tokenizer: Any, reference: str | None = None) -> Example:
@@ -118,12 +121,14 @@ class Encoder:
         return RolloutRequest(ids.to(device), mask.to(device))
 
     def with_references(self, examples: list[Example], device: torch.device, samples: int = 1) -> RolloutBatch:
-        """A ``RolloutBatch`` whose responses are the examples' references (each cut to ``max_reference_tokens``),
-        every row repeated ``samples`` times, as a rollout of ``samples`` per prompt returns it."""
+        """A ``RolloutBatch`` whose responses are the examples' references (followed by EOS where ``eos``), each cut
+        to ``max_reference_tokens``, every row repeated ``samples`` times, as a rollout of ``samples`` per prompt
+        returns it."""
         if any(e.reference is None for e in examples):
             raise ValueError("training on references needs a 'reference' for every example")
         request = self.request(examples, device)
-        answers = [self.ids(e.reference)[:self.max_reference_tokens] for e in examples]
+        eos = [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else []
+        answers = [(self.ids(e.reference) + (eos if e.eos else []))[:self.max_reference_tokens] for e in examples]
         width = max(1, max(len(a) for a in answers))
         ids = torch.full((len(answers), width), self.pad, dtype=torch.int64)
         mask = torch.zeros((len(answers), width), dtype=torch.int64)

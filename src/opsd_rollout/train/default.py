@@ -1,9 +1,11 @@
-"""The built-in training run, the project's main job: a real one, on text no one here wrote.
+"""The built-in training runs, the project's main job: real ones, on data no one here wrote or made by code.
 
-A teacher (``llama-mini``) is trained by SFT on the built-in corpus (the Python documentation that ships with
-Python), or reused from a cache directory where an earlier run left it, its training's own metrics beside it; then
-it is distilled on-policy into a smaller student (``llama-tiny``), whose held-out reverse KL to the teacher is the
-run's figure. Nothing downloads.
+A teacher is trained by SFT on the run's references, or reused from a cache directory where an earlier run left it,
+its training's own metrics beside it; then it is distilled on-policy into a smaller student that sees the prompts
+alone. Two runs are built in: the corpus run (the Python documentation that ships with Python; ``llama-mini``
+distilled into ``llama-tiny``, its figure the student's held-out reverse KL to the teacher) and, with ``task``, a
+built-in task's (``arithmetic``: addition word problems made from a seed, judged by held-out accuracy). Nothing
+downloads.
 """
 
 from __future__ import annotations
@@ -18,9 +20,10 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from opsd_rollout import checks
 from opsd_rollout.train.checkpoint import latest_tag
 from opsd_rollout.train.config import TrainConfig
-from opsd_rollout.train.eval_file import read_eval_file
+from opsd_rollout.train.eval_file import TaskEvalConfig, read_eval_file
 from opsd_rollout.train.loop import TrainResult, train
 
 TEACHER = TrainConfig.from_flat(dict(output_dir="", objective="sft", student="llama-mini", steps=800,
@@ -31,21 +34,51 @@ STUDENT = dict(objective="opsd", student="llama-tiny", steps=200, prompts_per_mi
                eval_prompts=64, max_new_tokens=32, loss="jsd", beta=0.5)
 """The on-policy distillation of that teacher into a smaller student, by the flags' names
 (``TrainConfig.from_flat``)."""
+ARITHMETIC_TEACHER = replace(TEACHER, task="arithmetic")
+"""The arithmetic task's teacher: SFT on the worked solutions (sizes measured in docs/TRAINING.md)."""
+ARITHMETIC_STUDENT = dict(STUDENT, task="arithmetic")
+"""The arithmetic task's student, distilled on-policy from the prompts alone (``lmbda`` 1: never a reference)."""
+RUNS = {None: (TEACHER, STUDENT), "arithmetic": (ARITHMETIC_TEACHER, ARITHMETIC_STUDENT)}
+"""The built-in runs by task (``None``: the corpus run): (the teacher's recipe, the student's by the flags' names)."""
 
 
 def cache_root(cache_dir: str | None) -> Path:
     return Path(cache_dir or os.environ.get("OPSD_ROLLOUT_CACHE") or Path.home() / ".cache" / "opsd-rollout")
 
 
+def data_hash(task: str | None) -> str:
+    """A hash of the data a teacher trains on: the built-in corpus's text, or the task's recipe (its seed and sizes)
+    and every example it makes (so a change to the generator's code is a new teacher too)."""
+    if task is None:
+        from pydoc_data.topics import topics
+
+        return hashlib.sha256(json.dumps(topics, sort_keys=True).encode()).hexdigest()
+    from dataclasses import asdict
+
+    from opsd_rollout.train.tasks import TASKS, task_examples
+
+    train_examples, held_out = task_examples(task)
+    data = [asdict(TASKS[task]), [[e.prompt, e.reference, e.eos] for e in train_examples + held_out]]
+    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
+
+
+def task_eval_flags(cache_dir: str | None, task: str) -> dict[str, str]:
+    """``--eval-data`` and ``--eval-scorer`` of a built-in task: its held-out problems as an eval file in the cache
+    (named by the task's data, written once) and the scorer of its answers."""
+    from opsd_rollout.train.tasks import SCORERS, write_eval_file
+
+    path = cache_root(cache_dir) / "tasks" / f"{task}-{data_hash(task)[:12]}.jsonl"
+    return {"eval_data": str(path if path.is_file() else write_eval_file(task, path)), "eval_scorer": SCORERS[task]}
+
+
 def teacher_dir(cache_dir: str | None, config: TrainConfig = TEACHER) -> Path:
     """Where the teacher of ``config`` is kept: named by a hash of everything that makes it."""
-    from pydoc_data.topics import topics
-
     import opsd_rollout
 
     recipe = {k: v for k, v in config.to_dict().items() if k not in ("output_dir", "progress", "save_every", "resume")}
-    recipe.update(version=opsd_rollout.__version__, corpus=hashlib.sha256(
-        json.dumps(topics, sort_keys=True).encode()).hexdigest())
+    if recipe["task"] is None:
+        del recipe["task"]  # the corpus teacher's name as it was before tasks
+    recipe.update(version=opsd_rollout.__version__, corpus=data_hash(config.task))
     key = hashlib.sha256(json.dumps(recipe, sort_keys=True, default=str).encode()).hexdigest()[:12]
     return cache_root(cache_dir) / "teachers" / f"{config.student}-{key}"
 
@@ -71,13 +104,13 @@ def teacher_lock(directory: Path) -> Iterator[None]:
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
-def trained_teacher(cache_dir: str | None, *, progress: bool = True) -> Path:
-    """The teacher's checkpoint directory: trained now, or the one a previous run cached.
+def trained_teacher(cache_dir: str | None, *, progress: bool = True, config: TrainConfig = TEACHER) -> Path:
+    """The checkpoint directory of the teacher ``config`` makes: trained now, or the one a previous run cached.
 
     The teacher trains under a lock into ``<dir>.partial`` and is moved to ``<dir>`` whole when it is done, so a
     reader never sees half a teacher and two runs never train into one directory; a training that was stopped
     (Ctrl-C, a kill) resumes from its last checkpoint the next time."""
-    directory = teacher_dir(cache_dir)
+    directory = teacher_dir(cache_dir, config)
     model = directory / "model"
     if (model / "config.json").is_file():
         print(f"teacher: reusing {model}", flush=True)
@@ -90,12 +123,16 @@ def trained_teacher(cache_dir: str | None, *, progress: bool = True) -> Path:
         if directory.is_dir() and not partial.exists():  # an older release trained in place and was stopped
             os.replace(directory, partial)
         saved = latest_tag(partial)
-        print(f"teacher: {'resuming' if saved else 'training'} {TEACHER.student} on the built-in corpus "
-              f"({TEACHER.steps} SFT steps{f', from {saved}' if saved else ''}) in {partial}", flush=True)
-        result = train(replace(TEACHER, output_dir=str(partial), progress=progress,
+        data = "the built-in corpus" if config.task is None else f"the {config.task} task"
+        print(f"teacher: {'resuming' if saved else 'training'} {config.student} on {data} "
+              f"({config.steps} SFT steps{f', from {saved}' if saved else ''}) in {partial}", flush=True)
+        if config.task is not None and config.task_eval is None:  # its accuracy as it trains (not in its name)
+            flags = task_eval_flags(cache_dir, config.task)
+            config = replace(config, task_eval=TaskEvalConfig(data=flags["eval_data"], scorer=flags["eval_scorer"]))
+        result = train(replace(config, output_dir=str(partial), progress=progress,
                                resume=str(partial) if saved else None))
         if result.interrupted or result.model_dir is None:
-            raise TeacherInterrupted(f"the teacher's training stopped at step {result.steps} of {TEACHER.steps}, "
+            raise TeacherInterrupted(f"the teacher's training stopped at step {result.steps} of {config.steps}, "
                                      f"checkpoint {result.checkpoint}; the same command continues it")
         os.replace(partial, directory)  # whole, or not at all
     print(f"teacher: trained into {directory}", flush=True)
@@ -105,12 +142,19 @@ def trained_teacher(cache_dir: str | None, *, progress: bool = True) -> Path:
 def default_run(output_dir: str, *, cache_dir: str | None = None, progress: bool = True,
                 overrides: dict[str, Any] | None = None) -> TrainResult:
     """The teacher (trained or reused), then the student distilled into ``output_dir``; ``overrides`` are the
-    student's run's fields by the flags' names (``TrainConfig.from_flat``)."""
-    teacher = teacher_dir(cache_dir) / "model"
-    config = TrainConfig.from_flat({**STUDENT, "output_dir": output_dir, "teacher": str(teacher),
-                                    "progress": progress, **(overrides or {})})  # checked before the teacher trains
+    student's run's fields by the flags' names (``TrainConfig.from_flat``); their ``task`` picks the built-in run
+    (``RUNS``)."""
+    overrides = overrides or {}
+    task = overrides.get("task")
+    if task not in RUNS:
+        checks.choice("task", task, [name for name in RUNS if name is not None])
+    teacher_config, student = RUNS[task]
+    teacher = teacher_dir(cache_dir, teacher_config) / "model"
+    scored = task_eval_flags(cache_dir, task) if task is not None and "eval_data" not in overrides else {}
+    config = TrainConfig.from_flat({**student, **scored, "output_dir": output_dir, "teacher": str(teacher),
+                                    "progress": progress, **overrides})  # checked before the teacher trains
     if config.task_eval is not None:  # the eval file too
         read_eval_file(config.task_eval.data, config.task_eval.scorer)
-    trained_teacher(cache_dir, progress=progress)
+    trained_teacher(cache_dir, progress=progress, config=teacher_config)
     print(f"student: distilling into {config.student} on-policy ({config.steps} steps) into {output_dir}", flush=True)
     return train(config)

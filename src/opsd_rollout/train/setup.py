@@ -166,7 +166,12 @@ def overlaps(asked: bool | None, url: str) -> bool:
 
 
 def split_examples(config: Any, examples: list[Example] | None) -> tuple[list[Example], list[Example]]:
-    """(train, held-out): the built-in corpus's own split when ``examples`` is ``None``."""
+    """(train, held-out): a built-in task's own split (``config.task``), or the built-in corpus's when ``examples``
+    is ``None``."""
+    if config.task is not None:
+        from opsd_rollout.train.tasks import task_examples
+
+        return task_examples(config.task)
     if examples is None:
         from opsd_rollout.train.corpus import corpus_examples
 
