@@ -506,8 +506,8 @@ def check_forward_timer(ctx: Context) -> Finding:
 
 def check_compiled_speed(ctx: Context) -> Finding:
     """The ``compile`` kernel's per-token comparison (``opsd-rollout kernels --kernels compile``): eager vs compiled
-    (CUDA graphs) at B = 1, 4, 16, 32, equal tokens asserted (fp32), the speed-up and each side's share of the
-    measured copy bandwidth reported."""
+    (CUDA graphs) at B = 1, 4, 16, 32, equal tokens asserted (fp32), the speed-up, the bytes a step reads (weights +
+    KV) and each side's achieved bandwidth and share of the roofline (the device's copy bandwidth, measured here)."""
     from opsd_rollout.bench.kernels.compile import compiled_speed
 
     model, tokenizer = load_model(ctx.name, dtype=ctx.dtype_name, device=ctx.device)  # a fresh model: no other check's
@@ -516,9 +516,12 @@ def check_compiled_speed(ctx: Context) -> Finding:
     assert all(row["equal_tokens"] for row in rows) or ctx.dtype_name != "fp32", "compiled tokens differ"
     return Finding(", ".join(f"B{row['batch_size']} {row['eager_ms_per_token']:.2f} -> "
                              f"{row['compiled_ms_per_token']:.2f} ms/token" for row in rows),
-                   "; ".join(f"B{row['batch_size']}: {row['speedup']:.2f}x, bandwidth "
-                             f"{row['eager_bandwidth_utilisation']:.0%} -> {row['compiled_bandwidth_utilisation']:.0%}, "
-                             f"tokens {'equal' if row['equal_tokens'] else 'differ'}" for row in rows))
+                   f"copy bandwidth {rows[0]['copy_bandwidth_bytes_per_s'] / 1e9:.0f} GB/s (read + write); "
+                   + "; ".join(f"B{row['batch_size']}: {row['speedup']:.2f}x, {row['decode_bytes_per_step'] / 1e6:.1f} "
+                               f"MB/step at {row['eager_bandwidth_bytes_per_s'] / 1e9:.1f} -> "
+                               f"{row['compiled_bandwidth_bytes_per_s'] / 1e9:.1f} GB/s, roofline "
+                               f"{row['eager_bandwidth_utilisation']:.0%} -> {row['compiled_bandwidth_utilisation']:.0%}, "
+                               f"tokens {'equal' if row['equal_tokens'] else 'differ'}" for row in rows))
 
 
 def check_opsd_step(ctx: Context) -> Finding:

@@ -49,6 +49,21 @@ def test_bench_writes_a_schema_valid_document_in_user_order(bench_run, capsys):
         assert all(it["response_length"] == 4 for it in result["iterations"])  # fixed length
     env = document["environment"]
     assert env["ceilings"]["memory_bandwidth_bytes_per_s"] > 0 and "matmul" in env["ceilings"]["method"]
+    for result in document["results"]:  # the roofline: the bytes a step reads, over its time, over the copy's speed
+        d, c = result["derived"], result["config"]
+        assert d["decode_bytes_per_step"] > c["batch_size"] * c["samples_per_prompt"] * 4 * (16 + 2)  # weights + KV
+        assert d["decode_bandwidth_bytes_per_s"] == pytest.approx(
+            d["decode_bytes_per_step"] / (d["time_per_output_token_ms"] / 1e3))
+        assert d["decode_bandwidth_utilisation"] == pytest.approx(
+            d["decode_bandwidth_bytes_per_s"] / env["ceilings"]["memory_bandwidth_bytes_per_s"])
+    from opsd_rollout.bench.report import ConfigResult
+    from opsd_rollout.bench.tables import roofline_table
+
+    results = [ConfigResult.from_dict(r, RolloutScenario.config_type) for r in document["results"]]
+    table = roofline_table(results, [("", "decode_")])
+    copy = env["ceilings"]["memory_bandwidth_bytes_per_s"] / 1e9
+    assert f"{copy:.1f} GB/s" in str(table.title) and len(table.cells) == 4
+    assert all(cells[3] != "-" for cells, _ in table.cells)  # every config's share of the roofline
     assert env["command"] and env["torch"] and env["deepspeed"]
 
 

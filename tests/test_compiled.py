@@ -86,6 +86,25 @@ def test_inductor_compiled_step_equals_generate_and_the_eager_loop(tiny_models, 
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("name", TINY_PRESETS)
+def test_one_row_multiplies_in_inductors_own_kernels_with_generates_tokens(tiny_models, tokenizer, name):
+    """At one row the step's matrix products are inductor's multiply-and-sum (``CPU_MATVEC``), not BLAS calls, and
+    the greedy tokens are still generate's."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    model = tiny_models[name]
+    compiled = HybridEngineRollout(model, tokenizer, HybridEngineRolloutConfig(compile_decode=True))
+    request = RolloutRequest(*(t[1:2] for t in tokenizer(["The student", "writes a bc"], return_tensors="pt",
+                                                          padding=True).values()))
+    got = compiled.generate(request, greedy(12, 1))
+    expected, _ = reference_rollout(model, request, n=1, max_new_tokens=12, pad_token_id=PAD_ID, eos_ids=[EOS_ID])
+    assert torch.equal(got.input_ids, expected)
+    assert counters["inductor"]["decompose_mm"] + counters["inductor"]["decompose_addmm"] > 0
+
+
+@pytest.mark.slow
 def test_repeated_calls_and_compaction_buckets_compile_a_bounded_number_of_graphs(tiny_models, tokenizer):
     """Long-tailed rows shrink the batch through several size buckets: the first call compiles (a static graph,
     then one with a symbolic batch), and no later call or bucket compiles again, profiled or not."""

@@ -102,6 +102,26 @@ def test_axes_a_kernel_does_not_read_add_no_configs():
     assert postprocess.dtype == "fp32" and postprocess.key == "postprocess-rows8-n2-P4-R2"  # it reads no dtype
 
 
+def test_post_processing_is_measured_at_either_width_on_the_same_tokens():
+    """``--response-widths longest`` trims our batch (its key says so; the default's key is unchanged), and its
+    tokens are DeepSpeed's first columns, DeepSpeed's others all padding."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from opsd_rollout.bench.kernels.postprocess import PostprocessContest
+
+    for width, key in (("max_new_tokens", "postprocess-rows8-n2-P6-R12"),
+                       ("longest", "postprocess-rows8-n2-P6-R12-longest")):
+        config = KernelsScenario.make_config(kernel="postprocess", rows=8, samples_per_prompt=2, prompt_length=6,
+                                             response_length=12, response_width=width)
+        assert config.key == key
+        contest = PostprocessContest(config, SimpleNamespace(seed=1), torch.device("cpu"))
+        ours, theirs = contest.ours(), contest.baseline()
+        assert contest.same(ours, theirs)
+        assert ours[1].shape[1] == 6 + (int(ours[1][:, 6:].ne(0).sum(1).max()) if width == "longest" else 12)
+
+
 @pytest.mark.parametrize("flags,named", [
     (["--kernels", "sampling,nonsense"], "kernels: 'nonsense' is not one of sampling"),
     (["--rows", "0"], "rows: '0' is not an integer >= 1"),

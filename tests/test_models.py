@@ -83,3 +83,23 @@ def test_dtype_names():
     assert parse_dtype("bf16") is torch.bfloat16
     with pytest.raises(ValueError, match="dtype must be one of"):
         parse_dtype("fp8")
+
+
+@pytest.mark.parametrize("name", ["qwen2-0.5b", "llama-small", "gpt2-tiny"])
+def test_a_decode_step_reads_every_matrix_once_and_one_row_of_each_lookup_table(name):
+    """The roofline's weights (``bench/facts.py``): a tied embedding is the LM head's whole matrix, read once; an
+    untied input embedding and GPT-2's learned positions are tables a token reads one row of."""
+    from opsd_rollout.bench.facts import decode_weight_bytes
+    from opsd_rollout.modeling import ModelSpec
+
+    model = PRESETS[name].build(device="meta")
+    spec = ModelSpec.of(model)
+    lookups = [m for m in model.modules() if isinstance(m, torch.nn.Embedding)]
+    tables = sum(m.weight.numel() for m in lookups if m.weight is not model.get_output_embeddings().weight)
+    assert spec.matmul_parameters == spec.parameters - tables
+    assert spec.lookup_width == sum(m.embedding_dim for m in lookups)
+    if name == "qwen2-0.5b":
+        assert tables == 0 and spec.matmul_parameters == 494_032_768 and spec.lookup_width == 896
+    else:
+        assert tables > 0
+    assert decode_weight_bytes(spec, 2) == (spec.matmul_parameters + 2 * spec.lookup_width) * 4

@@ -47,6 +47,34 @@ def test_vectorized_post_processing_equals_reference(case):
     assert torch.equal(attention, ref_mask)
 
 
+@settings(max_examples=200, deadline=None)
+@given(raw_batches(), st.integers(1, 3), st.integers(0, 3))
+def test_the_mask_allocated_at_expansion_equals_reference(case, n, spare):
+    """The batch's mask allocated by ``expand_prompts`` (``spare`` columns wider than the batch, as under
+    ``response_width='longest'``) and its response columns written by ``attention_mask``: the reference's mask, a
+    contiguous tensor, the prompt mask the strategies saw unchanged."""
+    prompt, mask, responses, pad, eos_ids = case
+    ids, batch_mask = postprocess.expand_prompts(prompt, mask, n, responses.shape[1] + spare)
+    responses = responses.repeat_interleave(n, dim=0)
+    lengths = postprocess.response_lengths(responses, torch.tensor(eos_ids))
+    width = int(lengths.max())
+    _, ref_mask = reference_postprocess(torch.cat([ids, responses], dim=1), ids,
+                                        mask.repeat_interleave(n, dim=0), eos_ids, pad)
+    seen = batch_mask[:, :prompt.shape[1]]
+    assert torch.equal(seen, mask.repeat_interleave(n, dim=0))
+    attention = postprocess.attention_mask(batch_mask, prompt.shape[1], lengths, width)
+    assert attention.is_contiguous() and attention.dtype == mask.dtype
+    assert torch.equal(attention, ref_mask)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.integers(0, 9), min_size=0, max_size=7, unique=True))
+def test_eos_search_equals_isin(eos_ids):
+    tokens = torch.arange(40).remainder(10).view(4, 10).flip(1)
+    eos = torch.tensor(eos_ids, dtype=torch.int64)
+    assert torch.equal(postprocess.is_eos(tokens, eos), torch.isin(tokens, eos))
+
+
 @settings(max_examples=50, deadline=None)
 @given(st.integers(1, 4), st.integers(1, 5), st.integers(1, 4))
 def test_expansion_is_repeat_interleave(batch, prompt_len, n):

@@ -342,7 +342,7 @@ def test_the_benchmarks_roofline_reads_each_shared_prompt_once(tiny_models):
     from opsd_rollout.bench.facts import decode_bytes_per_step
 
     spec = ModelSpec.of(tiny_models["llama-tiny"])
-    weights, per_position = spec.parameters * 4, spec.kv.bytes_per_token(4)
+    weights, per_position = (spec.matmul_parameters + 16 * spec.lookup_width) * 4, spec.kv.bytes_per_token(4)
     assert decode_bytes_per_step(spec, 16, 100 + 4) == weights + per_position * 16 * 104
     assert decode_bytes_per_step(spec, 16, 4, shared_prompts=2, prompt_length=100) == weights + per_position * (
         16 * 4 + 2 * 100)

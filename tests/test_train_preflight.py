@@ -7,6 +7,7 @@ the student's config is loaded, before its weights."""
 from __future__ import annotations
 
 import importlib
+import logging
 import json
 import sys
 from pathlib import Path
@@ -30,8 +31,11 @@ class _Refuse:
 @pytest.fixture
 def light(monkeypatch):
     """A fresh ``opsd_rollout`` with torch, transformers, DeepSpeed and PEFT hidden: importing any is an error.
-    ``sys.modules`` is put back whole afterwards (this process's torch and package untouched)."""
+    ``sys.modules`` is put back whole afterwards (this process's torch and package untouched), and DeepSpeed's
+    logger's filters (the fresh package's CLI installs its own ``CpuFallbackFilter``, of another class object)."""
     saved = dict(sys.modules)
+    deepspeed_logger = logging.getLogger("DeepSpeed")
+    filters = list(deepspeed_logger.filters)
     for name in list(sys.modules):
         if name.split(".")[0] in (*HEAVY, "opsd_rollout"):
             del sys.modules[name]
@@ -43,6 +47,7 @@ def light(monkeypatch):
         sys.meta_path.remove(finder)
         sys.modules.clear()
         sys.modules.update(saved)
+        deepspeed_logger.filters[:] = filters
 
 
 def write(path: Path, lines: list) -> str:

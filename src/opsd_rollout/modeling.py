@@ -181,7 +181,11 @@ class ModelSpec:
     parameters: int
     """All parameters (ZeRO-3 partitioned ones counted whole)."""
     matmul_parameters: int
-    """Parameters that take part in a matmul per token: all but an untied input embedding table."""
+    """Parameters that take part in a matmul per token: all but the lookup tables (input embeddings not tied to
+    the LM head, learned position embeddings), of which a token reads one row. A tied embedding counts here: the
+    LM head multiplies by the whole matrix."""
+    lookup_width: int
+    """Elements one token reads from the lookup tables (every ``nn.Embedding``'s row width, summed; tied or not)."""
     dtype: torch.dtype
 
     @classmethod
@@ -196,10 +200,9 @@ class ModelSpec:
             kv = None
         params = list(model.parameters())
         parameters = sum(_full_numel(p) for p in params)
-        embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
         output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-        weight = getattr(embedding, "weight", None)
-        untied = weight is not None and weight is not getattr(output, "weight", None)
+        lookups = [m for m in model.modules() if isinstance(m, torch.nn.Embedding)]
+        untied = [m.weight for m in lookups if m.weight is not getattr(output, "weight", None)]
         generation = getattr(model, "generation_config", None)
         return cls(
             config=config, vocab_size=getattr(config, "vocab_size", None), max_positions=max_positions_of(config),
@@ -209,5 +212,6 @@ class ModelSpec:
             else "the config does not give the key/value shape",
             generation_processors=tuple(name for name, neutral in NEUTRAL_GENERATION.items()
                                         if getattr(generation, name, None) not in neutral),
-            parameters=parameters, matmul_parameters=parameters - (_full_numel(weight) if untied else 0),
+            parameters=parameters, matmul_parameters=parameters - sum(_full_numel(w) for w in untied),
+            lookup_width=sum(m.embedding_dim for m in lookups),
             dtype=params[0].dtype if params else torch.float32)

@@ -230,3 +230,33 @@ def baseline_table(results: list[ConfigResult]) -> Table | None:
     if any("too few" in _ratio_cells(r.baseline, "total_ms") for r in compared):
         caption += f"; too few: bounding it takes {fewest_iterations(confidence)} iterations a config (--iterations)"
     return config_table(results, title, ["time ratio", "time CI", "tok/s ratio", "tok/s CI"], row, caption=caption)
+
+
+def roofline_table(results: list[ConfigResult], sides: Sequence[tuple[str, str]]) -> Table | None:
+    """Per config: the bytes a decode step must read (``decode_bytes_per_step``: weights + KV), and for each side
+    ``(label, prefix)`` its achieved traffic (``<prefix>bandwidth_bytes_per_s``) and its share of the copy bandwidth
+    the run measured at start (``<prefix>bandwidth_utilisation``); ``None`` when no config has the figures."""
+    measured = [r for r in results if r.status == "ok" and r.derived.get("decode_bytes_per_step")]
+    if not measured:
+        return None
+
+    def figure(value: float | None, scale: float) -> str:  # three significant digits: a tiny model's MB and GB/s too
+        return "-" if not value else f"{value / scale:,.0f}" if value >= 100 * scale else f"{value / scale:.3g}"
+
+    def cells(result: ConfigResult, prefix: str) -> list[str]:
+        share = result.derived.get(f"{prefix}bandwidth_utilisation")
+        return [figure(result.derived.get(f"{prefix}bandwidth_bytes_per_s"), 1e9), figure(share and 100 * share, 1)]
+
+    def row(result: ConfigResult) -> list[str]:
+        return [figure(result.derived.get("decode_bytes_per_step"), 1e6),
+                *(c for _, prefix in sides for c in cells(result, prefix))]
+
+    ceilings = [r.derived[f"{p}bandwidth_bytes_per_s"] / r.derived[f"{p}bandwidth_utilisation"]
+                for r in measured for _, p in sides if r.derived.get(f"{p}bandwidth_utilisation")]
+    copy = f"{ceilings[0] / 1e9:.1f} GB/s" if ceilings else "not measured"
+    named = [f"{label} " if label else "" for label, _ in sides]
+    columns = ["MB/step", *(c for name in named for c in (f"{name}GB/s", f"{name}roofline %"))]
+    return config_table(results, f"decode memory traffic against the roofline (the copy bandwidth measured at start: "
+                        f"{copy}, read + write)", columns, row,
+                        caption="MB/step: what a decode step must read (every weight once, the LM head whole; the KV "
+                                "cache at the mean context); GB/s: that over the step's time")

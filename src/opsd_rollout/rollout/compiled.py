@@ -19,6 +19,7 @@ recompile limit (after which torch would run new shapes eagerly) is a warning.
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -42,10 +43,19 @@ def recompile_limit() -> int:
     return int(getattr(config, "recompile_limit", None) or getattr(config, "cache_size_limit", 8))
 
 
+CPU_MATVEC = {"post_grad_fusion_options": {"decompose_mm_pass": {"cpu_max_other_dimension_decomposition": 2**31}}}
+"""Inductor's options on the CPU: every matrix product of one row (a decode step at batch 1) becomes inductor's own
+multiply-and-sum, a C++ kernel that streams the weight and fuses with what surrounds it, instead of a BLAS call of
+one row (oneMKL's is several times slower than the memory allows on the AMD EPYC this project measures on:
+benchmarks/RESULTS.md, issue 38). Inductor does this only up to 2,048 columns by default; here for any size (a
+real model's MLP and LM head are wider). Two rows or more keep the BLAS call (no gain measured at 4 rows)."""
+
+
 def default_options(device: torch.device) -> dict[str, Any]:
     """``torch.compile`` options of the decode step on ``device``: inductor with CUDA graphs on CUDA
-    (``reduce-overhead``), inductor's default mode elsewhere (CPU: C++/OpenMP kernels, no graphs to replay)."""
-    return {"mode": "reduce-overhead"} if device.type == "cuda" else {}
+    (``reduce-overhead``), inductor's default mode elsewhere (CPU: C++/OpenMP kernels, no graphs to replay) with
+    one-row matrix products as inductor's own kernels (``CPU_MATVEC``)."""
+    return {"mode": "reduce-overhead"} if device.type == "cuda" else {"options": copy.deepcopy(CPU_MATVEC)}
 
 
 def compiled_graphs() -> int:

@@ -223,8 +223,11 @@ class HybridEngineRollout(RolloutEngine):
 
     def _rollout(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, plan: RolloutPlan, recorder: Any,
                  processor: RowLogitsProcessor | None, seed: int | None) -> tuple[RolloutBatch, torch.Tensor]:
-        with recorder.stage("prompt_expansion"):
-            ids, mask = postprocess.expand_prompts(prompt_ids, prompt_mask, plan.samples_per_prompt)
+        P = plan.prompt_length
+        with recorder.stage("prompt_expansion"):  # the mask [N, P + max_new_tokens]: the batch's, allocated once
+            ids, batch_mask = postprocess.expand_prompts(prompt_ids, prompt_mask, plan.samples_per_prompt,
+                                                         plan.max_new_tokens)
+            mask = batch_mask[:, :P]
         probes = self._probes() if recorder.enabled else None  # the unprofiled path builds nothing
         with recorder.stage("generation"), recorder.forwards(self.target.forward_module), recorder.probes(probes):
             with self._params_gathered() as gathered, self._adapters_merged():
@@ -237,13 +240,12 @@ class HybridEngineRollout(RolloutEngine):
             if self.cfg.cache_policy == "release":
                 self.release_workspace()
         with recorder.stage("post_processing"):
-            P = plan.prompt_length
             eos = torch.tensor(plan.eos_token_ids, dtype=sequences.dtype, device=sequences.device)
             lengths = postprocess.response_lengths(sequences[:, P:], eos)
             width = self._width(lengths, plan)
             input_ids = postprocess.finalize_input_ids(sequences, P, lengths, width, plan.pad_token_id)
             with recorder.stage("attention_mask"):
-                attention_mask = postprocess.build_attention_mask(mask, lengths, width)
+                attention_mask = postprocess.attention_mask(batch_mask, P, lengths, width)
             start = torch.full((ids.shape[0], ), P, dtype=torch.int64, device=ids.device)
             batch = RolloutBatch(input_ids=input_ids, attention_mask=attention_mask, response_start_idx=start)
         return batch, lengths

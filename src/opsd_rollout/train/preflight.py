@@ -46,6 +46,9 @@ def preflight(values: dict[str, Any], *, builtin: bool = False) -> None:
     for name, rule in RULES.items():
         if values.get(name) is not None:
             rule("--" + name.replace("_", "-"), values[name])
+    if values.get("task") is not None and values.get("prompts") is not None:
+        raise ValueError(f"--task {values['task']} brings its own examples and --prompts {values['prompts']!r} "
+                         "another set: give one of them")
     if values.get("resume") is not None:
         find_checkpoint(values["resume"])
     if values.get("deepspeed") is not None and not isinstance(values["deepspeed"], dict):
@@ -62,9 +65,6 @@ def preflight(values: dict[str, Any], *, builtin: bool = False) -> None:
         models.update({f"{name}={spec}": spec for name, spec in (values.get("teachers") or {}).items()})
         for shown, spec in models.items():
             check_vocabularies(student, vocab_size(student), shown, vocab_size(spec))
-    if values.get("task") is not None and values.get("prompts") is not None:
-        raise ValueError(f"--task {values['task']} brings its own examples and --prompts {values['prompts']!r} "
-                         "another set: give one of them")
     if values.get("prompts") is not None:
         check_routes(read_records(values["prompts"]), teacher_names(values), f"--prompts {values['prompts']!r}")
     task = {leaf: values[flat] for flat, leaf in (("eval_data", "data"), ("eval_scorer", "scorer"),

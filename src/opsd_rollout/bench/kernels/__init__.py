@@ -36,7 +36,7 @@ KERNELS: dict[str, Kernel] = {k.name: k for k in [
            "one decode step's token selection from random logits [rows, vocab] (T = --temperature)",
            "rollout.sampling.sample (top-k candidates, inverse-CDF draw); greedy: its argmax path",
            "transformers' temperature/top-k/top-p warpers + multinomial (what generate(do_sample=True) runs)"),
-    Kernel("postprocess", ("rows", "samples_per_prompt", "prompt_length", "response_length"),
+    Kernel("postprocess", ("rows", "samples_per_prompt", "prompt_length", "response_length", "response_width"),
            "one rollout's post-processing (EOS, padding, masks) of a precomputed batch, half its rows ending early",
            "our HybridEngineRollout's post_processing_ms",
            "DeepSpeed 0.19's HybridEngineRollout's post_processing_ms, on the same batch"),

@@ -12,16 +12,24 @@ from typing import Any
 
 import torch
 
-from opsd_rollout.bench.facts import decode_bytes_per_step
+from opsd_rollout.bench.facts import decode_bytes_per_step, roofline
 from opsd_rollout.bench.kernels import LONG, SHORT
 from opsd_rollout.bench.kernels.contest import Contest, Timed
 from opsd_rollout.bench.timing import timed
 
 
-def bandwidth_share(spec: Any, rows: int, prompt_length: int, ms_per_token: float, bandwidth: float) -> float:
-    """(weights + the KV cache a step reads) / the time per token / the copy bandwidth (bytes/s)."""
+def step_roofline(spec: Any, rows: int, prompt_length: int, sides: dict[str, float],
+                  ceilings: dict[str, Any] | None) -> dict[str, Any]:
+    """For ``sides`` (name -> ms per token): the bytes a step reads (weights + the KV cache at the mean context of
+    the differenced tokens), ``decode_bytes_per_step``, and per side ``<side>_bandwidth_bytes_per_s`` and
+    ``<side>_bandwidth_utilisation`` (its share of the copy bandwidth in ``ceilings``)."""
     read = decode_bytes_per_step(spec, rows, prompt_length + (SHORT + LONG) / 2)
-    return read / (ms_per_token / 1e3) / bandwidth
+    out: dict[str, Any] = {"decode_bytes_per_step": read}
+    for side, ms in sides.items():
+        figures = roofline(read, ms, ceilings)
+        out[f"{side}_bandwidth_bytes_per_s"] = figures["decode_bandwidth_bytes_per_s"]
+        out[f"{side}_bandwidth_utilisation"] = figures["decode_bandwidth_utilisation"]
+    return out
 
 
 class CompileContest(Contest):
@@ -65,13 +73,13 @@ def build(config: Any, settings: Any, built: Any, device: torch.device) -> Compi
 def compiled_speed(model: Any, tokenizer: Any, batch_sizes: list[int], prompt_length: int, rounds: int,
                    device: torch.device) -> list[dict[str, Any]]:
     """Per batch size, after one unrecorded round (it compiles): the medians over ``rounds`` rounds of eager and
-    compiled ms per token, the speed-up, whether every round's tokens were equal, and each side's bandwidth share
-    (the copy bandwidth measured once, here)."""
+    compiled ms per token, the speed-up, whether every round's tokens were equal, the bytes a step reads and each
+    side's achieved bandwidth and share of the roofline (the copy bandwidth measured once, here)."""
     from opsd_rollout.bench.environment import measure_ceilings
     from opsd_rollout.modeling import ModelSpec
 
     spec = ModelSpec.of(model)
-    bandwidth = measure_ceilings(device)["memory_bandwidth_bytes_per_s"]
+    ceilings = measure_ceilings(device)
     out = []
     for batch in batch_sizes:
         contest = CompileContest(model, tokenizer, batch, prompt_length, device)
@@ -81,6 +89,6 @@ def compiled_speed(model: Any, tokenizer: Any, batch_sizes: list[int], prompt_le
         eager = statistics.median(f["baseline_ms"] for f in figures)
         out.append({"batch_size": batch, "eager_ms_per_token": eager, "compiled_ms_per_token": compiled,
                     "speedup": eager / compiled, "equal_tokens": all(f["outputs_equal"] for f in figures),
-                    "eager_bandwidth_utilisation": bandwidth_share(spec, batch, prompt_length, eager, bandwidth),
-                    "compiled_bandwidth_utilisation": bandwidth_share(spec, batch, prompt_length, compiled, bandwidth)})
+                    "copy_bandwidth_bytes_per_s": ceilings["memory_bandwidth_bytes_per_s"],
+                    **step_roofline(spec, batch, prompt_length, {"eager": eager, "compiled": compiled}, ceilings)})
     return out

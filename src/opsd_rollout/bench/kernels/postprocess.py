@@ -56,8 +56,8 @@ class PostprocessContest(Contest):
                                                    config.response_length, settings.seed)
         model = ReplayLM(responses)
         tokenizer = SimpleNamespace(pad_token_id=PAD, eos_token_id=EOS)
-        self.mine = HybridEngineRollout(model, tokenizer, HybridEngineRolloutConfig(enable_profiling=True,
-                                                                                   strategy="generate"))
+        self.mine = HybridEngineRollout(model, tokenizer, HybridEngineRolloutConfig(
+            enable_profiling=True, strategy="generate", response_width=config.response_width or "max_new_tokens"))
         self.theirs = DeepSpeedRollout(SimpleNamespace(module=model), tokenizer, DeepSpeedConfig(enable_profiling=True))
         self.request = RolloutRequest(prompt_ids, mask)
         self.sampling = SamplingConfig(max_new_tokens=config.response_length, n_samples_per_prompt=n, temperature=0.0)
@@ -75,9 +75,11 @@ class PostprocessContest(Contest):
                 "call_ms": sides["ours"].ms, "baseline_call_ms": sides["baseline"].ms}
 
     def same(self, ours: Any, baseline: Any) -> bool:
-        """The same token ids, both ``max_new_tokens`` wide (DeepSpeed's width, our default); the masks differ by
-        design (DeepSpeed masks by value, wrong for generated pad tokens)."""
-        return torch.equal(ours[1], baseline[1])
+        """The same token ids, DeepSpeed's ``max_new_tokens`` wide (ours trimmed to the longest response with
+        ``response_width='longest'``: DeepSpeed's columns past ours all padding); the masks differ by design (DeepSpeed
+        masks by value, wrong for generated pad tokens)."""
+        width = ours[1].shape[1]
+        return torch.equal(ours[1], baseline[1][:, :width]) and bool((baseline[1][:, width:] == PAD).all())
 
 
 def build(config: Any, settings: Any, built: Any, device: torch.device) -> PostprocessContest:

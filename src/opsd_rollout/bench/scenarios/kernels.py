@@ -13,11 +13,12 @@ from rich.table import Table
 from opsd_rollout.bench.axes import DTYPES, Axis, axis_defaults, choice_axis, positive_int, shape_axis, teacher_cache
 from opsd_rollout.bench.kernels import DEFAULT_KERNELS, KERNELS, LONG
 from opsd_rollout.bench.report import ConfigResult
-from opsd_rollout.bench.tables import config_table, fmt, mib, stability_table
+from opsd_rollout.bench.tables import config_table, fmt, mib, roofline_table, stability_table
 from opsd_rollout.bench.scenarios.base import MeasuringSettings, Scenario, threads_phrase
 from opsd_rollout import checks
 from opsd_rollout.checks import integer, number, rule, text
 from opsd_rollout.presets import DEFAULT_MODEL
+from opsd_rollout.rollout.config import RESPONSE_WIDTHS
 
 
 def any_int(value: Any) -> int:
@@ -58,6 +59,9 @@ KERNEL_AXES = (
          "the teacher's cache (fused_loss): full (every logit) or top<k>", key="{}"),
     Axis("weight_shapes", "weight_shape", weight_shape, "model or KxN (e.g. 1024x4096)",
          "weight_layout: model (every nn.Linear of --model) or KxN (one weight of K inputs and N outputs)", key="W{}"),
+    choice_axis("response_widths", "response_width", RESPONSE_WIDTHS, "postprocess: our batch's response columns, "
+                "max_new_tokens (DeepSpeed's width, our default) or longest (trimmed to the longest response)",
+                "max_new_tokens", key="{}"),
 )
 """Each axis a kernel reads appears in its configs' key and label (``Axis.key``; ``None`` in the others)."""
 
@@ -78,7 +82,9 @@ class KernelPoint:
 
     @property
     def label(self) -> str:
-        return " ".join([self.kernel, *self._parts()])
+        """The kernel and its axes, then its dtype where it reads one that is not fp32."""
+        dtype = [self.dtype] if "dtype" in KERNELS[self.kernel].reads and self.dtype != "fp32" else []
+        return " ".join([self.kernel, *self._parts(), *dtype])
 
     @property
     def engine_key(self) -> tuple[str, str]:
@@ -145,7 +151,7 @@ def _also(result: ConfigResult) -> str:
         return f"peak {mib(result.p50('peak_memory_bytes'))} / {mib(result.p50('baseline_peak_memory_bytes'))} MiB"
     if kernel == "compile" and d.get("kernel_bandwidth_utilisation") is not None:
         shares = [d[f"{side}_bandwidth_utilisation"] for side in ("kernel", "baseline")]
-        return "bandwidth " + " / ".join(f"{v:.0%}" if v >= 0.1 else f"{v:.1%}" for v in shares)
+        return "roofline " + " / ".join(f"{v:.0%}" if v >= 0.1 else f"{v:.1%}" for v in shares)
     return ""
 
 
@@ -157,7 +163,7 @@ class KernelsScenario(Scenario):
     defaults: ClassVar[dict[str, list[Any]]] = {
         **axis_defaults(KERNEL_AXES), "kernels": list(DEFAULT_KERNELS), "rows": [16], "vocab_sizes": [32000],
         "samples_per_prompt": [4], "prompt_lengths": [128], "response_lengths": [32], "top_ks": [50],
-        "top_ps": [0.95], "teacher_caches": ["full"], "weight_shapes": ["model"]}
+        "top_ps": [0.95], "teacher_caches": ["full"], "weight_shapes": ["model"], "response_widths": ["max_new_tokens"]}
     stages = ("kernel_ms", "baseline_ms", "greedy_ms")
     what = "kernel round"
     throughput_label = "speed-up (baseline / ours, p50)"
@@ -207,13 +213,11 @@ class KernelsScenario(Scenario):
         equal = [it["outputs_equal"] for it in result.iterations if "outputs_equal" in it]
         out["outputs_equal"] = all(equal) if equal else None
         c, positive = result.config, min(out["kernel_ms"] or 0, out["baseline_ms"] or 0) > 0
-        if c.kernel == "compile" and ceilings and spec is not None and positive:
-            from opsd_rollout.bench.kernels.compile import bandwidth_share
+        if c.kernel == "compile" and spec is not None and positive:
+            from opsd_rollout.bench.kernels.compile import step_roofline
 
-            bandwidth = ceilings["memory_bandwidth_bytes_per_s"]
-            for side in ("kernel", "baseline"):
-                out[f"{side}_bandwidth_utilisation"] = bandwidth_share(spec, c.rows, c.prompt_length,
-                                                                       out[f"{side}_ms"], bandwidth)
+            out.update(step_roofline(spec, c.rows, c.prompt_length,
+                                     {side: out[f"{side}_ms"] for side in ("kernel", "baseline")}, ceilings))
         return out
 
     def title(self, environment: dict[str, Any], world_size: int) -> str:
@@ -234,7 +238,8 @@ class KernelsScenario(Scenario):
         kernels = dict.fromkeys(r.config.kernel for r in results)
         caption = "\n".join(f"{name}: ours = {KERNELS[name].ours}; baseline = {KERNELS[name].baseline}"
                             for name in kernels)
+        roofline = roofline_table(results, [("ours", "kernel_"), ("baseline", "baseline_")])
         return [config_table(results, "kernels (medians over the rounds; speed-up: baseline / ours, per round)",
                              ["ours ms", "baseline ms", "speed-up", "also (ours / baseline)", "same output"], row,
                              caption=caption),
-                stability_table(results)]
+                *([roofline] if roofline is not None else []), stability_table(results)]

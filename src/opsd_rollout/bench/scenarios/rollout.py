@@ -10,10 +10,10 @@ from rich.table import Table
 
 from opsd_rollout.bench.axes import KEY_AXES, ROLLOUT_AXES, axis_defaults
 from opsd_rollout.bench.contenders import CONTENDERS
-from opsd_rollout.bench.facts import decode_bytes_per_step, prefill_flops
+from opsd_rollout.bench.facts import decode_bytes_per_step, prefill_flops, roofline
 from opsd_rollout.bench.plots import VISIBLE_SHARE
 from opsd_rollout.bench.report import ConfigResult
-from opsd_rollout.bench.tables import baseline_table, config_table, fmt, mib, stability_table
+from opsd_rollout.bench.tables import baseline_table, config_table, fmt, mib, roofline_table, stability_table
 from opsd_rollout.bench.scenarios.base import MeasuringSettings, Scenario
 from opsd_rollout.checks import boolean, choice, integer, number, rule
 from opsd_rollout.bench.stats import median_index
@@ -146,16 +146,16 @@ class RolloutScenario(Scenario):
                                "live_row_utilisation": p50("live_row_utilisation"),
                                "row_latency_p50_ms": p50("row_latency_p50_ms"),
                                "row_latency_p95_ms": p50("row_latency_p95_ms"),
+                               "decode_bytes_per_step": None, "decode_bandwidth_bytes_per_s": None,
                                "decode_bandwidth_utilisation": None, "prefill_compute_utilisation": None}
-        if ceilings and p50("tpot_ms"):
+        if spec is not None and p50("tpot_ms"):  # every row decodes, at its mean context (an estimate for a long tail)
             response = (p50("response_length") or c.response_length) / 2
             if any(it.get("kv_layout") == "shared_prefix" for it in result.iterations):  # each prompt read once
                 bytes_per_step = decode_bytes_per_step(spec, c.effective_batch_size, response,
                                                        shared_prompts=c.batch_size, prompt_length=c.prompt_length)
             else:
                 bytes_per_step = decode_bytes_per_step(spec, c.effective_batch_size, c.prompt_length + response)
-            out["decode_bandwidth_utilisation"] = bytes_per_step / (p50("tpot_ms") / 1e3) / ceilings[
-                "memory_bandwidth_bytes_per_s"]
+            out.update(roofline(bytes_per_step, p50("tpot_ms"), ceilings))
         if ceilings and p50("prefill_ms") and p50("prefill_tokens"):
             # merged multi-rank iterations sum prefill tokens over ranks; the ceiling is one device's
             rows = p50("prefill_tokens") / c.prompt_length / world_size
@@ -188,4 +188,5 @@ class RolloutScenario(Scenario):
         if any(r.config.lengths != "fixed" for r in results):  # rows end at different times: how they were served
             tables.append(config_table(results, "rows (medians; live rows: real tokens / row-steps computed)",
                                        ["live rows %", "row-steps", "row p50 ms", "row p95 ms", "row max ms"], rows))
-        return tables + ([ratios] if ratios is not None else []) + [stability_table(results)]
+        roofline = roofline_table(results, [("", "decode_")])
+        return tables + [t for t in (roofline, ratios) if t is not None] + [stability_table(results)]
