@@ -144,7 +144,9 @@ def test_a_run_writes_metrics_checkpoint_model_and_plot(tmp_path):
     result = train(flat_config(output_dir=str(out), steps=4, **TINY))
     lines = records(out)
     assert [r["step"] for r in lines] == [0, 1, 2, 3, 4]
-    assert set(lines[0]) == {"step", "eval_reverse_kl", "eval_cross_entropy", "time/evaluation_ms"}  # no update yet
+    assert set(lines[0]) == {"step", "trainable_parameters", "eval_reverse_kl", "eval_cross_entropy",
+                             "time/evaluation_ms"}  # no update yet
+    assert lines[0]["trainable_parameters"] == 107_200  # every weight of llama-tiny (full fine-tuning)
     assert [("eval_reverse_kl" in r) for r in lines] == [True, False, True, False, True]
     step = lines[1]
     for key in ("loss", "grad_norm", "learning_rate", "epoch", "divergence", "response_tokens", "time/total_ms",

@@ -201,5 +201,6 @@ def run_train(args: argparse.Namespace) -> int:
         print(f"task accuracy: {accuracy[0][1]:.1%} at step {accuracy[0][0]} -> {accuracy[-1][1]:.1%} at step "
               f"{accuracy[-1][0]}" + (f" (teacher {teacher:.1%})" if teacher is not None else ""))
     print(f"metrics {result.output_dir / 'metrics.jsonl'}, model {result.model_dir}, checkpoint {result.checkpoint}"
+          + (f", merged model {result.merged_dir}" if result.merged_dir else "")
           + (f", plot {result.plot}" if result.plot else ""))
     return 0

@@ -234,6 +234,8 @@ TRAINING: dict[str, Metric] = {m.name: m for m in [
            meaning="the loss: `jsd`, `forward_kl`, `reverse_kl`, `sampled_reverse_kl`, or `cross_entropy` (SFT)"),
     Metric("on_policy", "on-policy", "bool", lower_is_better=None,
            meaning="whether the step trained on the student's own samples (`--lmbda`'s draw); `null` for SFT"),
+    Metric("trainable_parameters", "trainable", "count", lower_is_better=None,
+           meaning="the parameters the optimizer updates (a LoRA student's: its adapters'), in step 0's record"),
     Metric("micro_batches", "micro-batches", "count", lower_is_better=None, monitor="train/micro_batches",
            meaning="micro-batches of the step (each rank's): DeepSpeed's `gradient_accumulation_steps`"),
     METRICS["response_tokens"],

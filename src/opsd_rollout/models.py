@@ -1,6 +1,6 @@
 """Models by name: a built-in preset (``opsd_rollout.presets``, with a byte-level tokenizer built in code: a real
-transformers fast tokenizer, so it saves and reloads like any other) or a local checkpoint directory. Nothing
-here ever downloads.
+transformers fast tokenizer, so it saves and reloads like any other) or a local checkpoint directory, a PEFT adapter
+directory too (a LoRA run's ``model/``: its base with the adapters merged in). Nothing here ever downloads.
 
 Light at import (torch, tokenizers and transformers load inside the functions that build something): the
 command line's dry run reads ``max_positions`` from here without paying for them.
@@ -18,9 +18,9 @@ from opsd_rollout.presets import (BOS_ID, BOS_TOKEN, BYTE_OFFSET, DEFAULT_MODEL,
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["BOS_ID", "DEFAULT_MODEL", "EOS_ID", "PAD_ID", "PRESETS", "VOCAB_SIZE", "ModelPreset", "byte_tokenizer",
-           "dtype_name", "load_model", "load_tokenizer", "max_positions", "model_config", "model_skeleton",
-           "parse_dtype", "vocab_size"]
+__all__ = ["ADAPTER_CONFIG", "BOS_ID", "DEFAULT_MODEL", "EOS_ID", "PAD_ID", "PRESETS", "VOCAB_SIZE", "ModelPreset",
+           "adapter_base", "byte_tokenizer", "dtype_name", "load_model", "load_tokenizer", "max_positions",
+           "model_config", "model_skeleton", "parse_dtype", "vocab_size"]
 
 
 def _dtypes() -> dict[str, torch.dtype]:
@@ -96,8 +96,44 @@ def load_model(name_or_path: str, *, dtype: str | torch.dtype = "fp32", device: 
         if seed is not None:
             raise ValueError(f"seed={seed!r} draws a built-in preset's weights, and {name_or_path!r} is a checkpoint "
                              "directory, which keeps its own: drop the seed, or name a preset")
+        base = adapter_base(name_or_path)
+        if base is not None:  # a LoRA student's model/: its base with the adapters merged in
+            import warnings
+
+            from peft import PeftModel
+
+            model, tokenizer = load_model(base, dtype=dtype, device=device)
+            with warnings.catch_warnings():  # PEFT reads transformers' deprecated is_gradient_checkpointing
+                warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
+                merged = PeftModel.from_pretrained(model, name_or_path).merge_and_unload()
+            return merged.eval(), load_tokenizer(name_or_path) or tokenizer
         return _load_local(name_or_path, torch_dtype, device)
     raise _refuse(name_or_path)
+
+
+ADAPTER_CONFIG = "adapter_config.json"
+"""PEFT's adapter directory holds this (and the adapter weights) instead of a model's ``config.json``."""
+
+
+def adapter_base(path: str) -> str | None:
+    """The base model (a preset or a directory) of a PEFT adapter directory (``adapter_config.json``'s
+    ``base_model_name_or_path``, as a LoRA run writes it), or ``None`` for anything else."""
+    if not os.path.isfile(os.path.join(path, ADAPTER_CONFIG)) or os.path.isfile(os.path.join(path, "config.json")):
+        return None
+    try:
+        with open(os.path.join(path, ADAPTER_CONFIG)) as handle:
+            base = json.load(handle).get("base_model_name_or_path")
+    except (OSError, ValueError, AttributeError):
+        base = None
+    if not isinstance(base, str) or not (base in PRESETS or os.path.isdir(base)):
+        raise ValueError(f"{path!r} is a PEFT adapter directory whose base model ({base!r} in its {ADAPTER_CONFIG}) "
+                         "is neither a built-in preset nor a local directory: set base_model_name_or_path to one")
+    return base
+
+
+def _config_source(name_or_path: str) -> str:
+    """Where a model's config is: an adapter directory's base's, else its own."""
+    return (adapter_base(name_or_path) or name_or_path) if os.path.isdir(name_or_path) else name_or_path
 
 
 def _refuse(name_or_path: str) -> ValueError:
@@ -109,7 +145,9 @@ def _refuse(name_or_path: str) -> ValueError:
 
 
 def model_config(name_or_path: str):
-    """The model's transformers config alone (no weights), for a preset or a local checkpoint directory."""
+    """The model's transformers config alone (no weights), for a preset or a local checkpoint directory (an adapter
+    directory's base's)."""
+    name_or_path = _config_source(name_or_path)
     if name_or_path in PRESETS:
         return PRESETS[name_or_path].make_config()
     if os.path.isdir(name_or_path):
@@ -157,6 +195,7 @@ def max_positions(name_or_path: str) -> int | None:
     """The model's position limit, from its config alone (no weights); ``None`` when it has none. A preset's
     config numbers and a checkpoint's ``config.json`` are read directly (no transformers import: the dry run
     stays quick); transformers reads the config only when they do not name the limit."""
+    name_or_path = _config_source(name_or_path)
     if name_or_path in PRESETS:
         limit = PRESETS[name_or_path].max_positions
     elif os.path.isdir(name_or_path):
@@ -174,6 +213,7 @@ def vocab_size(name_or_path: str) -> int | None:
     """The model's vocabulary size, from its config alone and without transformers (a preset's number, a
     checkpoint's ``config.json``, its text config's for a multimodal model); ``None`` when the file does not say
     (transformers' config then tells, once loaded). A name that is neither a preset nor a directory is refused."""
+    name_or_path = _config_source(name_or_path)
     if name_or_path in PRESETS:
         return PRESETS[name_or_path].vocab_size
     if os.path.isdir(name_or_path):

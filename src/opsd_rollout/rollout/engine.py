@@ -24,7 +24,7 @@ from opsd_rollout.rollout.gather import GatherOnce
 from opsd_rollout.rollout.phases import add_rollout_probes, zero3_offload
 from opsd_rollout.rollout.processors import RowLogitsProcessor
 from opsd_rollout.rollout.strategies import TransformersGenerate, make_strategy
-from opsd_rollout.rollout.target import hybrid_engine_problem, resolve_target
+from opsd_rollout.rollout.target import hybrid_engine_problem, merged_weights, resolve_target
 from opsd_rollout.rollout.validation import RolloutPlan, plan_rollout, resolve_special_tokens
 
 
@@ -211,15 +211,23 @@ class HybridEngineRollout(RolloutEngine):
         return self._gather_once() if self._gather_once is not None else contextlib.nullcontext()
 
     @contextlib.contextmanager
-    def _adapters_merged(self) -> Iterator[None]:
-        if not self.cfg.merge_adapters:
+    def _adapters_merged(self, gathered: bool) -> Iterator[None]:
+        """PEFT's adapters merged into the weights for the block (``merge_adapters``), and the weights put back
+        exactly after it: PEFT's unmerge subtracts the update again, which rounds, and a frozen base that drifted a
+        rounding a rollout would no longer be the base the adapters are saved for. Under ZeRO-3 only while the
+        parameters are gathered whole (a partition has nothing to merge into)."""
+        if not self.cfg.merge_adapters or (self.target.zero_stage == 3 and not gathered):
             yield
             return
+        kept = [(weight, weight.detach().clone()) for weight in merged_weights(self.target.model)]
         self.target.model.merge_adapter()
         try:
             yield
         finally:
             self.target.model.unmerge_adapter()
+            with torch.no_grad():
+                for weight, original in kept:
+                    weight.copy_(original)
 
     def _rollout(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, plan: RolloutPlan, recorder: Any,
                  processor: RowLogitsProcessor | None, seed: int | None) -> tuple[RolloutBatch, torch.Tensor]:
@@ -230,7 +238,7 @@ class HybridEngineRollout(RolloutEngine):
             mask = batch_mask[:, :P]
         probes = self._probes() if recorder.enabled else None  # the unprofiled path builds nothing
         with recorder.stage("generation"), recorder.forwards(self.target.forward_module), recorder.probes(probes):
-            with self._params_gathered() as gathered, self._adapters_merged():
+            with self._params_gathered() as gathered, self._adapters_merged(gathered):
                 # per-layer ZeRO-3 gathering makes every forward a collective: ranks must prefill together
                 layerwise = self.target.zero_stage == 3 and not gathered
                 plan = dataclasses.replace(plan, layerwise_gather=layerwise,

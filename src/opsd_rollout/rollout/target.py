@@ -150,3 +150,15 @@ def resolve_target(engine_or_model: Any) -> RolloutTarget:
         spec=ModelSpec.of(forward_module),
         config_eos_ids=_eos_ids(getattr(generation_config, "eos_token_id", None)),
     )
+
+
+def merged_weights(model: torch.nn.Module) -> list[torch.Tensor]:
+    """The tensors a PEFT ``merge_adapter`` of ``model`` writes into: each adapted layer's base weight and bias
+    (PEFT's tuner layers: modules with ``get_base_layer`` and ``merge``)."""
+    found = []
+    for module in model.modules():
+        if callable(getattr(module, "get_base_layer", None)) and callable(getattr(module, "merge", None)):
+            base = module.get_base_layer()
+            found += [t for t in (getattr(base, "weight", None), getattr(base, "bias", None))
+                      if isinstance(t, torch.Tensor)]
+    return found

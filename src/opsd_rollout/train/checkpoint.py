@@ -1,5 +1,7 @@
 """Checkpoints: DeepSpeed's own (``save_checkpoint``, with the loop's state as client state) to resume from, and
-the final student as a transformers checkpoint directory any tool (and ``--teacher``) loads."""
+the final student as a transformers checkpoint directory any tool (and ``--teacher``) loads; a LoRA student's as
+PEFT's adapter directory (``PeftModel.from_pretrained`` loads it on its base, ``models.load_model`` merged), and
+on request its merged model."""
 
 from __future__ import annotations
 
@@ -28,7 +30,8 @@ def latest_tag(run: Path) -> str | None:
 
 def save_model(engine: Any, tokenizer: Any, directory: Path, rank: Any) -> Path:
     """The student's weights and tokenizer in transformers' format (``from_pretrained`` loads them), written into
-    a temporary directory and moved into place whole."""
+    a temporary directory and moved into place whole; a PEFT student's ``save_pretrained`` writes its adapters
+    alone (``adapter_config.json``, ``adapter_model.safetensors``)."""
     module = engine.module
     whole = contextlib.nullcontext()  # below ZeRO-3 every rank holds the whole weights
     if engine.zero_optimization_stage() == 3:
@@ -39,8 +42,26 @@ def save_model(engine: Any, tokenizer: Any, directory: Path, rank: Any) -> Path:
         if rank.rank == 0:
             tmp = directory.with_name(directory.name + ".tmp")
             shutil.rmtree(tmp, ignore_errors=True)
-            module.save_pretrained(tmp, safe_serialization=True)
+            # a PEFT student: its adapters alone; save_embedding_layers=False, or PEFT looks its base up on the Hub
+            # to see whether the vocabulary changed (it never does here: nothing resizes the embeddings)
+            extra = {"save_embedding_layers": False} if hasattr(module, "peft_config") else {}
+            module.save_pretrained(tmp, safe_serialization=True, **extra)
             tokenizer.save_pretrained(tmp)
             shutil.rmtree(directory, ignore_errors=True)
             os.replace(tmp, directory)
+    return directory
+
+
+def save_merged(adapters: Path, directory: Path) -> Path:
+    """The model of a LoRA run's adapter directory with the adapters merged into its base (PEFT's
+    ``merge_and_unload``, through ``models.load_model``), saved like ``save_model``'s whole students."""
+    from opsd_rollout.models import load_model
+
+    model, tokenizer = load_model(str(adapters))
+    tmp = directory.with_name(directory.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    shutil.rmtree(directory, ignore_errors=True)
+    os.replace(tmp, directory)
     return directory

@@ -23,10 +23,11 @@ from opsd_rollout.files import write_text_atomic
 from opsd_rollout.opsd.served import ServedTeacher
 from opsd_rollout.opsd.step import StepState, start_step
 from opsd_rollout.seeding import seeded
-from opsd_rollout.train.checkpoint import find_checkpoint, save_model
+from opsd_rollout.train.checkpoint import find_checkpoint, save_merged, save_model
 from opsd_rollout.train.config import TrainConfig
 from opsd_rollout.train.data import Encoder, Example, batch_indices
 from opsd_rollout.train.evaluate import evaluate
+from opsd_rollout.train.lora import trainable_parameters
 from opsd_rollout.train.report import MetricsLog, Progress, monitor_events, plot_eval, step_record
 from opsd_rollout.train.setup import Models, build_student_engine, load_models, split_examples
 from opsd_rollout.train.sft import sft_step
@@ -43,6 +44,8 @@ class TrainResult:
     checkpoint: Path | None = None
     model_dir: Path | None = None
     plot: Path | None = None
+    merged_dir: Path | None = None
+    """A LoRA run's merged model (``--merge-lora``): the adapters folded into the base weights."""
     interrupted: bool = False
     stopped: str | None = None
     """Why the run stopped before its last step other than Ctrl-C (a served teacher that stopped answering); a
@@ -94,7 +97,8 @@ class _Run:
         self.encoder = Encoder(models.tokenizer, max_prompt_tokens=models.max_prompt_tokens,
                                max_reference_tokens=config.sampling.max_new_tokens)
         profiled = config.rollout.replace(enable_profiling=True)  # the step record's times are its profile's
-        self.rollout = HybridEngineRollout(self.engine, models.tokenizer, profiled)
+        merged = config.rollout.merge_adapters or (config.lora.enabled and config.lora.merge_rollouts)
+        self.rollout = HybridEngineRollout(self.engine, models.tokenizer, profiled.replace(merge_adapters=merged))
         self.teacher = models.teacher
         if self.teacher is not None and config.teacher_zero_stage == 3:
             from opsd_rollout.deepspeed_engine import build_inference_engine
@@ -112,8 +116,9 @@ class _Run:
         """Roll out a whole optimizer step's micro-batches before their updates (the weights they sample from are
         the same until the step): each served teacher request is then in flight behind the next rollout."""
         self.step = 0
-        if config.resume is not None:
-            _, client = self.engine.load_checkpoint(str(find_checkpoint(config.resume)))
+        if config.resume is not None:  # a LoRA run's checkpoints hold the adapters alone: the base is the student's
+            _, client = self.engine.load_checkpoint(str(find_checkpoint(config.resume)),
+                                                    load_module_strict=not config.lora.enabled)
             self.step = int((client or {}).get("train_state", {}).get("step", 0))
         self.log = MetricsLog(self.out / "metrics.jsonl", resume_step=self.step if config.resume else None)
         if self.rank.rank == 0:
@@ -231,7 +236,8 @@ class _Run:
         config["optimization"].pop("deepspeed")  # the engine's own checkpoint holds what DeepSpeed ran with
         state = {"step": self.step, "seed": self.config.seed, "micro_batches": self.step * self.accumulation,
                  "config": config}
-        self.engine.save_checkpoint(str(self.checkpoints), tag=f"step{self.step}", client_state={"train_state": state})
+        self.engine.save_checkpoint(str(self.checkpoints), tag=f"step{self.step}", client_state={"train_state": state},
+                                    exclude_frozen_parameters=self.config.lora.enabled)
         self.saved_at = self.step
         return self.checkpoints / f"step{self.step}"
 
@@ -241,7 +247,9 @@ class _Run:
         progress = Progress(config.steps, self.step, enabled=config.progress)
         try:
             if self.step == 0:
-                self.record({"step": 0, **self.evaluation(teacher=True)}, progress)
+                trainable, _ = trainable_parameters(self.engine.module)
+                self.record({"step": 0, "trainable_parameters": trainable, **self.evaluation(teacher=True)},
+                            progress)
             trained_s = next((r["time/steps_s"] for r in reversed(self.log.records) if "time/steps_s" in r), 0.0)
             while self.step < config.steps:
                 record = self.optimizer_step(self.step + 1)
@@ -269,6 +277,8 @@ class _Run:
         result.steps, result.records = self.step, list(self.log.records)
         if not result.interrupted and result.stopped is None:
             result.model_dir = save_model(self.engine, self.models.tokenizer, self.out / "model", self.rank)
+            if config.lora.merge and self.rank.rank == 0:
+                result.merged_dir = save_merged(result.model_dir, self.out / "merged")
         if self.rank.rank == 0:
             teacher = (", ".join(config.named_teachers()) if config.several else _short(config.teacher)
                        if config.teacher else config.teacher_url)

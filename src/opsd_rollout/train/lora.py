@@ -30,6 +30,11 @@ class AdapterConfig:
     """Module names the adapters wrap, as PEFT's ``target_modules`` matches them (a name matches a module whose
     dotted path ends with it: ``q_proj`` wraps every layer's ``q_proj``), or ``all-linear`` (PEFT's: every linear
     layer but the output head). Each name must match at least one module of the student, checked before any step."""
+    merge_rollouts: bool = True
+    """Rollouts (and evaluations) run with the adapters merged into the base weights (PEFT's ``merge_adapter``, the
+    weights put back exactly after: the rollout's ``merge_adapters``), not through PEFT's extra matmuls at every
+    layer of every decode step: measured faster (benchmarks/RESULTS.md "LoRA students"), at the cost of a copy of
+    the adapted weights during the rollout."""
     merge: bool = False
     """Also write the merged model (the adapters folded into the base weights, PEFT's ``merge_and_unload``) to
     ``merged/`` beside the adapters' ``model/``."""
@@ -72,6 +77,36 @@ def peft_config(adapters: AdapterConfig) -> Any:
     targets = ALL_LINEAR if adapters.targets == (ALL_LINEAR,) else list(adapters.targets)
     return LoraConfig(r=adapters.rank, lora_alpha=adapters.scale_alpha, target_modules=targets, lora_dropout=0.0,
                       bias="none", task_type="CAUSAL_LM")
+
+
+def with_adapters(model: Any, adapters: AdapterConfig, base: str, seed: int) -> Any:
+    """``model`` wrapped by PEFT with fresh adapters (B zero, so the student starts as ``model``; A drawn from
+    ``seed``, the process's random state left as it was), its base weights frozen. ``base`` (the preset or the
+    directory the student came from) is written as the adapters' ``base_model_name_or_path``, so that
+    ``models.load_model`` of the saved adapters finds it."""
+    import os
+    import warnings
+
+    import torch
+    from peft import get_peft_model  # heavy: see the module docstring
+
+    with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
+        # PEFT reads transformers' deprecated is_gradient_checkpointing: not the user's to act on
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
+        torch.manual_seed(seed)
+        wrapped = get_peft_model(model, peft_config(adapters))
+    wrapped.peft_config["default"].base_model_name_or_path = os.path.abspath(base) if os.path.isdir(base) else base
+    return wrapped
+
+
+def trainable_parameters(model: Any) -> tuple[int, int]:
+    """(trainable, all) parameter counts of ``model`` (ZeRO-3's partitioned ones at their full size)."""
+    trainable = total = 0
+    for param in model.parameters():
+        count = int(getattr(param, "ds_numel", param.numel()))
+        total += count
+        trainable += count if param.requires_grad else 0
+    return trainable, total
 
 
 ADAPTABLE = ("Linear", "Embedding", "Conv1D", "Conv1d", "Conv2d")

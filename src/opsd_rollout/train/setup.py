@@ -18,7 +18,7 @@ from opsd_rollout.models import load_model, load_tokenizer, model_config, model_
 from opsd_rollout.opsd.served import ServedTeacher
 from opsd_rollout.presets import PRESETS
 from opsd_rollout.train.data import Example
-from opsd_rollout.train.lora import check_targets
+from opsd_rollout.train.lora import check_targets, with_adapters
 from opsd_rollout.train.preflight import check_vocabularies
 
 HELD_OUT_EVERY = 10
@@ -87,6 +87,8 @@ def load_models(config: Any) -> Models:
         raise ValueError(f"student {config.student!r}: its tokenizer has {len(tokenizer):,} tokens and its model a "
                          f"vocabulary of {configs[0].vocab_size:,}: the model's vocab_size must be at least "
                          "len(tokenizer) (added tokens count; docs/MODELS.md)")
+    if config.lora.enabled:  # fresh adapters on the loaded weights, the base frozen
+        student = with_adapters(student, config.lora, config.student, config.seed)
     if config.several:
         return Models(student, tokenizer, load_teachers(config, tokenizer, configs[0].vocab_size), longest)
     if served:
