@@ -236,7 +236,7 @@ def test_a_killed_server_stops_the_run_and_the_printed_command_finishes_it(tmp_p
 def test_a_teacher_url_alone_is_the_users_run_not_the_built_in_one(monkeypatch, tmp_path):
     """--teacher-url with no other model flag trains against that server (on the built-in corpus's prompts), never
     the built-in run's cached teacher."""
-    from types import SimpleNamespace
+    from opsd_rollout.train import TrainResult
 
     import opsd_rollout.train
     from opsd_rollout.train import default
@@ -245,8 +245,7 @@ def test_a_teacher_url_alone_is_the_users_run_not_the_built_in_one(monkeypatch, 
 
     def stand_in(config):
         seen.append(config)
-        return SimpleNamespace(interrupted=False, stopped=None, eval_curve=lambda name="eval_reverse_kl": [],
-                               output_dir=tmp_path, model_dir=None, checkpoint=None, plot=None)
+        return TrainResult(output_dir=tmp_path, steps=0)  # a run that trained nothing
 
     monkeypatch.setattr(opsd_rollout.train, "train", stand_in)
     monkeypatch.setattr(default, "default_run", lambda *a, **k: pytest.fail("took the built-in run"))

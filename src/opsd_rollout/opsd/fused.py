@@ -237,7 +237,9 @@ def fusion_problem(model: torch.nn.Module) -> str | None:
     hidden states without the logits (``logits_to_keep``) and an LM head that is a plain ``nn.Linear``."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if type(head) is not torch.nn.Linear:  # a subclass (LoRA, quantized) computes something else
-        return f"its LM head is {type(head).__name__}, not a plain torch.nn.Linear"
+        kind = type(head)  # qualified: PEFT's LoRA layer is also called Linear
+        return (f"its LM head is {kind.__module__}.{kind.__qualname__}, not a plain torch.nn.Linear (a LoRA adapter on "
+                "the head, a quantized layer)")
     try:
         takes = "logits_to_keep" in inspect.signature(model.forward).parameters
     except (TypeError, ValueError):
