@@ -236,12 +236,15 @@ def curve(run: Path, extra_seconds: float) -> tuple[list[dict[str, Any]], float 
             seconds = record.get("time/steps_s", 0.0) if record["step"] else 0.0
             points.append(dict(step=record["step"], accuracy=record["eval_accuracy"],
                                unextractable=record.get("eval_unextractable"),
+                               reverse_kl=record.get("eval_reverse_kl"),
                                train_seconds=round(seconds, 1), wall_seconds=round(seconds + extra_seconds, 1)))
     return points, teacher
 
 
 def at_time(points: list[dict[str, Any]], seconds: float) -> dict[str, Any]:
-    return [p for p in points if p["wall_seconds"] <= seconds + 1e-9][-1]
+    """The last evaluation at or before ``seconds`` (none: supervised KD's teacher samples not yet made)."""
+    before = [p for p in points if p["wall_seconds"] <= seconds + 1e-9]
+    return before[-1] if before else dict(step=None, accuracy=None)
 
 
 def report(runs: Path, names: list[str], reuse: dict[str, Path], settings: dict[str, Any], threads: int,
@@ -260,7 +263,8 @@ def report(runs: Path, names: list[str], reuse: dict[str, Path], settings: dict[
                           process=json.loads(info_path.read_text()) if info_path.is_file() and name not in reuse
                           else None, config=json.loads((run / "train_config.json").read_text()))
     equal_steps = min(a["points"][-1]["step"] for a in arms.values())
-    equal_time = min(a["points"][-1]["wall_seconds"] for a in arms.values())
+    ends = {name: arm["points"][-1]["wall_seconds"] for name, arm in arms.items()}
+    equal_time = min(ends.values())
     half = teacher_level / 2 if teacher_level is not None else None
     for arm in arms.values():
         points = arm["points"]
@@ -270,7 +274,8 @@ def report(runs: Path, names: list[str], reuse: dict[str, Path], settings: dict[
             accuracy_at_equal_time=at_time(points, equal_time)["accuracy"],
             step_at_equal_time=at_time(points, equal_time)["step"],
             final_accuracy=points[-1]["accuracy"], final_wall_seconds=points[-1]["wall_seconds"],
-            half_teacher_step=reached and reached["step"], half_teacher_wall_seconds=reached and reached["wall_seconds"])
+            half_teacher_step=reached and reached["step"], half_teacher_wall_seconds=reached and reached["wall_seconds"],
+            accuracy_at_each_arms_end={other: at_time(points, ends[other])["accuracy"] for other in arms})
     return dict(
         task="arithmetic", teacher=str(teacher), teacher_eval_accuracy=teacher_level, eval_data=str(eval_path),
         eval_problems=sum(1 for _ in open(eval_path)), scorer="gsm8k", settings=settings, threads=threads,

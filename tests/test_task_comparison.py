@@ -50,5 +50,6 @@ def test_the_report_reads_equal_steps_equal_time_and_half_the_teacher(tmp_path):
     assert kd["summary"]["accuracy_at_equal_time"] == 0.7
     assert fkl["summary"]["half_teacher_step"] == 400 and kd["summary"]["half_teacher_step"] == 200
     assert kd["summary"]["half_teacher_wall_seconds"] == 170.0
+    assert fkl["summary"]["accuracy_at_each_arms_end"] == {"forward_kl": 0.6, "supervised_kd": 0.1}
     tc.plot(result, tmp_path / "out" / "comparison.png")
     assert (tmp_path / "out" / "comparison.png").stat().st_size > 0
