@@ -258,10 +258,10 @@ def report(runs: Path, names: list[str], reuse: dict[str, Path], settings: dict[
             extra = json.loads(generation.read_text())["seconds"]
         points, level = curve(run, extra)
         teacher_level = teacher_level if level is None else level
-        info_path = runs / f"{name}.run.json"
+        info_path = run.parent / f"{name}.run.json"  # what run_arm recorded, where it ran the arm
         arms[name] = dict(label=ARMS[name][0], run=str(run), points=points, generation_seconds=extra or None,
-                          process=json.loads(info_path.read_text()) if info_path.is_file() and name not in reuse
-                          else None, config=json.loads((run / "train_config.json").read_text()))
+                          process=json.loads(info_path.read_text()) if info_path.is_file() else None,
+                          config=json.loads((run / "train_config.json").read_text()))
     equal_steps = min(a["points"][-1]["step"] for a in arms.values())
     ends = {name: arm["points"][-1]["wall_seconds"] for name, arm in arms.items()}
     equal_time = min(ends.values())
