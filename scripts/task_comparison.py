@@ -18,6 +18,9 @@ the teacher the cached built-in teacher (``<cache-dir>/teachers/llama-micro-*/mo
   added to the arm's wall-time axis;
 - ``sft``: cross-entropy on the task's worked solutions (``--objective sft``).
 
+Runs are repeatable (the seed), their times are not: on a shared machine run a pair again with another ``--runs``
+directory, and take a run from it into the report with ``--reuse ARM=DIR``.
+
 Every arm runs as its own ``opsd-rollout train`` process with ``OMP_NUM_THREADS`` (``--threads``, default 1), at most
 ``--parallel`` (default 2) at once; an arm whose run directory already holds a finished run is read, not rerun
 (``--reuse ARM=DIR`` takes a run made elsewhere). The wall-time axis is the run's own ``time/steps_s`` (the optimizer
@@ -274,7 +277,8 @@ def report(runs: Path, names: list[str], reuse: dict[str, Path], settings: dict[
             accuracy_at_equal_time=at_time(points, equal_time)["accuracy"],
             step_at_equal_time=at_time(points, equal_time)["step"],
             final_accuracy=points[-1]["accuracy"], final_wall_seconds=points[-1]["wall_seconds"],
-            half_teacher_step=reached and reached["step"], half_teacher_wall_seconds=reached and reached["wall_seconds"],
+            half_teacher_step=reached and reached["step"],
+            half_teacher_wall_seconds=reached and reached["wall_seconds"],
             accuracy_at_each_arms_end={other: at_time(points, ends[other])["accuracy"] for other in arms})
     return dict(
         task="arithmetic", teacher=str(teacher), teacher_eval_accuracy=teacher_level, eval_data=str(eval_path),
