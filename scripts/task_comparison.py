@@ -1,0 +1,367 @@
+"""Losses compared on the built-in arithmetic task at equal optimizer steps and equal wall time (issue 36, part 6;
+benchmarks/RESULTS.md "A student judged by accuracy"):
+
+    python scripts/task_comparison.py --cache-dir /tmp/ax36/cache --runs /tmp/ax36/arms
+    python scripts/task_comparison.py --cache-dir /tmp/ax36/cache --runs /tmp/ax36/arms --report-only
+
+The student of every arm is the built-in task student's (``default.ARITHMETIC_STUDENT``: ``llama-tiny`` from random
+weights, 32 prompts a step, lr 1.5e-3, 80 new tokens, greedy accuracy on the 500 held-out problems every 200 steps),
+the teacher the cached built-in teacher (``<cache-dir>/teachers/llama-micro-*/model``, trained by
+``opsd-rollout train --task arithmetic``), the arms:
+
+- ``forward_kl``: on-policy, the forward KL (the built-in student's loss);
+- ``jsd``: on-policy, the JSD (beta 0.5);
+- ``reverse_kl_k1`` / ``reverse_kl_k3``: on-policy, the sampled reverse KL with the k1 / k3 estimator;
+- ``supervised_kd``: the teacher's responses to the training prompts, sampled ONCE beforehand (temperature 1, one a
+  prompt, its EOS kept) by our rollout engine into a prompt file, then ``--lmbda 0 --loss forward_kl``: the forward
+  KL to the teacher's whole distribution on each token of those fixed responses. The generation's wall time is
+  added to the arm's wall-time axis;
+- ``sft``: cross-entropy on the task's worked solutions (``--objective sft``).
+
+Runs are repeatable (the seed), their times are not: on a shared machine run a pair again with another ``--runs``
+directory, and take a run from it into the report with ``--reuse ARM=DIR``.
+
+Every arm runs as its own ``opsd-rollout train`` process with ``OMP_NUM_THREADS`` (``--threads``, default 1), at most
+``--parallel`` (default 2) at once; an arm whose run directory already holds a finished run is read, not rerun
+(``--reuse ARM=DIR`` takes a run made elsewhere). The wall-time axis is the run's own ``time/steps_s`` (the optimizer
+steps' wall time, evaluations and start-up left out, the same for every arm) plus, for supervised KD, the
+generation's. Writes ``benchmarks/task/comparison.json`` (atomically) and ``benchmarks/task/comparison.png``
+(accuracy against the optimizer step and against wall time, the teacher's level drawn).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+OUT = ROOT / "benchmarks" / "task"
+
+ARMS: dict[str, tuple[str, list[str]]] = {
+    "forward_kl": ("on-policy forward KL", ["--task", "arithmetic", "--loss", "forward_kl", "--lmbda", "1"]),
+    "jsd": ("on-policy JSD", ["--task", "arithmetic", "--loss", "jsd", "--lmbda", "1"]),
+    "reverse_kl_k1": ("on-policy sampled reverse KL, k1",
+                      ["--task", "arithmetic", "--loss", "sampled_reverse_kl", "--estimator", "k1", "--lmbda", "1"]),
+    "reverse_kl_k3": ("on-policy sampled reverse KL, k3",
+                      ["--task", "arithmetic", "--loss", "sampled_reverse_kl", "--estimator", "k3", "--lmbda", "1"]),
+    "supervised_kd": ("supervised KD on teacher samples made once", ["--lmbda", "0", "--loss", "forward_kl"]),
+    "sft": ("SFT on the references", ["--task", "arithmetic", "--objective", "sft"]),
+}
+"""Each arm: its label and the flags that make it (beside the common ones, ``common_flags``)."""
+
+GENERATION = dict(temperature=1.0, max_new_tokens=80, batch_size=128, seed=0)
+"""Supervised KD's teacher samples: sampled at temperature 1, one a training prompt, from a fixed seed."""
+
+
+def student_settings(steps: int) -> dict[str, Any]:
+    from opsd_rollout.train.default import ARITHMETIC_STUDENT
+
+    s = ARITHMETIC_STUDENT
+    return dict(student=s["student"], steps=steps, prompts_per_micro_batch=s["prompts_per_micro_batch"], lr=s["lr"],
+                eval_every=s["eval_every"], eval_prompts=s["eval_prompts"], max_new_tokens=s["max_new_tokens"],
+                seed=0)
+
+
+def common_flags(settings: dict[str, Any]) -> list[str]:
+    return ["--student", settings["student"], "--steps", str(settings["steps"]), "--prompts-per-micro-batch",
+            str(settings["prompts_per_micro_batch"]), "--lr", str(settings["lr"]), "--eval-every",
+            str(settings["eval_every"]), "--eval-prompts", str(settings["eval_prompts"]), "--max-new-tokens",
+            str(settings["max_new_tokens"]), "--seed", str(settings["seed"]), "--quiet"]
+
+
+def cached_teacher(cache_dir: Path) -> Path:
+    found = sorted(cache_dir.glob("teachers/llama-micro-*/model"))
+    if not found:
+        sys.exit(f"no built-in arithmetic teacher under {cache_dir}/teachers: run "
+                 f"opsd-rollout train --task arithmetic --cache-dir {cache_dir} first")
+    return found[-1]
+
+
+def eval_file(cache_dir: Path) -> Path:
+    from opsd_rollout.train.default import task_eval_flags
+
+    return Path(task_eval_flags(str(cache_dir), "arithmetic")["eval_data"])
+
+
+def load() -> list[float]:
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+def write_json_atomic(path: Path, data: Any) -> None:
+    from opsd_rollout.files import write_text_atomic
+
+    write_text_atomic(path, json.dumps(data, indent=1) + "\n")
+
+
+# ---- supervised KD's teacher samples ----------------------------------------------------------------------------
+
+def teacher_responses(teacher: Path, problems: list[Any]) -> list[str]:
+    """The teacher's sampled response to each problem's prompt, as text up to and with its EOS (none where it ran
+    out of tokens)."""
+    import torch
+    from deepspeed.runtime.rollout.base import SamplingConfig
+
+    from opsd_rollout.models import load_model
+    from opsd_rollout.rollout import HybridEngineRollout
+    from opsd_rollout.train.data import Encoder, Example
+
+    model, tokenizer = load_model(str(teacher))
+    model.eval()
+    rollout = HybridEngineRollout(model, tokenizer)
+    encoder = Encoder(tokenizer, max_prompt_tokens=1 << 30, max_reference_tokens=GENERATION["max_new_tokens"])
+    sampling = SamplingConfig(max_new_tokens=GENERATION["max_new_tokens"], temperature=GENERATION["temperature"])
+    eos, size, out = tokenizer.eos_token, GENERATION["batch_size"], []
+    try:
+        for index in range(0, len(problems), size):
+            chunk = problems[index:index + size]
+            with torch.no_grad():
+                batch = rollout.generate(encoder.request([Example(p.prompt) for p in chunk], torch.device("cpu")),
+                                         sampling, seed=GENERATION["seed"] + index)
+            first = int(batch.response_start_idx[0])
+            for row, keep in zip(batch.input_ids[:, first:], batch.attention_mask[:, first:]):
+                text = tokenizer.decode(row[keep.bool()].tolist(), skip_special_tokens=False)
+                out.append(text[:text.index(eos) + len(eos)] if eos in text else text)
+            if (index // size) % 20 == 0:
+                print(f"generated {index + len(chunk)}/{len(problems)}", flush=True)
+    finally:
+        rollout.shutdown()
+    return out
+
+
+def generate(teacher: Path, path: Path) -> None:
+    """The teacher's responses to the task's training prompts, sampled once, as a prompt file (``prompt`` and
+    ``reference``, the EOS kept as its text so the student learns to stop). The held-out problems' responses fill
+    every 10th line (the lines a prompt file's run holds out), so the run trains on exactly the 20,000 training
+    prompts the other arms do, in the same order. The wall time goes to ``<path>.json``."""
+    from opsd_rollout.files import write_text_atomic
+    from opsd_rollout.models import load_tokenizer
+    from opsd_rollout.train.scorers import extract
+    from opsd_rollout.train.setup import HELD_OUT_EVERY
+    from opsd_rollout.train.tasks import TASKS
+
+    start, load_start = time.perf_counter(), load()
+    train, held_out = TASKS["arithmetic"].problems()
+    train_texts, held_texts = teacher_responses(teacher, train), teacher_responses(teacher, held_out)
+    lines, taken, held = [], 0, 0
+    while taken < len(train):
+        if len(lines) % HELD_OUT_EVERY == HELD_OUT_EVERY - 1:
+            p, text, held = held_out[held % len(held_out)], held_texts[held % len(held_out)], held + 1
+        else:
+            p, text, taken = train[taken], train_texts[taken], taken + 1
+        lines.append(json.dumps({"prompt": p.prompt, "reference": text}))
+    write_text_atomic(path, "\n".join(lines) + "\n")
+    eos = load_tokenizer(str(teacher)).eos_token
+    right = sum(extract("gsm8k", t.replace(eos, "")) == str(p.answer) for p, t in zip(train, train_texts))
+    stopped = sum(t.endswith(eos) for t in train_texts)
+    write_json_atomic(path.with_suffix(".json"), dict(
+        seconds=round(time.perf_counter() - start, 1), teacher=str(teacher), **GENERATION, prompts=len(train),
+        held_out=len(held_out), samples_correct=right / len(train), samples_ending_in_eos=stopped / len(train),
+        threads=os.environ.get("OMP_NUM_THREADS"), load_start=load_start, load_end=load()))
+
+
+# ---- the runs -----------------------------------------------------------------------------------------------------
+
+def finished(run: Path, steps: int) -> bool:
+    metrics = run / "metrics.jsonl"
+    return metrics.is_file() and any(json.loads(line).get("step") == steps and "eval_accuracy" in json.loads(line)
+                                     for line in metrics.read_text().splitlines() if line.strip())
+
+
+def run_arm(name: str, runs: Path, flags: list[str], threads: int, teacher: Path, eval_path: Path,
+            samples: list[tuple[float, list[float]]]) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
+           "PYTHONPATH": str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    out, log = runs / name, runs / f"{name}.log"
+    info: dict[str, Any] = dict(threads=threads, load_start=load(), started=time.time())
+    with open(log, "a") as handle:
+        if name == "supervised_kd":
+            prompts = runs / "teacher_samples.jsonl"
+            if not prompts.with_suffix(".json").is_file():
+                subprocess.run([sys.executable, __file__, "--generate", str(teacher), str(prompts)], env=env,
+                               stdout=handle, stderr=subprocess.STDOUT, check=True)
+            flags = [*flags, "--prompts", str(prompts), "--eval-data", str(eval_path), "--eval-scorer", "gsm8k"]
+        if name != "sft":
+            flags = [*flags, "--teacher", str(teacher)]
+        command = [sys.executable, "-m", "opsd_rollout.cli", "train", "--output-dir", str(out), *flags]
+        handle.write(" ".join(command) + "\n")
+        handle.flush()
+        start = time.perf_counter()
+        code = subprocess.run(command, env=env, stdout=handle, stderr=subprocess.STDOUT).returncode
+    info.update(returncode=code, process_seconds=round(time.perf_counter() - start, 1), load_end=load(),
+                command=command[1:])
+    ended = time.time()
+    during = [s for t, s in samples if info["started"] <= t <= ended]
+    info["load_1min_during"] = dict(min=min(s[0] for s in during), max=max(s[0] for s in during),
+                                    mean=round(sum(s[0] for s in during) / len(during), 2)) if during else None
+    write_json_atomic(runs / f"{name}.run.json", info)
+    print(f"{name}: exit {code} in {info['process_seconds']} s", flush=True)
+
+
+def run_arms(names: list[str], runs: Path, settings: dict[str, Any], threads: int, parallel: int,
+             teacher: Path, eval_path: Path) -> None:
+    samples: list[tuple[float, list[float]]] = []
+    done = threading.Event()
+
+    def sample() -> None:
+        while not done.is_set():
+            samples.append((time.time(), load()))
+            done.wait(15)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    todo = [n for n in names if not finished(runs / n, settings["steps"])]
+    print("to run:", todo or "none", flush=True)
+    with ThreadPoolExecutor(max_workers=parallel) as pool:
+        for future in [pool.submit(run_arm, n, runs, [*ARMS[n][1], *common_flags(settings)], threads, teacher,
+                                   eval_path, samples) for n in todo]:
+            future.result()
+    done.set()
+
+
+# ---- the report ---------------------------------------------------------------------------------------------------
+
+def curve(run: Path, extra_seconds: float) -> tuple[list[dict[str, Any]], float | None]:
+    points, teacher = [], None
+    for line in (run / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        if record.get("teacher_eval_accuracy") is not None:
+            teacher = record["teacher_eval_accuracy"]
+        if "eval_accuracy" in record:
+            seconds = record.get("time/steps_s", 0.0) if record["step"] else 0.0
+            points.append(dict(step=record["step"], accuracy=record["eval_accuracy"],
+                               unextractable=record.get("eval_unextractable"),
+                               reverse_kl=record.get("eval_reverse_kl"),
+                               train_seconds=round(seconds, 1), wall_seconds=round(seconds + extra_seconds, 1)))
+    return points, teacher
+
+
+def at_time(points: list[dict[str, Any]], seconds: float) -> dict[str, Any]:
+    """The last evaluation at or before ``seconds`` (none: supervised KD's teacher samples not yet made)."""
+    before = [p for p in points if p["wall_seconds"] <= seconds + 1e-9]
+    return before[-1] if before else dict(step=None, accuracy=None)
+
+
+def report(runs: Path, names: list[str], reuse: dict[str, Path], settings: dict[str, Any], threads: int,
+           parallel: int, teacher: Path, eval_path: Path) -> dict[str, Any]:
+    arms, teacher_level = {}, None
+    for name in names:
+        run = reuse.get(name, runs / name)
+        extra = 0.0
+        generation = runs / "teacher_samples.json"
+        if name == "supervised_kd" and generation.is_file():
+            extra = json.loads(generation.read_text())["seconds"]
+        points, level = curve(run, extra)
+        teacher_level = teacher_level if level is None else level
+        info_path = run.parent / f"{name}.run.json"  # what run_arm recorded, where it ran the arm
+        arms[name] = dict(label=ARMS[name][0], run=str(run), points=points, generation_seconds=extra or None,
+                          process=json.loads(info_path.read_text()) if info_path.is_file() else None,
+                          config=json.loads((run / "train_config.json").read_text()))
+    equal_steps = min(a["points"][-1]["step"] for a in arms.values())
+    ends = {name: arm["points"][-1]["wall_seconds"] for name, arm in arms.items()}
+    equal_time = min(ends.values())
+    half = teacher_level / 2 if teacher_level is not None else None
+    for arm in arms.values():
+        points = arm["points"]
+        reached = next((p for p in points if half is not None and p["accuracy"] >= half), None)
+        arm["summary"] = dict(
+            accuracy_at_equal_steps=next(p["accuracy"] for p in points if p["step"] == equal_steps),
+            accuracy_at_equal_time=at_time(points, equal_time)["accuracy"],
+            step_at_equal_time=at_time(points, equal_time)["step"],
+            final_accuracy=points[-1]["accuracy"], final_wall_seconds=points[-1]["wall_seconds"],
+            half_teacher_step=reached and reached["step"],
+            half_teacher_wall_seconds=reached and reached["wall_seconds"],
+            accuracy_at_each_arms_end={other: at_time(points, ends[other])["accuracy"] for other in arms})
+    return dict(
+        task="arithmetic", teacher=str(teacher), teacher_eval_accuracy=teacher_level, eval_data=str(eval_path),
+        eval_problems=sum(1 for _ in open(eval_path)), scorer="gsm8k", settings=settings, threads=threads,
+        parallel=parallel, equal_steps=equal_steps, equal_wall_seconds=equal_time,
+        wall_time_axis="the run's time/steps_s (optimizer steps' wall time; evaluations and start-up left out), "
+                       "plus the teacher samples' generation for supervised_kd",
+        generation={**GENERATION, "record": json.loads((runs / "teacher_samples.json").read_text())}
+        if (runs / "teacher_samples.json").is_file() else None,
+        machine=dict(cpus=os.cpu_count(), processor=platform.processor() or platform.machine(),
+                     python=platform.python_version()),
+        arms=arms)
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(1, 2, figsize=(12, 4.2), squeeze=False)
+    for axis, key, label in ((axes[0][0], "step", "optimizer step"),
+                             (axes[0][1], "wall_seconds", "wall time (s): optimizer steps, + generation for KD")):
+        for arm in result["arms"].values():
+            points = arm["points"]
+            axis.plot([p[key] for p in points], [p["accuracy"] for p in points], marker="o", markersize=3,
+                      label=arm["label"])
+        if result["teacher_eval_accuracy"] is not None:
+            axis.axhline(result["teacher_eval_accuracy"], color="black", linestyle="--", linewidth=1,
+                         label=f"teacher ({result['teacher_eval_accuracy']:.1%})")
+            axis.axhline(result["teacher_eval_accuracy"] / 2, color="grey", linestyle=":", linewidth=1,
+                         label="half the teacher's")
+        axis.set_xlabel(label)
+        axis.set_ylabel("held-out greedy accuracy")
+        axis.set_ylim(-0.02, 1.02)
+        axis.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    figure.suptitle(f"arithmetic task: {result['settings']['student']} students, {result['eval_problems']} held-out "
+                    f"problems ({result['threads']} thread each, {result['parallel']} runs at once, "
+                    f"{result['machine']['cpus']} cores)", fontsize=10)
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.stem + ".tmp.png")
+    figure.savefig(tmp, dpi=100)
+    plt.close(figure)
+    os.replace(tmp, path)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--cache-dir", type=Path, help="the cache of the built-in task run (its teacher, eval file)")
+    parser.add_argument("--runs", type=Path, help="a directory for the arms' runs")
+    parser.add_argument("--arms", default=",".join(ARMS), help="comma list of arms (default all)")
+    parser.add_argument("--reuse", action="append", default=[], metavar="ARM=DIR", help="a finished run to read")
+    parser.add_argument("--steps", type=int, default=1200)
+    parser.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of every arm (default 1)")
+    parser.add_argument("--parallel", type=int, default=2, help="arms at once (default 2)")
+    parser.add_argument("--report-only", action="store_true", help="read the runs, run nothing")
+    parser.add_argument("--out", type=Path, default=OUT)
+    parser.add_argument("--generate", nargs=2, metavar=("TEACHER", "FILE"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.generate:
+        generate(Path(args.generate[0]), Path(args.generate[1]))
+        return
+    if args.cache_dir is None or args.runs is None:
+        parser.error("--cache-dir and --runs are needed")
+    names = [n for n in args.arms.split(",") if n]
+    unknown = [n for n in names if n not in ARMS]
+    if unknown:
+        parser.error(f"unknown arms {unknown}: choose from {list(ARMS)}")
+    reuse = {k: Path(v) for k, v in (r.split("=", 1) for r in args.reuse)}
+    settings = student_settings(args.steps)
+    teacher, eval_path = cached_teacher(args.cache_dir), eval_file(args.cache_dir)
+    args.runs.mkdir(parents=True, exist_ok=True)
+    if not args.report_only:
+        run_arms([n for n in names if n not in reuse], args.runs, settings, args.threads, args.parallel, teacher,
+                 eval_path)
+    result = report(args.runs, names, reuse, settings, args.threads, args.parallel, teacher, eval_path)
+    write_json_atomic(args.out / "comparison.json", result)
+    plot(result, args.out / "comparison.png")
+    for name, arm in result["arms"].items():
+        print(name, arm["summary"])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,55 @@
+"""scripts/task_comparison.py's report: accuracy at equal steps and at equal wall time, the step at which half the
+teacher's accuracy is reached, supervised KD's generation counted in its wall time (made-up runs, nothing trained)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "task_comparison.py"
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("task_comparison", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _run(path: Path, points: list[tuple[int, float, float]], teacher: float | None = None) -> None:
+    path.mkdir(parents=True)
+    records = []
+    for step, accuracy, seconds in points:
+        record = {"step": step, "eval_accuracy": accuracy, "eval_unextractable": 0}
+        if step:
+            record["time/steps_s"] = seconds
+        elif teacher is not None:
+            record["teacher_eval_accuracy"] = teacher
+        records.append(record)
+        records.append({"step": step + 1, "loss": 1.0})  # a step without an evaluation is not a point
+    (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records[:-1]))
+    (path / "train_config.json").write_text("{}")
+
+
+def test_the_report_reads_equal_steps_equal_time_and_half_the_teacher(tmp_path):
+    tc = _script()
+    runs = tmp_path / "runs"
+    _run(runs / "forward_kl", [(0, 0.0, 0), (200, 0.1, 100.0), (400, 0.6, 200.0)], teacher=0.9)
+    _run(runs / "supervised_kd", [(0, 0.0, 0), (200, 0.5, 20.0), (400, 0.7, 40.0)])
+    (runs / "teacher_samples.json").write_text(json.dumps({"seconds": 150.0}))
+    eval_file = tmp_path / "eval.jsonl"
+    eval_file.write_text('{"prompt": "1+1\\n", "answer": "2"}\n' * 3)
+    result = tc.report(runs, ["forward_kl", "supervised_kd"], {}, tc.student_settings(400), 1, 2,
+                       tmp_path / "teacher", eval_file)
+    assert result["teacher_eval_accuracy"] == 0.9 and result["eval_problems"] == 3
+    kd, fkl = result["arms"]["supervised_kd"], result["arms"]["forward_kl"]
+    assert [p["wall_seconds"] for p in kd["points"]] == [150.0, 170.0, 190.0]  # the generation counted
+    assert result["equal_steps"] == 400 and result["equal_wall_seconds"] == 190.0
+    assert fkl["summary"]["accuracy_at_equal_time"] == 0.1 and fkl["summary"]["step_at_equal_time"] == 200
+    assert kd["summary"]["accuracy_at_equal_time"] == 0.7
+    assert fkl["summary"]["half_teacher_step"] == 400 and kd["summary"]["half_teacher_step"] == 200
+    assert kd["summary"]["half_teacher_wall_seconds"] == 170.0
+    assert fkl["summary"]["accuracy_at_each_arms_end"] == {"forward_kl": 0.6, "supervised_kd": 0.1}
+    tc.plot(result, tmp_path / "out" / "comparison.png")
+    assert (tmp_path / "out" / "comparison.png").stat().st_size > 0
