@@ -299,6 +299,8 @@ def plot(result: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from opsd_rollout.files import save_figure_atomic
+
     figure, axes = plt.subplots(1, 2, figsize=(12, 4.2), squeeze=False)
     for axis, key, label in ((axes[0][0], "step", "optimizer step"),
                              (axes[0][1], "wall_seconds", "wall time (s): optimizer steps, + generation for KD")):
@@ -320,11 +322,8 @@ def plot(result: dict[str, Any], path: Path) -> None:
                     f"problems ({result['threads']} thread each, {result['parallel']} runs at once, "
                     f"{result['machine']['cpus']} cores)", fontsize=10)
     figure.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.stem + ".tmp.png")
-    figure.savefig(tmp, dpi=100)
+    save_figure_atomic(figure, path, dpi=100)
     plt.close(figure)
-    os.replace(tmp, path)
 
 
 def main() -> None:

@@ -27,3 +27,18 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> None:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+
+
+def save_figure_atomic(figure, path: str | os.PathLike, **savefig: object) -> Path:
+    """``figure.savefig(path, **savefig)`` written whole or not at all (a temporary file beside it, renamed over
+    ``path``); the folder is made. The caller closes the figure."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp{path.suffix}")
+    try:
+        figure.savefig(tmp, **savefig)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return path

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from opsd_rollout.bench.report import ConfigResult
+from opsd_rollout.files import save_figure_atomic
 from opsd_rollout.bench.tables import display_labels
 from opsd_rollout.bench.stats import median
 from opsd_rollout.metrics import label
@@ -191,8 +192,6 @@ def _series_name(result: ConfigResult, results: list[ConfigResult]) -> str:
 
 def _save(fig, path: Path, plt) -> Path:
     """Cropped to what is drawn (``bbox_inches="tight"``: no empty margin), written atomically."""
-    tmp = path.with_name(f".{path.name}.tmp.png")
-    fig.savefig(tmp, dpi=110, bbox_inches="tight")
+    save_figure_atomic(fig, path, dpi=110, bbox_inches="tight")
     plt.close(fig)
-    tmp.replace(path)
     return path

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import sys
 import time
 from pathlib import Path
@@ -15,7 +14,7 @@ from typing import Any
 
 import psutil
 
-from opsd_rollout.files import write_text_atomic
+from opsd_rollout.files import save_figure_atomic, write_text_atomic
 from opsd_rollout.metrics import (RECORD_ROLLOUT_STAGES, ROLLOUT_PREFIX, STEP_STAGES, TIME, hidden_share,
                                   training_metric, upgrade)
 
@@ -206,9 +205,6 @@ def plot_eval(records: list[dict[str, Any]], path: Path, title: str) -> Path | N
         axis.grid(alpha=0.3)
     figure.suptitle(title)
     figure.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.stem + ".tmp.png")
-    figure.savefig(tmp, dpi=100)
+    save_figure_atomic(figure, path, dpi=100)
     plt.close(figure)
-    os.replace(tmp, path)
     return path
