@@ -53,6 +53,30 @@ def _fast_tier_stays_fast(request, monkeypatch):
     monkeypatch.setattr(compile_fx, "compile_fx", no_inductor)
 
 
+@pytest.fixture(autouse=True)
+def _handed_lengths_checked(monkeypatch):
+    """Every decode loop in the suite that hands its rows' lengths to post-processing (``DecodeStats.lengths``, in
+    place of the EOS search) is checked against that search on its own tokens, and every token after a row's
+    length must be padding (post-processing then masks nothing): the hand-off is proven on every workload the
+    suite runs (continuous batching, compaction, shared prefixes, lockstep, sampling, several EOS ids)."""
+    from opsd_rollout.rollout import postprocess
+    from opsd_rollout.rollout.decode.loop import DecodeLoop
+
+    run = DecodeLoop.run
+
+    def checked(loop):
+        tokens = run(loop)
+        handed = loop.stats.lengths
+        if handed is not None:
+            searched = postprocess.response_lengths(tokens, loop.eos)
+            assert torch.equal(handed, searched), f"the decode loop's lengths {handed} != the EOS search's {searched}"
+            after = postprocess.response_valid(handed, tokens.shape[1]).logical_not()
+            assert bool((tokens[after] == loop.plan.pad_token_id).all()), "a token after a row's end is not padding"
+        return tokens
+
+    monkeypatch.setattr(DecodeLoop, "run", checked)
+
+
 def run_named(what: str, command: list[str], *, timeout: float, **kwargs) -> subprocess.CompletedProcess:
     """``subprocess.run`` with captured text output; past ``timeout`` seconds (at least four times what the work
     takes on 2 busy cores) the test fails naming ``what`` was slow, with what it printed so far."""

@@ -122,6 +122,28 @@ def test_post_processing_is_measured_at_either_width_on_the_same_tokens():
         assert ours[1].shape[1] == 6 + (int(ours[1][:, 6:].ne(0).sum(1).max()) if width == "longest" else 12)
 
 
+@pytest.mark.parametrize("width", ["max_new_tokens", "longest"])
+def test_post_processing_after_our_decode_loop_takes_its_lengths(width):
+    """``--postprocess-strategies static``: our side follows a stand-in for the decode loop, which hands over each
+    row's length (the key says so; the default, ``generate``, adds nothing to it); the batch is DeepSpeed's."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from opsd_rollout.bench.kernels.postprocess import PostprocessContest
+    from opsd_rollout.rollout import postprocess
+
+    config = KernelsScenario.make_config(kernel="postprocess", rows=8, samples_per_prompt=2, prompt_length=6,
+                                         response_length=12, postprocess_strategy="static", response_width=width)
+    assert config.key == "postprocess-rows8-n2-P6-R12-static" + ("-longest" if width == "longest" else "")
+    contest = PostprocessContest(config, SimpleNamespace(seed=1), torch.device("cpu"))
+    ours, theirs = contest.ours(), contest.baseline()
+    assert contest.same(ours, theirs)
+    handed = contest.mine.strategy.last_stats.lengths
+    assert torch.equal(handed, postprocess.response_lengths(ours[1][:, 6:], torch.tensor([2])))
+    assert 0 < int((handed < 12).sum()) < 8  # some rows end early, some run to the end
+
+
 @pytest.mark.parametrize("flags,named", [
     (["--kernels", "sampling,nonsense"], "kernels: 'nonsense' is not one of sampling"),
     (["--rows", "0"], "rows: '0' is not an integer >= 1"),

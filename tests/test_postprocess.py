@@ -48,6 +48,21 @@ def test_vectorized_post_processing_equals_reference(case):
 
 
 @settings(max_examples=200, deadline=None)
+@given(raw_batches(), st.integers(0, 3))
+def test_tokens_padded_already_are_finalized_without_the_mask(case, wider):
+    """``padded=True`` (the decode loop's output: padding after each row's end, its lengths handed over) reads no
+    token and gives what masking gives, at the batch's width, trimmed or widened."""
+    prompt, mask, responses, pad, eos_ids = case
+    lengths = postprocess.response_lengths(responses, torch.tensor(eos_ids))
+    responses = responses.masked_fill(~postprocess.response_valid(lengths, responses.shape[1]), pad)
+    for width in (int(lengths.max()), responses.shape[1] + wider):
+        sequences = torch.cat([prompt, responses], dim=1)
+        expected = postprocess.finalize_input_ids(sequences.clone(), prompt.shape[1], lengths, width, pad)
+        ids = postprocess.finalize_input_ids(sequences, prompt.shape[1], lengths, width, pad, padded=True)
+        assert ids.is_contiguous() and torch.equal(ids, expected)
+
+
+@settings(max_examples=200, deadline=None)
 @given(raw_batches(), st.integers(1, 3), st.integers(0, 3))
 def test_the_mask_allocated_at_expansion_equals_reference(case, n, spare):
     """The batch's mask allocated by ``expand_prompts`` (``spare`` columns wider than the batch, as under

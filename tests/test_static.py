@@ -279,3 +279,23 @@ def test_a_list_valued_tokenizer_eos_is_the_pad_fallback():
     batch = rollout.generate(left_padded([[7, 8], [9, 10]], 2), SamplingConfig(max_new_tokens=3, temperature=0))
     assert batch.input_ids[:, 2:].tolist() == [[5, 2, 2], [11, 12, 13]]
     assert batch.attention_mask[:, 2:].tolist() == [[1, 0, 0], [1, 1, 1]]
+
+
+@pytest.mark.parametrize("continuous", [None, 2])
+def test_the_decode_loop_hands_each_rows_length_to_post_processing(tiny_models, tokenizer, continuous):
+    """Rows the loop stopped at their first EOS: their lengths go to post-processing (``DecodeStats.lengths``, which
+    then searches no token; the suite's every loop checks them against the search), and the batch is generate's.
+    A processor that ignores EOS (a fixed-length workload) hands over nothing: the batch is cut at the search."""
+    model = transition_model(chain_table(16, {5: EOS_ID, 9: EOS_ID}), eos_token_id=EOS_ID)
+    tok = make_tokenizer(PAD_ID, EOS_ID)
+    request = left_padded([[3, 4], [6, 7, 8], [10], [4]], PAD_ID)
+    rollout = static(model, tok)
+    sampling = SamplingConfig(max_new_tokens=6, temperature=0, continuous_batch_size=continuous)
+    batch = rollout.generate(request, sampling)
+    handed = rollout.strategy.last_stats.lengths
+    assert handed.tolist() == [2, 2, 6, 2]  # 3 4 -> 5 EOS; 6 7 8 -> 9 EOS; 10 -> 11..15 (no EOS); 4 -> 5 EOS
+    ref_ids, ref_mask = reference_rollout(model, request, n=1, max_new_tokens=6, pad_token_id=PAD_ID, eos_ids=[EOS_ID])
+    assert torch.equal(batch.input_ids, ref_ids) and torch.equal(batch.attention_mask, ref_mask)
+    fixed = rollout_engine(model, tok, ignore_eos=True, strategy="static")
+    fixed.generate(request, SamplingConfig(max_new_tokens=6, temperature=0))
+    assert fixed.rollout.strategy.last_stats.lengths is None

@@ -248,10 +248,15 @@ class HybridEngineRollout(RolloutEngine):
             if self.cfg.cache_policy == "release":
                 self.release_workspace()
         with recorder.stage("post_processing"):
-            eos = torch.tensor(plan.eos_token_ids, dtype=sequences.dtype, device=sequences.device)
-            lengths = postprocess.response_lengths(sequences[:, P:], eos)
+            handed = self.strategy.last_stats.lengths  # the decode loop knows where each row stopped
+            if handed is not None:
+                lengths = handed
+            else:
+                eos = torch.tensor(plan.eos_token_ids, dtype=sequences.dtype, device=sequences.device)
+                lengths = postprocess.response_lengths(sequences[:, P:], eos)
             width = self._width(lengths, plan)
-            input_ids = postprocess.finalize_input_ids(sequences, P, lengths, width, plan.pad_token_id)
+            input_ids = postprocess.finalize_input_ids(sequences, P, lengths, width, plan.pad_token_id,
+                                                       padded=handed is not None)
             with recorder.stage("attention_mask"):
                 attention_mask = postprocess.attention_mask(batch_mask, P, lengths, width)
             start = torch.full((ids.shape[0], ), P, dtype=torch.int64, device=ids.device)

@@ -43,15 +43,15 @@ def is_eos(tokens: torch.Tensor, eos_token_ids: torch.Tensor) -> torch.Tensor:
 def response_lengths(responses: torch.Tensor, eos_token_ids: torch.Tensor) -> torch.Tensor:
     """Tokens up to and including each row's first EOS, or the full width when a row has none.
 
-    responses: [N, R'] generated tokens; eos_token_ids: [E]. Returns [N] int64.
+    responses: [N, R'] generated tokens; eos_token_ids: [E]. Returns [N] int64. Three passes over ``[N, R']``:
+    the comparison, one ``max`` giving both whether a row has an EOS and where its first is (``max`` returns the
+    first maximal index), and the fix-up in place.
     """
     rows, width = responses.shape
     if width == 0:
         return torch.zeros(rows, dtype=torch.int64, device=responses.device)
-    found = is_eos(responses, eos_token_ids)  # [N, R']
-    first = found.view(torch.uint8).argmax(dim=1)  # the first maximal index: the first EOS, or 0 when none
-    has_eos = found.gather(1, first.unsqueeze(1)).squeeze(1)
-    return torch.where(has_eos, first + 1, width)
+    has_eos, first = is_eos(responses, eos_token_ids).view(torch.uint8).max(dim=1)
+    return first.add_(1).masked_fill_(has_eos == 0, width)
 
 
 def response_valid(lengths: torch.Tensor, width: int) -> torch.Tensor:
@@ -60,19 +60,22 @@ def response_valid(lengths: torch.Tensor, width: int) -> torch.Tensor:
 
 
 def finalize_input_ids(sequences: torch.Tensor, prompt_length: int, lengths: torch.Tensor, width: int,
-                       pad_token_id: int) -> torch.Tensor:
+                       pad_token_id: int, *, padded: bool = False) -> torch.Tensor:
     """``[N, P + width]`` from the strategy's ``[N, P + R']`` output, in place: the prompt as generated from (the
     prompt exactly as given), then each response padded after its first EOS, to ``width`` columns (wider than
     ``R'`` when every row stopped early and the batch keeps DeepSpeed's ``max_new_tokens`` columns).
 
     Writing into the generated tensor instead of concatenating a new one saves a full-batch copy; a copy is made
-    only when the batch is trimmed (``width < R'``) or widened, so the result is always contiguous.
+    only when the batch is trimmed (``width < R'``) or widened, so the result is always contiguous. ``padded``: each
+    row's tokens after its ``lengths`` are padding already (the decode loop wrote none there), so none is read.
     """
     generated = sequences.shape[1] - prompt_length
     if width > generated:  # one allocation, the new columns padding already
         sequences = torch.nn.functional.pad(sequences, (0, width - generated), value=pad_token_id)
     input_ids = sequences[:, :prompt_length + width]
-    padding = torch.arange(width, device=lengths.device).unsqueeze(0) >= lengths.unsqueeze(1)
+    if padded:
+        return input_ids.contiguous()
+    padding = torch.ge(torch.arange(width, device=lengths.device), lengths.unsqueeze(1))
     input_ids[:, prompt_length:].masked_fill_(padding, pad_token_id)
     return input_ids.contiguous()
 
@@ -81,7 +84,9 @@ def attention_mask(mask: torch.Tensor, prompt_length: int, lengths: torch.Tensor
     """``[N, P + width]`` from ``expand_prompts``' mask ``[N, P + W]`` (``W >= width``), written in place: the
     prompt's own mask, then 1 on every real response token, by position only (a generated token equal to
     ``pad_token_id`` before EOS stays 1). Contiguous: a copy only when ``width < W``."""
-    mask[:, prompt_length:prompt_length + width] = response_valid(lengths, width)
+    # the comparison written straight into the mask's columns (in its dtype): no bool tensor, no second pass
+    torch.lt(torch.arange(width, device=lengths.device), lengths.unsqueeze(1),
+             out=mask[:, prompt_length:prompt_length + width])
     return mask[:, :prompt_length + width].contiguous()
 
 

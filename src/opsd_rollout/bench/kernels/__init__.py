@@ -29,6 +29,9 @@ SHORT, LONG = 8, 40
 """The compile kernel's two calls per side and round: new tokens (their difference over ``LONG - SHORT`` is the
 time per token); a prompt of that kernel must leave room for ``LONG`` of them."""
 
+POSTPROCESS_STRATEGIES = ("generate", "static")
+"""The generations the postprocess kernel replays for our side (``bench/kernels/postprocess.py``)."""
+
 ROLLOUT_SHAPE = ("dtype", "rows", "samples_per_prompt", "prompt_length", "response_length")
 
 KERNELS: dict[str, Kernel] = {k.name: k for k in [
@@ -36,9 +39,11 @@ KERNELS: dict[str, Kernel] = {k.name: k for k in [
            "one decode step's token selection from random logits [rows, vocab] (T = --temperature)",
            "rollout.sampling.sample (top-k candidates, inverse-CDF draw); greedy: its argmax path",
            "transformers' temperature/top-k/top-p warpers + multinomial (what generate(do_sample=True) runs)"),
-    Kernel("postprocess", ("rows", "samples_per_prompt", "prompt_length", "response_length", "response_width"),
+    Kernel("postprocess", ("rows", "samples_per_prompt", "prompt_length", "response_length", "postprocess_strategy",
+                           "response_width"),
            "one rollout's post-processing (EOS, padding, masks) of a precomputed batch, half its rows ending early",
-           "our HybridEngineRollout's post_processing_ms",
+           "our HybridEngineRollout's post_processing_ms, after strategy generate's output (the EOS searched for) or "
+           "static's (each row's length handed over by the decode loop)",
            "DeepSpeed 0.19's HybridEngineRollout's post_processing_ms, on the same batch"),
     Kernel("attention", ROLLOUT_SHAPE,
            "one greedy rollout per layout, fixed length: decode ms per token, KV workspace bytes",

@@ -1,7 +1,10 @@
 """``postprocess``: a rollout's post-processing, ours against DeepSpeed's ``HybridEngineRollout``, on one batch.
 
-Both rollouts run over a stand-in model whose ``generate`` returns a precomputed output at once, so each
-profile's ``post_processing_ms`` is post-processing alone, on identical tensors."""
+Both rollouts replay a precomputed generation at once, so each profile's ``post_processing_ms`` is post-processing
+alone, on identical tokens: DeepSpeed's through a stand-in model's ``generate``; ours through the same stand-in
+(strategy ``generate``: the EOS searched for) or through a stand-in for our decode loop (strategy ``static``: the
+loop's tokens, padding after each row's end as the loop leaves them, and each row's length, which the loop records
+while it stops the row, in generation, so post-processing searches nothing)."""
 
 from __future__ import annotations
 
@@ -11,6 +14,8 @@ from typing import Any
 import torch
 
 from opsd_rollout.bench.kernels.contest import Contest, Timed
+from opsd_rollout.rollout.decode.stats import DecodeStats
+from opsd_rollout.rollout.postprocess import response_lengths
 
 VOCAB, PAD, EOS = 32000, 0, 2
 
@@ -29,9 +34,41 @@ class ReplayLM(torch.nn.Module):
         return torch.cat([input_ids, self.responses[:input_ids.shape[0]]], dim=1)
 
 
+class ReplayDecode:
+    """A stand-in for strategy ``static`` (the protocol of ``rollout/strategies/base.py``): the prompts + precomputed
+    responses, and each row's length handed over as the decode loop hands it (``DecodeStats.lengths``)."""
+
+    name = "static"
+    workspace = None
+    weight_layout_bytes = None
+
+    def __init__(self, responses: torch.Tensor, lengths: torch.Tensor):
+        self.responses, self.lengths = responses, lengths
+        self.last_stats = DecodeStats()
+
+    def generate(self, target: Any, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, plan: Any, recorder: Any,
+                 processor: Any = None, seed: int | None = None) -> torch.Tensor:
+        rows = prompt_ids.shape[0]
+        self.last_stats = DecodeStats(lengths=self.lengths[:rows].clone())
+        return torch.cat([prompt_ids, self.responses[:rows]], dim=1)
+
+    def unsupported_reason(self, target: Any) -> None:
+        return None
+
+    def prepare(self, target: Any) -> None:
+        """Nothing to prepare."""
+
+    def release_workspace(self) -> None:
+        """Nothing kept."""
+
+    def probe_points(self) -> list:
+        return []
+
+
 def replay_batch(prompts: int, samples: int, prompt_length: int, response_length: int,
                  seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Left-padded prompts [B, P] with their mask, and responses [B*n, R] of which about half stop at an EOS."""
+    """Left-padded prompts [B, P] with their mask, and responses [B*n, R] of which about half stop at an EOS, padding
+    after it (as ``generate`` and our decode loop leave them)."""
     g = torch.Generator().manual_seed(seed)
     prompt_ids = torch.randint(3, VOCAB, (prompts, prompt_length), generator=g)
     lengths = torch.randint(1, prompt_length + 1, (prompts, 1), generator=g)
@@ -40,6 +77,7 @@ def replay_batch(prompts: int, samples: int, prompt_length: int, response_length
     stop = torch.randint(0, response_length * 2, (prompts * samples,), generator=g)
     early = stop < response_length
     responses[early, stop[early]] = EOS
+    responses.masked_fill_(torch.arange(response_length) > stop.unsqueeze(1), PAD)
     return prompt_ids.masked_fill(mask == 0, PAD), mask, responses
 
 
@@ -58,6 +96,8 @@ class PostprocessContest(Contest):
         tokenizer = SimpleNamespace(pad_token_id=PAD, eos_token_id=EOS)
         self.mine = HybridEngineRollout(model, tokenizer, HybridEngineRolloutConfig(
             enable_profiling=True, strategy="generate", response_width=config.response_width or "max_new_tokens"))
+        if config.postprocess_strategy == "static":
+            self.mine.strategy = ReplayDecode(responses, response_lengths(responses, torch.tensor([EOS])))
         self.theirs = DeepSpeedRollout(SimpleNamespace(module=model), tokenizer, DeepSpeedConfig(enable_profiling=True))
         self.request = RolloutRequest(prompt_ids, mask)
         self.sampling = SamplingConfig(max_new_tokens=config.response_length, n_samples_per_prompt=n, temperature=0.0)

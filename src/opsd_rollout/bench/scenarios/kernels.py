@@ -11,7 +11,7 @@ from typing import Any, ClassVar
 from rich.table import Table
 
 from opsd_rollout.bench.axes import DTYPES, Axis, axis_defaults, choice_axis, positive_int, shape_axis, teacher_cache
-from opsd_rollout.bench.kernels import DEFAULT_KERNELS, KERNELS, LONG
+from opsd_rollout.bench.kernels import DEFAULT_KERNELS, KERNELS, LONG, POSTPROCESS_STRATEGIES
 from opsd_rollout.bench.report import ConfigResult
 from opsd_rollout.bench.tables import config_table, fmt, mib, roofline_table, stability_table
 from opsd_rollout.bench.scenarios.base import MeasuringSettings, Scenario, threads_phrase
@@ -59,6 +59,9 @@ KERNEL_AXES = (
          "the teacher's cache (fused_loss): full (every logit) or top<k>", key="{}"),
     Axis("weight_shapes", "weight_shape", weight_shape, "model or KxN (e.g. 1024x4096)",
          "weight_layout: model (every nn.Linear of --model) or KxN (one weight of K inputs and N outputs)", key="W{}"),
+    choice_axis("postprocess_strategies", "postprocess_strategy", POSTPROCESS_STRATEGIES, "postprocess: the "
+                "generation our post-processing follows: generate (transformers' generate; the EOS searched for) or "
+                "static (our decode loop, which hands over where each row stopped)", "generate", key="{}"),
     choice_axis("response_widths", "response_width", RESPONSE_WIDTHS, "postprocess: our batch's response columns, "
                 "max_new_tokens (DeepSpeed's width, our default) or longest (trimmed to the longest response)",
                 "max_new_tokens", key="{}"),
@@ -163,7 +166,8 @@ class KernelsScenario(Scenario):
     defaults: ClassVar[dict[str, list[Any]]] = {
         **axis_defaults(KERNEL_AXES), "kernels": list(DEFAULT_KERNELS), "rows": [16], "vocab_sizes": [32000],
         "samples_per_prompt": [4], "prompt_lengths": [128], "response_lengths": [32], "top_ks": [50],
-        "top_ps": [0.95], "teacher_caches": ["full"], "weight_shapes": ["model"], "response_widths": ["max_new_tokens"]}
+        "top_ps": [0.95], "teacher_caches": ["full"], "weight_shapes": ["model"], "response_widths": ["max_new_tokens"],
+        "postprocess_strategies": ["generate"]}
     stages = ("kernel_ms", "baseline_ms", "greedy_ms")
     what = "kernel round"
     throughput_label = "speed-up (baseline / ours, p50)"

@@ -81,6 +81,8 @@ class SlotState:
         """[N + 1, max_new_tokens + 1] the generated tokens per request row, pad-filled."""
         self.finish = torch.full((rows + 1,), -1, dtype=torch.int64, device=device)
         """[N + 1] per request row, the forward that produced its last token (-1 while it runs)."""
+        self.generated = torch.zeros(rows + 1, dtype=torch.int64, device=device)
+        """[N + 1] per request row, the tokens it generated, its last included (0 while it runs)."""
         self.row = torch.full((slots,), self.sink, dtype=torch.int64, device=device)
         """[S] the request row each slot holds (the sink when none)."""
         self.count = torch.zeros(slots, dtype=torch.int64, device=device)
@@ -106,6 +108,7 @@ class SlotState:
         self.row[slots], self.position[slots], self.column[slots] = rows, positions, column
         self.out[rows, 0] = token
         self.finish[rows] = torch.where(finished, forward, self.finish[rows])
+        self.generated[rows] = finished.long()
         self.token[slots], self.count[slots], self.running[slots] = token, 1, ~finished
         if first:
             self.aligned, self.width = True, column
@@ -123,7 +126,9 @@ class SlotState:
         that all started together reach the cache's end only once every one of them has finished."""
         live, rows, count = self.live(active)
         self.out[torch.where(live, rows, self.sink), torch.where(live, count, self.max_new)] = token
-        self.finish[torch.where(finished, rows, self.sink)] = forward
+        ended = torch.where(finished, rows, self.sink)
+        self.finish[ended] = forward
+        self.generated[ended] = count + 1
         self.running[:active] = live & ~finished
         self.token[:active] = token
         self.position[:active] += 1
@@ -211,6 +216,8 @@ class DecodeLoop:
                 break
             self.step()
         self.stats.finish_forward = self.state.finish[:self.rows]
+        # where each row stopped is where post-processing would find its first EOS, when EOS stops rows
+        self.stats.lengths = self.state.generated[:self.rows] if self.eos_stops else None
         width = self.step_count + 1 if not self.continuous else self.max_new
         return self.state.tokens(self.rows, min(width, self.max_new))
 

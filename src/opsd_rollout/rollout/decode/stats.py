@@ -41,3 +41,8 @@ class DecodeStats:
     finish_forward: torch.Tensor | None = None
     """[N] per request row, the index (among the rollout's forwards) of the forward that produced its last token;
     ``None`` when every row started at the first forward (its length then says it)."""
+    lengths: torch.Tensor | None = None
+    """[N] per request row, its response's length (its first EOS included) when the decode loop stopped rows at
+    their first EOS: what post-processing would search the tokens for, handed over instead, and every token after
+    it is padding already. ``None`` when rows did not stop at EOS (a logits processor that ignores it) or the
+    strategy does not know (``generate``)."""
