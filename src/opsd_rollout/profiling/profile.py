@@ -157,7 +157,8 @@ class _ProfileFields:
     ``copied`` (each row's slot holds its prompt's keys/values too); ``None`` for ``generate``."""
     weight_layout: str | None = None
     """Static strategy: ``transposed`` (on the CPU, every float32 ``nn.Linear`` multiplied by an ``[in, out]`` copy of
-    its weight: ``cpu_transposed_weights``) or ``model`` (the weights as the model keeps them); ``None`` for
+    its weight: ``cpu_transposed_weights``), ``row_kernel`` (on the CPU, one-row products by our kernel over the
+    model's weights: ``cpu_row_kernel``) or ``model`` (the weights as the model keeps them); ``None`` for
     ``generate``."""
     weight_layout_bytes: int | None = None
     """Bytes the static strategy's weight copies hold after the call, kept for the next one like the KV workspace

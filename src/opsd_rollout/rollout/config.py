@@ -63,6 +63,12 @@ class RolloutOptions:
     CPUs' oneMKL multiplies small matrices in the model's ``[out, in]`` layout several times slower at a few dozen
     rows; elsewhere (GPUs, bfloat16, other BLAS) it gains nothing. Costs the linear weights' bytes once more and a
     copy per call (``weight_layout_ms``); the profile's ``weight_layout`` says which ran."""
+    cpu_row_kernel: bool = field(default=False, metadata=axis("row_kernel", key="rowkernel", strategies=STATIC))
+    """``static``, opt-in, a float32 or bfloat16 model on the CPU: every one-row product (a decode step at batch 1)
+    by our own kernel, which streams each weight row once and splits the rows across the cores
+    (``rollout/row_kernel.py``; built on first use with a C++ compiler and ninja, cached by torch, skipped with a
+    warning where it cannot be). The same products up to float32 rounding (summed in another order than oneMKL's);
+    ``cpu_transposed_weights``, where it applies, comes first. The profile's ``weight_layout`` says ``row_kernel``."""
     gather_memory_budget_bytes: int | None = None
     """Most bytes the one-time ZeRO-3 gather may materialize; ``None``: 80% of the device's free memory plus
     what torch's caching allocator holds unused (CUDA), or of available RAM (CPU). Above it, per-layer
@@ -73,7 +79,7 @@ class RolloutOptions:
     and the forward-derived profile fields ``None``."""
 
     def __post_init__(self) -> None:
-        for name in ("shared_prefix", "cpu_transposed_weights", "profile_forwards"):
+        for name in ("shared_prefix", "cpu_transposed_weights", "cpu_row_kernel", "profile_forwards"):
             checks.boolean(f"options.{name}", getattr(self, name))
         checks.integer("options.shared_prefix_min_prompt", self.shared_prefix_min_prompt)
         checks.integer("options.stop_check_interval", self.stop_check_interval, optional=True)

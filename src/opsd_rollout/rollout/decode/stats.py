@@ -37,7 +37,8 @@ class DecodeStats:
     kv_layout: str | None = None
     """``copied`` (each row's slot holds its prompt's keys/values) or ``shared_prefix`` (each prompt's once)."""
     weight_layout: str | None = None
-    """``transposed`` (CPU: the linear layers multiplied by ``[in, out]`` copies of their weights) or ``model``."""
+    """``transposed`` (CPU: the linear layers multiplied by ``[in, out]`` copies of their weights), ``row_kernel``
+    (CPU: one-row products by our kernel) or ``model``."""
     finish_forward: torch.Tensor | None = None
     """[N] per request row, the index (among the rollout's forwards) of the forward that produced its last token;
     ``None`` when every row started at the first forward (its length then says it)."""

@@ -26,6 +26,7 @@ from opsd_rollout.rollout.shared_prefix import (SharedPrefix, install, installed
 from opsd_rollout.rollout.decode.stats import DecodeStats
 from opsd_rollout.rollout.target import RolloutTarget
 from opsd_rollout.rollout.validation import RolloutPlan
+from opsd_rollout.rollout.row_kernel import RowKernelLinears
 from opsd_rollout.rollout.weight_layout import TransposedLinears
 from opsd_rollout.rollout.workspace import KVWorkspace
 
@@ -53,6 +54,8 @@ class StaticDecode:
         self.workspace = KVWorkspace()
         self.linears = TransposedLinears()
         """CPU, opt-in: the linear layers' weights in the layout oneMKL multiplies fast (``rollout/weight_layout.py``)."""
+        self.row_linears = RowKernelLinears()
+        """CPU, opt-in: one-row products by our own kernel (``rollout/row_kernel.py``)."""
         self.last_stats = DecodeStats()
         self._calls = 0
 
@@ -102,7 +105,8 @@ class StaticDecode:
                             cache_bytes=layout.nbytes)
         self.last_stats = stats
         transposed = self._transposed_weights(target, plan, layout.scheduler.slots)
-        stats.weight_layout = "transposed" if transposed else "model"
+        row_kernel = not transposed and self._row_kernel(target, plan)
+        stats.weight_layout = "transposed" if transposed else "row_kernel" if row_kernel else "model"
         if transposed:  # the weights may have changed since the last call (training): copied again
             with recorder.phase("weight_layout"):
                 self.linears.refresh(target.model)
@@ -119,7 +123,8 @@ class StaticDecode:
                           compact=self.compact_rows, lockstep=lockstep_for(plan.lockstep, prompt_ids.device)),
             recorder=recorder, stats=stats)
         try:
-            with self.linears.decoding() if transposed else contextlib.nullcontext():
+            with (self.linears.decoding() if transposed else self.row_linears.decoding(target.model) if row_kernel
+                  else contextlib.nullcontext()):
                 tokens = loop.run()
         finally:
             if target.zero_stage == 3:  # whole weights kept between calls would undo ZeRO-3's partitioning
@@ -168,6 +173,11 @@ class StaticDecode:
         """Whether this call multiplies by the CPU weight copies (opt-in: ``cpu_transposed_weights``)."""
         return (self.options.cpu_transposed_weights and not plan.layerwise_gather
                 and self.linears.applies(target.model, target.dtype, target.device, slots))
+
+    def _row_kernel(self, target: RolloutTarget, plan: RolloutPlan) -> bool:
+        """Whether this call sends one-row products to the CPU kernel (opt-in: ``cpu_row_kernel``)."""
+        return (self.options.cpu_row_kernel and not plan.layerwise_gather
+                and self.row_linears.applies(target.model, target.device))
 
     def slots(self, target: RolloutTarget, rows: int, length: int, dtype: torch.dtype,
               continuous_batch_size: int | None, *, prompt_length: int = 0, prompts: int = 1) -> int:
