@@ -19,11 +19,12 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+from opsd_rollout.rollout.linears import forwards_replaced, plain_linear
 
 logger = logging.getLogger(__name__)
 
@@ -85,13 +86,8 @@ def _forward(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
 
 
 def _eligible(module: torch.nn.Module) -> bool:
-    """A plain ``nn.Linear`` (subclasses keep their own forward) whose weight is a parameter, whole, on the CPU, in a
-    dtype the kernel multiplies (a ZeRO-3 parameter not gathered has no elements here)."""
-    if type(module) is not torch.nn.Linear or not isinstance(module._parameters.get("weight"), torch.nn.Parameter):
-        return False
-    weight = module.weight
-    return (weight.device.type == "cpu" and weight.dtype in DTYPES and weight.dim() == 2
-            and weight.numel() == module.in_features * module.out_features)
+    """A plain ``nn.Linear`` on the CPU in a dtype the kernel multiplies (``linears.plain_linear``)."""
+    return plain_linear(module, DTYPES)
 
 
 class RowKernelLinears:
@@ -117,20 +113,9 @@ class RowKernelLinears:
             return False
         return True
 
-    @contextlib.contextmanager
-    def decoding(self, model: torch.nn.Module) -> Iterator[None]:
-        """Within the block every eligible layer's forward sends one row to the kernel (hooks run as before: only the
-        instance's ``forward`` is replaced); on leaving, every layer has its own forward back."""
-        replaced = []
-        try:
-            for module in model.modules():
-                if not _eligible(module) or "forward" in module.__dict__:  # someone else's instance forward: theirs
-                    continue
-                if module not in self._forwards:
-                    self._forwards[module] = functools.partial(_forward, module)
-                module.forward = self._forwards[module]
-                replaced.append(module)
-            yield
-        finally:
-            for module in replaced:
-                del module.forward
+    def decoding(self, model: torch.nn.Module) -> contextlib.AbstractContextManager:
+        """Within the block every eligible layer's forward sends one row to the kernel
+        (``linears.forwards_replaced``); on leaving, every layer has its own forward back."""
+        forwards = [(module, self._forwards.setdefault(module, functools.partial(_forward, module)))
+                    for module in model.modules() if _eligible(module)]
+        return forwards_replaced(forwards)

@@ -21,12 +21,12 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
 
 from opsd_rollout.rollout.gather import available_bytes
+from opsd_rollout.rollout.linears import forwards_replaced, plain_linear
 
 logger = logging.getLogger(__name__)
 
@@ -52,15 +52,8 @@ def _linear(module: torch.nn.Linear, weight_t: torch.Tensor, x: torch.Tensor) ->
 
 
 def _eligible(module: torch.nn.Module) -> bool:
-    """A plain ``nn.Linear`` (not a subclass: quantized or otherwise special layers keep their own forward) whose
-    weight is a parameter (not one that a pre-hook rebuilds before each forward, as pruning and weight norm do:
-    a copy would miss the rebuild) and whole, float32 and on the CPU (a ZeRO-3 parameter not gathered has no
-    elements here)."""
-    if type(module) is not torch.nn.Linear or not isinstance(module._parameters.get("weight"), torch.nn.Parameter):
-        return False
-    weight = module.weight
-    return (weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.dim() == 2
-            and weight.numel() == module.in_features * module.out_features)
+    """A plain float32 ``nn.Linear`` on the CPU (``linears.plain_linear``)."""
+    return plain_linear(module, (torch.float32,))
 
 
 class TransposedLinears:
@@ -123,19 +116,8 @@ class TransposedLinears:
             copies[module], forwards[module] = copy, forward
         self._copies, self._forwards = copies, forwards
 
-    @contextlib.contextmanager
-    def decoding(self) -> Iterator[None]:
+    def decoding(self) -> contextlib.AbstractContextManager:
         """Within the block (the whole decode loop: the prefills that admit prompts into it too, for which the two
-        layouts multiply alike) each copied layer's forward multiplies by its copy (hooks run as before: only the
-        instance's ``forward`` is replaced); on leaving, every layer has its own forward back."""
-        replaced = []
-        try:
-            for module, forward in self._forwards.items():
-                if "forward" in module.__dict__:  # someone else's instance forward: leave that layer alone
-                    continue
-                module.forward = forward
-                replaced.append(module)
-            yield
-        finally:
-            for module in replaced:
-                del module.forward
+        layouts multiply alike) each copied layer's forward multiplies by its copy (``linears.forwards_replaced``);
+        on leaving, every layer has its own forward back."""
+        return forwards_replaced(self._forwards.items())

@@ -40,15 +40,10 @@ def save_model(engine: Any, tokenizer: Any, directory: Path, rank: Any) -> Path:
         whole = deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None)
     with whole:
         if rank.rank == 0:
-            tmp = directory.with_name(directory.name + ".tmp")
-            shutil.rmtree(tmp, ignore_errors=True)
             # a PEFT student: its adapters alone; save_embedding_layers=False, or PEFT looks its base up on the Hub
             # to see whether the vocabulary changed (it never does here: nothing resizes the embeddings)
             extra = {"save_embedding_layers": False} if hasattr(module, "peft_config") else {}
-            module.save_pretrained(tmp, safe_serialization=True, **extra)
-            tokenizer.save_pretrained(tmp)
-            shutil.rmtree(directory, ignore_errors=True)
-            os.replace(tmp, directory)
+            _save_whole(module, tokenizer, directory, **extra)
     return directory
 
 
@@ -58,9 +53,15 @@ def save_merged(adapters: Path, directory: Path) -> Path:
     from opsd_rollout.models import load_model
 
     model, tokenizer = load_model(str(adapters))
+    return _save_whole(model, tokenizer, directory)
+
+
+def _save_whole(model: Any, tokenizer: Any, directory: Path, **save: Any) -> Path:
+    """``model.save_pretrained`` (safetensors, ``save``'s options) and the tokenizer's into a temporary directory
+    beside ``directory``, then moved into its place whole."""
     tmp = directory.with_name(directory.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp, safe_serialization=True)
+    model.save_pretrained(tmp, safe_serialization=True, **save)
     tokenizer.save_pretrained(tmp)
     shutil.rmtree(directory, ignore_errors=True)
     os.replace(tmp, directory)
