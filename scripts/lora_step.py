@@ -59,7 +59,7 @@ def main() -> None:
         for name, (config, models, engine, rollout, state) in runs.items():
             profile = opsd_step(engine, models.teacher, rollout, request, config.sampling,
                                 divergence=config.divergence, teacher_cache=config.cache, state=state,
-                                rollout_seed=i)
+                                seed=i)
             fuse = sum(getattr(profile.rollout, f"lora_{part}_ms", None) or 0.0 for part in ("fuse", "unfuse"))
             if i >= 2:
                 times[name].append((profile.total_ms, profile.rollout_ms, fuse))

@@ -181,6 +181,8 @@ def test_train_flags_set_the_train_config_fields_of_their_names():
     from opsd_rollout.cli_train import FLAGS
     from opsd_rollout.train import TrainConfig
     from opsd_rollout.train.config import FLAT, SECTIONS
+    from opsd_rollout.train.teacher_spec import FLAGS as TEACHER_FLAGS
+    from opsd_rollout.train.teacher_spec import TeacherSpec
 
     named_otherwise = {"samples_per_prompt": "sampling.n_samples_per_prompt", "teacher_cache": "teacher_cache.mode",
                        "teacher_top_k": "teacher_cache.top_k", "eval_data": "task_eval.data",
@@ -191,6 +193,10 @@ def test_train_flags_set_the_train_config_fields_of_their_names():
     for flag, dest, _kwargs in FLAGS:
         assert dest == flag[2:].replace("-", "_"), flag
         if dest in top:
+            continue
+        if dest in TEACHER_FLAGS:  # the teachers' flags: each TeacherSpec's field of their name
+            assert dest in ("teacher", "teacher_url") or dest.removeprefix("teacher_") in {
+                f.name for f in fields(TeacherSpec)}, flag
             continue
         section, leaf = FLAT[dest].split(".")
         assert leaf in {f.name for f in fields(SECTIONS[section])}, flag

@@ -19,7 +19,7 @@ MONITORS = {"tensorboard": {"enabled": True, "output_path": "runs/tb", "job_name
 
 
 def run_config(deepspeed: str | dict, **fields) -> TrainConfig:
-    return TrainConfig(**{"output_dir": "", "teacher": "qwen2-tiny", **fields},
+    return TrainConfig(**{"output_dir": "", "teachers": ["qwen2-tiny"], **fields},
                        optimization=OptimizationConfig(deepspeed=deepspeed))
 
 

@@ -47,7 +47,8 @@ def test_task_arithmetic_alone_is_its_built_in_run(tmp_path, monkeypatch, small_
     assert directory != default.teacher_dir(str(tmp_path / "cache"))  # not the corpus's teacher
     assert teacher.output_dir == str(directory) + ".partial" and teacher.objective == "sft"
     assert teacher.task == "arithmetic" and teacher.student == default.ARITHMETIC_TEACHER.student
-    assert student.task == "arithmetic" and student.objective == "opsd" and student.teacher == str(directory / "model")
+    assert student.task == "arithmetic" and student.objective == "opsd"
+    assert [spec.source for spec in student.teachers] == [str(directory / "model")]
     assert student.lmbda == 1.0 and student.student == default.ARITHMETIC_STUDENT["student"]  # its own samples only
     for config in (teacher, student):
         assert config.task_eval.scorer == "gsm8k" and config.task_eval.data == student.task_eval.data
@@ -94,9 +95,9 @@ def test_an_unknown_task_is_refused(tmp_path, capsys):
     with pytest.raises(ValueError, match=r"task must be one of \['arithmetic'\]; got 'unknown'"):
         default.default_run(str(tmp_path / "run"), cache_dir=str(tmp_path), overrides={"task": "unknown"})
     with pytest.raises(ValueError, match=r"task must be one of \['arithmetic'\]; got 'unknown'"):
-        TrainConfig(output_dir="o", teacher="llama-tiny", task="unknown")
+        TrainConfig(output_dir="o", teachers=["llama-tiny"], task="unknown")
     with pytest.raises(ValueError, match="task 'arithmetic' brings its own examples; prompts 'p.jsonl'"):
-        TrainConfig(output_dir="o", teacher="llama-tiny", task="arithmetic", prompts="p.jsonl")
+        TrainConfig(output_dir="o", teachers=["llama-tiny"], task="arithmetic", prompts="p.jsonl")
     assert not (tmp_path / "run").exists()
 
 

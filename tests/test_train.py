@@ -95,11 +95,12 @@ def test_the_flags_names_land_in_their_sections():
     from opsd_rollout.opsd.divergence import DivergenceConfig
     from opsd_rollout.opsd.teacher import TeacherCacheConfig
     from opsd_rollout.train import OptimizationConfig
+    from opsd_rollout.train.teacher_spec import TeacherSpec
 
     flat = flat_config(output_dir="o", teacher="qwen2-tiny", samples_per_prompt=4, max_new_tokens=16, top_k=5,
                        loss="sampled_reverse_kl", estimator="k3", teacher_top_k=8, lr=3e-4, zero_stage=2, steps=7)
     assert flat == TrainConfig(
-        output_dir="o", teacher="qwen2-tiny", steps=7,
+        output_dir="o", teachers=(TeacherSpec(source="qwen2-tiny"),), steps=7,
         sampling=SamplingConfig(max_new_tokens=16, n_samples_per_prompt=4, top_k=5),
         divergence=DivergenceConfig(loss="sampled_reverse_kl", estimator="k3"),
         teacher_cache=TeacherCacheConfig(mode="sampled", top_k=8),  # the loss's mode: only k was named
@@ -109,7 +110,7 @@ def test_the_flags_names_land_in_their_sections():
     with pytest.raises(ValueError, match="unknown train config field batch_sz"):
         flat_config(output_dir="o", teacher="t", batch_sz=2)
     with pytest.raises(TypeError, match="divergence must be a DivergenceConfig; got dict"):
-        TrainConfig(output_dir="o", teacher="t", divergence={"loss": "jsd"})
+        TrainConfig(output_dir="o", teachers=["t"], divergence={"loss": "jsd"})
     with pytest.raises(ValueError, match="sampling.top_p"):
         flat_config(output_dir="o", teacher="t", top_p=0)
 
@@ -341,9 +342,9 @@ def test_distillation_brings_the_student_closer_to_the_teacher(tmp_path, confide
 
 
 def test_ctrl_c_saves_a_checkpoint_and_leaves_valid_files(tmp_path, monkeypatch):
-    from opsd_rollout.train import loop
+    from opsd_rollout.opsd.step import OPSDStep
 
-    calls, step = [], loop.start_step
+    calls, step = [], OPSDStep.start
 
     def interrupted(*args, **kwargs):
         calls.append(1)
@@ -351,13 +352,13 @@ def test_ctrl_c_saves_a_checkpoint_and_leaves_valid_files(tmp_path, monkeypatch)
             raise KeyboardInterrupt
         return step(*args, **kwargs)
 
-    monkeypatch.setattr(loop, "start_step", interrupted)
+    monkeypatch.setattr(OPSDStep, "start", interrupted)
     out = tmp_path / "run"
     result = train(flat_config(output_dir=str(out), steps=5, **TINY))
     assert result.interrupted and result.steps == 2
     assert (out / "checkpoints" / "latest").read_text().strip() == "step2"
     assert [r["step"] for r in records(out)] == [0, 1, 2]
-    monkeypatch.setattr(loop, "start_step", step)
+    monkeypatch.setattr(OPSDStep, "start", step)
     resumed = train(flat_config(output_dir=str(out), steps=5, resume=str(out), **TINY))
     assert not resumed.interrupted and [r["step"] for r in records(out)] == [0, 1, 2, 3, 4, 5]
 

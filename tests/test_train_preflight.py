@@ -107,7 +107,7 @@ def test_the_flag_checks_refuse_what_train_config_refuses():
     from opsd_rollout.train import TrainConfig
     from opsd_rollout.train.preflight import DEFAULT_STUDENT, RULES, preflight
 
-    assert TrainConfig(output_dir="o", teacher="t").student == DEFAULT_STUDENT
+    assert TrainConfig(output_dir="o", teachers=["t"]).student == DEFAULT_STUDENT
     probes = {"int": [0, -1, 1, 2], "float": [-1.0, 0.0, 0.5, 1.0, 1.5, float("nan"), float("inf")]}
     for name in RULES:
         kind = "int" if name in ("steps", "prompts_per_micro_batch", "samples_per_prompt", "max_new_tokens",

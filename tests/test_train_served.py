@@ -21,7 +21,7 @@ from conftest import clean_env, run_named
 from opsd_rollout.cli import main
 from opsd_rollout.models import load_model
 from opsd_rollout.serve import ServeConfig, TeacherServer
-from opsd_rollout.train import TrainConfig, train
+from opsd_rollout.train import TeacherSpec, TrainConfig, train
 from test_train import write_prompts
 
 TINY = dict(student="llama-tiny", prompts_per_micro_batch=2, max_new_tokens=8, eval_prompts=4, eval_every=2,
@@ -56,7 +56,8 @@ def test_a_served_teacher_trains_as_the_same_teacher_in_process(tmp_path, qwen_s
     assert there.records[1]["loss"] == pytest.approx(losses[0], rel=1e-5)  # before any update: the same numbers
     assert all(r["eval_reverse_kl"] > 0 for r in there.records if "eval_reverse_kl" in r)
     saved = json.loads((tmp_path / "there" / "train_config.json").read_text())
-    assert saved["teacher_url"] == qwen_server.url and saved["divergence"]["top_k_rest"] == "tail"
+    assert [(t["source"], t["model"]) for t in saved["teachers"]] == [(qwen_server.url, "qwen2-tiny")]
+    assert saved["divergence"]["top_k_rest"] == "tail"
 
 
 def test_the_served_evaluation_is_zero_against_the_student_itself(tmp_path):
@@ -79,7 +80,7 @@ def test_the_served_evaluation_is_zero_against_the_student_itself(tmp_path):
     (dict(teacher_cache="full"), "not its whole vocabulary"),
     (dict(lmbda=0.5, prompts="NOREFS"), "a served teacher scores tokens, it does not generate"),
     (dict(objective="sft"), "objective sft trains on references alone"),
-    (dict(teacher_zero_stage=3), "a served teacher runs on its server"),
+    (dict(teacher_zero_stage=3), "--teacher-zero-stage: an option of an in-process teacher"),
 ])
 def test_what_a_served_teacher_cannot_do_is_refused_before_any_step(tmp_path, monkeypatch, qwen_server, change,
                                                                     message):
@@ -103,10 +104,9 @@ def test_accumulated_micro_batches_roll_out_ahead_of_their_updates_with_the_same
     norms are those of the run that waits for each answer in turn (``--no-teacher-overlap``), and the records say
     how much of the teacher's latency was hidden."""
     from opsd_rollout.opsd import step as step_module
-    from opsd_rollout.train import loop
 
     order = []
-    start, finish = loop.start_step, step_module.StepInFlight.finish
+    start, finish = step_module.OPSDStep.start, step_module.StepInFlight.finish
 
     def starting(*args, **kwargs):
         order.append("rollout")
@@ -116,7 +116,7 @@ def test_accumulated_micro_batches_roll_out_ahead_of_their_updates_with_the_same
         order.append("update")
         return finish(self)
 
-    monkeypatch.setattr(loop, "start_step", starting)
+    monkeypatch.setattr(step_module.OPSDStep, "start", starting)
     monkeypatch.setattr(step_module.StepInFlight, "finish", finishing)
     common = dict(TINY, steps=2, gradient_accumulation_steps=3, samples_per_prompt=2, temperature=1.0,
                   teacher_url=qwen_server.url, teacher_cache="topk", teacher_top_k=16)
@@ -143,11 +143,11 @@ def test_a_server_gone_mid_run_stops_it_with_a_checkpoint_and_resume_continues(t
     exits 3 and prints the command that continues it; with the server back, that command finishes the run and
     metrics.jsonl holds every step once. With accumulation, step 3's micro-batches are in flight together when it
     goes: the run still stops after its first request's retries."""
-    from opsd_rollout.train import loop
+    from opsd_rollout.opsd.step import OPSDStep
 
     server = serve("qwen2-tiny")
     port = int(server.url.rsplit(":", 1)[1])
-    calls, step = [], loop.start_step
+    calls, step = [], OPSDStep.start
 
     def stopping(*args, **kwargs):
         calls.append(1)
@@ -155,7 +155,7 @@ def test_a_server_gone_mid_run_stops_it_with_a_checkpoint_and_resume_continues(t
             server.stop()
         return step(*args, **kwargs)
 
-    monkeypatch.setattr(loop, "start_step", stopping)
+    monkeypatch.setattr(OPSDStep, "start", stopping)
     out = tmp_path / "run"
     argv = ["train", "--student", "llama-tiny", "--teacher-url", server.url, "--teacher-timeout", "1", "--steps", "4",
             "--prompts-per-micro-batch", "2", "--max-new-tokens", "6", "--eval-every", "2", "--eval-prompts", "4",
@@ -167,7 +167,7 @@ def test_a_server_gone_mid_run_stops_it_with_a_checkpoint_and_resume_continues(t
     command = err.strip().splitlines()[-1].strip()
     assert command == "opsd-rollout " + " ".join(argv) + f" --resume {out}"
     assert [r["step"] for r in records(out)] == [0, 1, 2] and not (out / "model").exists()
-    monkeypatch.setattr(loop, "start_step", step)
+    monkeypatch.setattr(OPSDStep, "start", step)
     back = serve("qwen2-tiny", port=port)
     try:
         assert main(command.split()[1:]) == 0
@@ -250,7 +250,7 @@ def test_a_teacher_url_alone_is_the_users_run_not_the_built_in_one(monkeypatch, 
     monkeypatch.setattr(opsd_rollout.train, "train", stand_in)
     monkeypatch.setattr(default, "default_run", lambda *a, **k: pytest.fail("took the built-in run"))
     assert main(["train", "--output-dir", str(tmp_path), "--teacher-url", "http://127.0.0.1:8000"]) == 0
-    assert [c.teacher_url for c in seen] == ["http://127.0.0.1:8000"] and seen[0].teacher is None
+    assert [c.teachers for c in seen] == [(TeacherSpec(source="http://127.0.0.1:8000"),)]
 
 
 def test_the_overlap_defaults_off_only_for_a_loopback_server_beside_a_cpu_student(monkeypatch):

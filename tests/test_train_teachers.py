@@ -12,7 +12,7 @@ import pytest
 
 from opsd_rollout.cli import main
 from opsd_rollout.train import TrainConfig, train
-from opsd_rollout.train.preflight import named, split_teachers
+from opsd_rollout.train.teacher_spec import TeacherSpec, named, specs_from_flags
 
 COMMON = dict(student="llama-tiny", max_new_tokens=6, temperature=0.0, eval_every=1, steps=1, progress=False,
               lr=1e-3)
@@ -34,7 +34,7 @@ def test_a_two_teacher_run_equals_the_one_teacher_runs_on_the_same_examples(tmp_
     are the one-teacher run's on its own examples."""
     both = train(TrainConfig.from_flat(dict(
         COMMON, output_dir=str(tmp_path / "both"), prompts=str(prompts(tmp_path / "both.jsonl", ROUTED)),
-        teachers={"q": "qwen2-tiny", "g": "gpt2-tiny"}, prompts_per_micro_batch=8, eval_prompts=8)))
+        teacher=["q=qwen2-tiny", "g=gpt2-tiny"], prompts_per_micro_batch=8, eval_prompts=8)))
     alone = {}
     for name, preset in (("q", "qwen2-tiny"), ("g", "gpt2-tiny")):
         mine = [i for i, route in enumerate(ROUTED) if route == name]
@@ -49,7 +49,7 @@ def test_a_two_teacher_run_equals_the_one_teacher_runs_on_the_same_examples(tmp_
     assert first["loss/q"] != pytest.approx(first["loss/g"], rel=1e-2)
     assert min(first["loss/q"], first["loss/g"]) < first["loss"] < max(first["loss/q"], first["loss/g"])
     saved = json.loads((tmp_path / "both" / "train_config.json").read_text())
-    assert saved["teachers"] == {"q": "qwen2-tiny", "g": "gpt2-tiny"}
+    assert [(t["name"], t["source"]) for t in saved["teachers"]] == [("q", "qwen2-tiny"), ("g", "gpt2-tiny")]
 
 
 def test_examples_without_a_teacher_go_to_the_default_one(tmp_path):
@@ -57,11 +57,11 @@ def test_examples_without_a_teacher_go_to_the_default_one(tmp_path):
     picks another."""
     data = prompts(tmp_path / "p.jsonl", [None, "g", None, "g"])
     run = train(TrainConfig.from_flat(dict(COMMON, output_dir=str(tmp_path / "a"), prompts=str(data),
-                                           teacher="qwen2-tiny", teachers={"g": "gpt2-tiny"},
+                                           teacher=["qwen2-tiny", "g=gpt2-tiny"],
                                            prompts_per_micro_batch=4, eval_prompts=4)))
     assert {"loss/default", "loss/g"} <= set(run.records[1])
     run = train(TrainConfig.from_flat(dict(COMMON, output_dir=str(tmp_path / "b"), prompts=str(data),
-                                           teachers={"q": "qwen2-tiny", "g": "gpt2-tiny"}, default_teacher="g",
+                                           teacher=["q=qwen2-tiny", "g=gpt2-tiny"], default_teacher="g",
                                            prompts_per_micro_batch=4, eval_prompts=4)))
     assert "loss/q" not in run.records[1] and "loss/g" in run.records[1]
 
@@ -85,8 +85,10 @@ def test_names_split_as_written():
     assert named("--teacher", ["a=llama-mini", "runs/x=y/model", "b=qwen2-tiny"]) == (
         "runs/x=y/model", {"a": "llama-mini", "b": "qwen2-tiny"})
     assert named("--teacher-url", ["http://h:1/?a=b", "m=http://h:2"]) == ("http://h:1/?a=b", {"m": "http://h:2"})
-    assert split_teachers({"teacher": ["a=x", "y"], "teacher_url": ["s=http://h"]}) == {
-        "teacher": "y", "teachers": {"a": "x"}, "teacher_urls": {"s": "http://h"}}
+    assert specs_from_flags({"teacher": ["a=x", "y"], "teacher_url": ["s=http://h"], "teacher_timeout": 5}) == (
+        TeacherSpec(source="y"), TeacherSpec(name="a", source="x"),
+        TeacherSpec(name="s", source="http://h", timeout=5))
+    assert specs_from_flags({"teacher": "m", "teacher_url": "http://h"}) == (TeacherSpec(source="http://h", model="m"),)
     with pytest.raises(ValueError, match="--teacher given 2 times without a name"):
         named("--teacher", ["llama-mini", "qwen2-tiny"])
     with pytest.raises(ValueError, match="--teacher a= given twice"):
@@ -112,3 +114,24 @@ def test_bad_teachers_are_one_line_before_any_step(tmp_path, capsys, argv, route
     err = capsys.readouterr().err
     assert "opsd-rollout: error:" in err and message in err and len(err.strip().splitlines()) == 1, err
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_teacher_specs_round_trip_through_the_saved_config_without_their_key():
+    """``train_config.json`` keeps every teacher's spec but its key; reading it back gives the same teachers."""
+    spec = TeacherSpec(name="m", source="http://127.0.0.1:9", model="qwen2-tiny", api_key="s3cret", timeout=5.0)
+    config = TrainConfig(output_dir="o", teachers=[spec, "qwen2-tiny"])
+    saved = config.to_dict()
+    assert "s3cret" not in json.dumps(saved)
+    assert TrainConfig.from_dict(saved).teachers == (TeacherSpec(name="m", source="http://127.0.0.1:9",
+                                                                 model="qwen2-tiny", timeout=5.0),
+                                                     TeacherSpec(source="qwen2-tiny"))
+
+
+@pytest.mark.parametrize("values,message", [
+    (dict(teacher="qwen2-tiny", teacher_timeout=3), "--teacher-timeout: an option of a served teacher"),
+    (dict(teacher_url="http://h:1", teacher_zero_stage=3), "--teacher-zero-stage: an option of an in-process"),
+    (dict(teacher=["default=qwen2-tiny"]), "teacher name 'default' is the teacher given without a name"),
+])
+def test_an_option_for_a_kind_of_teacher_the_run_lacks_is_refused(values, message):
+    with pytest.raises(ValueError, match=message):
+        specs_from_flags(values)

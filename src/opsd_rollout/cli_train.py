@@ -120,7 +120,7 @@ FLAGS: list[tuple[str, str, dict[str, Any]]] = [  # (flag, TrainConfig's flat na
     ("--merge-lora", "merge_lora", dict(action="store_true", default=None, help="also write the merged model "
                                         "(adapters folded into the weights) to merged/")),
 ]
-DEFAULT_RUN_FLAGS = ("student", "teacher", "teacher_url", "teachers", "teacher_urls", "prompts")
+DEFAULT_RUN_FLAGS = ("student", "teacher", "teacher_url", "prompts")
 """With none of these (and objective opsd), ``train`` is the built-in run."""
 FORMERLY = {"--prompts-per-micro-batch": "--batch-size", "--cache-dir": "--teacher-cache-dir"}
 """Renamed flags -> their old spellings, still accepted with a line naming the new: ``--batch-size`` counted
@@ -160,9 +160,9 @@ def resume_command(argv: list[str], output_dir: Any) -> str:
 
 
 def run_train(args: argparse.Namespace) -> int:
-    from opsd_rollout.train.preflight import preflight, split_teachers  # light: before torch loads
+    from opsd_rollout.train.preflight import preflight  # light: before torch loads
 
-    given = split_teachers({dest: getattr(args, dest) for _flag, dest, _kw in FLAGS if getattr(args, dest) is not None})
+    given = {dest: getattr(args, dest) for _flag, dest, _kw in FLAGS if getattr(args, dest) is not None}
     builtin = not any(name in given for name in DEFAULT_RUN_FLAGS) and given.get("objective", "opsd") == "opsd"
     preflight(given, builtin=builtin)
 

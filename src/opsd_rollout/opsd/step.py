@@ -23,12 +23,13 @@ from opsd_rollout.opsd.teachers import Share, check_routes, check_teacher, route
 from opsd_rollout.opsd.teacher import TeacherCacheBuffers, TeacherCacheConfig, build_teacher_cache
 from opsd_rollout.opsd.step_profile import StepParts, StepProfile
 from opsd_rollout.profiling import Clock, StageRecorder, timed_eval
+from opsd_rollout.seeding import seeded
 
 
 logger = logging.getLogger(__name__)
 
 
-def optimizer_step(engine: Any, *, grad_norm: bool = False) -> Any:
+def engine_step(engine: Any, *, grad_norm: bool = False) -> Any:
     """``engine.step()``; with ``grad_norm``, at an accumulation boundary (the call that steps the optimizer), the
     2-norm of the gradient it stepped on, before clipping: DeepSpeed's own (ZeRO 1-3, bf16 and fp16 keep it), or at
     ZeRO-0 in float32, where DeepSpeed keeps none, taken here before the step from the gradients the backwards left
@@ -73,7 +74,7 @@ class StepState:
     """The host memory the teacher cache is built in, reused from step to step (pinned on CUDA once, not every
     step)."""
     slots: dict[tuple[int, str | None], TeacherCacheBuffers] = field(default_factory=dict)
-    """The buffers of the other caches: of steps in flight beside the first (``start_step(..., slot=1, ...)``),
+    """The buffers of the other caches: of steps in flight beside the first (``OPSDStep.start(..., slot=1)``),
     and of each of several teachers, by ``(slot, teacher's name)``."""
     checked: "weakref.WeakSet[torch.nn.Module]" = field(default_factory=weakref.WeakSet)
     """Students already compared with their teacher: at their first step only, since afterwards their weights
@@ -189,115 +190,139 @@ def check_pairing(divergence: DivergenceConfig, teacher_cache: TeacherCacheConfi
 def opsd_step(student_engine: Any, teacher: Any, rollout: Any, request: Any, sampling: Any, *,
               divergence: DivergenceConfig | None = None, teacher_cache: TeacherCacheConfig | None = None,
               behaviour_logprobs: torch.Tensor | None = None, state: StepState | None = None,
-              rollout_seed: int | None = None, grad_norm: bool = False,
+              seed: int | None = None, grad_norm: bool = False,
               routes: Sequence[str] | None = None) -> StepProfile:
-    """Run one step on ``student_engine`` (a DeepSpeed engine, ZeRO 0-3) and return its profile:
-    ``start_step(...).finish()``.
+    """One step on ``student_engine`` (a DeepSpeed engine, ZeRO 0-3), and its profile: the one-call convenience over
+    ``OPSDStep`` (``OPSDStep(...)(request, ...)``; a caller running many steps builds the ``OPSDStep`` once).
 
     ``teacher``: a model (plain, or a DeepSpeed engine, ZeRO-3 partitioned or not) run here into the host cache, or
     a ``ServedTeacher`` (``opsd/served.py``) whose server sends the cache's log-probabilities (``topk`` or
     ``sampled`` caches; ``full`` is refused before any work), its request in flight while the student's forward
     runs (``ServedTeacher(overlap=True)``, the default); or several, ``{name: teacher}``, with ``routes`` naming
     each prompt's (each scores its prompts' rows alone; ``StepProfile.teacher_losses`` has each one's loss).
-
-    ``behaviour_logprobs`` [N, R]: with ``sampled_reverse_kl``, the log-probabilities of the sampled tokens under
-    the policy that sampled them, for an off-policy update (a second step on one rollout, a generation buffer);
-    ``None``: on-policy, the student as it is now. ``state``: what a caller running many steps keeps across them
-    (the teacher cache's host buffers, the checks and warnings said once); ``None``: a fresh one, for one step.
-    ``rollout_seed``: handed to ``rollout.generate(..., seed=)`` (ours takes it: the samples a function of it alone,
-    what a trainer that resumes needs); ``None``: the rollout is called as DeepSpeed's is. ``grad_norm``: report the
-    gradient norm of the optimizer step this call completes (``StepProfile.grad_norm``; at ZeRO-0 a pass over the
-    gradients, inside the ``optimizer`` part)."""
-    return start_step(student_engine, teacher, rollout, request, sampling, divergence=divergence,
-                      teacher_cache=teacher_cache, behaviour_logprobs=behaviour_logprobs, state=state,
-                      rollout_seed=rollout_seed, grad_norm=grad_norm, routes=routes).finish()
+    ``state``: what a caller running many steps keeps across them (``StepState``); the rest: ``OPSDStep`` and its
+    ``start``."""
+    step = OPSDStep(engine=student_engine, teacher=teacher, rollout=rollout, sampling=sampling,
+                    divergence=divergence or DivergenceConfig(), teacher_cache=teacher_cache or TeacherCacheConfig(),
+                    grad_norm=grad_norm, state=state if state is not None else StepState())
+    return step(request, seed=seed, routes=routes, behaviour_logprobs=behaviour_logprobs)
 
 
-def start_step(student_engine: Any, teacher: Any, rollout: Any, request: Any, sampling: Any, *,
-               divergence: DivergenceConfig | None = None, teacher_cache: TeacherCacheConfig | None = None,
-               behaviour_logprobs: torch.Tensor | None = None, state: StepState | None = None,
-               rollout_seed: int | None = None, grad_norm: bool = False, slot: int = 0,
-               routes: Sequence[str] | None = None) -> "StepInFlight":
-    """The first half of ``opsd_step`` (its arguments), up to the teacher: the checks, the rollout, and the teacher's
-    cache, built here by an in-process teacher, or asked of a served one in the background (``overlap``) and left
-    in flight. ``.finish()`` is the rest: the student's forward, the wait for a served teacher, the loss, backward
-    and the optimizer.
+@dataclass(kw_only=True, eq=False)
+class OPSDStep:
+    """What stays the same for a run's steps, checked once: the student's engine, its teachers, the rollout, the
+    configs and the host buffers (``state``). Calling it runs one step on what changes per step, the request and its
+    seed (``step(request, seed=...)``), as torchtitan's ``train_step(batch)``; ``start`` runs its first half."""
 
-    Between the two halves the caller may work on something that does not change the student's weights: ``train``
-    rolls out its next micro-batches there, so that each one's teacher request is in flight behind the next one's
-    rollout. Steps in flight at once each take their own ``slot`` (0, 1, ...): the host buffers their teacher
-    caches are built in.
+    engine: Any
+    """The student's DeepSpeed engine (ZeRO 0-3)."""
+    teacher: Any
+    """A model run here, a ``ServedTeacher``, or several ``{name: teacher}`` (each call then routes its prompts)."""
+    rollout: Any
+    """What samples the student's responses: ``rollout.generate(request, sampling[, seed=])``."""
+    sampling: Any
+    """DeepSpeed's ``SamplingConfig``, for every step."""
+    divergence: DivergenceConfig = field(default_factory=DivergenceConfig)
+    teacher_cache: TeacherCacheConfig = field(default_factory=TeacherCacheConfig)
+    grad_norm: bool = False
+    """Report the gradient norm of the optimizer step a call completes (``StepProfile.grad_norm``; at ZeRO-0 a pass
+    over the gradients, inside the ``optimizer`` part)."""
+    state: StepState = field(default_factory=StepState)
+    """The host buffers and the warnings said once, kept across the steps (a caller may share one between several
+    ``OPSDStep``s: the bench's configs do)."""
 
-    Several teachers: ``teacher`` a mapping ``{name: teacher}`` and ``routes`` one name per prompt of the request;
-    each teacher scores its prompts' rows alone, and the profile reports each one's loss (``teacher_losses``)."""
-    state = state if state is not None else StepState()
-    divergence = divergence or DivergenceConfig()
-    teacher_cache = teacher_cache or TeacherCacheConfig()
-    check_pairing(divergence, teacher_cache)
-    several = isinstance(teacher, Mapping)
-    teachers: dict[str | None, Any] = dict(teacher) if several else {None: teacher}
-    if several:
-        if not teachers:
+    def __post_init__(self) -> None:
+        check_pairing(self.divergence, self.teacher_cache)
+        self.routed = isinstance(self.teacher, Mapping)
+        self.teachers: dict[str | None, Any] = dict(self.teacher) if self.routed else {None: self.teacher}
+        if self.routed and not self.teachers:
             raise ValueError("teacher: a model, a ServedTeacher, or a mapping {name: teacher} of at least one")
-        check_routes(teacher, routes, int(request.prompt_ids.shape[0]))
-    elif routes is not None:
-        raise ValueError("routes name each prompt's teacher: give teacher as a mapping {name: teacher}")
-    student_vocab = text_config(innermost_model(student_engine).config).vocab_size
-    for name, each in teachers.items():  # before any work
-        check_teacher(each, student_vocab, teacher_cache, name)
-        if not isinstance(each, ServedTeacher):
-            _warn_if_teacher_is_student(innermost_model(student_engine), innermost_model(each), state)
-    fused = _fuses(innermost_model(student_engine), divergence, state)
-    device = torch.device(student_engine.device)
-    recorder = StageRecorder(Clock(device), time_forwards=False)
-    step = StepInFlight(engine=student_engine, rollout=rollout, divergence=divergence,
-                        behaviour_logprobs=behaviour_logprobs, grad_norm=grad_norm, fused=fused,
-                        recorder=recorder, parts=StepParts(recorder, device))
-    with recorder.stage("total"):
-        with timed_eval(student_engine, device, train_after=True) as switch:
-            seeded = {} if rollout_seed is None else {"seed": rollout_seed}
-            batch = step.parts.run("rollout", rollout.generate, request, sampling, **seeded)
-        step.switch, step.targets = switch, response_targets(batch)
-        if several:
-            step.names = list(teacher)
-            rows = route_rows(teacher, routes, sampling.n_samples_per_prompt, step.targets.input_ids.device)
-            step.shares = [Share(name=name, teacher=each, rows=rows[name], targets=share_targets(step.targets,
-                                 rows[name])) for name, each in teacher.items()
-                           if rows[name].numel() or partitioned(innermost_model(each))]  # ZeRO-3: every rank joins
-        else:
-            step.shares = [Share(name=None, teacher=teacher, rows=None, targets=step.targets)]
-        for share in sorted(step.shares, key=lambda share: not share.served):  # the servers' requests first
-            buffers = state.buffers_for(slot, share.name)
-            if share.served:
-                share.pending = share.teacher.submit(share.targets, teacher_cache, buffers=buffers,
-                                                     pin=device.type == "cuda")
-                if not share.teacher.overlap:
-                    step.wait(share)
-            else:
-                share.cache = step.parts.run("teacher", build_teacher_cache, share.teacher, share.targets,
-                                             teacher_cache, recorder=recorder, buffers=buffers)
-    return step
+        student = innermost_model(self.engine)
+        vocab = text_config(student.config).vocab_size
+        for name, each in self.teachers.items():  # before any work
+            check_teacher(each, vocab, self.teacher_cache, name)
+            if not isinstance(each, ServedTeacher):
+                _warn_if_teacher_is_student(student, innermost_model(each), self.state)
+        self.fused = _fuses(student, self.divergence, self.state)
+        self.device = torch.device(self.engine.device)
+
+    def __call__(self, request: Any, *, seed: int | None = None, routes: Sequence[str] | None = None,
+                 behaviour_logprobs: torch.Tensor | None = None, rollout: Any = None) -> StepProfile:
+        """One whole step (``start(...).finish()``)."""
+        return self.start(request, seed=seed, routes=routes, behaviour_logprobs=behaviour_logprobs,
+                          rollout=rollout).finish()
+
+    def start(self, request: Any, *, seed: int | None = None, routes: Sequence[str] | None = None,
+              behaviour_logprobs: torch.Tensor | None = None, rollout: Any = None, slot: int = 0) -> "StepInFlight":
+        """The step's first half: the rollout, and each teacher's cache, built here by an in-process teacher or
+        asked of a served one in the background (``overlap``) and left in flight. ``.finish()`` is the rest: the
+        student's forward, the wait for a served teacher, the loss, backward and the optimizer.
+
+        ``seed``: the step's samples are a function of it alone (handed to ``rollout.generate(..., seed=)``, which ours
+        takes), and the student forward's dropout draws from it (the process's generators are put back after);
+        ``None``: the rollout is called as DeepSpeed's is, on the generators as they are. ``routes``: with several
+        teachers, one name per prompt. ``behaviour_logprobs`` [N, R]: with ``sampled_reverse_kl``, the sampled tokens'
+        log-probabilities under the policy that sampled them, for an off-policy update (``None``: on-policy).
+        ``rollout``: this step's samples from another source than the run's rollout (the teacher's samples for
+        supervised KD, a batch made beforehand).
+
+        Between the halves the caller may do work that does not change the student's weights: ``train`` rolls out
+        its next micro-batches there, so each one's teacher request is in flight behind the next rollout. Steps in
+        flight at once each take their own ``slot`` (0, 1, ...): the host buffers their caches are built in."""
+        if self.routed:
+            check_routes(self.teacher, routes, int(request.prompt_ids.shape[0]))
+        elif routes is not None:
+            raise ValueError("routes name each prompt's teacher: give teacher as a mapping {name: teacher}")
+        recorder = StageRecorder(Clock(self.device), time_forwards=False)
+        parts = StepParts(recorder, self.device)
+        rollout = rollout if rollout is not None else self.rollout
+        with seeded(seed, self.device), recorder.stage("total"):
+            with timed_eval(self.engine, self.device, train_after=True) as switch:
+                seeded_call = {} if seed is None else {"seed": seed}
+                batch = parts.run("rollout", rollout.generate, request, self.sampling, **seeded_call)
+            targets = response_targets(batch)
+            shares = self._shares(targets, routes)
+            in_flight = StepInFlight(step=self, rollout=rollout, seed=seed, behaviour_logprobs=behaviour_logprobs,
+                                     recorder=recorder, parts=parts, switch=switch, targets=targets, shares=shares)
+            for share in sorted(shares, key=lambda share: not share.served):  # the servers' requests first
+                buffers = self.state.buffers_for(slot, share.name)
+                if share.served:
+                    share.pending = share.teacher.submit(share.targets, self.teacher_cache, buffers=buffers,
+                                                         pin=self.device.type == "cuda")
+                    if not share.teacher.overlap:
+                        in_flight.wait(share)
+                else:
+                    share.cache = parts.run("teacher", build_teacher_cache, share.teacher, share.targets,
+                                            self.teacher_cache, recorder=recorder, buffers=buffers)
+        return in_flight
+
+    def _shares(self, targets: Any, routes: Sequence[str] | None) -> list[Share]:
+        """Each teacher's rows and targets: every row for one teacher; with several, each prompt's rows to the
+        teacher its route names (a partitioned teacher joins with no rows: its gathers need every rank)."""
+        if not self.routed:
+            return [Share(name=None, teacher=self.teacher, rows=None, targets=targets)]
+        rows = route_rows(self.teacher, routes, self.sampling.n_samples_per_prompt, targets.input_ids.device)
+        return [Share(name=name, teacher=each, rows=rows[name], targets=share_targets(targets, rows[name]))
+                for name, each in self.teacher.items() if rows[name].numel() or partitioned(innermost_model(each))]
 
 
 @dataclass(kw_only=True, eq=False)
 class StepInFlight:
-    """An OPSD step between its halves (``start_step``): its rollout done, its teachers' caches built or asked
+    """An OPSD step between its halves (``OPSDStep.start``): its rollout done, its teachers' caches built or asked
     for."""
 
-    engine: Any
+    step: OPSDStep
     rollout: Any
-    divergence: DivergenceConfig
+    """What sampled this step's responses (its profile is the step's rollout's)."""
+    seed: int | None
     behaviour_logprobs: torch.Tensor | None
-    grad_norm: bool
-    fused: bool
     recorder: StageRecorder
     parts: StepParts
-    switch: Any = None
-    targets: Any = None
-    shares: list[Share] = field(default_factory=list)
+    switch: Any
+    """The eval/train switch around the rollout, timed."""
+    targets: Any
+    shares: list[Share]
     """Each teacher's rows and cache (one share, every row, with one teacher)."""
-    names: list[str] = field(default_factory=list)
-    """Several teachers: all their names, in the order given (alike on every rank, whatever each one's rows)."""
 
     def wait(self, share: Share) -> None:
         """A served teacher's cache, waited for as the step's ``teacher`` part (the latency not hidden)."""
@@ -317,20 +342,21 @@ class StepInFlight:
     def finish(self) -> StepProfile:
         """The rest of the step, then its profile: the student's forward (a served teacher's request in flight
         during it), the teachers' caches, the loss (each teacher's over its rows), backward and the optimizer."""
-        parts, targets = self.parts, self.targets
-        with self.recorder.stage("total"):
-            out = _student_forward(parts, self.engine, targets, self.fused)
+        step, parts, targets = self.step, self.parts, self.targets
+        with seeded(self.seed, step.device), self.recorder.stage("total"):
+            out = _student_forward(parts, step.engine, targets, step.fused)
             sums = []
             for share in self.shares:
                 self.wait(share)
-                sums.append(_student_loss(parts, self.engine, share.pick(out), share.targets, share.cache,
-                                          self.divergence, self.fused, share.pick(self.behaviour_logprobs)))
+                sums.append(_student_loss(parts, step.engine, share.pick(out), share.targets, share.cache,
+                                          step.divergence, step.fused, share.pick(self.behaviour_logprobs)))
             total, count = (sum(column) for column in zip(*sums))
             loss, reported = token_mean(total, count)
-            parts.run("backward", self.engine.backward, loss)
-            norm = parts.run("optimizer", optimizer_step, self.engine, grad_norm=self.grad_norm)
+            parts.run("backward", step.engine.backward, loss)
+            norm = parts.run("optimizer", engine_step, step.engine, grad_norm=step.grad_norm)
         named = {share.name: sums[i] for i, share in enumerate(self.shares) if share.name is not None}
-        return self._profile(reported, norm, per_teacher(self.names, named, torch.device(self.engine.device)))
+        names = [name for name in step.teachers if name is not None]
+        return self._profile(reported, norm, per_teacher(names, named, step.device))
 
     def _profile(self, reported: torch.Tensor, norm: Any, teachers: dict[str, tuple[float, int]]) -> StepProfile:
         ms, starts = self.parts.times()
@@ -347,7 +373,7 @@ class StepInFlight:
             peak_memory_bytes=dict(self.parts.peaks), part_start_ms=starts, response_tokens=self.targets.tokens,
             teacher_cache_bytes=sum(cache.nbytes for cache in caches),
             teacher_cache_budget_bytes=max(cache.budget_bytes for cache in caches),
-            teacher_cache_mode=caches[0].mode, fused_loss=self.fused, loss=float(reported),
+            teacher_cache_mode=caches[0].mode, fused_loss=self.step.fused, loss=float(reported),
             teacher_parameter_bytes=sum(resident_bytes(s.teacher) for s in self.shares if not s.served),
             grad_norm=None if norm is None else float(norm),
             teacher_latency_ms=max((pending.latency_ms for pending in served), default=0.0),

@@ -4,11 +4,12 @@ to a checkpoint, with held-out evaluation, metrics where users look and exact re
 Light at import (the names load when used), so the command line checks a run's arguments and files
 (``train.preflight``) before torch, transformers and DeepSpeed load."""
 
-__all__ = ["Example", "OptimizationConfig", "TrainConfig", "TrainResult", "load_train_config", "read_examples",
-           "sft_step", "train"]
+__all__ = ["Example", "OptimizationConfig", "TeacherSpec", "TrainConfig", "TrainResult", "load_train_config",
+           "read_examples", "sft_step", "train"]
 
 _HOMES = {"Example": "data", "read_examples": "data", "TrainConfig": "config", "load_train_config": "config",
-          "TrainResult": "loop", "train": "loop", "OptimizationConfig": "setup", "sft_step": "sft"}
+          "TrainResult": "loop", "train": "loop", "OptimizationConfig": "setup", "sft_step": "sft",
+          "TeacherSpec": "teacher_spec"}
 """Each public name -> the module of ``opsd_rollout.train`` that defines it."""
 
 

@@ -22,14 +22,15 @@ from deepspeed.runtime.rollout.base import SamplingConfig
 from opsd_rollout import checks
 from opsd_rollout.opsd.divergence import DivergenceConfig
 from opsd_rollout.opsd.served import refuse_full_cache
-from opsd_rollout.opsd.served_wire import PROTOCOLS
 from opsd_rollout.opsd.step import check_pairing
 from opsd_rollout.opsd.teacher import TeacherCacheConfig
 from opsd_rollout.rollout.config import HybridEngineRolloutConfig
 from opsd_rollout.rollout.validation import check_sampling
 from opsd_rollout.train.eval_file import TaskEvalConfig
 from opsd_rollout.train.lora import AdapterConfig
-from opsd_rollout.train.preflight import NAME, UNNAMED, check_teacher_given
+from opsd_rollout.train.preflight import check_teacher_given
+from opsd_rollout.train.teacher_spec import FLAGS as TEACHER_FLAGS
+from opsd_rollout.train.teacher_spec import UNNAMED, TeacherSpec, as_specs, check_specs, routed, specs_from_flags
 from opsd_rollout.train.setup import OptimizationConfig
 
 logger = logging.getLogger(__name__)
@@ -75,39 +76,13 @@ class TrainConfig:
     and ``eval.png`` go."""
     student: str = "llama-tiny"
     """Preset name or local checkpoint directory."""
-    teacher: str | None = None
-    """Preset name or local checkpoint directory, of the student's vocabulary; needed unless ``objective="sft"``."""
-    teacher_url: str | None = None
-    """A served teacher: the address of vLLM's or SGLang's server, or of ``opsd-rollout serve-teacher``, that scores
-    the rollouts (``teacher`` then names the model it must serve; ``None``: the one it serves). Its cache is
-    ``topk`` or ``sampled``, never ``full``."""
-    teacher_api_key: str | None = None
-    """The served teacher's key (its ``--api-key``), sent as a bearer token; never written to
-    ``train_config.json``. ``None``: ``$OPSD_ROLLOUT_API_KEY`` if set."""
-    teacher_timeout: float = 120.0
-    """Seconds an unanswering teacher server is retried, with backoff, at the start and mid-run; then the run
-    stops with a checkpoint at its last completed step (a vLLM server may still be loading its model)."""
-    teacher_protocol: str = "vllm"
-    """``vllm`` (vLLM's OpenAI-compatible ``/v1/completions``, also ``serve-teacher``'s) or ``sglang``
-    (SGLang's ``/generate``)."""
-    teachers: dict[str, str] = field(default_factory=dict)
-    """Several teachers, by name: a preset or local checkpoint directory each (``--teacher NAME=PRESET_OR_DIR``,
-    repeatable). Each example goes to the teacher its ``teacher`` field names, or to ``default_teacher``."""
-    teacher_urls: dict[str, str] = field(default_factory=dict)
-    """Several served teachers, by name (``--teacher-url NAME=URL``, repeatable), beside or instead of
-    ``teachers``."""
+    teachers: tuple[TeacherSpec, ...] = ()
+    """Who teaches (``train/teacher_spec.py``): each a ``TeacherSpec`` (a name, a preset, checkpoint directory or
+    server address, and its own options), or just a source string; needed unless ``objective="sft"``. With several
+    (or one given a name), each example goes to the teacher its ``teacher`` field names, or to ``default_teacher``."""
     default_teacher: str | None = None
-    """With several teachers, the one of examples without a ``teacher`` field; ``None``: the teacher given without
-    a name (``teacher``, or ``teacher_url``, named ``default``), else the first one named."""
-    teacher_overlap: bool | None = None
-    """A served teacher's requests in flight while the student works: its forward, and, with gradient
-    accumulation, the next micro-batches' rollouts (a whole optimizer step rolled out before its updates: the
-    weights it samples from are the same until the step). ``False``: each micro-batch waits for its answer (the same
-    samples and losses, every latency exposed). ``None``: on, unless the server is on this machine's loopback and
-    the student on its CPU, where the two would compete for the same cores (benchmarks/RESULTS.md measures it)."""
-    teacher_zero_stage: int = 0
-    """0: the teacher whole beside the student on every rank; 3: a DeepSpeed ZeRO-3 inference engine (no
-    optimizer), its parameters partitioned across the ranks (a teacher larger than one device)."""
+    """With several teachers, the one of examples without a ``teacher`` field; ``None``: the one given without a name
+    (``default``), else the first."""
     prompts: str | None = None
     """JSON lines (``prompt`` or chat ``messages``, optional ``reference``) or one prompt a line; ``None``: the
     built-in corpus (the Python documentation's topics, with references)."""
@@ -168,13 +143,13 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         checks.choice("objective", self.objective, OBJECTIVES)
+        object.__setattr__(self, "teachers", as_specs(self.teachers))
         if self.task is not None:
             _check_task(self)
-        check_teacher_given(self.objective, self.teacher, self.teacher_url, self.teachers, self.teacher_urls)
+        check_teacher_given(self.objective, self.teachers)
+        check_specs(self.teachers, self.default_teacher)
         if self.served:
             _check_served(self)
-        if self.several:
-            _check_several(self)
         for name, kind in SECTIONS.items():
             value = getattr(self, name)
             if not (value is None and name in OPTIONAL_SECTIONS) and not isinstance(value, kind):
@@ -187,7 +162,6 @@ class TrainConfig:
             checks.integer(f"sampling.{name}", getattr(self.sampling, name))
         check_sampling(self.sampling)
         checks.number("lmbda", self.lmbda, at_least=0, at_most=1)
-        checks.choice("teacher_zero_stage", self.teacher_zero_stage, (0, 3))
         checks.choice("off_policy", self.off_policy, OFF_POLICY)
         check_pairing(self.divergence, self.cache)
         if self.task_eval is not None and self.task_eval.samples > 1 and self.sampling.temperature <= 0:
@@ -207,41 +181,37 @@ class TrainConfig:
 
     @property
     def served(self) -> bool:
-        """Whether a teacher is served (``teacher_url`` or ``teacher_urls``)."""
-        return self.teacher_url is not None or bool(self.teacher_urls)
+        """Whether a teacher is served."""
+        return any(spec.served for spec in self.teachers)
 
     @property
     def several(self) -> bool:
-        """Whether the run has named teachers (``teachers``, ``teacher_urls``), each example routed to one."""
-        return bool(self.teachers or self.teacher_urls)
-
-    def named_teachers(self) -> dict[str, tuple[str, str | None]]:
-        """With several teachers: each name -> ``("model", PRESET_OR_DIR)`` or ``("url", URL)`` (``None`` for the model
-        a served one must serve: its only one), the unnamed one (if given) as ``default``, first."""
-        named: dict[str, tuple[str, str | None]] = {}
-        if self.teacher_url is not None:
-            named[UNNAMED] = ("url", self.teacher_url)
-        elif self.teacher is not None:
-            named[UNNAMED] = ("model", self.teacher)
-        named.update({name: ("model", spec) for name, spec in self.teachers.items()})
-        named.update({name: ("url", url) for name, url in self.teacher_urls.items()})
-        return named
+        """Whether examples are routed to teachers by name (several teachers, or one given a name)."""
+        return routed(self.teachers)
 
     @property
     def default_teacher_name(self) -> str | None:
-        """The teacher of examples without a ``teacher`` field, with several teachers."""
+        """The teacher of examples without a ``teacher`` field, when examples are routed."""
         if not self.several:
             return None
-        return self.default_teacher or next(iter(self.named_teachers()))
+        names = [spec.name for spec in self.teachers]
+        return self.default_teacher or (UNNAMED if UNNAMED in names else names[0])
 
     @classmethod
     def from_flat(cls, values: dict[str, Any]) -> TrainConfig:
         """A config from flat names (``FLAT``'s and the top-level fields'): the command line's flags, or an older
         ``train_config.json``. A teacher cache's mode not given is the loss's default (as with ``None``)."""
-        unknown = sorted(set(values) - set(FLAT) - {f.name for f in fields(cls)})
+        known = {*FLAT, *TEACHER_FLAGS, *(f.name for f in fields(cls))}
+        unknown = sorted(set(values) - known)
         if unknown:
             raise ValueError(f"unknown train config field{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}; "
-                             f"known: {', '.join(sorted({*FLAT, *(f.name for f in fields(cls))} - set(SECTIONS)))}")
+                             f"known: {', '.join(sorted(known - set(SECTIONS)))}")
+        flags = {name: values[name] for name in TEACHER_FLAGS if values.get(name) is not None}
+        values = {name: value for name, value in values.items() if name not in TEACHER_FLAGS}
+        if flags:
+            if values.get("teachers"):
+                raise ValueError("teachers are given by their specs or by the teacher flags, not both")
+            values["teachers"] = specs_from_flags(flags)
         top = {name: value for name, value in values.items() if not _flat(name, value)}
         sections: dict[str, dict[str, Any]] = {}
         for name, value in values.items():
@@ -249,7 +219,7 @@ class TrainConfig:
                 section, leaf = FLAT[name].split(".")
                 sections.setdefault(section, {})[leaf] = value
         loss = sections.get("divergence", {}).get("loss", DivergenceConfig().loss)
-        served = values.get("teacher_url") is not None or bool(values.get("teacher_urls"))
+        served = any(spec.served for spec in as_specs(values.get("teachers", ())))
         if "teacher_cache" in sections:
             sections["teacher_cache"].setdefault("mode", default_cache_mode(loss, served=served))
         if served and loss != "sampled_reverse_kl":  # the served top-k's rest of the mass as one bucket
@@ -282,7 +252,7 @@ class TrainConfig:
         """What ``train_config.json`` holds: every field, sections as objects (``from_dict`` reads it back), but the
         served teacher's key."""
         values = json.loads(json.dumps(asdict(self), default=str))
-        values["teacher_api_key"] = None
+        values["teachers"] = [spec.to_dict() for spec in self.teachers]
         return values
 
 
@@ -312,24 +282,6 @@ def default_cache_mode(loss: str, *, served: bool = False) -> str:
     return "sampled" if loss == "sampled_reverse_kl" else "topk" if served else "full"
 
 
-def _check_several(config: TrainConfig) -> None:
-    """Several teachers: names unique, the default one of them, each teacher whole on every rank."""
-    for name in (*config.teachers, *config.teacher_urls):
-        if not isinstance(name, str) or not NAME.fullmatch(name) or name == UNNAMED:
-            raise ValueError(f"teacher name {name!r}: letters, digits, '_', '-' and '.' (and not {UNNAMED!r}, the "
-                             "name of the teacher given without one)")
-    both = sorted(set(config.teachers) & set(config.teacher_urls))
-    if both:
-        raise ValueError(f"teacher name{'s' if len(both) > 1 else ''} {both} given both as a model (--teacher) and "
-                         "as a server (--teacher-url): a name is one teacher")
-    names = config.named_teachers()
-    if config.default_teacher is not None and config.default_teacher not in names:
-        raise ValueError(f"default_teacher {config.default_teacher!r} is none of the teachers {sorted(names)}")
-    if config.teacher_zero_stage != 0:
-        raise ValueError("teacher_zero_stage 3 partitions one teacher across the ranks; with several teachers each is "
-                         "whole on every rank (serve a large one: --teacher-url NAME=URL)")
-
-
 def _check_task(config: TrainConfig) -> None:
     """A built-in task named, alone (it brings its own examples), with responses long enough for its worked
     solutions (a reference cut short would train no answer and no EOS)."""
@@ -348,17 +300,8 @@ def _check_task(config: TrainConfig) -> None:
 def _check_served(config: TrainConfig) -> None:
     """What a served teacher cannot do, refused before any work: it scores tokens, it neither trains nor generates,
     and it sends no whole vocabulary."""
-    checks.choice("teacher_protocol", config.teacher_protocol, PROTOCOLS)
-    checks.number("teacher_timeout", config.teacher_timeout, at_least=0)
-    urls = {"teacher_url": config.teacher_url} if config.teacher_url is not None else {}
-    urls.update({f"teacher_urls[{name!r}]": url for name, url in config.teacher_urls.items()})
-    for where, url in urls.items():
-        if not isinstance(url, str) or not url.startswith(("http://", "https://")):
-            raise ValueError(f"{where} must be the teacher server's http:// or https:// address; got {url!r}")
     if config.objective != "opsd":
-        raise ValueError("teacher_url serves a teacher to distil from; objective sft trains on references alone")
-    if config.teacher_zero_stage != 0:
-        raise ValueError("teacher_zero_stage partitions an in-process teacher; a served teacher runs on its server")
+        raise ValueError("a served teacher scores rollouts to distil from; objective sft trains on references alone")
     refuse_full_cache(config.cache)  # a full cache: the reason, and what to use
 
 

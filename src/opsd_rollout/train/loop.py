@@ -21,7 +21,8 @@ import torch
 
 from opsd_rollout.files import write_text_atomic
 from opsd_rollout.opsd.served import ServedTeacher
-from opsd_rollout.opsd.step import StepState, start_step
+from opsd_rollout.opsd.step import OPSDStep, StepInFlight
+from opsd_rollout.opsd.step_profile import StepProfile
 from opsd_rollout.seeding import seeded
 from opsd_rollout.train.checkpoint import find_checkpoint, save_merged, save_model
 from opsd_rollout.train.config import TrainConfig
@@ -56,7 +57,7 @@ class TrainResult:
 
 
 class _Fixed:
-    """A "rollout" that returns a batch made beforehand (the references), for ``opsd_step``."""
+    """A "rollout" that returns a batch made beforehand (the references), for ``OPSDStep.start(rollout=...)``."""
 
     def __init__(self, batch: Any):
         self.batch = batch
@@ -68,7 +69,7 @@ class _Fixed:
         return None
 
 
-def _short(model: str | None) -> str:
+def model_label(model: str) -> str:
     """A model's name for people: a preset's, or a checkpoint directory's (its parent's when it is ``model/``)."""
     path = Path(str(model))
     return path.parent.name if path.name == "model" and path.parent.name else path.name
@@ -100,7 +101,7 @@ class _Run:
         merged = config.rollout.merge_adapters or (config.lora.enabled and config.lora.merge_rollouts)
         self.rollout = HybridEngineRollout(self.engine, models.tokenizer, profiled.replace(merge_adapters=merged))
         self.teacher = models.teacher
-        if self.teacher is not None and config.teacher_zero_stage == 3:
+        if config.teachers and not config.several and config.teachers[0].zero_stage == 3:
             from opsd_rollout.deepspeed_engine import build_inference_engine
 
             self.teacher = build_inference_engine(self.teacher, 3)
@@ -108,70 +109,77 @@ class _Run:
             config.off_policy == "auto" and all(e.reference is not None for e in train))
         self.teacher_rollout = (HybridEngineRollout(self.teacher, models.tokenizer, profiled)
                                 if self.teacher is not None and config.lmbda < 1 and not self.references else None)
-        self.step_state = StepState()  # opsd_step's, kept across the run's steps: buffers reused, warnings once
+        self.opsd = (OPSDStep(engine=self.engine, teacher=self.teacher, rollout=self.rollout, sampling=config.sampling,
+                              divergence=config.divergence, teacher_cache=config.cache, grad_norm=True)
+                     if config.objective == "opsd" else None)
+        """The run's OPSD step, built once (its teachers checked, its host buffers kept across steps); each
+        micro-batch calls it with its request and seed."""
         self.servers = [t for t in (self.teacher.values() if config.several else [self.teacher])
                         if isinstance(t, ServedTeacher)]
         self.ahead = (bool(self.servers) and all(s.overlap for s in self.servers) and self.accumulation > 1
                       and config.objective == "opsd")
         """Roll out a whole optimizer step's micro-batches before their updates (the weights they sample from are
         the same until the step): each served teacher request is then in flight behind the next rollout."""
-        self.step = 0
+        self.global_step = 0
         if config.resume is not None:  # a LoRA run's checkpoints hold the adapters alone: the base is the student's
             _, client = self.engine.load_checkpoint(str(find_checkpoint(config.resume)),
                                                     load_module_strict=not config.lora.enabled)
-            self.step = int((client or {}).get("train_state", {}).get("step", 0))
-        self.log = MetricsLog(self.out / "metrics.jsonl", resume_step=self.step if config.resume else None)
+            self.global_step = int((client or {}).get("train_state", {}).get("step", 0))
+        self.log = MetricsLog(self.out / "metrics.jsonl", resume_step=self.global_step if config.resume else None)
         if self.rank.rank == 0:
             write_text_atomic(self.out / "train_config.json", json.dumps(config.to_dict(), indent=2))
-        self.saved_at: int | None = self.step if config.resume else None
+        self.saved_at: int | None = self.global_step if config.resume else None
 
     # ---- one optimizer step --------------------------------------------------------------------------------
 
-    def micro_batch(self, index: int, on_policy: bool, slot: int = 0) -> "_Started":
-        """Micro-batch ``index`` begun: SFT's step done, or an OPSD step in flight (``start_step``)."""
-        config = self.config
-        seed = _seed_of(config.seed, index)
-        with seeded(seed, self.device):  # dropout's random numbers; the rollout takes the seed itself
-            picked = batch_indices(len(self.train), config.prompts_per_micro_batch, config.seed,
-                                   index * self.rank.world_size + self.rank.rank)
-            examples = [self.train[i] for i in picked]
-            if config.objective == "sft":
-                return _Started(seed, self.device, profile=sft_step(
-                    self.engine, self.encoder.with_references(examples, self.device), grad_norm=True))
-            request = self.encoder.request(examples, self.device)
-            if on_policy:
-                rollout = self.rollout
-            elif self.references:
-                rollout = _Fixed(self.encoder.with_references(examples, self.device,
-                                                              config.sampling.n_samples_per_prompt))
-            else:
-                rollout = self.teacher_rollout
-            routes = [e.teacher or config.default_teacher_name for e in examples] if config.several else None
-            return _Started(seed, self.device, step=start_step(
-                self.engine, self.teacher, rollout, request, config.sampling, divergence=config.divergence,
-                teacher_cache=config.cache, state=self.step_state, rollout_seed=seed, grad_norm=True, slot=slot,
-                routes=routes))
+    def examples(self, index: int) -> list[Example]:
+        """Micro-batch ``index``'s examples (this rank's share of it)."""
+        picked = batch_indices(len(self.train), self.config.prompts_per_micro_batch, self.config.seed,
+                               index * self.rank.world_size + self.rank.rank)
+        return [self.train[i] for i in picked]
 
-    def optimizer_step(self, step: int) -> dict[str, Any]:
+    def sft_micro_batch(self, index: int) -> StepProfile:
+        """Micro-batch ``index`` of SFT, done: cross-entropy on its references."""
+        with seeded(_seed_of(self.config.seed, index), self.device):  # dropout's random numbers
+            batch = self.encoder.with_references(self.examples(index), self.device)
+            return sft_step(self.engine, batch, grad_norm=True)
+
+    def start_micro_batch(self, index: int, on_policy: bool, slot: int = 0) -> StepInFlight:
+        """Micro-batch ``index`` of distillation, begun: its samples (the student's own, or off-policy the
+        references or the teacher's), the teachers' caches built or asked for."""
+        config, examples = self.config, self.examples(index)
+        rollout = None  # the student's own samples, the run's rollout
+        if not on_policy:
+            rollout = (_Fixed(self.encoder.with_references(examples, self.device, config.sampling.n_samples_per_prompt))
+                       if self.references else self.teacher_rollout)
+        routes = [e.teacher or config.default_teacher_name for e in examples] if config.several else None
+        return self.opsd.start(self.encoder.request(examples, self.device), seed=_seed_of(config.seed, index),
+                               routes=routes, rollout=rollout, slot=slot)
+
+    def train_step(self, number: int) -> dict[str, Any]:
+        """Optimizer step ``number`` (counted from 1): its micro-batches, and its record."""
         config = self.config
         on_policy = None if config.objective == "sft" else bool(
-            np.random.default_rng(_seed_of(config.seed, step, 1)).random() < config.lmbda)
+            np.random.default_rng(_seed_of(config.seed, number, 1)).random() < config.lmbda)
         start = time.perf_counter()
-        first = (step - 1) * self.accumulation
-        if self.ahead:  # every rollout first, each teacher request in flight behind the next one's rollout
+        first = (number - 1) * self.accumulation
+        indices = range(first, first + self.accumulation)
+        if config.objective == "sft":
+            profiles = [self.sft_micro_batch(i) for i in indices]
+        elif self.ahead:  # every rollout first, each teacher request in flight behind the next one's rollout
             try:
-                started = [self.micro_batch(first + g, on_policy, slot=g) for g in range(self.accumulation)]
-                profiles = [micro.finish() for micro in started]
+                in_flight = [self.start_micro_batch(i, on_policy, slot=i - first) for i in indices]
+                profiles = [each.finish() for each in in_flight]
             except BaseException:  # the run stops: the answers still on their way are dropped
                 for server in self.servers:
                     server.close()
                 raise
         else:
-            profiles = [self.micro_batch(first + g, on_policy).finish() for g in range(self.accumulation)]
+            profiles = [self.start_micro_batch(i, on_policy).finish() for i in indices]
         step_ms = (time.perf_counter() - start) * 1e3
         divergence = "cross_entropy" if config.objective == "sft" else config.divergence.loss
-        drawn = step * self.accumulation * config.prompts_per_micro_batch * self.rank.world_size  # every rank's
-        return step_record(step, profiles, step_ms=step_ms, learning_rate=float(self.engine.get_lr()[0]),
+        drawn = number * self.accumulation * config.prompts_per_micro_batch * self.rank.world_size  # every rank's
+        return step_record(number, profiles, step_ms=step_ms, learning_rate=float(self.engine.get_lr()[0]),
                            on_policy=on_policy, divergence=divergence, epoch=drawn / len(self.train))
 
     def evaluation(self, *, teacher: bool = False) -> dict[str, float]:
@@ -234,75 +242,58 @@ class _Run:
     def save(self) -> Path:
         config = self.config.to_dict()
         config["optimization"].pop("deepspeed")  # the engine's own checkpoint holds what DeepSpeed ran with
-        state = {"step": self.step, "seed": self.config.seed, "micro_batches": self.step * self.accumulation,
+        state = {"step": self.global_step, "seed": self.config.seed, "micro_batches": self.global_step * self.accumulation,
                  "config": config}
-        self.engine.save_checkpoint(str(self.checkpoints), tag=f"step{self.step}", client_state={"train_state": state},
+        self.engine.save_checkpoint(str(self.checkpoints), tag=f"step{self.global_step}", client_state={"train_state": state},
                                     exclude_frozen_parameters=self.config.lora.enabled)
-        self.saved_at = self.step
-        return self.checkpoints / f"step{self.step}"
+        self.saved_at = self.global_step
+        return self.checkpoints / f"step{self.global_step}"
 
     def run(self) -> TrainResult:
         config = self.config
-        result = TrainResult(self.out, self.step)
-        progress = Progress(config.steps, self.step, enabled=config.progress)
+        result = TrainResult(self.out, self.global_step)
+        progress = Progress(config.steps, self.global_step, enabled=config.progress)
         try:
-            if self.step == 0:
+            if self.global_step == 0:
                 trainable, _ = trainable_parameters(self.engine.module)
                 self.record({"step": 0, "trainable_parameters": trainable, **self.evaluation(teacher=True)},
                             progress)
             trained_s = next((r["time/steps_s"] for r in reversed(self.log.records) if "time/steps_s" in r), 0.0)
-            while self.step < config.steps:
-                record = self.optimizer_step(self.step + 1)
-                self.step += 1
+            while self.global_step < config.steps:
+                record = self.train_step(self.global_step + 1)
+                self.global_step += 1
                 trained_s += record["time/step_ms"] / 1e3
                 record["time/steps_s"] = trained_s  # the optimizer steps' wall time so far, evaluations apart
                 try:
-                    if self.step % config.eval_every == 0 or self.step == config.steps:
+                    if self.global_step % config.eval_every == 0 or self.global_step == config.steps:
                         record.update(self.evaluation())
                 finally:  # a step taken is a step recorded, even if Ctrl-C stops its evaluation
                     self.record(record, progress)
-                if config.save_every and self.step % config.save_every == 0:
+                if config.save_every and self.global_step % config.save_every == 0:
                     result.checkpoint = self.save()
         except KeyboardInterrupt:
             result.interrupted = True
-        except ConnectionError as error:  # a served teacher gone for longer than teacher_timeout: keep what is done
+        except ConnectionError as error:  # a served teacher gone for longer than its timeout: keep what is done
             result.stopped = str(error)
         finally:
             for server in self.servers:
                 server.close()
-        if self.saved_at != self.step:
+        if self.saved_at != self.global_step:
             result.checkpoint = self.save()
         else:
-            result.checkpoint = self.checkpoints / f"step{self.step}"
-        result.steps, result.records = self.step, list(self.log.records)
+            result.checkpoint = self.checkpoints / f"step{self.global_step}"
+        result.steps, result.records = self.global_step, list(self.log.records)
         if not result.interrupted and result.stopped is None:
             result.model_dir = save_model(self.engine, self.models.tokenizer, self.out / "model", self.rank)
             if config.lora.merge and self.rank.rank == 0:
                 result.merged_dir = save_merged(result.model_dir, self.out / "merged")
         if self.rank.rank == 0:
-            teacher = (", ".join(config.named_teachers()) if config.several else _short(config.teacher)
-                       if config.teacher else config.teacher_url)
-            title = (f"{_short(config.student)} distilled from {teacher}" if config.objective == "opsd"
-                     else f"{_short(config.student)} trained by SFT")
+            teacher = ", ".join(spec.name if config.several else spec.source if spec.served else model_label(spec.source)
+                                for spec in config.teachers)
+            title = (f"{model_label(config.student)} distilled from {teacher}" if config.objective == "opsd"
+                     else f"{model_label(config.student)} trained by SFT")
             result.plot = plot_eval(result.records, self.out / "eval.png", title)
         return result
-
-
-@dataclass
-class _Started:
-    """A micro-batch begun: an OPSD step in flight, finished under the micro-batch's seed as it was started (the
-    student forward's dropout, as if the step had run in one piece), or SFT's profile."""
-
-    seed: int
-    device: Any
-    step: Any = None
-    profile: Any = None
-
-    def finish(self) -> Any:
-        if self.profile is None:
-            with seeded(self.seed, self.device):
-                self.profile = self.step.finish()
-        return self.profile
 
 
 def check_example_teachers(examples: list[Example], names: set[str]) -> None:
@@ -316,7 +307,7 @@ def check_example_teachers(examples: list[Example], names: set[str]) -> None:
 
 def train(config: TrainConfig) -> TrainResult:
     """Run ``config``: every input checked before any model work, then the loop. Ctrl-C saves a checkpoint and
-    returns with ``interrupted`` set; a served teacher that stops answering for ``teacher_timeout`` seconds saves one
+    returns with ``interrupted`` set; a served teacher that stops answering for its ``timeout`` seconds saves one
     at the last completed step and returns with ``stopped`` set."""
     from opsd_rollout.train.data import read_examples
     from opsd_rollout.train.eval_file import read_eval_file
@@ -336,12 +327,12 @@ def train(config: TrainConfig) -> TrainResult:
         raise ValueError("off_policy references trains on references: every example needs a 'reference'")
     teacher_samples = config.off_policy == "teacher" or (config.off_policy == "auto" and not references)
     if config.several:
-        check_example_teachers(train_examples + held_out, set(config.named_teachers()))
+        check_example_teachers(train_examples + held_out, {spec.name for spec in config.teachers})
         if config.lmbda < 1 and teacher_samples:
             raise ValueError("with several teachers, the steps that are not on-policy train on references (off_policy "
                              "references, every example with a 'reference'), not on one teacher's samples: use "
                              "lmbda 1, or references")
-    if config.teacher_url is not None and config.lmbda < 1 and teacher_samples:
+    if not config.several and config.served and config.lmbda < 1 and teacher_samples:
         raise ValueError("the steps that are not on-policy would train on the teacher's samples, and a served "
                          "teacher scores tokens, it does not generate: use lmbda 1, or references (off_policy "
                          "references, every example with a 'reference')")

@@ -9,7 +9,6 @@ Light: this module imports none of the three.
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 from opsd_rollout import checks
@@ -19,10 +18,8 @@ from opsd_rollout.train.checkpoint import find_checkpoint
 from opsd_rollout.train.eval_file import TaskEvalConfig, read_eval_file
 from opsd_rollout.train.lora import AdapterConfig
 from opsd_rollout.train.records import read_records
+from opsd_rollout.train.teacher_spec import TeacherSpec, check_specs, routed, specs_from_flags
 
-UNNAMED = "default"
-"""The name of the teacher given without one beside named ones (``TrainConfig``'s, which a test checks)."""
-NAME = re.compile(r"[A-Za-z0-9_.-]+")
 DEFAULT_STUDENT = "llama-tiny"
 """``TrainConfig.student``'s default (a test checks they agree)."""
 COUNT = checks.rule(checks.integer)
@@ -56,17 +53,17 @@ def preflight(values: dict[str, Any], *, builtin: bool = False) -> None:
     AdapterConfig(**{leaf: values[flat] for flat, leaf in (("lora_rank", "rank"), ("lora_alpha", "alpha"),
                                                            ("lora_targets", "targets"), ("merge_lora", "merge"))
                      if values.get(flat) is not None})
+    specs = specs_from_flags(values)
+    check_specs(specs, values.get("default_teacher"))
     if not builtin:
-        check_teacher_given(values.get("objective", "opsd"), values.get("teacher"), values.get("teacher_url"),
-                            values.get("teachers"), values.get("teacher_urls"))
+        check_teacher_given(values.get("objective", "opsd"), specs)
         student = values.get("student") or DEFAULT_STUDENT
-        teacher = values.get("teacher") if values.get("teacher_url") is None else None
-        models = {teacher: teacher} if teacher else {}
-        models.update({f"{name}={spec}": spec for name, spec in (values.get("teachers") or {}).items()})
-        for shown, spec in models.items():
-            check_vocabularies(student, vocab_size(student), shown, vocab_size(spec))
+        for spec in specs:
+            if spec.kind == "model":
+                check_vocabularies(student, vocab_size(student), spec.label, vocab_size(spec.source))
     if values.get("prompts") is not None:
-        check_routes(read_records(values["prompts"]), teacher_names(values), f"--prompts {values['prompts']!r}")
+        names = {spec.name for spec in specs} if routed(specs) else None
+        check_routes(read_records(values["prompts"]), names, f"--prompts {values['prompts']!r}")
     task = {leaf: values[flat] for flat, leaf in (("eval_data", "data"), ("eval_scorer", "scorer"),
                                                   ("eval_samples", "samples"),
                                                   ("eval_max_new_tokens", "max_new_tokens"))
@@ -76,12 +73,11 @@ def preflight(values: dict[str, Any], *, builtin: bool = False) -> None:
         read_eval_file(config.data, config.scorer)
 
 
-def check_teacher_given(objective: str, teacher: str | None, teacher_url: str | None,
-                        teachers: dict[str, str] | None = None, teacher_urls: dict[str, str] | None = None) -> None:
+def check_teacher_given(objective: str, teachers: tuple[TeacherSpec, ...]) -> None:
     """Distilling needs a teacher: a preset, a checkpoint directory, or a served one (or several, named)."""
-    if objective == "opsd" and teacher is None and teacher_url is None and not teachers and not teacher_urls:
-        raise ValueError("teacher is needed to distil (objective opsd): a preset, a local checkpoint directory or a "
-                         "served teacher's teacher_url (--teacher, --teacher-url)")
+    if objective == "opsd" and not teachers:
+        raise ValueError("a teacher is needed to distil (objective opsd): a preset, a local checkpoint directory or a "
+                         "served teacher's address (--teacher, --teacher-url)")
 
 
 def check_vocabularies(student: str, student_vocab: int | None, teacher: str | None,
@@ -90,50 +86,6 @@ def check_vocabularies(student: str, student_vocab: int | None, teacher: str | N
     if teacher is not None and None not in (student_vocab, teacher_vocab) and student_vocab != teacher_vocab:
         raise ValueError(f"student {student!r} has a vocabulary of {student_vocab:,} tokens and teacher {teacher!r} "
                          f"one of {teacher_vocab:,}: distillation needs the same vocabulary")
-
-
-def named(flag: str, values: list[str] | str | None) -> tuple[str | None, dict[str, str]]:
-    """A repeatable teacher flag's values (``--teacher``, ``--teacher-url``): the one given without a name, and the
-    ``NAME=VALUE`` ones by name. A value whose text before ``=`` is not a name (a path, ``http://...?a=b``) has
-    none."""
-    if values is None or isinstance(values, str):
-        return values, {}
-    plain, by_name = [], {}
-    for value in values:
-        name, equals, rest = value.partition("=")
-        if equals and NAME.fullmatch(name) and rest and not name.startswith(("http", "/")):
-            if name in by_name:
-                raise ValueError(f"{flag} {name}= given twice: one teacher a name")
-            by_name[name] = rest
-        else:
-            plain.append(value)
-    if len(plain) > 1:
-        raise ValueError(f"{flag} given {len(plain)} times without a name ({', '.join(plain)}): name each "
-                         f"(--{flag.lstrip('-')} NAME=...) to distil from several teachers")
-    return (plain[0] if plain else None), by_name
-
-
-def split_teachers(values: dict[str, Any]) -> dict[str, Any]:
-    """The command line's ``teacher`` and ``teacher_url`` lists as ``TrainConfig``'s fields: the unnamed one in
-    ``teacher``/``teacher_url``, the named ones in ``teachers``/``teacher_urls``."""
-    values = dict(values)
-    for flag, single, several in (("--teacher", "teacher", "teachers"), ("--teacher-url", "teacher_url",
-                                                                         "teacher_urls")):
-        if single in values:
-            plain, by_name = named(flag, values.pop(single))
-            if plain is not None:
-                values[single] = plain
-            if by_name:
-                values[several] = by_name
-    return values
-
-
-def teacher_names(values: dict[str, Any]) -> set[str] | None:
-    """The names examples may route to (``None``: one teacher, no routing)."""
-    if not values.get("teachers") and not values.get("teacher_urls"):
-        return None
-    unnamed = {UNNAMED} if values.get("teacher") or values.get("teacher_url") else set()
-    return unnamed | set(values.get("teachers") or {}) | set(values.get("teacher_urls") or {})
 
 
 def check_routes(records: list[Any], names: set[str] | None, where: str) -> None:

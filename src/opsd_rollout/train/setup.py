@@ -20,6 +20,7 @@ from opsd_rollout.presets import PRESETS
 from opsd_rollout.train.data import Example
 from opsd_rollout.train.lora import check_targets, with_adapters
 from opsd_rollout.train.preflight import check_vocabularies
+from opsd_rollout.train.teacher_spec import UNNAMED, TeacherSpec
 
 HELD_OUT_EVERY = 10
 """A prompt file's every tenth example is held out (files of fewer than ten evaluate on their training prompts)."""
@@ -49,7 +50,8 @@ class OptimizationConfig:
 class Models:
     student: torch.nn.Module
     tokenizer: Any
-    teacher: torch.nn.Module | ServedTeacher | None
+    teacher: torch.nn.Module | ServedTeacher | dict[str, torch.nn.Module | ServedTeacher] | None
+    """The one teacher, or several by name when examples are routed (``TrainConfig.several``); ``None``: SFT."""
     max_prompt_tokens: int
     """The longest prompt a rollout can take: the models' positions less ``max_new_tokens`` (or the config's)."""
 
@@ -64,15 +66,14 @@ class Models:
 
 
 def load_models(config: Any) -> Models:
-    """Student and tokenizer, and the teacher when there is one (frozen, eval), once their configs show the same
-    vocabulary and positions that fit ``max_prompt_tokens + max_new_tokens``. The user's DeepSpeed config is
+    """Student and tokenizer, and the teachers (each frozen, in eval mode; several by name), once their configs show
+    the same vocabulary and positions that fit ``max_prompt_tokens + max_new_tokens``. The user's DeepSpeed config is
     checked first: a run's first model work is here, and a bad config is refused (an unknown key warned of) before."""
     deepspeed_config_of(config)
-    served = config.teacher_url is not None
-    names = [config.student] + ([config.teacher] if config.teacher is not None and not served else [])
-    configs = [text_config(model_config(name)) for name in names]
-    if len(configs) == 2:
-        check_vocabularies(config.student, configs[0].vocab_size, config.teacher, configs[1].vocab_size)
+    local = [spec for spec in config.teachers if not spec.served]
+    configs = [text_config(model_config(name)) for name in (config.student, *(spec.source for spec in local))]
+    for spec, theirs in zip(local, configs[1:]):
+        check_vocabularies(config.student, configs[0].vocab_size, spec.label, theirs.vocab_size)
     limits = [p for p in (max_positions_of(c) for c in configs) if p]
     positions = min(limits) if limits else 1 << 30
     new_tokens = config.sampling.max_new_tokens
@@ -89,34 +90,20 @@ def load_models(config: Any) -> Models:
                          "len(tokenizer) (added tokens count; docs/MODELS.md)")
     if config.lora.enabled:  # fresh adapters on the loaded weights, the base frozen
         student = with_adapters(student, config.lora, config.student, config.seed)
-    if config.several:
-        return Models(student, tokenizer, load_teachers(config, tokenizer, configs[0].vocab_size), longest)
-    if served:
-        return Models(student, tokenizer, served_teacher(config, tokenizer, configs[0].vocab_size), longest)
-    # a preset teacher that is also the student gets other random weights: the same would make the loss 0
-    seed = 1 if config.teacher == config.student and config.teacher in PRESETS else None
-    if config.teacher is not None:
-        check_same_tokens(config.student, tokenizer, config.teacher, load_tokenizer(config.teacher),
-                          configs[0].vocab_size)
-    teacher = (load_model(config.teacher, seed=seed)[0].eval().requires_grad_(False) if config.teacher is not None
-               else None)
+    teachers = {spec.name: load_teacher(spec, config, tokenizer, configs[0].vocab_size) for spec in config.teachers}
+    teacher = teachers if config.several else next(iter(teachers.values()), None)
     return Models(student, tokenizer, teacher, longest)
 
 
-def load_teachers(config: Any, tokenizer: Any, vocab_size: int) -> dict[str, Any]:
-    """Several teachers by name (``config.named_teachers()``), each checked as one teacher is before any step: a
-    model's vocabulary and tokens against the student's, a server's answer, model, tokenizer and vocabulary."""
-    teachers: dict[str, Any] = {}
-    for name, (kind, spec) in config.named_teachers().items():
-        if kind == "url":
-            teachers[name] = served_teacher(config, tokenizer, vocab_size, url=spec, name=name)
-            continue
-        theirs = text_config(model_config(spec)).vocab_size
-        check_vocabularies(config.student, vocab_size, f"{name}={spec}", theirs)
-        check_same_tokens(config.student, tokenizer, f"{name}={spec}", load_tokenizer(spec), vocab_size)
-        seed = 1 if spec == config.student and spec in PRESETS else None  # not the student's own weights
-        teachers[name] = load_model(spec, seed=seed)[0].eval().requires_grad_(False)
-    return teachers
+def load_teacher(spec: TeacherSpec, config: Any, tokenizer: Any, vocab_size: int) -> Any:
+    """One teacher, checked before any step: a model's tokens against the student's, then its weights (a preset that
+    is also the student gets other random weights: the same would make the loss 0); a server's answer, model,
+    tokenizer and vocabulary (``served_teacher``)."""
+    if spec.served:
+        return served_teacher(spec, tokenizer, vocab_size)
+    check_same_tokens(config.student, tokenizer, spec.label, load_tokenizer(spec.source), vocab_size)
+    seed = 1 if spec.source == config.student and spec.source in PRESETS else None
+    return load_model(spec.source, seed=seed)[0].eval().requires_grad_(False)
 
 
 def check_same_tokens(student: str, tokenizer: Any, teacher: str, teacher_tokenizer: Any,
@@ -138,18 +125,15 @@ def check_same_tokens(student: str, tokenizer: Any, teacher: str, teacher_tokeni
                          "distillation needs the same tokens at the same ids")
 
 
-def served_teacher(config: Any, tokenizer: Any, vocab_size: int, *, url: str | None = None,
-                   name: str | None = None) -> ServedTeacher:
-    """The served teacher of ``config.teacher_url`` (or ``url``, teacher ``name``'s), checked before any step: it
-    answers (retried up to ``teacher_timeout``), serves ``config.teacher`` (when named; the one teacher's), and has
-    the student's tokenizer and vocabulary; each failure one line naming both sides."""
-    model = config.teacher if url is None or url == config.teacher_url else None
-    flag = "--teacher-url" if name is None else f"--teacher-url {name}="
-    teacher = ServedTeacher(url or config.teacher_url, model=model,
-                            api_key=config.teacher_api_key or os.environ.get("OPSD_ROLLOUT_API_KEY"),
-                            protocol=config.teacher_protocol, tokenizer=tokenizer,
-                            retry_timeout_s=config.teacher_timeout,
-                            overlap=overlaps(config.teacher_overlap, url or config.teacher_url))
+def served_teacher(spec: TeacherSpec, tokenizer: Any, vocab_size: int) -> ServedTeacher:
+    """The served teacher of ``spec``, checked before any step: it answers (retried up to its ``timeout``), serves
+    ``spec.model`` (when named), and has the student's tokenizer and vocabulary; each failure one line naming both
+    sides."""
+    flag = "--teacher-url" if spec.name == UNNAMED else f"--teacher-url {spec.name}="
+    teacher = ServedTeacher(spec.source, model=spec.model,
+                            api_key=spec.api_key or os.environ.get("OPSD_ROLLOUT_API_KEY"),
+                            protocol=spec.protocol, tokenizer=tokenizer, retry_timeout_s=spec.timeout,
+                            overlap=overlaps(spec.overlap, spec.source))
     try:
         teacher.connect(vocab_size)
     except ConnectionError as error:

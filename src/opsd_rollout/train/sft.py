@@ -9,7 +9,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from opsd_rollout.opsd.step import optimizer_step, student_logits, token_mean
+from opsd_rollout.opsd.step import engine_step, student_logits, token_mean
 from opsd_rollout.opsd.step_profile import StepParts, StepProfile
 from opsd_rollout.opsd.targets import response_targets
 from opsd_rollout.profiling import Clock, StageRecorder
@@ -36,7 +36,7 @@ def sft_step(student_engine: Any, batch: Any, *, grad_norm: bool = False) -> Ste
         total, count = parts.run("loss", cross_entropy_sum, logits, targets.labels, targets.mask.to(logits.device))
         loss, reported = token_mean(total, count)
         parts.run("backward", student_engine.backward, loss)
-        norm = parts.run("optimizer", optimizer_step, student_engine, grad_norm=grad_norm)
+        norm = parts.run("optimizer", engine_step, student_engine, grad_norm=grad_norm)
     ms, starts = parts.times()
     return StepProfile(
         rollout=None, eval_ms=0.0, train_ms=0.0, rollout_ms=0.0, teacher_forward_ms=0.0, cache_write_ms=0.0,

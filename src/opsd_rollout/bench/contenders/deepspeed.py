@@ -15,7 +15,8 @@ step; a ``StepProfile`` like ``opsd_step``'s.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping
+import functools
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -209,13 +210,14 @@ def build(built: Any, config: Any) -> DeepSpeedRollout:
     return DeepSpeedRollout(built.engine, built.tokenizer, config.lengths)
 
 
-def step(engine: Any, teacher: Any, rollout: DeepSpeedRollout, request: Any, sampling: Any, divergence: Any,
-         cache: Any, state: Any) -> StepProfile:
-    """``deepspeed_step`` with our loss's beta (0 for forward_kl, 1 for reverse_kl) and, for a ``top<k>`` teacher
-    cache, its ``teacher_top_k``; ``state`` (our step's) is not DeepSpeed's."""
+def build_step(engine: Any, teacher: Any, rollout: DeepSpeedRollout, sampling: Any, divergence: Any, cache: Any,
+               state: Any) -> Callable[[Any], StepProfile]:
+    """``deepspeed_step`` on a request, with our loss's beta (0 for forward_kl, 1 for reverse_kl) and, for a
+    ``top<k>`` teacher cache, its ``teacher_top_k``; ``state`` (our step's) is not DeepSpeed's."""
     beta = DEEPSPEED_LOSSES[divergence.loss]
-    return deepspeed_step(engine, teacher, rollout, request, sampling, beta=divergence.beta if beta is None else beta,
-                          teacher_top_k=cache.top_k if cache.mode == "topk" else None)
+    return functools.partial(deepspeed_step, engine, teacher, rollout, sampling=sampling,
+                             beta=divergence.beta if beta is None else beta,
+                             teacher_top_k=cache.top_k if cache.mode == "topk" else None)
 
 
 def skip_reason(config: Any) -> str | None:

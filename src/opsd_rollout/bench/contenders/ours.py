@@ -1,13 +1,14 @@
 """``static`` and ``generate``, one contender per strategy of our engine: our ``HybridEngineRollout`` with the config's
 engine axes, the workload's response lengths forced by the bench's own hook (``WorkloadRollout``); its OPSD step
-is ``opsd_step``."""
+is ``OPSDStep``."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from opsd_rollout.bench.workload import WorkloadRollout
-from opsd_rollout.opsd import StepProfile, opsd_step
+from opsd_rollout.opsd import OPSDStep, StepProfile
 from opsd_rollout.rollout import HybridEngineRollout, HybridEngineRolloutConfig
 
 
@@ -17,10 +18,11 @@ def build(built: Any, config: Any) -> WorkloadRollout:
     return WorkloadRollout(rollout, config.lengths, rollout.eos_token_ids)
 
 
-def step(engine: Any, teacher: Any, rollout: Any, request: Any, sampling: Any, divergence: Any, cache: Any,
-         state: Any) -> StepProfile:
-    return opsd_step(engine, teacher, rollout, request, sampling, divergence=divergence, teacher_cache=cache,
-                     state=state)
+def build_step(engine: Any, teacher: Any, rollout: Any, sampling: Any, divergence: Any, cache: Any,
+               state: Any) -> Callable[[Any], StepProfile]:
+    """Our OPSD step, built once for a config: each call one step on a request."""
+    return OPSDStep(engine=engine, teacher=teacher, rollout=rollout, sampling=sampling, divergence=divergence,
+                    teacher_cache=cache, state=state)
 
 
 def skip_reason(config: Any) -> str | None:

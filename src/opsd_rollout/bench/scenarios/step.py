@@ -91,21 +91,19 @@ class StepMeasurement:
                  settings: StepSettings, state: Any = None):
         from opsd_rollout.opsd import DivergenceConfig, StepState, TeacherCacheConfig  # heavy: see scenarios/base.py
 
-        self._step = contenders.module(config.strategy).step
+        divergence = DivergenceConfig(loss=config.loss, beta=config.beta if config.beta is not None else 0.5,
+                                      fused=settings.fused_loss, estimator=settings.estimator)
+        cache = TeacherCacheConfig(**config.teacher_cache_options, host_budget_bytes=settings.teacher_cache_budget_bytes,
+                                   over_budget=settings.teacher_cache_over_budget)
         self.state = state if state is not None else StepState()
-        """``opsd_step``'s ``StepState``, kept across this config's steps (and shared with others: the scenario's)."""
-        self.engine, self.teacher, self.rollout = engine, teacher, rollout
-        self.request, self.sampling = request, sampling
-        self.divergence = DivergenceConfig(loss=config.loss, beta=config.beta if config.beta is not None else 0.5,
-                                           fused=settings.fused_loss, estimator=settings.estimator)
-        self.cache = TeacherCacheConfig(**config.teacher_cache_options,
-                                        host_budget_bytes=settings.teacher_cache_budget_bytes,
-                                        over_budget=settings.teacher_cache_over_budget)
+        """The step's ``StepState``, kept across this config's steps (and shared with others: the scenario's)."""
+        self.step = contenders.module(config.strategy).build_step(engine, teacher, rollout, sampling, divergence,
+                                                                  cache, self.state)
+        self.rollout, self.request = rollout, request
         self._last = None
 
     def run(self) -> dict[str, Any]:
-        self._last = self._step(self.engine, self.teacher, self.rollout, self.request, self.sampling,
-                                self.divergence, self.cache, self.state)
+        self._last = self.step(self.request)
         return self._last.to_dict()
 
     def timeline(self) -> list[Any]:
