@@ -10,8 +10,8 @@ never asserted. The figure column is what a reader compares between the GPU run 
 
 The rehearsal runs every check's own code on the CPU, so a check that reaches for a name the project or torch
 no longer has fails here, in CI, and not on the GPU. Only the calls that exist on CUDA alone are replaced by the
-stand-ins of ``CpuStandIns`` (CUDA-graph recording, ``torch.cuda.set_sync_debug_mode``, pinned memory, device
-events, DeepSpeed's inference kernels, inductor's kernels); a check that used one reports ``rehearsed``, not
+stand-ins of ``CpuStandIns`` (CUDA-graph recording, ``torch.cuda.set_sync_debug_mode`` and the GPU trace's
+synchronization callbacks, pinned memory, device events, DeepSpeed's inference kernels, inductor's kernels); a check that used one reports ``rehearsed``, not
 ``ok``. On the GPU machine, with the wheels of ``make gpu-bundle`` (see docs/GPU.md). Equality checks run in fp32
 (near-ties in bf16 flip argmaxes for numeric reasons); speed in ``--dtype``.
 """
@@ -19,6 +19,7 @@ events, DeepSpeed's inference kernels, inductor's kernels); a check that used on
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import copy
 import sys
@@ -26,11 +27,13 @@ import time
 import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
 
+import opsd_rollout
 from opsd_rollout import RolloutRequest, SamplingConfig
 from opsd_rollout.bench.prompts import synthetic_prompts
 from opsd_rollout.bench.workload import workload_rollout
@@ -92,6 +95,24 @@ class Cuda:
     def pinned(self, tensor: torch.Tensor) -> bool:
         return tensor.is_pinned()
 
+    @contextlib.contextmanager
+    def syncs(self) -> Iterator[collections.Counter]:
+        """Every host synchronization in the block, counted by the line of ours that made it (``sync_site``): the
+        waits torch's GPU trace reports, stream, event and device synchronizations. ``set_sync_debug_mode`` warns of
+        the implicit ones only (a value read, a data-dependent shape); an explicit ``torch.cuda.synchronize()`` or
+        event wait would pass it unseen. The trace, once on, stays on for the process: run this check last."""
+        from torch.cuda import _gpu_trace
+
+        if not SYNC_SINKS.traced:
+            torch._C._activate_gpu_trace()
+            for register in (_gpu_trace.register_callback_for_stream_synchronization,
+                             _gpu_trace.register_callback_for_event_synchronization,
+                             _gpu_trace.register_callback_for_device_synchronization):
+                register(lambda *_: SYNC_SINKS.seen())
+            SYNC_SINKS.traced = True
+        with SYNC_SINKS.counting() as counts:
+            yield counts
+
     def device_events(self) -> contextlib.AbstractContextManager[None]:
         """Clocks built in the block time with device events (``torch.cuda.Event`` on the current stream)."""
         return contextlib.nullcontext()
@@ -110,10 +131,52 @@ class Cuda:
         yield
 
 
+class SyncSinks:
+    """Where the host synchronizations seen go while ``Cuda.syncs`` counts: each to the innermost count, by site."""
+
+    def __init__(self) -> None:
+        self.stack: list[collections.Counter] = []
+        self.traced = False
+
+    @contextlib.contextmanager
+    def counting(self) -> Iterator[collections.Counter]:
+        counts: collections.Counter = collections.Counter()
+        self.stack.append(counts)
+        try:
+            yield counts
+        finally:
+            self.stack.remove(counts)
+
+    def seen(self) -> None:
+        if self.stack:
+            self.stack[-1][sync_site()] += 1
+
+
+SYNC_SINKS = SyncSinks()
+PACKAGE = Path(opsd_rollout.__file__).parent
+
+
+def sync_site() -> str:
+    """``module path:function`` of the innermost frame of the package on the stack (``profiling/clock.py:settle``),
+    or ``elsewhere``."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        path = Path(frame.f_code.co_filename)
+        if path.is_relative_to(PACKAGE):
+            return f"{path.relative_to(PACKAGE).as_posix()}:{frame.f_code.co_name}"
+        frame = frame.f_back
+    return "elsewhere"
+
+
 class HostSyncDetector(TorchFunctionMode):
     """The CPU stand-in for ``set_sync_debug_mode("error")``: raises on every call that makes a CUDA host wait
     for the device (reading a value, a data-dependent shape), except inside ``CPU_ONLY``: functions that return
-    before any host read on every other device, so that a GPU never runs their reads."""
+    before any host read on every other device, so that a GPU never runs their reads. With ``count``, tells
+    ``SYNC_SINKS`` instead of raising (the stand-in for the GPU trace of ``Cuda.syncs``)."""
+
+    def __init__(self, count: bool = False) -> None:
+        super().__init__()
+        self.count = count
 
     CPU_ONLY = {sampling_module._top_k_candidates.__code__, sampling_module._tied_candidates.__code__}
 
@@ -126,6 +189,9 @@ class HostSyncDetector(TorchFunctionMode):
         data_dependent = (func is torch.where and len(args) + len(kwargs) == 1) or (
             func in (torch.Tensor.__getitem__, torch.Tensor.__setitem__) and _bool_index(args[1]))
         if (func in self.SYNCS or data_dependent) and not _called_from(self.CPU_ONLY):
+            if self.count:
+                SYNC_SINKS.seen()
+                return func(*args, **kwargs)
             raise RuntimeError(f"host synchronization: {getattr(func, '__name__', func)} (CPU stand-in for "
                                "torch.cuda.set_sync_debug_mode('error'))")
         return func(*args, **kwargs)
@@ -201,6 +267,23 @@ class CpuStandIns(Cuda):
         return not tensor.is_pinned()
 
     @contextlib.contextmanager
+    def syncs(self) -> Iterator[collections.Counter]:
+        """The reads a CUDA host would wait for (``HostSyncDetector``, counting) and the waits on the stand-in events
+        of ``device_events``, by site. A profile is built from the copies its rollout made to the host
+        (``Clock.host_copy``), which on a GPU are host tensors already: its reads are no wait there."""
+        from torch.cuda import _gpu_trace
+
+        from opsd_rollout.profiling import profile
+
+        assert callable(torch._C._activate_gpu_trace)  # what the GPU run calls
+        assert callable(_gpu_trace.register_callback_for_event_synchronization)
+        self.used = True
+        detector = HostSyncDetector(count=True)
+        detector.CPU_ONLY = HostSyncDetector.CPU_ONLY | {profile.build_profile.__code__}
+        with SYNC_SINKS.counting() as counts, detector:
+            yield counts
+
+    @contextlib.contextmanager
     def device_events(self) -> Iterator[None]:
         """Host-clock events in place of ``torch.cuda.Event`` and its stream, and clocks that use them: the event
         path of ``profiling.clock.Clock`` runs as on a GPU."""
@@ -213,8 +296,12 @@ class CpuStandIns(Cuda):
             def record(self, stream: Any = None) -> None:
                 self.at = time.perf_counter()
 
+            def query(self) -> bool:
+                return True
+
             def synchronize(self) -> None:
                 assert self.at is not None, "an event read before it was recorded"
+                SYNC_SINKS.seen()
 
             def elapsed_time(self, end: "Event") -> float:
                 return (end.at - self.at) * 1e3
@@ -548,6 +635,45 @@ def check_opsd_step(ctx: Context) -> Finding:
                    f"cache write {p.cache_write_ms:.1f}, backward {p.backward_ms:.1f})")
 
 
+PROFILE_READ = "profiling/clock.py:settle"
+"""Where profiling waits for the device: reading a record's marks, once each (docs/PROFILING.md)."""
+STEP_RECORD_WAITS = collections.Counter({PROFILE_READ: 2})
+"""An OPSD step's own record, profiled rollout or not: its parts and its eval/train switches, read at its end."""
+ROLLOUT_PROFILE_WAITS = collections.Counter({PROFILE_READ: 1})
+"""What profiling the rollout may add to a training step: its profile's one read."""
+
+
+def check_profiled_step_syncs(ctx: Context) -> Finding:
+    """A profiled training step waits for the device only where the design names: every host sync of an OPSD step
+    as ``train`` runs it (profiled rollout, the gradient norm) counted by the line of ours that made it, against the
+    same step with the rollout unprofiled. Profiling may add ``ROLLOUT_PROFILE_WAITS`` and nothing else, and the
+    profiling code waits nowhere but in reading its records. Steps interleaved, each kind's first a warm-up."""
+    from opsd_rollout.deepspeed_engine import build_engine
+    from opsd_rollout.opsd import StepState, opsd_step
+
+    student, _ = load_model("qwen2-tiny", device=ctx.device)
+    engine = build_engine(student.train(), 0, lr=1e-3)
+    state, counts, totals = StepState(), {}, {}
+    with ctx.gpu.device_events():
+        rollouts = {on: ctx.rollout(engine, enable_profiling=on, lengths="fixed", seed=0) for on in (False, True)}
+        for profiled in (False, True, False, True):
+            with ctx.gpu.syncs() as seen:
+                step = opsd_step(engine, ctx.fp32, rollouts[profiled], ctx.request(), sampled(16), state=state,
+                                 grad_norm=True)
+                record = step.to_dict()  # what the training record reads
+            counts[profiled], totals[profiled] = seen, record["total_ms"]
+    added, removed = counts[True] - counts[False], counts[False] - counts[True]
+    ours = {on: collections.Counter({site: n for site, n in counts[on].items() if site.startswith("profiling/")})
+            for on in (False, True)}
+    assert added == ROLLOUT_PROFILE_WAITS and not removed, f"profiling added {dict(added)}, removed {dict(removed)}"
+    assert ours[False] == STEP_RECORD_WAITS and ours[True] == STEP_RECORD_WAITS + ROLLOUT_PROFILE_WAITS, ours
+    assert (step.rollout is not None) and step.rollout.decode_steps == 15, step.rollout
+    return Finding(f"{sum(counts[True].values())} host syncs profiled, {sum(counts[False].values())} unprofiled; "
+                   f"profiling adds {sum(added.values())} ({PROFILE_READ})",
+                   f"step {totals[True]:.1f} ms profiled, {totals[False]:.1f} unprofiled (one each); syncs by site: "
+                   + ", ".join(f"{site} {n}" for site, n in sorted(counts[True].items())))
+
+
 def check_peft_merge(ctx: Context) -> Finding:
     """PEFT adapters merged for the rollout: fuse/unfuse timed, greedy tokens equal unmerged (fp32)."""
     import peft
@@ -669,6 +795,7 @@ CHECKS: list[tuple[str, Callable[[Context], Finding]]] = [
     ("shared-prefix attention: tokens, samples, speed", check_shared_prefix),
     ("flex attention", check_flex_attention),
     ("hybrid engine refused with its reason", check_hybrid_engine),
+    ("host syncs of a profiled training step", check_profiled_step_syncs),  # last: it turns the GPU trace on
 ]
 
 

@@ -201,3 +201,17 @@ def test_the_sampled_loss_pairs_with_the_sampled_cache_alone():
                                          "zero_stages": [0]})
     pairs = [(c.loss, c.teacher_cache) for c in matrix.expand()]
     assert pairs == [("jsd", "full"), ("sampled_reverse_kl", "sampled")]
+
+
+def test_a_step_matrix_measures_our_rollout_profiled_and_not():
+    """``--rollout-profiling on,off``: our contender once each way (a key of its own only when off, so results written
+    before the axis keep theirs), its engine built accordingly; DeepSpeed's rollout, which profiles itself, once."""
+    matrix = Matrix.parse(StepScenario, {"rollout_profiling": ["on", "off"], "strategies": ["static", "deepspeed"],
+                                         "zero_stages": [0]})
+    configs = matrix.expand()
+    assert [(c.strategy, c.rollout_profiling) for c in configs] == [("static", True), ("static", False),
+                                                                    ("deepspeed", None)]
+    on, off, theirs = configs
+    assert off.key == on.key + "-unprofiled" and on.key.endswith("-jsd0.5-full") and "unprofiled" in off.label
+    assert (on.engine_fields["enable_profiling"], off.engine_fields["enable_profiling"]) == (True, False)
+    assert "enable_profiling" not in theirs.engine_fields

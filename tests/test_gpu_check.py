@@ -90,6 +90,37 @@ def test_a_step_the_loop_no_longer_calls_fails_the_check(gpu_check, ctx, monkeyp
         gpu_check.check_no_host_sync(ctx)
 
 
+def test_a_profiled_training_step_waits_only_to_read_its_records(gpu_check, ctx):
+    finding = gpu_check.check_profiled_step_syncs(ctx)
+    assert "profiling adds 1 (profiling/clock.py:settle)" in finding.figure, finding
+    assert "profiling/clock.py:settle 3" in finding.detail, finding
+
+
+def test_a_phase_that_waits_for_the_device_fails_the_step_check(gpu_check, ctx, monkeypatch):
+    """What the probes did before: a wait around every timed phase."""
+    from opsd_rollout.profiling.probes import PhaseProbes
+
+    opened = PhaseProbes._open
+
+    def waiting(probes, phase):
+        probes.clock.settle()
+        return opened(probes, phase)
+
+    monkeypatch.setattr(PhaseProbes, "_open", waiting)
+    with pytest.raises(AssertionError, match="profiling added .*profiling/clock.py:settle"):
+        gpu_check.check_profiled_step_syncs(ctx)
+
+
+def test_the_sync_stand_in_counts_each_read_at_the_line_of_ours_that_made_it(gpu_check):
+    from opsd_rollout.rollout.continuous_stats import continuous_stats
+    from opsd_rollout.rollout.decode.stats import DecodeStats
+
+    with gpu_check.CpuStandIns().syncs() as seen:
+        torch.ones(2).sum().item()  # not the package's
+        continuous_stats(DecodeStats(), torch.tensor([3, 5]), 4)  # reads the longest row once
+    assert seen == {"elsewhere": 1, "rollout/continuous_stats.py:continuous_stats": 1}, seen
+
+
 def test_graph_recordings_stand_in_counts_compiles(gpu_check):
     torch._dynamo.reset()
     with gpu_check.CpuStandIns().graph_recordings() as recordings:

@@ -1,10 +1,12 @@
 """Attribution of hidden rollout phases: ZeRO-3 gathers, PEFT merge/unmerge, gc/empty_cache, the hybrid
-engine's methods (on an object with the same names), and the probes always removed."""
+engine's methods (on an object with the same names), and the probes always removed; nothing probed beyond the
+objects the rollout is handed, nothing charged for another thread."""
 
 from __future__ import annotations
 
 import copy
 import gc
+import threading
 
 import pytest
 import torch
@@ -14,11 +16,12 @@ from opsd_rollout import HybridEngineRollout, HybridEngineRolloutConfig, Samplin
 from opsd_rollout.deepspeed_engine import build_engine
 from opsd_rollout.profiling import Clock, PhaseProbes, timed_eval
 from opsd_rollout.profiling.profile import ATTRIBUTED_FIELDS
-from opsd_rollout.rollout.phases import add_rollout_probes, zero3_coordinator
+from opsd_rollout.rollout.phases import LAUNCH, add_rollout_probes, zero3_coordinator
 from opsd_rollout.rollout.target import resolve_target
 
 PROFILED = HybridEngineRolloutConfig(enable_profiling=True)
 MANGLED = "_PartitionedParameterCoordinator__all_gather_params_"
+assert LAUNCH == MANGLED  # the rollout counts where DeepSpeed launches; this test counts there on its own too
 
 
 def assert_shares_add_up(p):
@@ -59,16 +62,23 @@ def test_zero3_rollout_reports_its_parameter_gathers(zero3, tokenizer, gather):
         count(param_list or [first])
         return original_all_gather(param_list=param_list, **kwargs)
 
-    gather_fns = [param.all_gather_coalesced for param in zero3.module.parameters()]
     setattr(coordinator, MANGLED, coordinator_launch)
     first.all_gather = all_gather
+    # DeepSpeed's per-parameter methods while the rollout runs: the rollout replaces none of them
+    methods = [(p.all_gather, p.all_gather_coalesced) for p in zero3.module.parameters()]
+    touched = []
+    handle = zero3.module.register_forward_pre_hook(lambda *_: touched.append(
+        [(p.all_gather, p.all_gather_coalesced) for p in zero3.module.parameters()] != methods))
     try:
         rollout = HybridEngineRollout(zero3, tokenizer, HybridEngineRolloutConfig(enable_profiling=True,
                                                                                   zero3_gather=gather))
         rollout.generate(left_padded([[5, 6, 7], [9]], 0), SamplingConfig(max_new_tokens=5, temperature=0))
+        assert getattr(coordinator, MANGLED) is coordinator_launch  # ours put back over the test's counter
     finally:
+        handle.remove()
         delattr(coordinator, MANGLED)
         first.all_gather = original_all_gather
+    assert touched and not any(touched)
     p = rollout.get_last_profile()
     assert p.param_gather_ms > 0
     assert p.param_gather_count == len(gathers) > 0
@@ -76,15 +86,14 @@ def test_zero3_rollout_reports_its_parameter_gathers(zero3, tokenizer, gather):
     if gather == "once":  # the one gather of the whole model is in the count (the 2-rank test compares modes)
         assert p.param_gather_bytes >= sum(q.ds_numel * q.element_size() for q in zero3.module.parameters())
     assert_shares_add_up(p)
-    # probes are gone: nothing of ours is left on the coordinator or the parameters
-    assert "fetch_sub_module" not in vars(coordinator)
-    assert all(p.all_gather_coalesced is fn for p, fn in zip(zero3.module.parameters(), gather_fns))
+    # probes are gone: nothing of ours is left on the coordinator
+    assert not {"fetch_sub_module", MANGLED} & set(vars(coordinator))
     assert all(q.ds_status.name == "NOT_AVAILABLE" for q in zero3.module.parameters()), "partitioned again after"
 
 
 def test_probes_are_removed_even_when_the_rollout_raises(zero3, tokenizer):
     coordinator = zero3_coordinator(zero3)
-    collect, gather_fn = gc.collect, next(zero3.module.parameters()).all_gather_coalesced
+    callbacks = list(gc.callbacks)
 
     def boom(*_):
         raise RuntimeError("planted failure")
@@ -96,9 +105,8 @@ def test_probes_are_removed_even_when_the_rollout_raises(zero3, tokenizer):
                                                                      SamplingConfig(max_new_tokens=3))
     finally:
         handle.remove()
-    assert gc.collect is collect
-    assert "fetch_sub_module" not in vars(coordinator)
-    assert next(zero3.module.parameters()).all_gather_coalesced is gather_fn
+    assert gc.callbacks == callbacks
+    assert not {"fetch_sub_module", MANGLED} & set(vars(coordinator))
 
 
 def test_gc_inside_a_forward_is_attributed_once(tiny_models, tokenizer):
@@ -165,7 +173,7 @@ def test_hybrid_engine_method_names_are_probed_and_restored(tiny_models):
     target = resolve_target(tiny_models["llama-tiny"])
     target = type(target)(**{**vars(target), "engine": engine, "hybrid_engine": True})
     probes = PhaseProbes(Clock("cpu"))
-    add_rollout_probes(probes, target, object(), merge_adapters=False)
+    add_rollout_probes(probes, target, merge_adapters=False)
     own_before = set(vars(engine)) | set(vars(engine.workspace))
     with probes:
         engine.fuse_lora_weight()
@@ -188,4 +196,81 @@ def test_train_eval_transitions_are_timed(tiny_models):
         assert not engine.module.training
     assert engine.module.training
     assert times.eval_ms > 0 and times.train_ms > 0
-    assert set(times.to_dict()) >= {"eval_ms", "train_ms", "gc_ms", "empty_cache_ms"}
+    assert set(times.to_dict()) == {"eval_ms", "train_ms", "gc_ms"}
+
+
+def test_a_switch_that_collects_garbage_is_charged_its_collection(tiny_models):
+    engine = build_engine(copy.deepcopy(tiny_models["llama-tiny"]), 0)
+    engine.train()
+    with timed_eval(engine) as plain:
+        pass
+    assert plain.gc_ms == 0.0
+    switch = engine.eval
+    engine.eval = lambda: (gc.collect(), switch())  # what the hybrid engine's eval() does
+    try:
+        with timed_eval(engine) as collecting:
+            pass
+    finally:
+        del engine.eval
+    assert 0 < collecting.gc_ms <= collecting.eval_ms
+
+
+def test_probes_go_on_objects_never_on_a_module_or_a_class():
+    probes = PhaseProbes(Clock("cpu"))
+    for owner, name in ((gc, "collect"), (torch.cuda, "empty_cache"), (HybridLike, "fuse_lora_weight")):
+        with pytest.raises(TypeError, match="whole process"):
+            probes.add(owner, name, "phase")
+
+
+def test_another_thread_is_neither_charged_nor_disturbed(tiny_models, tokenizer):
+    """A served teacher's sender thread runs beside the rollout: its garbage collections and its calls of a probed
+    method are not the rollout's (automatic collections off, so that only the other thread collects)."""
+    engine = HybridLike()
+    target = resolve_target(tiny_models["llama-tiny"])
+    target = type(target)(**{**vars(target), "engine": engine, "hybrid_engine": True})
+    probes = PhaseProbes(Clock("cpu"))
+    add_rollout_probes(probes, target, merge_adapters=False)
+    done = []
+
+    def sender():
+        gc.collect()
+        engine.fuse_lora_weight()
+        done.append(engine.fuse_lora_weight.__qualname__)
+
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        with probes:
+            other = threading.Thread(target=sender)
+            other.start()
+            other.join()
+            engine.unfuse_lora_weight()  # collects inside: charged to lora_unfuse
+    finally:
+        if enabled:
+            gc.enable()
+    totals = probes.totals()
+    assert done and engine.calls == ["fuse", "unfuse"]
+    assert totals["lora_fuse"].calls == 0 and totals["lora_unfuse"].calls == 1
+    assert totals["gc"].calls == 0
+
+
+def test_a_rollout_in_one_thread_is_not_charged_another_threads_collections(tiny_models, tokenizer):
+    stop, collected = threading.Event(), []
+
+    def collecting():
+        while not stop.is_set():
+            collected.append(gc.collect())
+
+    enabled = gc.isenabled()
+    gc.disable()
+    other = threading.Thread(target=collecting)
+    other.start()
+    try:
+        rollout = HybridEngineRollout(tiny_models["llama-tiny"], tokenizer, PROFILED)
+        rollout.generate(left_padded([[5, 6, 7]], 0), SamplingConfig(max_new_tokens=6, temperature=0))
+    finally:
+        stop.set()
+        other.join()
+        if enabled:
+            gc.enable()
+    assert collected and rollout.get_last_profile().gc_ms is None

@@ -87,8 +87,8 @@ def test_unprofiled_rollout_registers_no_hooks_and_no_probes(tiny_models, tokeni
     import gc
 
     model = tiny_models["qwen2-tiny"]
-    collect, during = gc.collect, []
-    handle = model.model.register_forward_pre_hook(lambda *_: during.append(gc.collect is collect))
+    callbacks, during = list(gc.callbacks), []
+    handle = model.model.register_forward_pre_hook(lambda *_: during.append(gc.callbacks == callbacks))
     seen = []
     original = model.register_forward_hook
     model.register_forward_hook = lambda *a, **k: seen.append(a) or original(*a, **k)
@@ -98,7 +98,7 @@ def test_unprofiled_rollout_registers_no_hooks_and_no_probes(tiny_models, tokeni
         del model.register_forward_hook
         handle.remove()
     assert seen == []
-    assert during and all(during), "no probe wraps gc.collect while an unprofiled rollout runs"
+    assert during and all(during), "no garbage-collection callback while an unprofiled rollout runs"
 
 
 def test_forward_timer_counts_chunked_prefill_as_prefill(tiny_models):

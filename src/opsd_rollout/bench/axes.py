@@ -285,7 +285,14 @@ def for_contender(axes: Sequence[Axis], fields: dict[str, Any]) -> dict[str, Any
                          if axis.field in fields and fields["strategy"] not in axis.applies_to}}
 
 
-STEP_AXES = ROLLOUT_AXES + (
+ROLLOUT_PROFILING = Axis(
+    "rollout_profiling", "rollout_profiling", on_off, "on or off",
+    "on (default, as in train) or off: the rollout's own profile inside each step (HybridEngineRolloutConfig."
+    "enable_profiling); off measures what profiling costs the step, whose parts are timed either way (static, "
+    "generate)", applies_to=OURS, default=True, key="unprofiled", display="rollout profile {}")
+"""An OPSD step's knob of our engine: its rollout profiled or not (the rollout bench reads every figure from the
+profile, so it is always on there)."""
+STEP_AXES = ROLLOUT_AXES + (ROLLOUT_PROFILING,) + (
     choice_axis("losses", "loss", LOSSES, "forward_kl, reverse_kl, jsd over the teacher's distribution, or "
                 "sampled_reverse_kl (the sampled tokens' log-probabilities: --estimator, the sampled teacher cache)",
                 "jsd"),

@@ -2,7 +2,7 @@
 train/eval switch timing and trace export.
 
 The names load on first use (PEP 562): importing one submodule (``profiling.clock``) does not import the others
-(the forward timer imports torch's compiler, the phase probes DeepSpeed).
+(the forward timer and the phase probes import torch's compiler).
 """
 
 from __future__ import annotations

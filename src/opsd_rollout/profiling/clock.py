@@ -1,8 +1,8 @@
-"""One timer abstraction: device events where the device has them, a synchronized clock otherwise.
+"""One timer abstraction: device events where the device has them, the host's clock otherwise.
 
 The choice is made once, when the clock is built for a device; every stage and every forward timer
-uses the same clock, so a profile never mixes the two. Event marks are resolved only when read, so
-recording a mark never synchronizes on CUDA.
+uses the same clock, so a profile never mixes the two. Recording a mark never waits for the device on CUDA
+(an event on the stream) or on the CPU (where work is synchronous); reading marks waits once, in ``settle``.
 """
 
 from __future__ import annotations
@@ -42,8 +42,25 @@ class Clock:
         synchronize(self.device)
         return time.perf_counter()
 
-    def elapsed_ms(self, start: Any, end: Any) -> float:
+    def settle(self) -> None:
+        """Wait until every mark recorded so far on the current stream can be read (and every copy to the host queued
+        before now has landed): one wait on a fresh event on CUDA; nothing elsewhere. The one device wait a set of
+        marks costs, made once before they are read."""
         if self.uses_events:
-            end.synchronize()
+            self.mark().synchronize()
+
+    def host_copy(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` on the host, for a figure read once the marks are: on CUDA a copy queued on the stream (pinned,
+        no wait now) that ``settle()`` makes readable; elsewhere copied now (the CPU's own tensor is itself)."""
+        if self.uses_events and tensor.is_cuda:
+            return tensor.to("cpu", non_blocking=True)
+        return tensor.to("cpu")
+
+    def elapsed_ms(self, start: Any, end: Any) -> float:
+        """The span between two marks; on CUDA it waits only for an ``end`` not reached yet (none after ``settle``,
+        unless it was recorded on another stream)."""
+        if self.uses_events:
+            if not end.query():
+                end.synchronize()
             return float(start.elapsed_time(end))
         return (end - start) * 1000.0

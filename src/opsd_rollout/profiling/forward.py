@@ -118,8 +118,9 @@ class ForwardTimer:
         return len(self._records) if self._open else None
 
     def read(self, clear: bool = True, origin: Any = None) -> list[ForwardTime]:
-        """Resolve the recorded marks (one device wait on CUDA) and classify each forward; with an
-        ``origin`` mark, each forward's start offset from it too."""
+        """Resolve the recorded marks and classify each forward; with an ``origin`` mark, each forward's start
+        offset from it too. Waits for the device only for marks not reached yet: ``clock.settle()`` first makes it
+        one wait."""
         times = []
         for index, (start, end, (rows, tokens)) in enumerate(self._records):
             decoding = index > 0 and tokens == 1

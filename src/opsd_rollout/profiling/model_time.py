@@ -63,6 +63,7 @@ class ModelTimeProfiler:
         forward was captured into a CUDA graph: then ``HiddenForwardsError``, since replays are invisible."""
         if not self.active:
             raise RuntimeError("this forward timer was removed; enable a new one with profile_model_time()")
+        self.clock.settle()  # the read's one wait on the device
         times = self._timer.read(clear=True)
         if not times and self._timer.captured:
             raise HiddenForwardsError(

@@ -293,13 +293,15 @@ def _row_latencies(forwards: list | None, decode: Any, lengths: Any) -> dict[str
 
 
 def build_profile(*, stages: dict[str, float], forwards: list | None, phases: dict, peak_memory: tuple[int, str],
-                  generated_tokens: int, effective_batch_size: int, response_length: int, decode_stats: Any = None,
-                  lengths: Any = None, **metadata: Any) -> RolloutProfile:
+                  lengths: torch.Tensor, effective_batch_size: int, response_length: int, decode_stats: Any = None,
+                  **metadata: Any) -> RolloutProfile:
     """Assemble a profile from resolved stage times (``StageRecorder.resolve``) and the call's facts.
 
     ``forwards`` is the list of ``ForwardTime`` (``None`` when forward timing was off); ``decode_stats`` the
-    strategy's ``DecodeStats``; ``lengths`` each row's response length.
+    strategy's ``DecodeStats``; ``lengths`` [N] each row's response length. Tensors here are on the host (the
+    rollout's copies, ``Clock.host_copy``): building a profile never waits for the device.
     """
+    generated_tokens = int(lengths.sum())
     total_ms = stages["total"]
     forward_fields: dict[str, Any] = dict.fromkeys(
         ("prefill_ms", "decode_ms", "decode_steps", "prefill_forwards", "ttft_ms", "tpot_ms", "prefill_tokens",

@@ -1,6 +1,7 @@
 """Stage recording for one rollout: named spans on one clock, plus the model's forward passes.
 
-``NULL_RECORDER`` is what an unprofiled rollout uses: every method is a no-op that touches no device.
+Recording waits for nothing: marks are events on the stream on CUDA (the host's clock on the CPU), read once, by
+``resolve()``. ``NULL_RECORDER`` is what an unprofiled rollout uses: every method is a no-op that touches no device.
 """
 
 from __future__ import annotations
@@ -85,9 +86,16 @@ class StageRecorder:
         probes time the calls they wrap; nothing outside ``probes(...)``."""
         return self._probes.timing(name) if self._probes is not None else contextlib.nullcontext()
 
+    def count(self, name: str, launches: int, nbytes: int) -> None:
+        """Charge ``launches`` moving ``nbytes`` to the attributed phase ``name`` (our own all-gather); nothing
+        outside ``probes(...)``."""
+        if self._probes is not None:
+            self._probes.count(name, launches, nbytes)
+
     def resolve(self) -> "Resolved":
-        """Read every mark once (one device wait on CUDA) into stage times, forwards, phases and spans; offsets
-        count from the ``total`` stage's start (or the first mark's, without one)."""
+        """Read every mark once (the clock's one wait, ``Clock.settle``) into stage times, forwards, phases and
+        spans; offsets count from the ``total`` stage's start (or the first mark's, without one)."""
+        self.clock.settle()
         origin = next((start for name, start, _end, _parent in self._marks if name == ROOT), self._marks[0][1])
         stages: dict[str, float] = {}
         spans = []
@@ -143,6 +151,9 @@ class _NullRecorder:
 
     def phase(self, _name: str) -> contextlib.nullcontext:
         return contextlib.nullcontext()
+
+    def count(self, _name: str, _launches: int, _nbytes: int) -> None:
+        pass
 
 
 NULL_RECORDER = _NullRecorder()

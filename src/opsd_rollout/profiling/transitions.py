@@ -5,59 +5,66 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 
 from opsd_rollout.modeling import device_of
-from opsd_rollout.profiling.clock import Clock, synchronize
-from opsd_rollout.profiling.probes import PhaseProbes, add_housekeeping_probes
+from opsd_rollout.profiling.clock import Clock
+from opsd_rollout.profiling.probes import GC, PhaseProbes
+from opsd_rollout.profiling.recorder import StageRecorder
 
 
-@dataclass
 class ModeSwitchTimes:
-    """Filled in by ``timed_eval``: how long the switches took (ms) and what ran inside them."""
+    """What ``timed_eval`` measured, read (one wait for the device, on CUDA) the first time a figure is asked for:
+    recording the switches waits for nothing."""
 
-    eval_ms: float | None = None
-    train_ms: float | None = None
-    gc_ms: float = 0.0
-    """``gc.collect`` inside either switch."""
-    empty_cache_ms: float = 0.0
-    """Accelerator ``empty_cache`` inside either switch."""
+    def __init__(self, clock: Clock):
+        self._recorder = StageRecorder(clock, time_forwards=False)
+        self._probes = PhaseProbes(clock)
+        self._probes.watch_gc()
+        self._read: dict[str, Any] | None = None
+
+    def switch(self, engine: Any, method: str) -> None:
+        """``engine.<method>()`` (``eval`` or ``train``), timed."""
+        with self._recorder.stage(method), self._recorder.probes(self._probes):
+            getattr(engine, method)()
+        self._read = None
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """``eval_ms``, ``train_ms`` (``None`` until ``engine.train()`` ran) and ``gc_ms``: the full garbage
+        collections inside either switch."""
+        if self._read is None:
+            resolved = self._recorder.resolve()
+            self._read = {"eval_ms": resolved.stages.get("eval"), "train_ms": resolved.stages.get("train"),
+                          "gc_ms": resolved.phases[GC].ms if GC in resolved.phases else 0.0}
+        return dict(self._read)
 
+    @property
+    def eval_ms(self) -> float | None:
+        return self.to_dict()["eval_ms"]
 
-def _timed_switch(engine: Any, method: str, clock: Clock, times: ModeSwitchTimes) -> float:
-    probes = PhaseProbes(clock)
-    add_housekeeping_probes(probes)
-    synchronize(clock.device)
-    start = clock.mark()
-    with probes:
-        getattr(engine, method)()
-    synchronize(clock.device)
-    elapsed = clock.elapsed_ms(start, clock.mark())
-    totals = probes.totals()
-    times.gc_ms += totals["gc"].ms if "gc" in totals else 0.0
-    times.empty_cache_ms += totals["empty_cache"].ms if "empty_cache" in totals else 0.0
-    return elapsed
+    @property
+    def train_ms(self) -> float | None:
+        return self.to_dict()["train_ms"]
+
+    @property
+    def gc_ms(self) -> float:
+        return self.to_dict()["gc_ms"]
 
 
 @contextlib.contextmanager
 def timed_eval(engine: Any, device: torch.device | str | None = None, *,
                train_after: bool | None = None) -> Iterator[ModeSwitchTimes]:
     """``with timed_eval(engine) as times: rollout.generate(...)``: ``engine.eval()`` on entry and
-    ``engine.train()`` on exit, both timed (device synchronized around each). ``train_after=None`` switches
-    back only if the engine was training; ``True`` always does (a training step follows)."""
-    clock = Clock(torch.device(device) if device is not None else device_of(engine))
-    times = ModeSwitchTimes()
+    ``engine.train()`` on exit, both timed (on the device's clock, read when ``times`` is). ``train_after=None``
+    switches back only if the engine was training; ``True`` always does (a training step follows)."""
+    times = ModeSwitchTimes(Clock(torch.device(device) if device is not None else device_of(engine)))
     # a DeepSpeed engine switches its module's mode, not its own flag
     was_training = bool(getattr(getattr(engine, "module", engine), "training", True))
-    times.eval_ms = _timed_switch(engine, "eval", clock, times)
+    times.switch(engine, "eval")
     try:
         yield times
     finally:
         if train_after or (train_after is None and was_training):
-            times.train_ms = _timed_switch(engine, "train", clock, times)
+            times.switch(engine, "train")

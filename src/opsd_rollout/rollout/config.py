@@ -129,7 +129,8 @@ class _ConfigFields:
     cache_policy: str = field(default="retain",
                               metadata=axis("cache_policies", key="{}", always=True, choices=CACHE_POLICIES))
     """``retain`` keeps inference workspaces and the accelerator's cached memory between calls; ``release``
-    frees them at the end of every call (``release_workspace()``), timed as ``inference_cache_ms``."""
+    frees them at the end of every call (``release_workspace()``), timed as ``inference_cache_ms`` (the workspaces)
+    and ``empty_cache_ms`` (the accelerator's cached blocks)."""
     merge_adapters: bool = False
     """For a PEFT model: merge the LoRA adapters into the base weights for generation and unmerge them
     after (timed as ``lora_fuse_ms``/``lora_unfuse_ms``)."""

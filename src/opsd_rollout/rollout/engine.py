@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -69,9 +70,10 @@ class HybridEngineRollout(RolloutEngine):
                                         zero3_offload(self.target.engine))
                              if self.target.zero_stage == 3 and not self.target.hybrid_engine
                              and self.cfg.zero3_gather == "once" else None)
-        self._last_profile: RolloutProfile | None = None
-        self._last_timeline: list[Span] | None = None
-        self._last_continuous_stats: dict[str, Any] | None = None
+        self._last: Callable[[], tuple[RolloutProfile, list[Span]]] | None = None
+        """The last profiled call's profile and timeline, read when first asked for (reading waits for the device)."""
+        self._continuous: Callable[[], dict[str, Any]] | None = None
+        """The last continuous-batching call's statistics, read when first asked for."""
         self._clock = Clock(self.target.device)
         self._closed = False
         self._warned_slots = False
@@ -113,31 +115,37 @@ class HybridEngineRollout(RolloutEngine):
         return resolve_special_tokens(self.tokenizer, self.target)[1]
 
     def get_last_profile(self) -> RolloutProfile | None:
-        """The last call's profile; ``None`` before the first profiled call and after a call that raised."""
-        return self._last_profile
+        """The last call's profile; ``None`` before the first profiled call and after a call that raised. Read when
+        first asked for (on CUDA, one wait for the device): a profiled call itself waits for nothing."""
+        return self._last()[0] if self._last is not None else None
 
     def get_last_continuous_stats(self) -> dict[str, Any] | None:
         """DeepSpeed's statistics of the last continuous-batching call (``SamplingConfig.continuous_batch_size``
         set), under its keys (``rollout/continuous_stats.py``); ``None`` before the first. Times and throughput are
         ``None`` unless the call was profiled."""
-        return self._last_continuous_stats
+        return self._continuous() if self._continuous is not None else None
 
     def get_last_timeline(self) -> list[Span] | None:
         """The last profiled call's spans (stages and forwards, start offsets from the call's start), for traces."""
-        return self._last_timeline
+        return self._last()[1] if self._last is not None else None
 
     def sync_weights(self, step: int) -> None:  # noqa: ARG002 - interface
         """No-op: the rollout generates with the training engine's own weights."""
 
     def release_workspace(self) -> None:
         """Free inference workspaces kept between calls and the accelerator's cached blocks."""
-        self.strategy.release_workspace()
-        empty_accelerator_cache(self.target.device)
+        self._release(NULL_RECORDER)
+
+    def _release(self, recorder: Any) -> None:
+        with recorder.phase("inference_cache"):
+            self.strategy.release_workspace()
+        with recorder.phase("empty_cache"):
+            empty_accelerator_cache(self.target.device)
 
     def shutdown(self) -> None:
         self.release_workspace()
         self._closed = True
-        self._last_profile = self._last_timeline = None
+        self._last = None
 
     @torch.no_grad()
     def generate(self, request: RolloutRequest, sampling: SamplingConfig, *,
@@ -147,7 +155,7 @@ class HybridEngineRollout(RolloutEngine):
         (``rollout/processors.py``; the benchmark forces its workloads' response lengths with one); ``seed`` is this
         call's own seed (the same seed, the same samples, whatever was called before: what a trainer that resumes
         needs), over ``HybridEngineRolloutConfig.seed``."""
-        self._last_profile = self._last_timeline = None
+        self._last = None
         if self._closed:
             raise RuntimeError("generate() called after shutdown()")
         checks.integer("seed", seed, minimum=0, optional=True)
@@ -163,32 +171,44 @@ class HybridEngineRollout(RolloutEngine):
         else:
             batch, lengths = self._rollout(prompt_ids, prompt_mask, plan, NULL_RECORDER, logits_processor, seed)
         if plan.continuous_batch_size is not None:  # times and throughput only from a profiled call
-            self._last_continuous_stats = continuous_stats(self.strategy.last_stats, lengths, plan.prompt_length,
-                                                           self._last_profile)
+            stats, profiled = dataclasses.replace(self.strategy.last_stats), self._last
+            self._continuous = functools.cache(lambda: continuous_stats(
+                stats, lengths, plan.prompt_length, profiled()[0] if profiled is not None else None))
         return batch
 
     def _profiled_rollout(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, plan: RolloutPlan,
                           processor: RowLogitsProcessor | None, seed: int | None) -> tuple[RolloutBatch, torch.Tensor]:
-        """``_rollout`` under a recorder; the call's profile and timeline kept."""
+        """``_rollout`` under a recorder, waiting for nothing: what the profile reads from the device (the marks, each
+        row's length) is read when it is first asked for (``get_last_profile``)."""
         memory = PeakMemory(self.target.device)
         memory.start()
         recorder = StageRecorder(self._clock, time_forwards=self.cfg.options.profile_forwards)
         with recorder.stage("total"):
             batch, lengths = self._rollout(prompt_ids, prompt_mask, plan, recorder, processor, seed)
-        resolved = recorder.resolve()
-        self._last_timeline = resolved.spans
-        self._last_profile = build_profile(
-            stages=resolved.stages, forwards=resolved.forwards, phases=resolved.phases,
-            peak_memory=memory.stop(), generated_tokens=int(lengths.sum()),
-            effective_batch_size=plan.effective_batch_size, response_length=batch.seq_len - plan.prompt_length,
-            batch_size=plan.batch_size, samples_per_prompt=plan.samples_per_prompt,
-            prompt_length=plan.prompt_length, max_new_tokens=plan.max_new_tokens, dtype=dtype_name(self.target.dtype),
-            device=str(self.target.device), decoding=plan.decoding, strategy=self.strategy.name,
-            zero_stage=self.target.zero_stage, world_size=self.target.world_size, rank=self.target.rank,
-            timer=self._clock.kind, decode_stats=self.strategy.last_stats, lengths=lengths,
-            kv_workspace_bytes=self.strategy.workspace.nbytes if self.strategy.workspace is not None else None,
+        finish = self.strategy.last_stats.finish_forward
+        stats = dataclasses.replace(self.strategy.last_stats,
+                                    finish_forward=None if finish is None else self._clock.host_copy(finish))
+        host_lengths = self._clock.host_copy(lengths)
+        workspace = self.strategy.workspace
+        facts = dict(
+            peak_memory=memory.stop(), effective_batch_size=plan.effective_batch_size,
+            response_length=batch.seq_len - plan.prompt_length, batch_size=plan.batch_size,
+            samples_per_prompt=plan.samples_per_prompt, prompt_length=plan.prompt_length,
+            max_new_tokens=plan.max_new_tokens, dtype=dtype_name(self.target.dtype), device=str(self.target.device),
+            decoding=plan.decoding, strategy=self.strategy.name, zero_stage=self.target.zero_stage,
+            world_size=self.target.world_size, rank=self.target.rank, timer=self._clock.kind, decode_stats=stats,
+            kv_workspace_bytes=workspace.nbytes if workspace is not None else None,
             weight_layout_bytes=self.strategy.weight_layout_bytes,
-            workspace=self.strategy.workspace.last_event if self.strategy.workspace is not None else None)
+            workspace=workspace.last_event if workspace is not None else None)
+
+        @functools.cache
+        def read() -> tuple[RolloutProfile, list[Span]]:
+            resolved = recorder.resolve()  # the one wait: the copies to the host landed too
+            profile = build_profile(stages=resolved.stages, forwards=resolved.forwards, phases=resolved.phases,
+                                    lengths=host_lengths, **facts)
+            return profile, resolved.spans
+
+        self._last = read
         return batch, lengths
 
     def _width(self, lengths: torch.Tensor, plan: RolloutPlan) -> int:
@@ -199,16 +219,13 @@ class HybridEngineRollout(RolloutEngine):
 
     def _probes(self) -> PhaseProbes:
         probes = PhaseProbes(self._clock)
-        add_rollout_probes(probes, self.target, self, merge_adapters=self.cfg.merge_adapters)
+        add_rollout_probes(probes, self.target, merge_adapters=self.cfg.merge_adapters)
         for obj, method, phase in self.strategy.probe_points():
             probes.add(obj, method, phase)
-        if self._gather_once is not None:
-            probes.add(self._gather_once, "gather", "param_gather")
-            probes.add(self._gather_once, "release", "param_gather")
         return probes
 
-    def _params_gathered(self) -> contextlib.AbstractContextManager:
-        return self._gather_once() if self._gather_once is not None else contextlib.nullcontext()
+    def _params_gathered(self, recorder: Any) -> contextlib.AbstractContextManager:
+        return self._gather_once(recorder) if self._gather_once is not None else contextlib.nullcontext()
 
     @contextlib.contextmanager
     def _adapters_merged(self, gathered: bool) -> Iterator[None]:
@@ -238,7 +255,7 @@ class HybridEngineRollout(RolloutEngine):
             mask = batch_mask[:, :P]
         probes = self._probes() if recorder.enabled else None  # the unprofiled path builds nothing
         with recorder.stage("generation"), recorder.forwards(self.target.forward_module), recorder.probes(probes):
-            with self._params_gathered() as gathered, self._adapters_merged(gathered):
+            with self._params_gathered(recorder) as gathered, self._adapters_merged(gathered):
                 # per-layer ZeRO-3 gathering makes every forward a collective: ranks must prefill together
                 layerwise = self.target.zero_stage == 3 and not gathered
                 plan = dataclasses.replace(plan, layerwise_gather=layerwise,
@@ -246,7 +263,7 @@ class HybridEngineRollout(RolloutEngine):
                 sequences = self.strategy.generate(self.target, ids, mask, plan, recorder, processor,
                                                    seed)  # [N, P + R']
             if self.cfg.cache_policy == "release":
-                self.release_workspace()
+                self._release(recorder)
         with recorder.stage("post_processing"):
             handed = self.strategy.last_stats.lengths  # the decode loop knows where each row stopped
             if handed is not None:

@@ -13,6 +13,8 @@ import torch
 from deepspeed.runtime.zero import parameter_offload
 from deepspeed.runtime.zero.partition_parameters import GatheredParameters
 
+from opsd_rollout.rollout.phases import partitioned_bytes
+
 logger = logging.getLogger(__name__)
 
 
@@ -85,14 +87,19 @@ class GatherOnce:
                 del stack[depth:]  # re-registering pushes the root module again; keep the stack as it was
 
     @contextlib.contextmanager
-    def __call__(self) -> Iterator[bool]:
-        """Yields whether the parameters were gathered once."""
+    def __call__(self, recorder: Any) -> Iterator[bool]:
+        """Yields whether the parameters were gathered once. The gather and the hooks' return are ``recorder``'s
+        ``param_gather`` phase, with the one all-gather it launches (none when nothing was partitioned)."""
         if not self.params or not self.fits():
             yield False
             return
         context = GatheredParameters(self.params, modifier_rank=None)
-        self.gather(context)
+        nbytes = partitioned_bytes(self.params)
+        with recorder.phase("param_gather"):
+            self.gather(context)
+        recorder.count("param_gather", int(nbytes > 0), nbytes)
         try:
             yield True
         finally:
-            self.release(context)
+            with recorder.phase("param_gather"):
+                self.release(context)

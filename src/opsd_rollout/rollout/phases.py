@@ -1,13 +1,16 @@
-"""Which live callables a profiled rollout probes, per kind of engine (see ``profiling.probes``)."""
+"""Which methods a profiled rollout probes, per kind of engine (see ``profiling.probes``): each on an object the
+rollout is handed (the engine, its ZeRO-3 coordinator, a PEFT model), never on a module or a class."""
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
-
-from opsd_rollout.profiling.probes import PhaseProbes, add_housekeeping_probes
+from opsd_rollout.profiling.probes import PhaseProbes
 from opsd_rollout.rollout.target import RolloutTarget
+
+LAUNCH = "_PartitionedParameterCoordinator__all_gather_params_"
+"""Where DeepSpeed's ZeRO-3 coordinator launches the all-gathers of a set of parameters (its private
+``__all_gather_params_(params, forward, quantize)``, DeepSpeed 0.19): the per-layer fetches and their prefetches."""
 
 
 def zero3_offload(engine: Any) -> Any:
@@ -25,25 +28,27 @@ def zero3_coordinator(engine: Any) -> Any:
     return offload.get_param_coordinator() if offload is not None else None
 
 
-def _gathered_bytes(params: Any, *_args: Any, **_kwargs: Any) -> int:
-    return sum(int(p.ds_numel) * p.element_size() for p in params)
+def partitioned_bytes(params: Any) -> int:
+    """Bytes of the whole parameters among ``params`` that are partitioned now (what gathering them moves in)."""
+    return sum(int(p.ds_numel) * p.element_size() for p in params if p.ds_status.name == "NOT_AVAILABLE")
 
 
-def _listed_bytes(param: Any, param_list: Any = None, *_args: Any, **_kwargs: Any) -> int:
-    """``param.all_gather(param_list=...)``: the bytes of the listed (default: this) parameters not yet present."""
-    listed = param_list if param_list is not None else [param]
-    return sum(int(p.ds_numel) * p.element_size() for p in listed if p.ds_status.name == "NOT_AVAILABLE")
+def launched(params: Any, *_args: Any, **_kwargs: Any) -> tuple[int, int]:
+    """The all-gathers one coordinator launch starts and their bytes: one collective for the partitioned parameters
+    with a secondary (hpZ) partition and one for those without, as DeepSpeed groups them."""
+    pending = [p for p in params if p.ds_status.name == "NOT_AVAILABLE"]
+    groups = {getattr(p, "ds_secondary_tensor", None) is None for p in pending}
+    return len(groups), partitioned_bytes(pending)
 
 
-def add_rollout_probes(probes: PhaseProbes, target: RolloutTarget, rollout: Any, *, merge_adapters: bool) -> None:
-    """Register every phase that can occur during a rollout on ``target``."""
+def add_rollout_probes(probes: PhaseProbes, target: RolloutTarget, *, merge_adapters: bool) -> None:
+    """Register every phase that can occur during a rollout on ``target`` (the gather of ``zero3_gather="once"`` and
+    the rollout's own releases are timed where the rollout makes them)."""
     if target.zero_stage == 3:
+        coordinator = zero3_coordinator(target.engine)
         # the fetch (launch, wait, prefetch) is timed; each all-gather it launches is counted with its bytes
-        probes.add(zero3_coordinator(target.engine), "fetch_sub_module", "param_gather")
-        for param in target.model.parameters():
-            probes.add(param, "all_gather_coalesced", "param_gather", timed=False, measure=_gathered_bytes)
-            # GatheredParameters (the one gather of zero3_gather="once") goes through all_gather instead
-            probes.add(param, "all_gather", "param_gather", timed=False, measure=functools.partial(_listed_bytes, param))
+        probes.add(coordinator, "fetch_sub_module", "param_gather")
+        probes.add(coordinator, LAUNCH, "param_gather", timed=False, measure=launched)
     if target.hybrid_engine:
         probes.add(target.engine, "retake_inference_cache", "inference_cache")
         probes.add(getattr(target.engine, "workspace", None), "release_workspace", "inference_cache")
@@ -53,5 +58,4 @@ def add_rollout_probes(probes: PhaseProbes, target: RolloutTarget, rollout: Any,
     if merge_adapters:
         probes.add(target.model, "merge_adapter", "lora_fuse")
         probes.add(target.model, "unmerge_adapter", "lora_unfuse")
-    probes.add(rollout, "release_workspace", "inference_cache")
-    add_housekeeping_probes(probes)
+    probes.watch_gc()

@@ -121,8 +121,9 @@ class TrainConfig:
     (response tokens per sample, and the references' length), ``n_samples_per_prompt``, ``temperature``,
     ``top_k`` (<= 0 disables it), ``top_p``."""
     rollout: HybridEngineRolloutConfig = field(default_factory=_profiled)
-    """The student's rollout engine (and the teacher's, for supervised KD); profiling on, as the step record's
-    times come from its profile."""
+    """The student's rollout engine (and the teacher's, for supervised KD). Profiling on by default: the step
+    record's ``time/rollout/*`` come from its profile, which costs no wait for the device (docs/PROFILING.md); off,
+    the record has none of them."""
     divergence: DivergenceConfig = field(default_factory=DivergenceConfig)
     """The loss: ``jsd`` (generalized, with ``beta``), ``forward_kl`` or ``reverse_kl`` over the teacher's
     distribution, or ``sampled_reverse_kl`` (with ``estimator``) over its log-probability of each sampled token

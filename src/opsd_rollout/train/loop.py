@@ -97,9 +97,8 @@ class _Run:
         self.device = torch.device(self.engine.device)
         self.encoder = Encoder(models.tokenizer, max_prompt_tokens=models.max_prompt_tokens,
                                max_reference_tokens=config.sampling.max_new_tokens)
-        profiled = config.rollout.replace(enable_profiling=True)  # the step record's times are its profile's
         merged = config.rollout.merge_adapters or (config.lora.enabled and config.lora.merge_rollouts)
-        self.rollout = HybridEngineRollout(self.engine, models.tokenizer, profiled.replace(merge_adapters=merged))
+        self.rollout = HybridEngineRollout(self.engine, models.tokenizer, config.rollout.replace(merge_adapters=merged))
         self.teacher = models.teacher
         if config.teachers and not config.several and config.teachers[0].zero_stage == 3:
             from opsd_rollout.deepspeed_engine import build_inference_engine
@@ -107,7 +106,7 @@ class _Run:
             self.teacher = build_inference_engine(self.teacher, 3)
         self.references = config.off_policy == "references" or (
             config.off_policy == "auto" and all(e.reference is not None for e in train))
-        self.teacher_rollout = (HybridEngineRollout(self.teacher, models.tokenizer, profiled)
+        self.teacher_rollout = (HybridEngineRollout(self.teacher, models.tokenizer, config.rollout)
                                 if self.teacher is not None and config.lmbda < 1 and not self.references else None)
         self.opsd = (OPSDStep(engine=self.engine, teacher=self.teacher, rollout=self.rollout, sampling=config.sampling,
                               divergence=config.divergence, teacher_cache=config.cache, grad_norm=True)

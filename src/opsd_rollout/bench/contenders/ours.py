@@ -13,7 +13,7 @@ from opsd_rollout.rollout import HybridEngineRollout, HybridEngineRolloutConfig
 
 
 def build(built: Any, config: Any) -> WorkloadRollout:
-    cfg = HybridEngineRolloutConfig.from_flat(enable_profiling=True, **config.engine_fields)
+    cfg = HybridEngineRolloutConfig.from_flat(**{"enable_profiling": True, **config.engine_fields})
     rollout = HybridEngineRollout(built.engine, built.tokenizer, cfg)
     return WorkloadRollout(rollout, config.lengths, rollout.eos_token_ids)
 

@@ -9,7 +9,7 @@ from typing import Any, ClassVar
 from rich.table import Table
 
 from opsd_rollout.bench import contenders
-from opsd_rollout.bench.axes import STEP_AXES, axis_defaults, for_contender
+from opsd_rollout.bench.axes import ROLLOUT_PROFILING, STEP_AXES, axis_defaults, for_contender
 from opsd_rollout.bench.report import ConfigResult
 from opsd_rollout.bench.tables import baseline_table, config_table, fmt, mib, stability_table
 from opsd_rollout.bench.scenarios.base import Scenario
@@ -32,6 +32,8 @@ class StepConfig(RolloutConfig):
     """The generalized JSD's beta; ``None`` for the KLs (fixed at 0 and 1)."""
     teacher_cache: str
     """``full``, ``sampled`` or ``top<k>``."""
+    rollout_profiling: bool | None = True
+    """Our rollout profiled in each step (``None`` for DeepSpeed's rollout, which profiles itself)."""
 
     @property
     def _loss_text(self) -> str:
@@ -39,12 +41,22 @@ class StepConfig(RolloutConfig):
 
     @property
     def key(self) -> str:
-        return f"{super().key}-{self._loss_text}-{self.teacher_cache}"
+        unprofiled = ROLLOUT_PROFILING.fragment(self.rollout_profiling)
+        return "-".join(filter(None, (super().key, self._loss_text, self.teacher_cache, unprofiled)))
 
     @property
     def label(self) -> str:
         beta = f"({self.beta:g})" if self.beta is not None else ""
-        return f"{super().label} {self.loss}{beta} {self.teacher_cache}"
+        unprofiled = " unprofiled" if self.rollout_profiling is False else ""
+        return f"{super().label} {self.loss}{beta} {self.teacher_cache}{unprofiled}"
+
+    @property
+    def engine_fields(self) -> dict[str, Any]:
+        """The rollout's, with whether it is profiled."""
+        fields = super().engine_fields
+        if self.rollout_profiling is not None:
+            fields["enable_profiling"] = self.rollout_profiling
+        return fields
 
     @property
     def teacher_cache_options(self) -> dict[str, Any]:
