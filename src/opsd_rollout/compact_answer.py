@@ -29,6 +29,8 @@ versions, dtypes, rows, finite log-probabilities <= 0, ids in the vocabulary, th
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import struct
 import sys
 import zlib
@@ -147,51 +149,16 @@ def read(body: bytearray, rows: list[list[int]], positions: list[list[int]], k: 
     answer starts): values [n] (k = 0) or [n, k], ids [n, k] or ``None``; views of ``body`` where the positions
     are consecutive. Everything checked first: a ``CompactError`` names what is wrong."""
     _little_endian()
-    if len(body) < HEADER.size:
-        raise CompactError(f"is {len(body)} bytes, shorter than its {HEADER.size}-byte header (truncated)")
-    magic, version, value_code, id_code, got_k, got_rows, total = HEADER.unpack_from(body)
-    if magic != MAGIC:
-        raise CompactError(f"starts with {bytes(body[:4])!r}, not {MAGIC!r}: not a compact answer")
-    if version != VERSION:
-        raise CompactError(f"is version {version}, and this client reads version {VERSION}: run the same "
-                           "opsd-rollout release as serve-teacher")
-    if value_code not in VALUE_DTYPES:
-        raise CompactError(f"has values' dtype code {value_code}: expected one of "
-                           + ", ".join(f"{code} ({name})" for code, (name, _) in VALUE_DTYPES.items()))
-    if VALUE_DTYPES[value_code][0] != dtype:
-        raise CompactError(f"has values in {VALUE_DTYPES[value_code][0]}: {dtype} was asked")
-    if id_code != (0 if k == 0 else 1):
-        raise CompactError(f"has ids' dtype code {id_code} ({ID_DTYPES.get(id_code, 'unknown')}): expected "
-                           f"{0 if k == 0 else 1} for k={k}")
-    if got_k != k or got_rows != len(rows):
-        raise CompactError(f"answers k={got_k} for {got_rows} rows: k={k} for {len(rows)} rows were asked")
-    width, wire = max(k, 1), VALUE_DTYPES[value_code][1]
+    total, wire = _checked_header(body, len(rows), k, dtype)
+    starts = _checked_rows(body, rows, positions, total)
     ids_at = HEADER.size + ROW * len(rows)
-    values_at = ids_at + 4 * total * k
-    expected = values_at + wire.itemsize * total * width
-    if len(body) != expected:
-        raise CompactError(f"is {len(body):,} bytes and its header describes {expected:,} ({total:,} positions, "
-                           f"k={k}, {dtype}): {'truncated' if len(body) < expected else 'bytes past its end'}")
-    table = np.frombuffer(body, dtype="<u4", count=2 * len(rows), offset=HEADER.size).reshape(-1, 2).tolist()
-    counts = [count for count, _ in table]
-    for index, (row, wanted, count, crc) in enumerate(zip(rows, positions, counts, (crc for _, crc in table))):
-        if count != len(row) - wanted[0]:
-            raise CompactError(f"answers {count} positions of row {index}: {len(row) - wanted[0]} were asked "
-                               f"(positions {wanted[0]}..{len(row) - 1})")
-        if crc != row_crc(row):
-            raise CompactError(f"has row {index} for other tokens than the ones sent (CRC-32 {crc:08x}, "
-                               f"{row_crc(row):08x} sent): out of order or altered")
-    if sum(counts) != total:
-        raise CompactError(f"has {total} positions in its header and {sum(counts)} in its rows")
-    values = torch.frombuffer(body, dtype=wire, count=total * width, offset=values_at).view(total, width)
+    values = torch.frombuffer(body, dtype=wire, count=total * max(k, 1), offset=ids_at + 4 * total * k)
+    values = values.view(total, max(k, 1))  # [N, max(k, 1)]
     ids = torch.frombuffer(body, dtype=torch.int32, count=total * k, offset=ids_at).view(total, k) if k else None
-    starts = [0]
-    for count in counts:
-        starts.append(starts[-1] + count)
 
     def where(array: str) -> Callable[[int], str]:
         def named(flat: int) -> str:  # an answer's flat position -> its row and its position in the row
-            row = next(index for index in range(len(rows)) if starts[index + 1] > flat)
+            row = bisect.bisect_right(starts, flat) - 1
             return f"{array}[row {row}, position {positions[row][0] + flat - starts[row]}]"
         return named
 
@@ -204,6 +171,51 @@ def read(body: bytearray, rows: list[list[int]], positions: list[list[int]], k: 
                                f"the vocabulary [0, {vocab_size})")
         check_top_order(values, where("values"))
     return [_pick(values, ids, start, wanted) for start, wanted in zip(starts, positions)]
+
+
+def _checked_header(body: bytearray, rows: int, k: int, dtype: str) -> tuple[int, torch.dtype]:
+    """The positions answered and the values' dtype, once the header is the one asked for and the body its size."""
+    if len(body) < HEADER.size:
+        raise CompactError(f"is {len(body)} bytes, shorter than its {HEADER.size}-byte header (truncated)")
+    magic, version, value_code, id_code, got_k, got_rows, total = HEADER.unpack_from(body)
+    if magic != MAGIC:
+        raise CompactError(f"starts with {bytes(body[:4])!r}, not {MAGIC!r}: not a compact answer")
+    if version != VERSION:
+        raise CompactError(f"is version {version}, and this client reads version {VERSION}: run the same "
+                           "opsd-rollout release as serve-teacher")
+    if value_code not in VALUE_DTYPES:
+        raise CompactError(f"has values' dtype code {value_code}: expected one of "
+                           + ", ".join(f"{code} ({name})" for code, (name, _) in VALUE_DTYPES.items()))
+    name, wire = VALUE_DTYPES[value_code]
+    if name != dtype:
+        raise CompactError(f"has values in {name}: {dtype} was asked")
+    if id_code != (0 if k == 0 else 1):
+        raise CompactError(f"has ids' dtype code {id_code} ({ID_DTYPES.get(id_code, 'unknown')}): expected "
+                           f"{0 if k == 0 else 1} for k={k}")
+    if got_k != k or got_rows != rows:
+        raise CompactError(f"answers k={got_k} for {got_rows} rows: k={k} for {rows} rows were asked")
+    expected = HEADER.size + ROW * rows + total * (4 * k + wire.itemsize * max(k, 1))
+    if len(body) != expected:
+        raise CompactError(f"is {len(body):,} bytes and its header describes {expected:,} ({total:,} positions, "
+                           f"k={k}, {dtype}): {'truncated' if len(body) < expected else 'bytes past its end'}")
+    return total, wire
+
+
+def _checked_rows(body: bytearray, rows: list[list[int]], positions: list[list[int]], total: int) -> list[int]:
+    """Where each row's positions start among the answer's, once the row table says each row is the one sent,
+    answered from its first wanted position on."""
+    table = np.frombuffer(body, dtype="<u4", count=2 * len(rows), offset=HEADER.size).reshape(-1, 2).tolist()
+    for index, (row, wanted, (count, crc)) in enumerate(zip(rows, positions, table)):
+        if count != len(row) - wanted[0]:
+            raise CompactError(f"answers {count} positions of row {index}: {len(row) - wanted[0]} were asked "
+                               f"(positions {wanted[0]}..{len(row) - 1})")
+        if crc != row_crc(row):
+            raise CompactError(f"has row {index} for other tokens than the ones sent (CRC-32 {crc:08x}, "
+                               f"{row_crc(row):08x} sent): out of order or altered")
+    starts = [0, *itertools.accumulate(count for count, _ in table)]
+    if starts[-1] != total:
+        raise CompactError(f"has {total} positions in its header and {starts[-1]} in its rows")
+    return starts[:-1]
 
 
 def _pick(values: torch.Tensor, ids: torch.Tensor | None, start: int,
