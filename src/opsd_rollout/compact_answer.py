@@ -117,7 +117,8 @@ def _little_endian() -> None:
 def pack(rows: list[list[int]], counts: list[int], k: int, dtype: str, values: torch.Tensor,
          ids: torch.Tensor | None) -> bytes:
     """The body answering ``rows``: ``counts[i]`` positions of row i, their ``values`` [N, max(k, 1)] (log-
-    probabilities, any float dtype: cast to ``dtype`` here) and ``ids`` [N, k] (``None`` when k is 0)."""
+    probabilities, any float dtype, on any device: cast to ``dtype`` here) and ``ids`` [N, k] (``None`` when k is
+    0)."""
     _little_endian()
     positions = sum(counts)
     width = max(k, 1)
@@ -129,10 +130,10 @@ def pack(rows: list[list[int]], counts: list[int], k: int, dtype: str, values: t
     parts = [HEADER.pack(MAGIC, VERSION, VALUE_CODES[dtype], 0 if k == 0 else 1, k, len(rows), positions),
              table.tobytes()]
     if ids is not None:
-        parts.append(ids.to(torch.int32).contiguous().numpy().tobytes())
+        parts.append(ids.to("cpu", torch.int32).contiguous().numpy().tobytes())
     wire = VALUE_DTYPES[VALUE_CODES[dtype]][1]
-    parts.append(values.to(wire).contiguous().view(torch.int16 if wire.itemsize == 2 else torch.int32)
-                 .numpy().tobytes())
+    values = values.to("cpu", wire).contiguous()  # numpy has no bfloat16: its bytes go out as int16
+    parts.append(values.view(torch.int16 if wire.itemsize == 2 else torch.int32).numpy().tobytes())
     return b"".join(parts)
 
 
