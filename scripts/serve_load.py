@@ -112,11 +112,11 @@ def client(index: int, args: argparse.Namespace, url: str, requests, expected, m
         given, ids, values = expected[which]
         wrong = []
         for row, got in enumerate(read):
-            if not torch.allclose(torch.tensor(got.token), given[row], atol=args.tolerance, rtol=0):
+            if not torch.allclose(got.token.float(), given[row], atol=args.tolerance, rtol=0):
                 wrong.append(f"row {row}: given-token log-probabilities")
-            if not torch.allclose(torch.tensor(got.top_logprobs), values[row], atol=args.tolerance, rtol=0):
+            if not torch.allclose(got.top_logprobs.float(), values[row], atol=args.tolerance, rtol=0):
                 wrong.append(f"row {row}: top-k log-probabilities")
-            if torch.tensor(got.top_ids).ne(ids[row]).float().mean() > 0.01:  # a near-tie may swap two ids
+            if got.top_ids.ne(ids[row]).float().mean() > 0.01:  # a near-tie may swap two ids
                 wrong.append(f"row {row}: top-k ids")
         records.append({"client": index, "request": number, "latency_s": latency, "status": status,
                         "correct": not wrong, "wrong": wrong, "end_s": time.monotonic() - marks["start"]})

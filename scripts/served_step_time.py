@@ -1,12 +1,13 @@
 """A training step with a served teacher against the same teacher in process, runs alternating in one process:
 ``train`` on the built-in corpus (student ``llama-tiny``, teacher ``--teacher``, a top-k cache with the tail
 bucket on both sides, so all sides train the same loss), the served sides against our server on loopback (a thread
-of this process, or with ``--server process`` its own ``opsd-rollout serve-teacher`` process), its requests waited
-for (``--no-teacher-overlap``) or in flight behind the student's work (the default). Reports, over every round, the
+of this process, or with ``--server process`` its own ``opsd-rollout serve-teacher`` process), answering vLLM's JSON
+(a server started with ``--no-compact-answers``) or the compact answer (``--answers``), its requests waited for
+(``--no-teacher-overlap``) or in flight behind the student's work (``--overlaps``). Reports, over every round, the
 median step time of each side, its teacher latency and wait, and the share of the latency hidden.
 
     python scripts/served_step_time.py --rounds 2 --steps 8 --accumulation 2 --server process \\
-        [--split-cores] --output benchmarks/serve/step-time.json
+        [--split-cores] [--answers json,compact] [--overlaps waited,overlapped] --output benchmarks/serve/step-time.json
 """
 
 from __future__ import annotations
@@ -29,26 +30,29 @@ from opsd_rollout.distributed import free_port
 from opsd_rollout.files import write_text_atomic
 from opsd_rollout.train import TrainConfig, train
 
-SIDES = ("in-process", "served, waited", "served, overlapped")
+ANSWERS = ("json", "compact")
+OVERLAPS = ("waited", "overlapped")
 
 
-def thread_server(model: str):
-    """Our server as a thread of this process: its forwards and JSON share this process's interpreter."""
+def thread_server(model: str, compact: bool):
+    """Our server as a thread of this process: its forwards and answers share this process's interpreter."""
     from opsd_rollout.models import load_model
     from opsd_rollout.serve import ServeConfig, TeacherServer
 
     teacher, tokenizer = load_model(model)
-    server = TeacherServer(ServeConfig(model=model, port=0), model=teacher, tokenizer=tokenizer).start()
+    server = TeacherServer(ServeConfig(model=model, port=0, compact_answers=compact), model=teacher,
+                           tokenizer=tokenizer).start()
     return server.url, server.stop
 
 
-def process_server(model: str, cores: set[int] | None = None):
+def process_server(model: str, compact: bool, cores: set[int] | None = None):
     """``opsd-rollout serve-teacher`` in its own process, as a user runs it: on the same cores as the run, or on
     ``cores`` alone with as many threads (a teacher on its own machine, in miniature)."""
     port = free_port()
     env = dict(os.environ, **({"OMP_NUM_THREADS": str(len(cores))} if cores else {}))
     server = subprocess.Popen([sys.executable, "-m", "opsd_rollout", "serve-teacher", "--model", model, "--port",
-                               str(port)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                               str(port), *([] if compact else ["--no-compact-answers"])],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                               preexec_fn=(lambda: os.sched_setaffinity(0, cores)) if cores else None)
     for line in server.stdout:
         if "serving teacher" in line:
@@ -73,8 +77,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--split-cores", action="store_true", help="the server process on the last core, the run "
                         "on the others, one thread a core each: the teacher's compute off the student's cores, as "
                         "on its own machine (with --server process)")
+    parser.add_argument("--answers", default=",".join(ANSWERS), help="the served sides' answers: json (vLLM's, "
+                        "from a server started with --no-compact-answers), compact (ours)")
+    parser.add_argument("--overlaps", default=",".join(OVERLAPS), help="the served sides' requests: waited "
+                        "(--no-teacher-overlap), overlapped (in flight behind the student's work)")
     parser.add_argument("--output")
     args = parser.parse_args(argv)
+    answers, overlaps = args.answers.split(","), args.overlaps.split(",")
+    if not set(answers) <= set(ANSWERS) or not set(overlaps) <= set(OVERLAPS):
+        parser.error(f"--answers takes {','.join(ANSWERS)} and --overlaps {','.join(OVERLAPS)}")
+    cores = None
     if args.split_cores:
         if args.server != "process":
             parser.error("--split-cores needs --server process")
@@ -83,19 +95,25 @@ def main(argv: list[str] | None = None) -> int:
             parser.error("--split-cores needs two cores")
         os.sched_setaffinity(0, set(cores[:-1]))
         torch.set_num_threads(len(cores) - 1)
-        url, stop = process_server(args.teacher, {cores[-1]})
-    else:
-        url, stop = (process_server if args.server == "process" else thread_server)(args.teacher)
+    servers = {}  # the servers wait idle while the other side's run steps
+    for answer in answers:
+        compact = answer == "compact"
+        servers[answer] = (process_server(args.teacher, compact, {cores[-1]}) if cores else
+                           process_server(args.teacher, compact) if args.server == "process" else
+                           thread_server(args.teacher, compact))
     common = dict(student="llama-tiny", teacher=args.teacher, steps=args.steps, eval_every=10**6, eval_prompts=1,
                   teacher_cache="topk", teacher_top_k=64, top_k_rest="tail", progress=False,
                   gradient_accumulation_steps=args.accumulation)
-    served = {"in-process": {}, "served, waited": {"teacher_url": url, "teacher_overlap": False},
-              "served, overlapped": {"teacher_url": url, "teacher_overlap": True}}
-    times: dict[str, dict[str, list[float]]] = {side: {} for side in SIDES}
+    served = {"in-process": {}}
+    served.update({f"served {answer}, {overlap}": {"teacher_url": servers[answer][0],
+                                                   "teacher_overlap": overlap == "overlapped"}
+                   for answer in answers for overlap in overlaps})
+    sides = tuple(served)
+    times: dict[str, dict[str, list[float]]] = {side: {} for side in sides}
     load = [os.getloadavg()[0]]
     try:
         for round_ in range(args.rounds):
-            for side in (SIDES if round_ % 2 == 0 else SIDES[::-1]):
+            for side in (sides if round_ % 2 == 0 else sides[::-1]):
                 with tempfile.TemporaryDirectory() as out:
                     result = train(TrainConfig.from_flat({**common, **served[side], "output_dir": out}))
                 seen = times[side]
@@ -110,14 +128,15 @@ def main(argv: list[str] | None = None) -> int:
                         seen.setdefault(name, []).append(value)
                 load.append(os.getloadavg()[0])
     finally:
-        stop()
+        for _, stop in servers.values():
+            stop()
     summary = {side: {name: statistics.median(values) for name, values in seen.items()}
                for side, seen in times.items()}
     for side, f in summary.items():
         print(f"{side}: step {f['step_ms']:.0f} ms, teacher on the step's path {f['teacher_ms']:.0f} ms, latency "
               f"{f['teacher_latency_ms']:.0f} ms, hidden {f['hidden_share']:.0%} (medians)")
     base = summary["in-process"]["step_ms"]
-    ratios = {side: summary[side]["step_ms"] / base for side in SIDES[1:]}
+    ratios = {side: summary[side]["step_ms"] / base for side in sides[1:]}
     print("over in-process step time: " + ", ".join(f"{side} {ratio:.2f}" for side, ratio in ratios.items()))
     if args.output:
         write_text_atomic(Path(args.output), json.dumps({

@@ -65,11 +65,12 @@ def sglang_fixture() -> list:
 @pytest.mark.parametrize("protocol,fixture", [("vllm", vllm_fixture), ("sglang", sglang_fixture)])
 def test_both_protocols_read_the_given_tokens_and_the_top_k(protocol, fixture):
     rows = read_response(protocol, fixture(), ROWS, POSITIONS, 2, vocab_size=100)
-    assert [r.token for r in rows] == [[-1.9, -6.0], [-0.3, -4.0]]
-    assert [r.top_ids for r in rows] == [[[7, 13], [8, 9]], [[22, 1], [2, 3]]]
-    assert [r.top_logprobs for r in rows] == [[[-0.2, -1.9], [-0.05, -3.0]], [[-0.3, -1.4], [-0.7, -0.9]]]
+    assert [r.token.tolist() for r in rows] == [[-1.9, -6.0], [-0.3, -4.0]]
+    assert [r.top_ids.tolist() for r in rows] == [[[7, 13], [8, 9]], [[22, 1], [2, 3]]]
+    assert [r.top_logprobs.tolist() for r in rows] == [[[-0.2, -1.9], [-0.05, -3.0]], [[-0.3, -1.4], [-0.7, -0.9]]]
+    assert rows[0].top_ids.dtype == torch.int32 and rows[0].token.dtype == rows[0].top_logprobs.dtype == torch.float64
     sampled = read_response(protocol, fixture(), ROWS, POSITIONS, 0, vocab_size=100)
-    assert [r.token for r in sampled] == [[-1.9, -6.0], [-0.3, -4.0]] and sampled[0].top_ids == []
+    assert [r.token.tolist() for r in sampled] == [[-1.9, -6.0], [-0.3, -4.0]] and sampled[0].top_ids.shape == (2, 0)
 
 
 def test_request_bodies_follow_each_servers_api():

@@ -1,8 +1,8 @@
 """A served teacher (``opsd.served.ServedTeacher``) against our server on loopback (an in-process thread, a free
 port, stopped at the end): the cache it builds equals the in-process teacher's (sampled and top-k), and whole OPSD
-steps with it equal the in-process steps, at the first step and after five optimizer steps; the connect-time checks
-(model, tokenizer, vocabulary), a full cache refused before any work, and a server that goes away mid-run retried
-until it is back or the retry time is spent."""
+steps with it equal the in-process steps, at the first step and after five optimizer steps, whether the server gives
+the compact answer or vLLM's JSON; the connect-time checks (model, tokenizer, vocabulary), a full cache refused
+before any work, and a server that goes away mid-run retried until it is back or the retry time is spent."""
 
 from __future__ import annotations
 
@@ -29,13 +29,25 @@ def teacher(tiny_models):
     return model
 
 
+ANSWERS = ("compact", "json")
+
+
 @pytest.fixture(scope="module")
-def server(teacher, tokenizer):
-    served = TeacherServer(ServeConfig(model="qwen2-tiny", served_model_name="teacher", port=0,
-                                       limits=EngineLimits(max_batch_tokens=4096)),
-                           model=teacher, tokenizer=tokenizer).start()
+def servers(teacher, tokenizer):
+    """Our server as our client finds it (the compact answer), and as a vLLM server answers (JSON only)."""
+    served = {answers: TeacherServer(ServeConfig(model="qwen2-tiny", served_model_name="teacher", port=0,
+                                                 limits=EngineLimits(max_batch_tokens=4096),
+                                                 compact_answers=answers == "compact"),
+                                     model=teacher, tokenizer=tokenizer).start() for answers in ANSWERS}
     yield served
-    served.stop()
+    for one in served.values():
+        one.stop()
+
+
+@pytest.fixture(scope="module")
+def server(servers):
+    return servers["compact"]
+
 
 
 def request(tokenizer) -> RolloutRequest:
@@ -51,22 +63,33 @@ def rollout_targets(tiny_models, tokenizer):
     return response_targets(batch)
 
 
+@pytest.mark.parametrize("answers", ANSWERS)
 @pytest.mark.parametrize("protocol_rows", [1, 4])
-def test_the_served_sampled_cache_is_the_in_process_one(server, teacher, tiny_models, tokenizer, protocol_rows):
+def test_the_served_sampled_cache_is_the_in_process_one(servers, teacher, tiny_models, tokenizer, protocol_rows,
+                                                        answers):
     targets = rollout_targets(tiny_models, tokenizer)
     config = TeacherCacheConfig(mode="sampled")
     here = build_teacher_cache(teacher, targets, config)
-    there = ServedTeacher(server.url, rows_per_request=protocol_rows, tokenizer=tokenizer).build_cache(targets, config)
+    client = ServedTeacher(servers[answers].url, rows_per_request=protocol_rows, tokenizer=tokenizer)
+    there = client.build_cache(targets, config)
+    assert client.compact == (answers == "compact")
     assert there.mode == "sampled" and there.values.shape == here.values.shape
     torch.testing.assert_close(there.values[targets.mask], here.values[targets.mask], rtol=1e-4, atol=1e-4)
 
 
-def test_the_served_top_k_cache_is_the_in_process_one(server, teacher, tiny_models, tokenizer):
+@pytest.mark.parametrize("answers", ANSWERS)
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16])
+def test_the_served_top_k_cache_is_the_in_process_one(servers, teacher, tiny_models, tokenizer, answers, dtype):
+    """In the cache's own dtype: the compact answer is sent in bfloat16 for a bfloat16 cache, rounded once as the
+    in-process cache is."""
     targets = rollout_targets(tiny_models, tokenizer)
-    config = TeacherCacheConfig(mode="topk", top_k=6)
+    config = TeacherCacheConfig(mode="topk", top_k=6, dtype=dtype)
     here = build_teacher_cache(teacher, targets, config)
-    there = ServedTeacher(server.url, concurrency=2, rows_per_request=2).build_cache(targets, config)
-    assert there.mode == "topk" and there.indices.shape == here.indices.shape
+    client = ServedTeacher(servers[answers].url, concurrency=2, rows_per_request=2)
+    there = client.build_cache(targets, config)
+    assert client.compact == (answers == "compact")
+    assert there.mode == "topk" and there.indices.shape == here.indices.shape and there.values.dtype == \
+        here.values.dtype
     assert torch.equal(there.indices[targets.mask], here.indices[targets.mask])
     torch.testing.assert_close(there.values[targets.mask], here.values[targets.mask], rtol=1e-4, atol=1e-4)
 
@@ -82,6 +105,7 @@ def steps(student, teacher, tokenizer, divergence, cache, count=6) -> list[float
                       teacher_cache=cache, state=state).loss for _ in range(count)]
 
 
+@pytest.mark.parametrize("answers", ANSWERS)
 @pytest.mark.parametrize("divergence,cache", [
     (DivergenceConfig(loss="sampled_reverse_kl", estimator="k1"), TeacherCacheConfig(mode="sampled")),
     (DivergenceConfig(loss="sampled_reverse_kl", estimator="k3"), TeacherCacheConfig(mode="sampled")),
@@ -89,12 +113,14 @@ def steps(student, teacher, tokenizer, divergence, cache, count=6) -> list[float
     (DivergenceConfig(loss="jsd", beta=0.5, top_k_rest="tail"), TeacherCacheConfig(mode="topk", top_k=8)),
     (DivergenceConfig(loss="reverse_kl"), TeacherCacheConfig(mode="topk", top_k=8)),
 ], ids=["sampled-k1", "sampled-k3", "forward-tail", "jsd-tail", "reverse-renormalized"])
-def test_served_steps_equal_in_process_steps(server, teacher, tiny_models, tokenizer, divergence, cache):
-    """Same weights, same cache mode: the loss at the first step and after five optimizer steps are equal."""
+def test_served_steps_equal_in_process_steps(servers, teacher, tiny_models, tokenizer, divergence, cache, answers):
+    """Same weights, same cache mode: the loss at the first step and after five optimizer steps are equal, with
+    the compact answer and with vLLM's JSON."""
     student = tiny_models["llama-tiny"]
     here = steps(student, teacher, tokenizer, divergence, cache)
-    there = steps(student, ServedTeacher(server.url, model="teacher", tokenizer=tokenizer), tokenizer, divergence,
-                  cache)
+    served = ServedTeacher(servers[answers].url, model="teacher", tokenizer=tokenizer)
+    there = steps(student, served, tokenizer, divergence, cache)
+    assert served.compact == (answers == "compact")
     assert abs(here[0]) > 1e-3 and here[0] != pytest.approx(here[5], rel=1e-3), "the student learns something"
     assert there[0] == pytest.approx(here[0], rel=1e-5, abs=1e-7)
     assert there[5] == pytest.approx(here[5], rel=1e-5, abs=1e-7)

@@ -8,7 +8,9 @@ the student sampled (a ``sampled`` cache, for ``sampled_reverse_kl``) or its top
 log-probabilities (a ``topk`` cache, for the divergences; ``DivergenceConfig(top_k_rest="tail")`` keeps the rest of
 the teacher's mass as one bucket). A ``full`` cache is refused before any work: no server sends a whole vocabulary
 per token. Servers: vLLM's OpenAI-compatible server and ``opsd-rollout serve-teacher`` (``protocol="vllm"``),
-SGLang's native ``/generate`` (``protocol="sglang"``); see ``served_wire``.
+SGLang's native ``/generate`` (``protocol="sglang"``); see ``served_wire``. Our own server, when its ``/v1/models``
+says it gives it, is asked for the compact answer instead of vLLM's JSON (``opsd_rollout.compact_answer``: the
+response positions only, packed arrays copied into the cache as they are).
 """
 
 from __future__ import annotations
@@ -21,8 +23,8 @@ from typing import Any
 
 import torch
 
-from opsd_rollout import checks
-from opsd_rollout.opsd.served_wire import PROTOCOLS, RowLogprobs, Wire, read_response, request_body
+from opsd_rollout import checks, compact_answer
+from opsd_rollout.opsd.served_wire import PROTOCOLS, Wire, read_response, request_body
 from opsd_rollout.opsd.targets import response_targets
 from opsd_rollout.opsd.teacher import TeacherCache, TeacherCacheBuffers, TeacherCacheConfig, plan_mode
 from opsd_rollout.profiling import NULL_RECORDER
@@ -31,6 +33,10 @@ logger = logging.getLogger(__name__)
 
 PROBE = "On-policy distillation: the student samples, the teacher scores 123 tokens."
 """The text both tokenizers encode at connect time: the same ids, or the teacher is scoring other tokens."""
+
+RowAnswer = tuple[torch.Tensor, "torch.Tensor | None"]
+"""One row's answer at its wanted positions: log-probabilities ([n] sampled, [n, k] top-k) and ids ([n, k] int32,
+``None`` for the sampled cache)."""
 
 
 class ServedTeacher:
@@ -62,6 +68,8 @@ class ServedTeacher:
         self._sender: ThreadPoolExecutor | None = None  # one thread: the steps' requests, in the order sent
         self.vocab_size: int | None = None
         """The server's vocabulary size when it says (ours does, in ``/v1/models``); ``None`` otherwise."""
+        self.compact = False
+        """Whether the server is asked for the compact answer (it said it gives this client's version)."""
         self.connected = False
 
     @property
@@ -89,6 +97,7 @@ class ServedTeacher:
                 raise ValueError(f"the teacher server at {self.url} serves {served}, not {self.model!r}")
             card = cards[served.index(self.model)]
             self.vocab_size = card.get("vocab_size") if isinstance(card.get("vocab_size"), int) else None
+            self.compact = self.protocol == "vllm" and self._speaks_compact(card.get("compact_answer_version"))
         elif self.model is None:
             raise ValueError(f"the teacher server at {self.url} lists no model at /v1/models: name it (model=...)")
         if student_vocab_size is not None and self.vocab_size is not None and self.vocab_size != student_vocab_size:
@@ -97,6 +106,17 @@ class ServedTeacher:
         self.vocab_size = self.vocab_size or student_vocab_size
         self._check_tokenizer()
         self.connected = True
+
+    def _speaks_compact(self, version: Any) -> bool:
+        """Whether to ask for the compact answer: the server gives this client's version; another version is refused
+        in one line (neither side reads the other's)."""
+        if version is None:
+            return False
+        if version != compact_answer.VERSION:
+            raise ValueError(f"the teacher server at {self.url} gives the compact answer version {version!r}, and this "
+                             f"client reads version {compact_answer.VERSION}: run the same opsd-rollout release on "
+                             "both sides (or serve-teacher --no-compact-answers for vLLM's JSON)")
+        return True
 
     def _check_tokenizer(self) -> None:
         if self.tokenizer is None:
@@ -131,19 +151,16 @@ class ServedTeacher:
         plan_mode(config, rows, window, self.vocab_size or k, dtype, budget)  # refuses over the budget
         sent, positions, places = rows_to_send(targets)
         with recorder.stage("teacher_forward"):
-            answers = self._ask(sent, positions, k)
+            answers = self._ask(sent, positions, k, "float32" if sampled else compact_answer.value_dtype(dtype))
         with recorder.stage("cache_write"):
             if sampled:
                 values = buffers.take("values", (rows, window), torch.float32, pin).zero_()
-                for (row, columns), answer in zip(places, answers):
-                    values[row, columns] = torch.tensor(answer.token, dtype=torch.float32)
+                fill_cache(values, None, places, answers)
                 return TeacherCache(values, None, budget_bytes=budget, sampled=True)
             values = buffers.take("values", (rows, window, k), dtype, pin).fill_(-math.log(k + 1))
             indices = buffers.take("indices", (rows, window, k), torch.int32, pin)
             indices.copy_(torch.arange(k, dtype=torch.int32))  # untrained positions: k distinct tokens, finite
-            for (row, columns), answer in zip(places, answers):
-                values[row, columns] = torch.tensor(answer.top_logprobs, dtype=torch.float32).to(dtype)
-                indices[row, columns] = torch.tensor(answer.top_ids, dtype=torch.int32)
+            fill_cache(values, indices, places, answers)
         return TeacherCache(values, indices, budget_bytes=budget)
 
     def submit(self, targets: Any, config: TeacherCacheConfig, *, buffers: TeacherCacheBuffers | None = None,
@@ -163,19 +180,27 @@ class ServedTeacher:
             self._sender.shutdown(wait=False, cancel_futures=True)
             self._sender = None
 
-    def _ask(self, sent: list[list[int]], positions: list[list[int]], k: int) -> list[RowLogprobs]:
-        """Every row's answer, ``rows_per_request`` rows a request, ``concurrency`` requests in flight."""
+    def _ask(self, sent: list[list[int]], positions: list[list[int]], k: int, dtype: str) -> list[RowAnswer]:
+        """Every row's answer, ``rows_per_request`` rows a request, ``concurrency`` requests in flight; the compact
+        answer's values in ``dtype``."""
         groups = [range(start, min(start + self.rows_per_request, len(sent)))
                   for start in range(0, len(sent), self.rows_per_request)]
 
-        def ask(group: range) -> list[RowLogprobs]:
-            rows = [sent[i] for i in group]
-            path, body = request_body(self.protocol, self.model, rows, k)
-            status, answer = self.wire.post(path, body)
+        def ask(group: range) -> list[RowAnswer]:
+            rows, wanted = [sent[i] for i in group], [positions[i] for i in group]
+            if self.compact:
+                path, body = request_body(self.protocol, self.model, rows, k, starts=[row[0] for row in wanted],
+                                          dtype=dtype)
+                status, answer = self.wire.post(path, body, accept=compact_answer.content_type())
+            else:
+                path, body = request_body(self.protocol, self.model, rows, k)
+                status, answer = self.wire.post(path, body)
             if status == 404:
                 raise ValueError(f"the teacher server at {self.url} has no {path} (protocol={self.protocol!r}: "
                                  f"vllm for vLLM's and ours, sglang for SGLang's /generate)")
-            return read_response(self.protocol, answer, rows, [positions[i] for i in group], k, self.vocab_size)
+            if self.compact:
+                return compact_answer.read(answer, rows, wanted, k, dtype, self.vocab_size)
+            return read_json(self.protocol, answer, rows, wanted, k, self.vocab_size)
 
         if len(groups) <= 1 or self.concurrency == 1:
             return [row for group in groups for row in ask(group)]
@@ -205,6 +230,29 @@ class InFlight:
     def cancel(self) -> None:
         """Drop it if it has not started (a run stopping with steps in flight)."""
         self.future.cancel()
+
+
+def read_json(protocol: str, body: Any, rows: list[list[int]], positions: list[list[int]], k: int,
+              vocab_size: int | None) -> list[RowAnswer]:
+    """Each row's answer from a server's parsed JSON ``body`` (``served_wire.read_response``, every field checked)."""
+    return [(answer.token, None) if k == 0 else (answer.top_logprobs, answer.top_ids)
+            for answer in read_response(protocol, body, rows, positions, k, vocab_size)]
+
+
+def fill_cache(values: torch.Tensor, indices: torch.Tensor | None, places: list[tuple[int, torch.Tensor]],
+               answers: list[RowAnswer]) -> None:
+    """Copy each row's answer into the cache at its ``(row, window columns)`` place (``rows_to_send``'s): one slice
+    copy a row where its columns are consecutive, converted to the cache's dtype as it copies."""
+    for (row, columns), (got, ids) in zip(places, answers):
+        first, last = int(columns[0]), int(columns[-1])
+        if last - first + 1 == len(columns):
+            values[row, first:last + 1].copy_(got)
+            if indices is not None:
+                indices[row, first:last + 1].copy_(ids)
+        else:
+            values[row, columns] = got.to(values.dtype)
+            if indices is not None:
+                indices[row, columns] = ids
 
 
 def refuse_full_cache(config: TeacherCacheConfig) -> None:

@@ -4,7 +4,8 @@ teacher server speaks, each a request body and a checked reading of the response
 - ``vllm``: vLLM's OpenAI-compatible ``POST /v1/completions`` with token-id prompts (a list of lists),
   ``max_tokens=1`` and ``prompt_logprobs=k``; each choice's ``prompt_logprobs`` is a list over the prompt's
   positions, ``null`` first, then ``{token id: {"logprob", "rank", "decoded_token"}}`` holding the top-k and the
-  given token's own (k or k + 1 entries). ``opsd-rollout serve-teacher`` answers the same.
+  given token's own (k or k + 1 entries). ``opsd-rollout serve-teacher`` answers the same, or, asked for it,
+  the compact answer (``opsd_rollout.compact_answer``: the response positions only, packed arrays).
 - ``sglang``: SGLang's ``POST /generate`` with ``input_ids``, ``return_logprob``, ``logprob_start_len=0`` and
   ``top_logprobs_num=k``; each result's ``meta_info`` has ``input_token_logprobs`` (``[logprob, token id, text]``
   per position, the first logprob ``null``) and ``input_top_logprobs`` (a list of such triples per position).
@@ -17,7 +18,6 @@ from __future__ import annotations
 
 import http.client
 import json
-import math
 import socket
 import threading
 import time
@@ -26,11 +26,14 @@ import urllib.request
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
+from opsd_rollout.compact_answer import check_logprobs, check_top_order
+
 PROTOCOLS = ("vllm", "sglang")
+JSON = "application/json"
 RETRIED_STATUS = (429, 502, 503, 504)
 """HTTP statuses a request is retried on: the server's queue is full, or a proxy in front of it has no server."""
-LOGPROB_SLACK = 1e-4
-"""How far above 0 a log-probability may be (rounding) before it is refused as not one."""
 
 
 class Wire:
@@ -52,16 +55,17 @@ class Wire:
     def get(self, path: str) -> tuple[int, Any]:
         return self.call("GET", path, None)
 
-    def post(self, path: str, payload: Any) -> tuple[int, Any]:
-        return self.call("POST", path, payload)
+    def post(self, path: str, payload: Any, accept: str = JSON) -> tuple[int, Any]:
+        return self.call("POST", path, payload, accept)
 
-    def call(self, method: str, path: str, payload: Any) -> tuple[int, Any]:
-        """``(status, parsed JSON body or None)`` of a 2xx answer, or of a 404 (the caller decides what a missing
-        endpoint means)."""
+    def call(self, method: str, path: str, payload: Any, accept: str = JSON) -> tuple[int, Any]:
+        """``(status, body)`` of a 2xx answer, or of a 404 (the caller decides what a missing endpoint means): the
+        body parsed when ``accept`` is JSON, else its bytes (a ``bytearray``), refused unless the server answered
+        in the media type asked for."""
         started, backoff, failures = time.monotonic(), self.first_backoff_s, 0
         while True:
             try:
-                return self._once(method, path, payload)
+                return self._once(method, path, payload, accept)
             except _Retry as retry:
                 failures += 1
                 waited = time.monotonic() - started
@@ -76,15 +80,21 @@ class Wire:
                                           f"the run stopped while it was retried: {retry.reason}") from None
                 backoff = min(2 * backoff, self.max_backoff_s)
 
-    def _once(self, method: str, path: str, payload: Any) -> tuple[int, Any]:
+    def _once(self, method: str, path: str, payload: Any, accept: str) -> tuple[int, Any]:
         data = None if payload is None else json.dumps(payload).encode()
-        headers = {"Content-Type": "application/json", "Accept": "application/json"}
+        headers = {"Content-Type": JSON, "Accept": accept}
         if self.api_key:
             headers["Authorization"] = f"Bearer {self.api_key}"
         request = urllib.request.Request(self.url + path, data=data, headers=headers, method=method)
         try:
             with urllib.request.urlopen(request, timeout=self.request_timeout_s) as answer:
-                return answer.status, _json(answer.read(), path)
+                if accept == JSON:
+                    return answer.status, _json(answer.read(), path)
+                given = answer.headers.get("Content-Type", "")
+                if given.split(";")[0].strip().lower() != accept.split(";")[0].strip().lower():
+                    raise ValueError(f"the teacher server at {self.url} answered {method} {path} with "
+                                     f"{given or 'no Content-Type'}, not the {accept!r} asked for")
+                return answer.status, _body(answer, f"{method} {path}")
         except urllib.error.HTTPError as error:
             body = error.read()
             if error.code in RETRIED_STATUS:
@@ -103,6 +113,22 @@ class _Retry(Exception):
     def __init__(self, reason: str):
         super().__init__(reason)
         self.reason = reason
+
+
+def _body(answer: http.client.HTTPResponse, what: str) -> bytearray:
+    """The answer's body read into one writable buffer (its arrays are then read in place); a body that ends before
+    its ``Content-Length`` is a transfer cut short, retried."""
+    length = answer.headers.get("Content-Length", "")
+    if not length.isdigit():
+        return bytearray(answer.read())
+    body = bytearray(int(length))
+    view, got = memoryview(body), 0
+    while got < len(body):
+        read = answer.readinto(view[got:])
+        if not read:
+            raise _Retry(f"the answer to {what} ended after {got:,} of its {len(body):,} bytes (Content-Length)")
+        got += read
+    return body
 
 
 def _json(raw: bytes, path: str) -> Any:
@@ -130,20 +156,27 @@ def _message(body: bytes) -> str:
 
 @dataclass(frozen=True)
 class RowLogprobs:
-    """What a server gave for one row, at the positions asked (``positions``: indices into the tokens sent)."""
+    """What a server gave for one row, at the n positions asked (``positions``: indices into the tokens sent)."""
 
-    token: list[float]
-    """The given token's log-probability at each position."""
-    top_ids: list[list[int]]
-    """The k most likely token ids at each position, most likely first (empty lists when k is 0)."""
-    top_logprobs: list[list[float]]
+    token: torch.Tensor
+    """[n] float64: the given token's log-probability at each position."""
+    top_ids: torch.Tensor
+    """[n, k] int32: the k most likely token ids at each position, most likely first ([n, 0] when k is 0)."""
+    top_logprobs: torch.Tensor
+    """[n, k] float64: theirs."""
 
 
-def request_body(protocol: str, model: str, rows: list[list[int]], k: int) -> tuple[str, dict[str, Any]]:
-    """``(path, body)`` asking for each row's log-probabilities at every position, with the top ``k``."""
+def request_body(protocol: str, model: str, rows: list[list[int]], k: int, *, starts: list[int] | None = None,
+                 dtype: str | None = None) -> tuple[str, dict[str, Any]]:
+    """``(path, body)`` asking for each row's log-probabilities at every position, with the top ``k``; with
+    ``starts`` and ``dtype`` (our server's compact answer, ``protocol="vllm"`` only) from position ``starts[i]`` of
+    row i on, the values in ``dtype``."""
     if protocol == "vllm":
-        return "/v1/completions", {"model": model, "prompt": rows, "max_tokens": 1, "temperature": 0.0,
-                                   "prompt_logprobs": k, "return_token_ids": True}
+        body = {"model": model, "prompt": rows, "max_tokens": 1, "temperature": 0.0, "prompt_logprobs": k,
+                "return_token_ids": True}
+        if starts is not None:
+            body.update(prompt_logprobs_start=starts, prompt_logprobs_dtype=dtype, return_token_ids=False)
+        return "/v1/completions", body
     return "/generate", {"input_ids": rows, "sampling_params": {"max_new_tokens": 1, "temperature": 0.0},
                          "return_logprob": True, "logprob_start_len": 0, "top_logprobs_num": k,
                          "return_text_in_logprobs": False}
@@ -254,10 +287,7 @@ def _checked_row(name: str, entries: list[Any], reader: Any, sent: list[int], po
         if not given:
             raise ValueError(f"the teacher's response lacks the given token {sent[position]} in {where} (out of "
                              f"order, or not the tokens sent)")
-        for token, logprob, _ in found:
-            if not math.isfinite(logprob) or logprob > LOGPROB_SLACK:
-                raise ValueError(f"the teacher's response has {where} logprob {logprob!r} for token {token}: "
-                                 "expected a finite log-probability <= 0")
+        for token, _, _ in found:
             if token < 0 or (vocab_size is not None and token >= vocab_size):
                 raise ValueError(f"the teacher's response has token id {token} in {where}, outside the vocabulary "
                                  f"[0, {vocab_size})")
@@ -270,10 +300,16 @@ def _checked_row(name: str, entries: list[Any], reader: Any, sent: list[int], po
                 raise ValueError(f"the teacher's response has {len(ranked)} tokens in {where}, fewer than the top "
                                  f"{k} asked (vLLM: serve with --max-logprobs >= {k})")
             ranked = ranked[:k]
-            values = [entry[2] for _, entry in ranked]
-            if any(later > earlier + LOGPROB_SLACK for earlier, later in zip(values, values[1:])):
-                raise ValueError(f"the teacher's response has {where}'s top {k} out of order (ranks against "
-                                 "log-probabilities)")
             top_ids.append([token for token, _ in ranked])
-            top_lp.append(values)
-    return RowLogprobs(token_lp, top_ids, top_lp)
+            top_lp.append([entry[2] for _, entry in ranked])
+    answer = RowLogprobs(torch.tensor(token_lp, dtype=torch.float64),
+                         torch.tensor(top_ids, dtype=torch.int32).reshape(len(positions), k),
+                         torch.tensor(top_lp, dtype=torch.float64).reshape(len(positions), k))
+
+    def where(index: int) -> str:
+        return f"{name}[{positions[index]}]"
+
+    check_logprobs(answer.token, where)
+    check_logprobs(answer.top_logprobs, where)
+    check_top_order(answer.top_logprobs, where)  # the ranks' order is the log-probabilities'
+    return answer

@@ -10,6 +10,7 @@ it must fit one batch), and ``max_queue`` (requests waiting).
 
 from __future__ import annotations
 
+import inspect
 import queue
 import threading
 from concurrent.futures import Future
@@ -52,19 +53,27 @@ class LimitExceeded(ValueError):
 
 @dataclass
 class RowScores:
-    """One row's answer: at each position t >= 1, the log-probability of token t and the top k (ids, values, the
-    given token's rank)."""
+    """One row's answer at its n positions ``start``..L-1: at each position t the log-probability of token t (given
+    tokens 0..t-1) and the top k (ids, values), and the given token's rank when asked."""
 
-    token_logprobs: list[float]
-    top_ids: list[list[int]]
-    top_logprobs: list[list[float]]
-    ranks: list[int]
+    start: int
+    token_logprobs: torch.Tensor
+    """[n] float32."""
+    top_ids: torch.Tensor
+    """[n, k] int64, most likely first."""
+    top_logprobs: torch.Tensor
+    """[n, k] float32."""
+    ranks: torch.Tensor | None
+    """[n] int64 (1: the most likely), or ``None`` when not asked (the compact answer sends none)."""
 
 
 @dataclass
 class Job:
     rows: list[list[int]]
     k: int
+    starts: list[int]
+    """Per row, the first position answered (>= 1)."""
+    ranks: bool
     future: Future = field(default_factory=Future)
 
     @property
@@ -78,6 +87,8 @@ class TeacherEngine:
     def __init__(self, model: torch.nn.Module, limits: EngineLimits, *, vocab_size: int):
         self.model, self.limits, self.vocab_size = model.eval(), limits, vocab_size
         self.device = next(model.parameters()).device
+        self.keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
+        """Whether the model computes the LM head over the positions asked only (transformers' ``logits_to_keep``)."""
         self.jobs: queue.Queue[Job | None] = queue.Queue(maxsize=limits.max_queue)
         self.batches = 0
         """Teacher forwards run so far (a batch may hold several requests)."""
@@ -104,9 +115,11 @@ class TeacherEngine:
                                 f"token positions, over max_batch_tokens {limits.max_batch_tokens} (send fewer rows "
                                 "a request, or serve with a larger --max-batch-tokens)", "max_batch_tokens", 413)
 
-    def submit(self, rows: list[list[int]], k: int) -> Future:
+    def submit(self, rows: list[list[int]], k: int, starts: list[int] | None = None, ranks: bool = True) -> Future:
+        """Queue ``rows``' scoring: from position ``starts[i]`` of row i (``None``: every position from 1) with the
+        top ``k``, and the given tokens' ranks if ``ranks``."""
         self.check(rows, k)
-        job = Job(rows, k)
+        job = Job(rows, k, [1] * len(rows) if starts is None else starts, ranks)
         try:
             self.jobs.put_nowait(job)
         except queue.Full:
@@ -140,7 +153,8 @@ class TeacherEngine:
                     break
                 batch.append(nxt)
             try:
-                answers = self.score([row for job in batch for row in job.rows], max(job.k for job in batch))
+                answers = self.score([row for job in batch for row in job.rows], max(job.k for job in batch),
+                                     [start for job in batch for start in job.starts], any(j.ranks for j in batch))
             except Exception as error:  # noqa: BLE001 - every waiting request hears why
                 for job in batch:
                     job.future.set_exception(error)
@@ -156,10 +170,13 @@ class TeacherEngine:
         return sum(len(job.rows) for job in jobs) * max(len(row) for job in jobs for row in job.rows)
 
     @torch.no_grad()
-    def score(self, rows: list[list[int]], k: int) -> list[RowScores]:
+    def score(self, rows: list[list[int]], k: int, starts: list[int] | None = None,
+              ranks: bool = True) -> list[RowScores]:
         """One forward over ``rows`` (right-padded; positions from each row's first token, as the in-process
-        teacher numbers them), then per row the log-probabilities in float32."""
+        teacher numbers them), the LM head over the positions asked only where the model allows, then per row the
+        log-probabilities from ``starts[i]`` on (``None``: from 1) in float32."""
         self.batches += 1
+        starts = [1] * len(rows) if starts is None else starts
         width = max(len(row) for row in rows)
         ids = torch.zeros((len(rows), width), dtype=torch.long)
         mask = torch.zeros((len(rows), width), dtype=torch.long)
@@ -167,22 +184,24 @@ class TeacherEngine:
             ids[index, :len(row)] = torch.tensor(row)
             mask[index, :len(row)] = 1
         ids, mask = ids.to(self.device), mask.to(self.device)
-        logits = self.model(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask)).logits
+        # logits at column c predict token c + 1: the columns from the earliest start - 1 to the last but one
+        first = max(0, min(min(starts) - 1, width - 2)) if self.keeps_logits else 0
+        keep = {"logits_to_keep": torch.arange(first, width - 1, device=self.device)} if first > 0 else {}
+        logits = self.model(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask), **keep).logits
         answers = []
-        for index, row in enumerate(rows):
-            logp = F.log_softmax(logits[index, :len(row) - 1].float(), dim=-1)  # [L - 1, V]: predicts tokens 1..
-            given = ids[index, 1:len(row)].unsqueeze(-1)
-            token = logp.gather(-1, given)  # [L - 1, 1]
-            ranks = (logp > token).sum(-1) + 1
+        for index, (row, start) in enumerate(zip(rows, starts)):
+            logp = F.log_softmax(logits[index, start - 1 - first:len(row) - 1 - first].float(), dim=-1)  # [n, V]
+            given = ids[index, start:len(row)].unsqueeze(-1)
+            token = logp.gather(-1, given)  # [n, 1]
             top = torch.topk(logp, min(k, logp.shape[-1]), dim=-1)
-            answers.append(RowScores(token.squeeze(-1).tolist(), top.indices.tolist(), top.values.tolist(),
-                                     ranks.tolist()))
+            answers.append(RowScores(start, token.squeeze(-1), top.indices, top.values,
+                                     (logp > token).sum(-1) + 1 if ranks else None))
         return answers
 
 
 def _top(answer: RowScores, k: int) -> RowScores:
     """A batch computes the largest k any of its requests asked for; each request gets its own k."""
-    if all(len(ids) == k for ids in answer.top_ids):
+    if answer.top_ids.shape[-1] == k:
         return answer
-    return RowScores(answer.token_logprobs, [ids[:k] for ids in answer.top_ids],
-                     [values[:k] for values in answer.top_logprobs], answer.ranks)
+    return RowScores(answer.start, answer.token_logprobs, answer.top_ids[:, :k], answer.top_logprobs[:, :k],
+                     answer.ranks)

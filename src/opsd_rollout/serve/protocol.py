@@ -3,8 +3,9 @@ request with token-id prompts and ``prompt_logprobs``, its response, the model l
 error body (``{"error": {"message", "type", "param", "code"}}``). Field names and shapes follow vLLM's
 ``vllm/entrypoints/openai/completion/protocol.py`` and ``engine/protocol.py`` (read at commit 002032ee of its main
 branch), so vLLM's clients read ours and ours reads vLLM's; fields a teacher does not use are accepted and
-ignored, as vLLM ignores unknown ones. The response's per-position entries are written as plain data (``app.py``);
-``CompletionResponse`` is their schema, which a test validates an answer against."""
+ignored, as vLLM ignores unknown ones; the few of our own are marked "Ours". The response's per-position entries
+are written as plain data (``app.py``); ``CompletionResponse`` is their schema, which a test validates an answer
+against. The compact answer our client may ask for instead is ``opsd_rollout.compact_answer``'s."""
 
 from __future__ import annotations
 
@@ -37,6 +38,11 @@ class CompletionRequest(Lenient):
     stream: bool = False
     echo: bool = False
     return_token_ids: bool | None = None
+    prompt_logprobs_start: list[Annotated[int, Field(ge=1)]] | None = None
+    """Ours, read with the compact answer only: per prompt, the first position answered (the response's first
+    token); ``None``: every position from 1."""
+    prompt_logprobs_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Ours, read with the compact answer only: the dtype of the log-probabilities sent (the client's cache's)."""
 
     def rows(self) -> list[list[int]]:
         return [self.prompt] if isinstance(self.prompt[0], int) else self.prompt
@@ -84,6 +90,9 @@ class ModelCard(BaseModel):
     """Ours, not vLLM's: the vocabulary a client compares with its student's."""
     max_logprobs: int | None = None
     """Ours: the largest ``prompt_logprobs`` served (vLLM's ``--max-logprobs``)."""
+    compact_answer_version: int | None = None
+    """Ours: the version of the compact answer this server gives when asked (``opsd_rollout.compact_answer``); ``None``:
+    vLLM's JSON only. Our client asks for the compact answer only where this says it may."""
 
 
 class ModelList(BaseModel):

@@ -47,6 +47,9 @@ class ServeConfig:
     seed: int | None = None
     """A preset's weights are drawn from this seed (``None``: the preset's own), as ``load_model`` does."""
     limits: EngineLimits = field(default_factory=EngineLimits)
+    compact_answers: bool = True
+    """Give our client the compact answer it asks for (the response positions only, packed arrays:
+    ``opsd_rollout.compact_answer``); ``False``: vLLM's JSON to every client, as a vLLM server answers."""
 
     def __post_init__(self) -> None:
         checks.integer("port", self.port, minimum=0)
@@ -54,6 +57,7 @@ class ServeConfig:
             raise ValueError(f"host must be an address to bind (127.0.0.1, 0.0.0.0); got {self.host!r}")
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must be a non-empty string or None")
+        checks.boolean("compact_answers", self.compact_answers)
 
     @property
     def name(self) -> str:
@@ -74,7 +78,8 @@ class TeacherServer:
             limits = EngineLimits(max_batch_tokens=limits.max_batch_tokens, max_queue=limits.max_queue,
                                   max_logprobs=limits.max_logprobs, max_model_len=positions)
         self.engine = TeacherEngine(model, limits, vocab_size=text_config(model.config).vocab_size)
-        self.app = build_app(self.engine, tokenizer, model_name=config.name, api_key=config.api_key)
+        self.app = build_app(self.engine, tokenizer, model_name=config.name, api_key=config.api_key,
+                             compact_answers=config.compact_answers)
         self.uvicorn = uvicorn.Server(uvicorn.Config(self.app, host=config.host, port=config.port,
                                                      log_level="warning", access_log=False, lifespan="off"))
         self.thread: threading.Thread | None = None
