@@ -178,7 +178,7 @@ def test_train_flags_set_the_train_config_fields_of_their_names():
     follow DeepSpeed's spelling."""
     from dataclasses import fields
 
-    from opsd_rollout.cli_train import FLAGS
+    from opsd_rollout.cli.train import FLAGS
     from opsd_rollout.train import TrainConfig
     from opsd_rollout.train.config import FLAT, SECTIONS
 

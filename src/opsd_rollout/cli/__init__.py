@@ -29,10 +29,10 @@ from opsd_rollout.bench.report import load_document
 from opsd_rollout.files import write_text_atomic
 from opsd_rollout.bench.tables import PhraseText
 from opsd_rollout.bench.scenarios import KernelsScenario, RolloutScenario, Scenario, StepScenario
-from opsd_rollout.cli_bench import add_bench_flags
-from opsd_rollout.cli_eval import add_eval_parser
-from opsd_rollout.cli_serve import add_serve_teacher_parser
-from opsd_rollout.cli_train import add_train_parser
+from opsd_rollout.cli.bench import add_bench_flags
+from opsd_rollout.cli.eval import add_eval_parser
+from opsd_rollout.cli.serve import add_serve_teacher_parser
+from opsd_rollout.cli.train import add_train_parser
 from opsd_rollout.presets import DEFAULT_MODEL, PRESETS
 
 

@@ -10,7 +10,7 @@ import shlex
 import sys
 from typing import Any
 
-from opsd_rollout.cli_bench import add_flag
+from opsd_rollout.cli.bench import add_flag
 
 LOSSES = ("forward_kl", "reverse_kl", "jsd", "sampled_reverse_kl")
 FLAGS: list[tuple[str, str, dict[str, Any]]] = [  # (flag, TrainConfig's flat name, argparse keywords)
