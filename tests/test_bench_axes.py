@@ -15,7 +15,8 @@ from opsd_rollout.bench.axes import ROLLOUT_AXES, engine_axes
 from opsd_rollout.bench.matrix import Matrix
 from opsd_rollout.bench.report import results_of
 from opsd_rollout.bench.scenarios import RolloutScenario, scenario_class
-from opsd_rollout.cli import load_result, main
+from opsd_rollout.cli import main
+from opsd_rollout.cli.bench import load_result
 from opsd_rollout.rollout import HybridEngineRolloutConfig
 from opsd_rollout.rollout.config import RolloutOptions
 

@@ -6,6 +6,7 @@ multiplying the configs of contenders they do not apply to. On llama-tiny, never
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 
@@ -13,7 +14,6 @@ import jsonschema
 import pytest
 import torch
 from deepspeed.runtime.rollout import HybridEngineRollout as DeepSpeedsRollout
-from rich.console import Console
 
 from opsd_rollout import HybridEngineRollout
 from opsd_rollout.bench.configfile import read_config_file, split_config
@@ -37,17 +37,12 @@ FORCED = "geometric:mean=3"
 @pytest.fixture(scope="module")
 def contenders_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("contenders") / "run.json"
-    console = io.StringIO()
-    import opsd_rollout.cli as cli
-
-    original = cli._console
-    cli._console = lambda: Console(file=console, width=80)
-    try:
+    printed = io.StringIO()
+    with pytest.MonkeyPatch.context() as env, contextlib.redirect_stdout(printed):
+        env.setenv("COLUMNS", "80")  # COLUMNS alone is put back: the environment DeepSpeed set up stays
         code = main(["bench", *SHAPE, "--strategies", "static,generate,deepspeed", "--interleave", "--iterations", "4",
                      "--length-models", FORCED, "--output", str(out)])
-    finally:
-        cli._console = original
-    return code, json.loads(out.read_text()), console.getvalue()
+    return code, json.loads(out.read_text()), printed.getvalue()
 
 
 def test_interleaved_contenders_report_each_ratio_to_the_baseline(contenders_run):

@@ -119,7 +119,7 @@ def test_local_rank_fills_in_the_environment_and_must_agree_with_it(monkeypatch,
 
 
 def test_local_rank_is_not_passed_on_when_nproc_relaunches():
-    from opsd_rollout.cli import _relaunch_argv
+    from opsd_rollout.cli.bench import _relaunch_argv
 
     assert _relaunch_argv(["--local_rank=0", "bench", "--nproc", "2", "--local-rank", "3", "--nproc=4",
                            "--zero-stages", "3"]) == ["bench", "--zero-stages", "3"]
@@ -275,7 +275,7 @@ def test_an_old_kernels_result_resumes_by_the_new_axis_names(tmp_path):
     import json
 
     from opsd_rollout.bench.report import SCHEMA_VERSION
-    from opsd_rollout.cli import load_result
+    from opsd_rollout.cli.bench import load_result
 
     path = tmp_path / "kernels.json"
     path.write_text(json.dumps({"schema_version": SCHEMA_VERSION, "kind": "kernels", "matrix": {
