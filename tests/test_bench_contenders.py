@@ -20,7 +20,7 @@ from opsd_rollout.bench.configfile import read_config_file, split_config
 from opsd_rollout.bench.contenders import knob_notes, set_baselines
 from opsd_rollout.bench.matrix import Matrix
 from opsd_rollout.bench.prompts import rollout_inputs
-from opsd_rollout.bench.report import load_document, load_schema, results_of
+from opsd_rollout.bench.report import load_schema, results_of
 from opsd_rollout.bench.engines import EnginePool
 from opsd_rollout.bench.runner import BenchRunner
 from opsd_rollout.bench.scenarios import RolloutConfig, RolloutScenario, RolloutSettings
@@ -224,22 +224,6 @@ def test_knob_axes_read_from_flags_and_config_files(tmp_path, capsys):
 def test_what_cannot_be_compared_is_refused_up_front(capsys, argv, message):
     assert main(["bench", "--model", "llama-tiny", "--dry-run", *argv]) == 2
     assert message in capsys.readouterr().err
-
-
-def test_a_version_3_file_loads_with_its_keys_and_lengths(tmp_path):
-    config = {"batch_size": 1, "samples_per_prompt": 1, "prompt_length": 8, "response_length": 4, "dtype": "fp32",
-              "decoding": "greedy", "zero_stage": 0, "strategy": "static", "cache_policy": "retain",
-              "forward_timing": True, "lengths": "geometric:mean=3", "compile_decode": False}
-    key = "B1-n1-P8-R4-fp32-greedy-zero0-static-retain-fwdon-lengeometric:mean=3"
-    path = tmp_path / "v3.json"
-    path.write_text(json.dumps({"schema_version": 3, "kind": "rollout", "environment": None, "settings": {},
-                                "matrix": {"length_models": ["geometric:mean=3"]}, "run_order": [key],
-                                "results": [{"key": key, "config": config, "status": "pending"}]}))
-    document = load_document(path)
-    assert document["matrix"]["length_models"] == ["geometric:mean=3"]
-    (result,) = results_of(document, RolloutConfig)
-    assert result.config.key == key and result.config.compact_rows is True and result.baseline is None
-    assert Matrix.parse(RolloutScenario, document["matrix"])["compaction"] == [True]
 
 
 def test_the_step_deepspeed_contender_runs_on_a_tiny_pair(tmp_path):

@@ -269,15 +269,3 @@ def test_every_setting_flag_is_a_config_key_by_its_name():
             if action.dest in axes or action.dest not in scenario.settings_type.__dataclass_fields__:
                 continue  # an axis (keyed by its name), or not a setting (output, ranks, --config)
             assert split_config({key: "x"}, scenario) == ({}, {action.dest: "x"}), (command, option)
-
-
-def test_an_old_kernels_result_resumes_by_the_new_axis_names(tmp_path):
-    import json
-
-    from opsd_rollout.bench.report import SCHEMA_VERSION
-    from opsd_rollout.cli.bench import load_result
-
-    path = tmp_path / "kernels.json"
-    path.write_text(json.dumps({"schema_version": SCHEMA_VERSION, "kind": "kernels", "matrix": {
-        "kernels": ["sampling"], "top_k": [50], "top_p": [0.95]}, "settings": {}, "results": []}))
-    assert load_result(str(path))["matrix"] == {"kernels": ["sampling"], "top_ks": [50], "top_ps": [0.95]}

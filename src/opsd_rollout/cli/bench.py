@@ -16,7 +16,7 @@ from typing import Any
 
 from opsd_rollout import checks
 from opsd_rollout.bench.axes import byte_size
-from opsd_rollout.bench.configfile import RENAMED, current_names, read_config_file, renamed_note, split_config
+from opsd_rollout.bench.configfile import RENAMED, read_config_file, renamed_note, split_config
 from opsd_rollout.bench.matrix import Matrix
 from opsd_rollout.bench.report import load_document
 from opsd_rollout.bench.scenarios import KernelsScenario, RolloutScenario, Scenario, StepScenario
@@ -243,25 +243,19 @@ def _relaunch_argv(argv: Sequence[str]) -> list[str]:
     return out
 
 
-def load_result(path: str) -> dict[str, Any]:
-    """A result file, read (``load_document``), its matrix by today's axis names (``configfile.RENAMED``)."""
-    document = load_document(path)
-    return {**document, "matrix": current_names(document.get("matrix") or {}, document.get("kind"))}
-
-
 def _estimate_source(args: argparse.Namespace, existing: dict[str, Any] | None,
                      scenario: type[Scenario]) -> tuple[dict[str, Any] | None, str | None]:
     """The previous result a dry run estimates from, and its path: ``--estimate-from``, else the
     ``--resume-results`` file, else the last run's result at ``--output`` (where ``make bench`` writes) when it
     holds this kind of benchmark; an unreadable file there is no estimate, not an error."""
     if args.estimate_from:
-        return load_result(args.estimate_from), args.estimate_from
+        return load_document(args.estimate_from), args.estimate_from
     if existing is not None:
         return existing, args.resume_results
     if not args.output or not os.path.isfile(args.output):
         return None, None
     try:
-        document = load_result(args.output)
+        document = load_document(args.output)
     except ValueError:
         return None, None
     return (document, args.output) if document.get("kind") == scenario.kind else (None, None)
@@ -272,7 +266,7 @@ def run_matrix(args: argparse.Namespace, scenario: type[Scenario]) -> int:
     out = console()
     existing = None
     if args.resume_results:
-        existing = load_result(args.resume_results)
+        existing = load_document(args.resume_results)
         if existing["kind"] != scenario.kind:
             raise ValueError(f"--resume-results {args.resume_results!r} holds a {existing['kind']} benchmark; "
                              f"resume it with `opsd-rollout {SUBCOMMANDS.get(existing['kind'], 'bench')}`")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from opsd_rollout.cli.bench import load_result
+from opsd_rollout.bench.report import load_document
 from opsd_rollout.cli.common import console
 from opsd_rollout.files import write_text_atomic
 
@@ -18,7 +18,7 @@ def run_compare(args: argparse.Namespace) -> int:
     if args.threshold < 0:
         raise ValueError(f"--threshold must be >= 0 (percent); got {args.threshold}")
     ignore = tuple(a.strip() for a in args.ignore_axes.split(",") if a.strip()) if args.ignore_axes else ()
-    comparison = compare_documents(load_result(args.before), load_result(args.after),
+    comparison = compare_documents(load_document(args.before), load_document(args.after),
                                    threshold_pct=args.threshold, ignore=ignore, allow_disturbed=args.allow_disturbed)
     out = console()
     if comparison.changes:
