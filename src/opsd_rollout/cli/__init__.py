@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 import warnings
 from collections.abc import Sequence
@@ -56,9 +55,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     args.argv, args.verbose = argv, getattr(args, "verbose", False)
-    if int(os.environ.get("RANK", "0")) == 0:  # an old spelling, said once (not by every rank of --nproc)
-        for note in getattr(args, "renamed", []):
-            print(note, file=sys.stderr)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s")
     show_accelerator_fallback(args.verbose)
     if shares_cores(args.command, sys.modules):

@@ -1,7 +1,6 @@
 """The benchmark subcommands (``bench``, ``step``, ``kernels``): one flag per matrix axis, then the scenario's
 settings, mapped onto the scenario's dataclasses; a run on one rank or relaunched on several, a dry run, a resumed
-run. Also every subcommand's renamed flags: the old spelling still works, with a line naming the new
-(``add_flag``). Light: no torch at import; the runner loads when a run starts."""
+run. Light: no torch at import; the runner loads when a run starts."""
 
 from __future__ import annotations
 
@@ -16,7 +15,7 @@ from typing import Any
 
 from opsd_rollout import checks
 from opsd_rollout.bench.axes import byte_size
-from opsd_rollout.bench.configfile import RENAMED, read_config_file, renamed_note, split_config
+from opsd_rollout.bench.configfile import read_config_file, split_config
 from opsd_rollout.bench.matrix import Matrix
 from opsd_rollout.bench.report import load_document
 from opsd_rollout.bench.scenarios import KernelsScenario, RolloutScenario, Scenario, StepScenario
@@ -73,43 +72,13 @@ def _bytes(text: str) -> int:
                                          f"(bytes), got {text!r}") from None
 
 
-class Renamed(argparse.Action):
-    """A flag's old spelling: sets what the new one sets, and keeps the line naming the new one in ``renamed``,
-    which ``main`` prints before any work (the same line on every subcommand)."""
-
-    def __init__(self, option_strings: list[str], dest: str, *, new: str, **kwargs: Any):
-        super().__init__(option_strings, dest, **kwargs)
-        self.new = new
-
-    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
-                 option_string: str | None = None) -> None:
-        setattr(namespace, self.dest, values)
-        namespace.renamed = [*getattr(namespace, "renamed", []),
-                             renamed_note(f"{option_string} {values}", f"{self.new} {values}")]
-
-
-def add_flag(group: Any, flag: str, *, formerly: str | None = None, **kwargs: Any) -> argparse.Action:
-    """``group.add_argument(flag, **kwargs)``, and ``formerly``, its old spelling, hidden from ``--help``."""
-    action = group.add_argument(flag, **kwargs)
-    if formerly:
-        group.add_argument(formerly, dest=action.dest, type=action.type, choices=action.choices,
-                           metavar=action.metavar, default=argparse.SUPPRESS, help=argparse.SUPPRESS, action=Renamed,
-                           new=flag)
-    return action
-
-
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
-
-
 def add_bench_flags(bench: argparse.ArgumentParser, scenario: type[Scenario]) -> None:
-    formerly = {new: _flag(old) for old, new in RENAMED.get(scenario.kind, {}).items()}
     axes = bench.add_argument_group("matrix axes (comma lists; override --config)")
     for axis in scenario.axes:
         default = ",".join(map(axis.text, scenario.defaults[axis.name]))
         said = "(default)" in axis.help  # the help names its default already
-        add_flag(axes, axis.flag, formerly=formerly.get(axis.name), dest=axis.name, metavar="LIST",
-                 help=axis.help if said else f"{axis.help} (default {default})")
+        axes.add_argument(axis.flag, dest=axis.name, metavar="LIST",
+                          help=axis.help if said else f"{axis.help} (default {default})")
     defaults = scenario.settings_type()
     runs = bench.add_argument_group("settings (override --config)")
     runs.add_argument("--config", metavar="FILE", help="TOML, JSON or YAML file with axes and settings")
@@ -139,7 +108,7 @@ def add_bench_flags(bench: argparse.ArgumentParser, scenario: type[Scenario]) ->
                           f"directory (default {defaults.model})")
     _add_measuring_flags(runs, defaults)
     if scenario is not KernelsScenario:  # its sampling knobs are axes; it makes no prompts
-        _add_workload_flags(runs, defaults, formerly)
+        _add_workload_flags(runs, defaults)
     _add_output_flags(bench, scenario)
 
 
@@ -167,10 +136,10 @@ def _add_measuring_flags(runs: argparse._ArgumentGroup, defaults: Any) -> None:
     runs.add_argument("--seed", type=int, help=f"seed for prompts and sampling (default {defaults.seed})")
 
 
-def _add_workload_flags(runs: argparse._ArgumentGroup, defaults: Any, formerly: dict[str, str]) -> None:
+def _add_workload_flags(runs: argparse._ArgumentGroup, defaults: Any) -> None:
     # the setting is `prompts` (result files' name); `--prompts` is train's prompt file
-    add_flag(runs, "--prompt-kind", formerly=formerly.get("prompt_kind"), dest="prompts", choices=PROMPT_KINDS,
-             help="synthetic: exact-length prompts (default); variable: left-padded prompts of varying length")
+    runs.add_argument("--prompt-kind", dest="prompts", choices=PROMPT_KINDS, help="synthetic: exact-length prompts "
+                      "(default); variable: left-padded prompts of varying length")
     runs.add_argument("--pad-fraction", type=float, help=f"mean padding fraction with --prompt-kind variable "
                       f"(default {defaults.pad_fraction})")
     runs.add_argument("--temperature", type=float, help=f"sampling temperature (default {defaults.temperature})")
@@ -189,9 +158,9 @@ def _add_output_flags(bench: argparse.ArgumentParser, scenario: type[Scenario]) 
                      help="result JSON, rewritten atomically after every config (default %(default)s)")
     out.add_argument("--plot", metavar="DIR", help="write stages.png, throughput.png and latency.png here")
     out.add_argument("--trace", metavar="FILE", help="Chrome/Perfetto trace of one measured iteration per config")
-    add_flag(out, "--resume-results", formerly="--resume", metavar="FILE", help="finish an interrupted run from "
-             "its result FILE: runs only the configs FILE lacks (or that failed), with FILE's own matrix and "
-             "settings, and writes back to FILE")
+    out.add_argument("--resume-results", metavar="FILE", help="finish an interrupted run from its result FILE: runs "
+                     "only the configs FILE lacks (or that failed), with FILE's own matrix and settings, and writes "
+                     "back to FILE")
     out.add_argument("--dry-run", action="store_true", help="print the expanded matrix, its run order, the warm-up "
                      "and iterations, and an estimated duration; run nothing")
     out.add_argument("--estimate-from", metavar="FILE", help="with --dry-run: a previous result of these configs, "
