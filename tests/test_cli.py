@@ -195,6 +195,16 @@ def test_train_flags_set_the_train_config_fields_of_their_names():
         assert leaf == dest or named_otherwise[dest] == FLAT[dest], flag
 
 
+@pytest.mark.parametrize("argv,prefix", [(["bench", "--resume", "r.json"], "--resume"),
+                                         (["kernels", "--top-k", "5,50"], "--top-k"),
+                                         (["step", "--loss", "jsd"], "--loss")])
+def test_a_flag_is_taken_only_as_spelled_in_full(argv, prefix, capsys):
+    """A unique prefix of a flag (``--resume`` of ``--resume-results``) is no spelling of it."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2 and f"unrecognized arguments: {prefix}" in capsys.readouterr().err
+
+
 def test_config_files_take_the_flags_names(tmp_path, capsys):
     from opsd_rollout.bench.configfile import read_config_file, split_config
     from opsd_rollout.bench.scenarios import KernelsScenario, RolloutScenario, StepScenario

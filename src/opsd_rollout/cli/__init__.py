@@ -28,9 +28,18 @@ from opsd_rollout.cli.train import add_train_parser
 from opsd_rollout.cores import share_cores_politely
 
 
+class FullFlags(argparse.ArgumentParser):
+    """A parser that takes a flag only as spelled in full (its subcommands' parsers are of its class). argparse
+    would take any unique prefix (``--resume`` for ``--resume-results``): spellings nobody chose, which change
+    meaning or stop working when a flag is added."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **{"allow_abbrev": False, **kwargs})
+
+
 def build_parser() -> argparse.ArgumentParser:
     common = common_flags()
-    parser = argparse.ArgumentParser(prog="opsd-rollout", parents=[common], description=(
+    parser = FullFlags(prog="opsd-rollout", parents=[common], description=(
         "Profiled, fast rollouts for on-policy (self-)distillation on DeepSpeed."))
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
