@@ -37,8 +37,8 @@ def document(results: dict[str, list[float]], kind: str = "rollout") -> dict:
         key = (f"B{c['batch_size']}-n1-P8-R4-fp32-greedy-zero0-static-retain-fwdon")
         rows.append({"key": key, "config": c, "status": "ok", "error": None, "derived": {}, "warnings": [],
                      "iterations": [{"total_ms": t, "peak_memory_bytes": 2**30} for t in times]})
-    return {"schema_version": SCHEMA_VERSION, "kind": kind, "environment": {}, "matrix": {}, "settings": {}, "run_order": [],
-            "results": rows}
+    return {"schema_version": SCHEMA_VERSION, "kind": kind, "environment": {}, "matrix": {}, "settings": {},
+            "run_order": [], "results": rows}
 
 
 # ---- the test itself -----------------------------------------------------------------------------------------

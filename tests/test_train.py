@@ -114,7 +114,7 @@ def test_the_flags_names_land_in_their_sections():
         flat_config(output_dir="o", teacher="t", top_p=0)
 
 
-def test_a_saved_config_loads_back_and_an_old_flat_one_is_upgraded(tmp_path, caplog):
+def test_a_saved_config_loads_back_and_an_old_flat_one_is_refused(tmp_path):
     from opsd_rollout.rollout import HybridEngineRolloutConfig
     from opsd_rollout.train import load_train_config
 
@@ -124,17 +124,15 @@ def test_a_saved_config_loads_back_and_an_old_flat_one_is_upgraded(tmp_path, cap
     path = tmp_path / "train_config.json"
     path.write_text(json.dumps(config.to_dict()))
     assert load_train_config(path) == config
-    old = {"output_dir": "o", "student": "llama-tiny", "teacher": "qwen2-tiny", "prompts": None, "objective": "opsd",
-           "deepspeed": None, "zero_stage": 0, "lr": 0.002, "gradient_accumulation_steps": 1, "steps": 100,
-           "prompts_per_micro_batch": 8, "samples_per_prompt": 1, "max_new_tokens": 32, "max_prompt_tokens": None,
-           "temperature": 1.0, "top_k": 0, "top_p": 1.0, "lmbda": 1.0, "off_policy": "auto", "loss": "jsd",
-           "beta": 0.5, "estimator": "k1", "teacher_cache": "topk", "teacher_top_k": 8, "teacher_zero_stage": 0,
-           "seed": 0, "eval_every": 10, "eval_prompts": 64, "save_every": None, "resume": None, "progress": True}
-    path.write_text(json.dumps(old))  # every field of the flat TrainConfig before the sections
-    with caplog.at_level("WARNING"):
-        upgraded = load_train_config(path)
-    assert upgraded == dataclasses.replace(config, rollout=HybridEngineRolloutConfig(enable_profiling=True))
-    assert "a flat train config of an older release" in caplog.text and "lr -> optimization.lr" in caplog.text
+    old = {"output_dir": "o", "student": "llama-tiny", "teacher": "qwen2-tiny", "zero_stage": 0, "lr": 0.002,
+           "steps": 100, "teacher_cache": "topk", "teacher_top_k": 8, "seed": 0}
+    path.write_text(json.dumps(old))  # fields of the flat TrainConfig before the sections
+    with pytest.raises(ValueError) as refused:
+        load_train_config(path)
+    assert str(refused.value) == (
+        "a flat train config of an older release: this release keeps zero_stage in optimization.zero_stage, lr in "
+        "optimization.lr, teacher_cache in teacher_cache.mode, teacher_top_k in teacher_cache.top_k; move each into "
+        "its section, or start a new run")
 
 
 # ---- the loop -----------------------------------------------------------------------------------------------------

@@ -6,13 +6,12 @@ takes), the student's rollout engine ``HybridEngineRolloutConfig``, the loss ``D
 logit cache ``TeacherCacheConfig``, the optimisation (DeepSpeed config, ZeRO stage, learning rate,
 accumulation) ``OptimizationConfig`` beside the code that builds the engine, and the student's LoRA adapters
 ``AdapterConfig``. ``TrainConfig.from_flat`` takes the
-command line's flat names, which are also the keys of a ``train_config.json`` written before the sections existed.
+command line's flat names.
 """
 
 from __future__ import annotations
 
 import json
-import logging
 from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
@@ -31,8 +30,6 @@ from opsd_rollout.train.eval_file import TaskEvalConfig
 from opsd_rollout.train.lora import AdapterConfig
 from opsd_rollout.train.preflight import NAME, UNNAMED, check_teacher_given
 from opsd_rollout.train.setup import OptimizationConfig
-
-logger = logging.getLogger(__name__)
 
 OBJECTIVES = ("opsd", "sft")
 OFF_POLICY = ("auto", "references", "teacher")
@@ -54,8 +51,8 @@ FLAT = {
     "eval_max_new_tokens": "task_eval.max_new_tokens",
     "lora_rank": "lora.rank", "lora_alpha": "lora.alpha", "lora_targets": "lora.targets", "merge_lora": "lora.merge",
 }
-"""A flat name (a ``train`` flag's, a key of an older ``train_config.json``) -> the section field it sets; the
-names not listed are ``TrainConfig``'s own fields."""
+"""A flat name (a ``train`` flag's) -> the section field it sets; the names not listed are ``TrainConfig``'s own
+fields."""
 
 
 def _default_sampling() -> SamplingConfig:
@@ -236,8 +233,8 @@ class TrainConfig:
 
     @classmethod
     def from_flat(cls, values: dict[str, Any]) -> TrainConfig:
-        """A config from flat names (``FLAT``'s and the top-level fields'): the command line's flags, or an older
-        ``train_config.json``. A teacher cache's mode not given is the loss's default (as with ``None``)."""
+        """A config from flat names (``FLAT``'s and the top-level fields'): the command line's flags. A teacher
+        cache's mode not given is the loss's default (as with ``None``)."""
         unknown = sorted(set(values) - set(FLAT) - {f.name for f in fields(cls)})
         if unknown:
             raise ValueError(f"unknown train config field{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}; "
@@ -265,14 +262,14 @@ class TrainConfig:
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> TrainConfig:
-        """The config a ``train_config.json`` holds: sections as objects; a flat file of an older release is read
-        through ``from_flat``, with a line saying so."""
+        """The config a ``train_config.json`` holds: sections as objects. A flat file of an older release is
+        refused, not read."""
         values = dict(values)
-        if any(_flat(name, value) for name, value in values.items()):
-            logger.warning("a flat train config of an older release: read with its fields in their sections (%s)",
-                           ", ".join(f"{name} -> {FLAT[name]}" for name, value in values.items()
-                                     if _flat(name, value)))
-            return cls.from_flat(values)
+        flat = [name for name, value in values.items() if _flat(name, value)]
+        if flat:
+            raise ValueError("a flat train config of an older release: this release keeps "
+                             f"{', '.join(f'{name} in {FLAT[name]}' for name in flat)}; move each into its section, "
+                             "or start a new run")
         for name, kind in SECTIONS.items():
             if isinstance(values.get(name), dict):
                 values[name] = _from_json(kind, values[name])
@@ -363,5 +360,5 @@ def _check_served(config: TrainConfig) -> None:
 
 
 def load_train_config(path: str | Path) -> TrainConfig:
-    """A run's saved ``train_config.json``, of this release or an older (flat) one."""
+    """A run's saved ``train_config.json`` (a flat one, of an older release, is refused: ``from_dict``)."""
     return TrainConfig.from_dict(json.loads(Path(path).read_text()))
