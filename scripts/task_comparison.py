@@ -191,7 +191,7 @@ def run_arm(name: str, runs: Path, flags: list[str], threads: int, teacher: Path
             flags = [*flags, "--prompts", str(prompts), "--eval-data", str(eval_path), "--eval-scorer", "gsm8k"]
         if name != "sft":
             flags = [*flags, "--teacher", str(teacher)]
-        command = [sys.executable, "-m", "opsd_rollout.cli", "train", "--output-dir", str(out), *flags]
+        command = [sys.executable, "-m", "opsd_rollout", "train", "--output-dir", str(out), *flags]
         handle.write(" ".join(command) + "\n")
         handle.flush()
         start = time.perf_counter()

@@ -13,9 +13,9 @@ import pytest
 
 from opsd_rollout.bench.axes import ROLLOUT_AXES, engine_axes
 from opsd_rollout.bench.matrix import Matrix
-from opsd_rollout.bench.report import results_of
+from opsd_rollout.bench.report import load_document, results_of
 from opsd_rollout.bench.scenarios import RolloutScenario, scenario_class
-from opsd_rollout.cli import load_result, main
+from opsd_rollout.cli import main
 from opsd_rollout.rollout import HybridEngineRolloutConfig
 from opsd_rollout.rollout.config import RolloutOptions
 
@@ -78,7 +78,7 @@ def test_a_new_engine_option_becomes_an_axis_with_no_bench_edit():
 def test_every_committed_result_reads_as_compare_reads_it_with_its_keys():
     assert COMMITTED, "benchmarks/ holds result files"
     for path in COMMITTED:
-        document = load_result(str(path))
+        document = load_document(str(path))
         scenario = scenario_class(document["kind"])
         Matrix.parse(scenario, document["matrix"])  # --resume-results reads it the same way
         stored = [r["key"] for r in json.loads(path.read_text())["results"]]

@@ -6,6 +6,7 @@ multiplying the configs of contenders they do not apply to. On llama-tiny, never
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 
@@ -13,14 +14,13 @@ import jsonschema
 import pytest
 import torch
 from deepspeed.runtime.rollout import HybridEngineRollout as DeepSpeedsRollout
-from rich.console import Console
 
 from opsd_rollout import HybridEngineRollout
 from opsd_rollout.bench.configfile import read_config_file, split_config
 from opsd_rollout.bench.contenders import knob_notes, set_baselines
 from opsd_rollout.bench.matrix import Matrix
 from opsd_rollout.bench.prompts import rollout_inputs
-from opsd_rollout.bench.report import load_document, load_schema, results_of
+from opsd_rollout.bench.report import load_schema, results_of
 from opsd_rollout.bench.engines import EnginePool
 from opsd_rollout.bench.runner import BenchRunner
 from opsd_rollout.bench.scenarios import RolloutConfig, RolloutScenario, RolloutSettings
@@ -37,17 +37,12 @@ FORCED = "geometric:mean=3"
 @pytest.fixture(scope="module")
 def contenders_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("contenders") / "run.json"
-    console = io.StringIO()
-    import opsd_rollout.cli as cli
-
-    original = cli._console
-    cli._console = lambda: Console(file=console, width=80)
-    try:
+    printed = io.StringIO()
+    with pytest.MonkeyPatch.context() as env, contextlib.redirect_stdout(printed):
+        env.setenv("COLUMNS", "80")  # COLUMNS alone is put back: the environment DeepSpeed set up stays
         code = main(["bench", *SHAPE, "--strategies", "static,generate,deepspeed", "--interleave", "--iterations", "4",
                      "--length-models", FORCED, "--output", str(out)])
-    finally:
-        cli._console = original
-    return code, json.loads(out.read_text()), console.getvalue()
+    return code, json.loads(out.read_text()), printed.getvalue()
 
 
 def test_interleaved_contenders_report_each_ratio_to_the_baseline(contenders_run):
@@ -229,22 +224,6 @@ def test_knob_axes_read_from_flags_and_config_files(tmp_path, capsys):
 def test_what_cannot_be_compared_is_refused_up_front(capsys, argv, message):
     assert main(["bench", "--model", "llama-tiny", "--dry-run", *argv]) == 2
     assert message in capsys.readouterr().err
-
-
-def test_a_version_3_file_loads_with_its_keys_and_lengths(tmp_path):
-    config = {"batch_size": 1, "samples_per_prompt": 1, "prompt_length": 8, "response_length": 4, "dtype": "fp32",
-              "decoding": "greedy", "zero_stage": 0, "strategy": "static", "cache_policy": "retain",
-              "forward_timing": True, "lengths": "geometric:mean=3", "compile_decode": False}
-    key = "B1-n1-P8-R4-fp32-greedy-zero0-static-retain-fwdon-lengeometric:mean=3"
-    path = tmp_path / "v3.json"
-    path.write_text(json.dumps({"schema_version": 3, "kind": "rollout", "environment": None, "settings": {},
-                                "matrix": {"length_models": ["geometric:mean=3"]}, "run_order": [key],
-                                "results": [{"key": key, "config": config, "status": "pending"}]}))
-    document = load_document(path)
-    assert document["matrix"]["length_models"] == ["geometric:mean=3"]
-    (result,) = results_of(document, RolloutConfig)
-    assert result.config.key == key and result.config.compact_rows is True and result.baseline is None
-    assert Matrix.parse(RolloutScenario, document["matrix"])["compaction"] == [True]
 
 
 def test_the_step_deepspeed_contender_runs_on_a_tiny_pair(tmp_path):

@@ -180,21 +180,6 @@ def test_length_models_are_an_axis_whose_values_keep_their_own_commas():
         Matrix.parse(RolloutScenario, {"length_models": ["uniform"]})
 
 
-@pytest.mark.parametrize("fixed_length,lengths", [(True, "fixed"), (False, "natural")])
-def test_older_result_files_upgrade_to_the_lengths_axis(fixed_length, lengths):
-    from opsd_rollout.bench.report import SCHEMA_VERSION, upgrade
-
-    config = {"batch_size": 1, "samples_per_prompt": 1, "prompt_length": 8, "response_length": 4, "dtype": "fp32",
-              "decoding": "greedy", "zero_stage": 0, "strategy": "static", "cache_policy": "retain",
-              "forward_timing": True}
-    old = {"schema_version": 2, "kind": "rollout", "matrix": {"batch_sizes": [1]},
-           "settings": {"model": "llama-tiny", "fixed_length": fixed_length}, "results": [{"config": config}]}
-    new = upgrade(old)
-    assert new["schema_version"] == SCHEMA_VERSION and "fixed_length" not in new["settings"]
-    assert new["matrix"]["length_models"] == [lengths] and new["results"][0]["config"]["lengths"] == lengths
-    RolloutSettings(**new["settings"])
-
-
 def test_the_sampled_loss_pairs_with_the_sampled_cache_alone():
     """``sampled_reverse_kl`` reads the sampled cache whatever the cache axis says; the other losses never get it."""
     matrix = Matrix.parse(StepScenario, {"losses": ["jsd", "sampled_reverse_kl"], "teacher_caches": ["full", "sampled"],

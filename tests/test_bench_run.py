@@ -120,7 +120,7 @@ def test_dry_run_prints_the_matrix_and_its_order(capsys):
     (["--iterations", "0"], "iterations must be an int >= 1"),
     (["--model", "someone/model"], "never downloads"),
     (["--config", "missing.toml"], "cannot read it"),
-    (["--resume", "missing.json"], "does not exist"),
+    (["--resume-results", "missing.json"], "does not exist"),
 ])
 def test_bad_bench_input_is_one_clear_message(capsys, argv, message):
     assert main(["bench", "--model", "llama-tiny", "--dry-run", *argv]) == 2
@@ -189,7 +189,7 @@ def test_an_interrupted_run_leaves_valid_json_that_resume_completes(tmp_path):
     jsonschema.validate(document, load_schema())
     statuses = [r["status"] for r in document["results"]]
     assert "ok" in statuses and "pending" in statuses, statuses
-    assert main(["bench", "--resume", str(output)]) == 0
+    assert main(["bench", "--resume-results", str(output)]) == 0
     resumed = json.loads(output.read_text())
     assert [r["status"] for r in resumed["results"]] == ["ok", "ok", "ok"]
     finished_first = [r for r, s in zip(document["results"], statuses) if s == "ok"]
@@ -201,8 +201,8 @@ def test_an_interrupted_run_leaves_valid_json_that_resume_completes(tmp_path):
 @pytest.mark.slow
 def test_step_benchmark_end_to_end(tmp_path, capsys):
     out = tmp_path / "step.json"
-    assert main(["step", "--student", "llama-tiny", "--teacher", "qwen2-tiny", "--loss", "jsd,forward_kl",
-                 "--beta", "0.5", "--teacher-caches", "full,top8", "--zero-stages", "0", "--batch-sizes", "1",
+    assert main(["step", "--student", "llama-tiny", "--teacher", "qwen2-tiny", "--losses", "jsd,forward_kl",
+                 "--betas", "0.5", "--teacher-caches", "full,top8", "--zero-stages", "0", "--batch-sizes", "1",
                  "--samples-per-prompt", "2", "--prompt-lengths", "8", "--response-lengths", "6", "--warmup", "0",
                  "--iterations", "2", "--output", str(out), "--plot", str(tmp_path / "plots"),
                  "--trace", str(tmp_path / "trace.json")]) == 0

@@ -84,11 +84,9 @@ def test_every_documented_command_matches_the_parser():
     parser = build_parser()
     for argv in commands:
         try:
-            args = parser.parse_args(argv)
+            parser.parse_args(argv)
         except SystemExit as error:  # --help and --version exit 0; a bad flag exits 2
             assert error.code == 0, f"documented command does not parse: opsd-rollout {' '.join(argv)}"
-        else:
-            assert not getattr(args, "renamed", []), f"documented with an old spelling: {args.renamed}"
 
 
 @pytest.mark.parametrize("argv,local_rank", [
@@ -119,7 +117,7 @@ def test_local_rank_fills_in_the_environment_and_must_agree_with_it(monkeypatch,
 
 
 def test_local_rank_is_not_passed_on_when_nproc_relaunches():
-    from opsd_rollout.cli import _relaunch_argv
+    from opsd_rollout.cli.bench import _relaunch_argv
 
     assert _relaunch_argv(["--local_rank=0", "bench", "--nproc", "2", "--local-rank", "3", "--nproc=4",
                            "--zero-stages", "3"]) == ["bench", "--zero-stages", "3"]
@@ -146,7 +144,7 @@ def test_the_documented_launcher_commands_parse_as_the_launcher_runs_them():
 # ---- one name, one meaning ------------------------------------------------------------------------------------------
 
 def visible_flags() -> dict[str, dict[str, object]]:
-    """Each subcommand's flags as ``--help`` shows them (old spellings are hidden) -> their action."""
+    """Each subcommand's flags as ``--help`` shows them (the launcher's ``--local_rank`` is hidden) -> their action."""
     import argparse
 
     from opsd_rollout.cli import build_parser
@@ -178,7 +176,7 @@ def test_train_flags_set_the_train_config_fields_of_their_names():
     follow DeepSpeed's spelling."""
     from dataclasses import fields
 
-    from opsd_rollout.cli_train import FLAGS
+    from opsd_rollout.cli.train import FLAGS
     from opsd_rollout.train import TrainConfig
     from opsd_rollout.train.config import FLAT, SECTIONS
     from opsd_rollout.train.teacher_spec import FLAGS as TEACHER_FLAGS
@@ -203,42 +201,17 @@ def test_train_flags_set_the_train_config_fields_of_their_names():
         assert leaf == dest or named_otherwise[dest] == FLAT[dest], flag
 
 
-@pytest.mark.parametrize("argv,old,new", [
-    (["bench", "--prompts", "variable"], "--prompts variable", "--prompt-kind variable"),
-    (["step", "--prompts", "variable"], "--prompts variable", "--prompt-kind variable"),
-    (["bench", "--resume", "r.json"], "--resume r.json", "--resume-results r.json"),
-    (["kernels", "--resume=r.json"], "--resume r.json", "--resume-results r.json"),
-    (["kernels", "--top-k", "5,50"], "--top-k 5,50", "--top-ks 5,50"),
-    (["kernels", "--top-p", "0.9"], "--top-p 0.9", "--top-ps 0.9"),
-    (["kernels", "--teacher-cache", "top8"], "--teacher-cache top8", "--teacher-caches top8"),
-    (["step", "--loss", "jsd,reverse_kl"], "--loss jsd,reverse_kl", "--losses jsd,reverse_kl"),
-    (["step", "--beta", "0.5"], "--beta 0.5", "--betas 0.5"),
-    (["step", "--teacher-cache", "top64"], "--teacher-cache top64", "--teacher-caches top64"),
-    (["train", "--output-dir", "o", "--batch-size", "4"], "--batch-size 4", "--prompts-per-micro-batch 4"),
-    (["train", "--output-dir", "o", "--teacher-cache-dir", "c"], "--teacher-cache-dir c", "--cache-dir c"),
-])
-def test_an_old_spelling_sets_what_the_new_one_sets_and_names_it(argv, old, new):
-    from opsd_rollout.cli import build_parser
-    from opsd_rollout.bench.configfile import renamed_note
-
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    spelled_new = [*argv[:-2], *new.split()] if "=" not in argv[-1] else [argv[0], *new.split()]
-    assert vars(args) | {"renamed": []} == vars(parser.parse_args(spelled_new)) | {"renamed": []}
-    assert args.renamed == [renamed_note(old, new)]
-    assert args.renamed[0] == f"opsd-rollout: {old} is now {new} (the old spelling goes in a later release)"
+@pytest.mark.parametrize("argv,prefix", [(["bench", "--resume", "r.json"], "--resume"),
+                                         (["kernels", "--top-k", "5,50"], "--top-k"),
+                                         (["step", "--loss", "jsd"], "--loss")])
+def test_a_flag_is_taken_only_as_spelled_in_full(argv, prefix, capsys):
+    """A unique prefix of a flag (``--resume`` of ``--resume-results``) is no spelling of it."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2 and f"unrecognized arguments: {prefix}" in capsys.readouterr().err
 
 
-def test_the_old_spelling_is_one_line_on_stderr_and_the_command_runs(capsys):
-    assert main(["bench", "--model", "llama-tiny", "--prompts", "variable", "--dry-run"]) == 0
-    captured = capsys.readouterr()
-    assert captured.err == ("opsd-rollout: --prompts variable is now --prompt-kind variable (the old spelling goes "
-                            "in a later release)\n")
-    assert main(["bench", "--model", "llama-tiny", "--prompt-kind", "variable", "--dry-run"]) == 0
-    assert capsys.readouterr().err == ""
-
-
-def test_config_files_take_the_flags_names_and_the_old_ones_with_the_same_line(tmp_path, capsys):
+def test_config_files_take_the_flags_names(tmp_path, capsys):
     from opsd_rollout.bench.configfile import read_config_file, split_config
     from opsd_rollout.bench.scenarios import KernelsScenario, RolloutScenario, StepScenario
 
@@ -248,17 +221,9 @@ def test_config_files_take_the_flags_names_and_the_old_ones_with_the_same_line(t
     path.write_text('student = "llama-tiny"\nteacher_cache_budget = "8GiB"\nprompt_kind = "variable"\n')
     assert split_config(read_config_file(path), StepScenario)[1] == {
         "model": "llama-tiny", "teacher_cache_budget_bytes": "8GiB", "prompts": "variable"}
-    assert capsys.readouterr().err == ""
-    path.write_text('prompts = "variable"\n')
-    assert split_config(read_config_file(path), RolloutScenario, f"--config {path}") == ({}, {"prompts": "variable"})
-    assert capsys.readouterr().err == (f'opsd-rollout: --config {path}: prompts = "variable" is now prompt_kind = '
-                                       '"variable" (the old spelling goes in a later release)\n')
-    path.write_text("top_k = [5, 50]\ntop-p = 0.9\n")
+    path.write_text("top_ks = [5, 50]\ntop-ps = 0.9\n")
     assert split_config(read_config_file(path), KernelsScenario)[0] == {"top_ks": [5, 50], "top_ps": [0.9]}
-    assert "top_k = [5, 50] is now top_ks = [5, 50]" in capsys.readouterr().err
-    path.write_text("top_k = [5]\ntop_ks = [50]\n")
-    with pytest.raises(ValueError, match="top_k and top_ks are one name"):
-        split_config(read_config_file(path), KernelsScenario)
+    assert capsys.readouterr().err == ""
 
 
 def test_every_setting_flag_is_a_config_key_by_its_name():
@@ -275,15 +240,3 @@ def test_every_setting_flag_is_a_config_key_by_its_name():
             if action.dest in axes or action.dest not in scenario.settings_type.__dataclass_fields__:
                 continue  # an axis (keyed by its name), or not a setting (output, ranks, --config)
             assert split_config({key: "x"}, scenario) == ({}, {action.dest: "x"}), (command, option)
-
-
-def test_an_old_kernels_result_resumes_by_the_new_axis_names(tmp_path):
-    import json
-
-    from opsd_rollout.bench.report import SCHEMA_VERSION
-    from opsd_rollout.cli import load_result
-
-    path = tmp_path / "kernels.json"
-    path.write_text(json.dumps({"schema_version": SCHEMA_VERSION, "kind": "kernels", "matrix": {
-        "kernels": ["sampling"], "top_k": [50], "top_p": [0.95]}, "settings": {}, "results": []}))
-    assert load_result(str(path))["matrix"] == {"kernels": ["sampling"], "top_ks": [50], "top_ps": [0.95]}

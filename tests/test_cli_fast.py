@@ -23,7 +23,8 @@ from opsd_rollout.bench.report import SCHEMA_VERSION, ConfigResult
 from opsd_rollout.bench.tables import CompactTable, PhraseText, fold_columns
 from opsd_rollout.bench.scenarios import RolloutScenario, StepScenario
 from opsd_rollout.bench.session import BUILDING, FIRST_CALL, ProgressLine, print_dry_run
-from opsd_rollout.cli import CpuFallbackFilter, main, show_accelerator_fallback
+from opsd_rollout.cli import main
+from opsd_rollout.cli.common import CpuFallbackFilter, show_accelerator_fallback
 from opsd_rollout.metrics import METRICS
 from opsd_rollout.presets import PRESETS
 
@@ -90,7 +91,7 @@ def test_deepspeeds_cpu_fallback_warning_shows_only_when_verbose():
     """The real DeepSpeed, on a machine where it finds no accelerator: its warning is dropped without ``-v``
     (``show_accelerator_fallback(False)``, installed before DeepSpeed is imported) and shown with it."""
     child = """
-from opsd_rollout.cli import show_accelerator_fallback
+from opsd_rollout.cli.common import show_accelerator_fallback
 show_accelerator_fallback(False)
 import deepspeed.accelerator.real_accelerator as real  # DeepSpeed detects its accelerator as it is imported
 real.get_accelerator()

@@ -19,13 +19,13 @@ import pytest
 from opsd_rollout.bench.compare import (EXIT_BAD_INPUT, EXIT_DISTURBED, EXIT_NOTHING_COMPARED, EXIT_PARTIAL,
                                         EXIT_REGRESSION, MismatchError, compare_documents)
 from opsd_rollout.bench.ratio_test import EXACT_LIMIT, fewest_iterations, ratio_interval, tail_rank
-from opsd_rollout.bench.report import ConfigResult, load_schema
+from opsd_rollout.bench.report import SCHEMA_VERSION, ConfigResult, load_schema
 from opsd_rollout.bench.scenarios import RolloutConfig
 from opsd_rollout.cli import main
 
 
 def document(results: dict[str, list[float]], kind: str = "rollout") -> dict:
-    """A minimal version-2 result file: one config per key (batch size), ``total_ms`` per iteration."""
+    """A minimal result file: one config per key (batch size), ``total_ms`` per iteration."""
     def config(batch: int) -> dict:
         return {"batch_size": batch, "samples_per_prompt": 1, "prompt_length": 8, "response_length": 4,
                 "dtype": "fp32", "decoding": "greedy", "zero_stage": 0, "strategy": "static",
@@ -37,8 +37,8 @@ def document(results: dict[str, list[float]], kind: str = "rollout") -> dict:
         key = (f"B{c['batch_size']}-n1-P8-R4-fp32-greedy-zero0-static-retain-fwdon")
         rows.append({"key": key, "config": c, "status": "ok", "error": None, "derived": {}, "warnings": [],
                      "iterations": [{"total_ms": t, "peak_memory_bytes": 2**30} for t in times]})
-    return {"schema_version": 2, "kind": kind, "environment": {}, "matrix": {}, "settings": {}, "run_order": [],
-            "results": rows}
+    return {"schema_version": SCHEMA_VERSION, "kind": kind, "environment": {}, "matrix": {}, "settings": {},
+            "run_order": [], "results": rows}
 
 
 # ---- the test itself -----------------------------------------------------------------------------------------
@@ -119,6 +119,22 @@ def test_exit_statuses_name_what_was_compared(tmp_path, capsys):
     slow = write("slow.json", {"1": [t * 2 for t in times], "2": times})
     assert main(["compare", a, slow]) == EXIT_REGRESSION
     assert main(["compare", a, str(tmp_path / "missing.json")]) == EXIT_BAD_INPUT
+
+
+@pytest.mark.parametrize("version,said", [
+    (3, "is schema_version 3, from an older release; this release reads version 4: run the benchmark again with "
+        "this release (or read the file with the one that wrote it)"),
+    (5, "is schema_version 5, from another release; this release reads version 4"),
+    (None, "is not an opsd-rollout result (it has no schema_version)"),
+])
+def test_a_result_file_of_another_version_is_refused_in_one_line(tmp_path, capsys, version, said):
+    """Not read, not upgraded: one line says what the file is and what to do."""
+    planted = {k: v for k, v in document({"1": [10.0, 10.1, 9.9]}).items() if k != "schema_version"}
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(planted if version is None else {"schema_version": version, **planted}))
+    assert main(["compare", str(path), str(path)]) == EXIT_BAD_INPUT
+    err = capsys.readouterr().err
+    assert err.startswith(f"opsd-rollout: error: result file {str(path)!r} {said}") and err.count("\n") == 1, err
 
 
 # ---- cases planted into a real result document ---------------------------------------------------------------

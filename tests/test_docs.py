@@ -4,7 +4,7 @@ config fields and versions the README names, the training record's keys (docs/TR
 ``metrics.TRAINING``), and the README's and PROFILING.md's examples run as written.
 
 ``python tests/test_docs.py`` prints the DeepSpeed field table as docs/MIGRATING.md must hold it;
-``python tests/test_docs.py training`` prints docs/TRAINING.md's tables of the training record's keys.
+``python tests/test_docs.py training`` prints docs/TRAINING.md's table of the training record's keys.
 """
 
 from __future__ import annotations
@@ -157,7 +157,6 @@ def test_the_deepspeed_field_table_is_built_from_the_code():
 # ---- the training record's keys ------------------------------------------------------------------------------------
 
 TRAINING_TABLE_HEADER = "| key (`metrics.jsonl`) | monitor name | unit | across ranks | better | what |"
-RENAMED_TABLE_HEADER = "| written before | read as |"
 
 
 def training_key_rows() -> list[list[str]]:
@@ -170,22 +169,15 @@ def training_key_rows() -> list[list[str]]:
             for m in TRAINING.values()]
 
 
-def renamed_key_rows() -> list[list[str]]:
-    from opsd_rollout.metrics import TRAINING_RENAMED
-
-    return [[f"`{old}`", f"`{new}`"] for old, new in TRAINING_RENAMED.items()]
-
-
 def markdown_table(header: str, rows: list[list[str]]) -> str:
     columns = header.count("|") - 1
     return "\n".join([header, "|" + "---|" * columns, *("| " + " | ".join(row) + " |" for row in rows)])
 
 
-def test_the_training_key_tables_are_built_from_the_registry():
+def test_the_training_key_table_is_built_from_the_registry():
     training = (ROOT / "docs" / "TRAINING.md").read_text()
-    stale = "docs/TRAINING.md's {} table is stale: `python tests/test_docs.py training` prints the current one"
-    assert table_rows(training, TRAINING_TABLE_HEADER) == training_key_rows(), stale.format("key")
-    assert table_rows(training, RENAMED_TABLE_HEADER) == renamed_key_rows(), stale.format("renamed keys")
+    assert table_rows(training, TRAINING_TABLE_HEADER) == training_key_rows(), (
+        "docs/TRAINING.md's key table is stale: `python tests/test_docs.py training` prints the current one")
 
 
 # ---- what the README names ------------------------------------------------------------------------------------------
@@ -289,8 +281,7 @@ def test_trainings_python_example_is_the_flags_it_names(monkeypatch):
 if __name__ == "__main__":
     import sys
 
-    if sys.argv[1:] == ["training"]:  # docs/TRAINING.md's two tables of the training record's keys
-        print(markdown_table(TRAINING_TABLE_HEADER, training_key_rows()) + "\n")
-        print(markdown_table(RENAMED_TABLE_HEADER, renamed_key_rows()))
+    if sys.argv[1:] == ["training"]:  # docs/TRAINING.md's table of the training record's keys
+        print(markdown_table(TRAINING_TABLE_HEADER, training_key_rows()))
     else:
         print(deepspeed_field_table())

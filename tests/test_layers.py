@@ -19,7 +19,7 @@ LAYERS = [
     {"rollout"},
     {"opsd"},
     {"train", "bench", "serve"},
-    {"cli", "cli_bench", "cli_eval", "cli_serve", "cli_train", "__main__"},
+    {"cli", "__main__"},
 ]
 """Bottom to top, by the first part of a module's name below the package."""
 ROLLOUT_LAYERS = [None, {"decode"}, {"strategies"}, {"engine", "factory", "continuous_stats", None}]

@@ -10,7 +10,7 @@ pytest.importorskip("matplotlib")
 
 from opsd_rollout.bench.plots import (DISTURBED_LEGEND, latency_figure, stages_figure, throughput_figure,  # noqa: E402
                                       write_plots)
-from opsd_rollout.bench.report import results_of  # noqa: E402
+from opsd_rollout.bench.report import SCHEMA_VERSION, results_of  # noqa: E402
 from opsd_rollout.bench.scenarios import RolloutScenario  # noqa: E402
 from opsd_rollout.metrics import label  # noqa: E402
 
@@ -36,7 +36,7 @@ def document() -> dict:
         results.append({"config": config, "status": "ok",
                         "iterations": [iteration(1 + index + k / 10) for k in range(4)],
                         "interference": {"disturbed": index == DISTURBED, "reasons": []}})
-    return {"schema_version": 3, "kind": "rollout", "results": results}
+    return {"schema_version": SCHEMA_VERSION, "kind": "rollout", "results": results}
 
 
 @pytest.fixture()

@@ -147,7 +147,7 @@ def test_a_cut_down_task_run_end_to_end(tmp_path, monkeypatch, capsys, small_tas
 
 
 def test_the_flags_choices_are_the_built_in_tasks():
-    from opsd_rollout.cli_train import FLAGS
+    from opsd_rollout.cli.train import FLAGS
 
     (choices,) = [kwargs["choices"] for flag, _dest, kwargs in FLAGS if flag == "--task"]
     assert tuple(choices) == tuple(TASKS) == tuple(name for name in default.RUNS if name is not None)

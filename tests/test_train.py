@@ -115,7 +115,7 @@ def test_the_flags_names_land_in_their_sections():
         flat_config(output_dir="o", teacher="t", top_p=0)
 
 
-def test_a_saved_config_loads_back_and_an_old_flat_one_is_upgraded(tmp_path, caplog):
+def test_a_saved_config_loads_back_and_an_old_flat_one_is_refused(tmp_path):
     from opsd_rollout.rollout import HybridEngineRolloutConfig
     from opsd_rollout.train import load_train_config
 
@@ -125,17 +125,15 @@ def test_a_saved_config_loads_back_and_an_old_flat_one_is_upgraded(tmp_path, cap
     path = tmp_path / "train_config.json"
     path.write_text(json.dumps(config.to_dict()))
     assert load_train_config(path) == config
-    old = {"output_dir": "o", "student": "llama-tiny", "teacher": "qwen2-tiny", "prompts": None, "objective": "opsd",
-           "deepspeed": None, "zero_stage": 0, "lr": 0.002, "gradient_accumulation_steps": 1, "steps": 100,
-           "prompts_per_micro_batch": 8, "samples_per_prompt": 1, "max_new_tokens": 32, "max_prompt_tokens": None,
-           "temperature": 1.0, "top_k": 0, "top_p": 1.0, "lmbda": 1.0, "off_policy": "auto", "loss": "jsd",
-           "beta": 0.5, "estimator": "k1", "teacher_cache": "topk", "teacher_top_k": 8, "teacher_zero_stage": 0,
-           "seed": 0, "eval_every": 10, "eval_prompts": 64, "save_every": None, "resume": None, "progress": True}
-    path.write_text(json.dumps(old))  # every field of the flat TrainConfig before the sections
-    with caplog.at_level("WARNING"):
-        upgraded = load_train_config(path)
-    assert upgraded == dataclasses.replace(config, rollout=HybridEngineRolloutConfig(enable_profiling=True))
-    assert "a flat train config of an older release" in caplog.text and "lr -> optimization.lr" in caplog.text
+    old = {"output_dir": "o", "student": "llama-tiny", "teacher": "qwen2-tiny", "zero_stage": 0, "lr": 0.002,
+           "steps": 100, "teacher_cache": "topk", "teacher_top_k": 8, "seed": 0}
+    path.write_text(json.dumps(old))  # fields of the flat TrainConfig before the sections
+    with pytest.raises(ValueError) as refused:
+        load_train_config(path)
+    assert str(refused.value) == (
+        "a flat train config of an older release: this release keeps zero_stage in optimization.zero_stage, lr in "
+        "optimization.lr, teacher_cache in teacher_cache.mode, teacher_top_k in teacher_cache.top_k; move each into "
+        "its section, or start a new run")
 
 
 # ---- the loop -----------------------------------------------------------------------------------------------------
@@ -269,43 +267,6 @@ def test_the_gradient_norm_is_the_accumulated_gradients_before_clipping(zero_sta
     first, second = (sft_step(engine, batch, grad_norm=True) for batch in batches)
     assert first.grad_norm is None and second.grad_norm == pytest.approx(expected, rel=1e-4)
     assert sft_step(engine, batches[0]).grad_norm is None  # not asked: nothing computed
-
-
-def test_an_old_metrics_file_reads_back_under_todays_keys(tmp_path):
-    """A metrics.jsonl written before the keys took TRL's names and time/ (the fixture: a real run's, 3 steps) reads
-    with today's keys, its values as they were, and plots; a record of today reads as it is."""
-    from opsd_rollout.metrics import TRAINING_RENAMED, upgrade
-    from opsd_rollout.train.report import plot_eval, read_records
-
-    path = Path(__file__).parent / "fixtures" / "metrics_before_rename.jsonl"
-    old = [json.loads(line) for line in path.read_text().splitlines()]
-    assert {"lr", "wall_ms", "eval_ms", "train_seconds", "rollout/decode_ms"} <= set(old[1])
-    new = read_records(path)
-    assert {key for r in new for key in r} <= set(TRAINING)
-    for before, after in zip(old, new):
-        assert after == {TRAINING_RENAMED.get(key, key): value for key, value in before.items()}
-    assert new[1]["learning_rate"] == old[1]["lr"] and new[1]["time/eval_ms"] == old[1]["eval_ms"]
-    assert new[3]["time/steps_s"] == old[3]["train_seconds"] and new[2]["eval_reverse_kl"] == old[2]["eval_reverse_kl"]
-    assert all(upgrade(r) == r for r in new)
-    assert set(TRAINING_RENAMED.values()) <= set(TRAINING) and not set(TRAINING_RENAMED) & set(TRAINING)
-    assert plot_eval(old, tmp_path / "eval.png", "old") == tmp_path / "eval.png"
-
-
-def test_a_run_written_before_the_rename_resumes_under_todays_keys(tmp_path):
-    """--resume of a run whose metrics.jsonl has the old keys: the file continues with one vocabulary (the old
-    records rewritten under today's keys), and the steps' wall time so far continues from the old train_seconds."""
-    out = tmp_path / "run"
-    train(flat_config(output_dir=str(out), steps=2, **TINY))
-    fixture = (Path(__file__).parent / "fixtures" / "metrics_before_rename.jsonl").read_text().splitlines()
-    (out / "metrics.jsonl").write_text("\n".join(fixture) + "\n")  # steps 0-3 of an older run
-    resumed = train(flat_config(output_dir=str(out), steps=3, resume=str(out), **TINY))
-    lines = records(out)
-    assert [r["step"] for r in lines] == [0, 1, 2, 3] and lines == resumed.records
-    assert {key for r in lines for key in r} <= set(TRAINING)
-    old_seconds = json.loads(fixture[2])["train_seconds"]
-    assert lines[2]["time/steps_s"] == old_seconds
-    assert lines[3]["time/steps_s"] == pytest.approx(old_seconds + lines[3]["time/step_ms"] / 1e3)
-    assert resumed.plot is not None and resumed.plot.is_file()
 
 
 @pytest.fixture(scope="module")

@@ -4,8 +4,7 @@ multi-rank merge rules are all read from here; a new figure is added here and no
 
 A training run's record (``metrics.jsonl``, one line an optimizer step) and the events it sends to DeepSpeed's
 monitors are named here too (``TRAINING``): TRL's and HF Trainer's names where they have one (``loss``,
-``grad_norm``, ``learning_rate``, ``epoch``, ``eval_*``), every time under ``time/``; a record written before
-these names is read back through ``TRAINING_RENAMED`` (``upgrade``).
+``grad_norm``, ``learning_rate``, ``epoch``, ``eval_*``), every time under ``time/``.
 
 A kernel (``opsd-rollout kernels``) times two implementations of one piece of work in every iteration: ours
 (``kernel_ms``) and a baseline (``baseline_ms``: the code we replaced or upstream's), and their ratio (``speedup``:
@@ -19,7 +18,6 @@ OPSD step (rollout, teacher, student forward, loss, backward, optimizer).
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any
 
 MERGES = ("max", "sum", "mean")
 
@@ -293,29 +291,6 @@ TRAINING: dict[str, Metric] = {m.name: m for m in [
 ]}
 """Every key a training run's record may hold (``metrics.jsonl``), in the order a record holds them, with its name
 in DeepSpeed's monitors; docs/TRAINING.md's table of the keys is made from it."""
-
-TRAINING_RENAMED: dict[str, str] = {
-    "lr": "learning_rate",
-    "wall_ms": "time/step_ms",
-    "train_seconds": "time/steps_s",
-    "rollout_share": "time/rollout_share",
-    **{name: TIME + name for name in ("total_ms", *STEP_STAGES)},
-    **{ROLLOUT_PREFIX + stage: TIME + ROLLOUT_PREFIX + stage for stage in RECORD_ROLLOUT_STAGES},
-}
-"""A training record's keys before they took TRL's names and the ``time/`` namespace (issue 34) -> today's."""
-
-
-def upgrade(record: dict[str, Any]) -> dict[str, Any]:
-    """A training record read back under today's keys (a record of today is returned equal); where a record holds
-    both spellings of a key, today's wins."""
-    out = {}
-    for key, value in record.items():
-        new = TRAINING_RENAMED.get(key, key)
-        if new != key and new in record:
-            continue
-        out[new] = value
-    return out
-
 
 TEACHER_SUFFIX = "/NAME"
 """A key registered with ``/NAME`` (``loss/NAME``) stands for every teacher's (``loss/math``)."""

@@ -1,12 +1,10 @@
 """Benchmark config files (TOML, JSON or YAML): axis lists and settings, by the same names as the flags
-with dashes or underscores (``batch_sizes`` or ``batch-sizes``). A renamed flag's old name is still read, with a
-line naming the new one (``RENAMED``)."""
+with dashes or underscores (``batch_sizes`` or ``batch-sizes``)."""
 
 from __future__ import annotations
 
 import json
 import re
-import sys
 import tomllib
 from dataclasses import fields
 from pathlib import Path
@@ -14,34 +12,11 @@ from typing import Any
 
 from opsd_rollout.bench.scenarios.base import Scenario
 
-RENAMED: dict[str, dict[str, str]] = {
-    "rollout": {"prompts": "prompt_kind"},
-    "step": {"prompts": "prompt_kind", "loss": "losses", "beta": "betas", "teacher_cache": "teacher_caches"},
-    "kernels": {"top_k": "top_ks", "top_p": "top_ps", "teacher_cache": "teacher_caches"},
-}
-"""Each benchmark kind's old names -> new, as flags (``--top-k`` -> ``--top-ks``) and config keys: a name has one
-meaning and one type in every subcommand (``--prompts`` is ``train``'s prompt file; ``--top-k``, ``--beta``,
-``--loss`` and ``--teacher-cache`` are one value, their plurals the lists a matrix sweeps)."""
-
 FLAG_KEYS: dict[str, dict[str, str]] = {
     "rollout": {"prompt_kind": "prompts"},
     "step": {"prompt_kind": "prompts", "student": "model", "teacher_cache_budget": "teacher_cache_budget_bytes"},
 }
 """Keys named after their flag whose setting has another name (the one result files hold): flag key -> setting."""
-
-
-def renamed_note(old: str, new: str) -> str:
-    """The line an old spelling gets: what to write instead."""
-    return f"opsd-rollout: {old} is now {new} (the old spelling goes in a later release)"
-
-
-def current_names(data: dict[str, Any], kind: str | None) -> dict[str, Any]:
-    """``data`` (a config file's keys, a result file's matrix) with ``kind``'s old names renamed to the new."""
-    renamed = RENAMED.get(kind or "", {})
-    both = [f"{old} and {renamed[old]}" for old in data if old in renamed and renamed[old] in data]
-    if both:
-        raise ValueError(f"{'; '.join(both)} are one name, old and new: keep the new one")
-    return {renamed.get(key, key): value for key, value in data.items()}
 
 
 def read_config_file(path: str | Path) -> dict[str, Any]:
@@ -88,19 +63,14 @@ def _parse(text: str, suffix: str) -> Any:
 
 def split_config(data: dict[str, Any], scenario: type[Scenario],
                  source: str = "--config") -> tuple[dict[str, list[Any]], dict[str, Any]]:
-    """``(axes, settings)`` of ``scenario`` from a config file's contents, settings by their field names; an old
-    name is read as the new with a line on stderr saying so; unknown keys are an error naming them."""
-    renamed, flag_keys = RENAMED.get(scenario.kind, {}), FLAG_KEYS.get(scenario.kind, {})
-    old_keys = [key for key in data if key in renamed]
-    data, given = current_names(data, scenario.kind), data
-    for old in old_keys:
-        value = json.dumps(given[old], default=str)
-        print(renamed_note(f"{source}: {old} = {value}", f"{renamed[old]} = {value}"), file=sys.stderr)
+    """``(axes, settings)`` of ``scenario`` from a config file's contents, settings by their field names; unknown
+    keys are an error naming them."""
+    flag_keys = FLAG_KEYS.get(scenario.kind, {})
     axis_names = {axis.name for axis in scenario.axes}
     setting_of = {**{f.name: f.name for f in fields(scenario.settings_type)}, **flag_keys}
     unknown = sorted(k for k in data if k not in axis_names and k not in setting_of)
     if unknown:
-        shown = sorted((set(setting_of) - set(flag_keys.values()) - set(renamed)) | set(flag_keys))
+        shown = sorted((set(setting_of) - set(flag_keys.values())) | set(flag_keys))
         raise ValueError(f"{source}: unknown keys {unknown}; axes are {sorted(axis_names)}, settings are {shown}")
     splitters = {axis.name: axis.split for axis in scenario.axes}
     axes = {k: _as_list(v, splitters[k]) for k, v in data.items() if k in axis_names}

@@ -16,15 +16,7 @@ from opsd_rollout.bench.stats import Stats, is_number
 from opsd_rollout.files import write_text_atomic
 
 SCHEMA_VERSION = 4
-"""4: contenders and knobs: the ``strategies`` axis also takes ``deepspeed``; the knob axes ``continuous_batch_sizes``,
-``kv_budgets``, ``compaction``, ``shared_prefix`` and ``stop_check_intervals`` (config fields
-``continuous_batch_size``, ``kv_budget_bytes``, ``compact_rows``, ``shared_prefix``, ``stop_check_interval``, in a
-key only away from their defaults); a knob that does not apply to a config's contender is ``null``; each result's
-``baseline`` (its ratio to the baseline contender's config); the settings ``interleave`` and ``baseline``. A
-version 3 file reads as it is (the new fields at their defaults, its keys unchanged). 3: the response-length model is an axis (``length_models``, config ``lengths``) instead of the setting
-``fixed_length`` (true: ``fixed``, false: ``natural``). 2: a rollout config has only rollout axes (1 carried the
-OPSD step's as ``null``); a step's part starts are ``part_start_ms`` (1: ``phase_start_ms``). Older files are
-read and upgraded in memory."""
+"""The version of the document ``bench/schema.json`` describes; a file of another version is refused, not read."""
 
 
 @dataclass(kw_only=True)
@@ -107,51 +99,23 @@ def load_schema() -> dict[str, Any]:
     return json.loads(resources.files("opsd_rollout.bench").joinpath("schema.json").read_text())
 
 
-STEP_ONLY_AXES = {"losses": "loss", "betas": "beta", "teacher_caches": "teacher_cache"}
-
-
-def upgrade(document: dict[str, Any]) -> dict[str, Any]:
-    """An older document as the current version (see ``SCHEMA_VERSION``); keys are unchanged."""
-    version = document.get("schema_version")
-    if version == SCHEMA_VERSION:
-        return document
-    document = dict(document, schema_version=SCHEMA_VERSION)
-    if version >= 3:  # what came after 3 is new fields, read at their defaults
-        return document
-    kind = document.setdefault("kind", "rollout")
-    settings = dict(document.get("settings") or {})
-    lengths = "fixed" if settings.pop("fixed_length", True) else "natural"
-    document["settings"] = settings
-    document["matrix"] = {**document.get("matrix", {}), "length_models": [lengths]}
-    if version == 1 and kind == "rollout":
-        document["matrix"] = {k: v for k, v in document["matrix"].items() if k not in STEP_ONLY_AXES}
-    results = []
-    for result in document.get("results", []):
-        result = dict(result)
-        config = {**result["config"], "lengths": lengths}
-        if version == 1 and kind == "rollout":
-            config = {k: v for k, v in config.items() if k not in STEP_ONLY_AXES.values()}
-        if version == 1 and kind == "step":
-            result["iterations"] = [{("part_start_ms" if k == "phase_start_ms" else k): v for k, v in it.items()}
-                                    for it in result.get("iterations", [])]
-        result["config"] = config
-        results.append(result)
-    document["results"] = results
-    return document
-
-
 def load_document(path: str | os.PathLike) -> dict[str, Any]:
-    """Read and validate a result file (older versions are upgraded); ``ValueError`` says what is wrong with it."""
+    """Read and check a result file of this version; ``ValueError`` says what is wrong with it."""
     try:
         document = json.loads(Path(path).read_text())
     except FileNotFoundError:
         raise ValueError(f"result file {str(path)!r} does not exist") from None
     except json.JSONDecodeError as error:
         raise ValueError(f"result file {str(path)!r} is not valid JSON: {error}") from None
-    if not isinstance(document, dict) or document.get("schema_version") not in range(1, SCHEMA_VERSION + 1):
-        raise ValueError(f"result file {str(path)!r} is not an opsd-rollout result (schema_version 1 to "
-                         f"{SCHEMA_VERSION} expected)")
-    return upgrade(document)
+    if not isinstance(document, dict) or "schema_version" not in document:
+        raise ValueError(f"result file {str(path)!r} is not an opsd-rollout result (it has no schema_version)")
+    if document["schema_version"] != SCHEMA_VERSION:
+        version = document["schema_version"]
+        older = "an older" if isinstance(version, int) and version < SCHEMA_VERSION else "another"
+        raise ValueError(f"result file {str(path)!r} is schema_version {version!r}, from {older} release; this "
+                         f"release reads version {SCHEMA_VERSION}: run the benchmark again with this release (or read "
+                         "the file with the one that wrote it)")
+    return document
 
 
 def results_of(document: dict[str, Any], config_type: type) -> list[ConfigResult]:

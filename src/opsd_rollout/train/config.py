@@ -6,13 +6,12 @@ takes), the student's rollout engine ``HybridEngineRolloutConfig``, the loss ``D
 logit cache ``TeacherCacheConfig``, the optimisation (DeepSpeed config, ZeRO stage, learning rate,
 accumulation) ``OptimizationConfig`` beside the code that builds the engine, and the student's LoRA adapters
 ``AdapterConfig``. ``TrainConfig.from_flat`` takes the
-command line's flat names, which are also the keys of a ``train_config.json`` written before the sections existed.
+command line's flat names.
 """
 
 from __future__ import annotations
 
 import json
-import logging
 from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
@@ -32,8 +31,6 @@ from opsd_rollout.train.preflight import check_teacher_given
 from opsd_rollout.train.teacher_spec import FLAGS as TEACHER_FLAGS
 from opsd_rollout.train.teacher_spec import UNNAMED, TeacherSpec, as_specs, check_specs, routed, specs_from_flags
 from opsd_rollout.train.setup import OptimizationConfig
-
-logger = logging.getLogger(__name__)
 
 OBJECTIVES = ("opsd", "sft")
 OFF_POLICY = ("auto", "references", "teacher")
@@ -55,8 +52,8 @@ FLAT = {
     "eval_max_new_tokens": "task_eval.max_new_tokens",
     "lora_rank": "lora.rank", "lora_alpha": "lora.alpha", "lora_targets": "lora.targets", "merge_lora": "lora.merge",
 }
-"""A flat name (a ``train`` flag's, a key of an older ``train_config.json``) -> the section field it sets; the
-names not listed are ``TrainConfig``'s own fields."""
+"""A flat name (a ``train`` flag's) -> the section field it sets; the names not listed are ``TrainConfig``'s own
+fields."""
 
 
 def _default_sampling() -> SamplingConfig:
@@ -200,8 +197,8 @@ class TrainConfig:
 
     @classmethod
     def from_flat(cls, values: dict[str, Any]) -> TrainConfig:
-        """A config from flat names (``FLAT``'s and the top-level fields'): the command line's flags, or an older
-        ``train_config.json``. A teacher cache's mode not given is the loss's default (as with ``None``)."""
+        """A config from flat names (``FLAT``'s, the teacher flags' and the top-level fields'): the command line's
+        flags. A teacher cache's mode not given is the loss's default (as with ``None``)."""
         known = {*FLAT, *TEACHER_FLAGS, *(f.name for f in fields(cls))}
         unknown = sorted(set(values) - known)
         if unknown:
@@ -236,14 +233,14 @@ class TrainConfig:
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> TrainConfig:
-        """The config a ``train_config.json`` holds: sections as objects; a flat file of an older release is read
-        through ``from_flat``, with a line saying so."""
+        """The config a ``train_config.json`` holds: sections as objects. A flat file of an older release is
+        refused, not read."""
         values = dict(values)
-        if any(_flat(name, value) for name, value in values.items()):
-            logger.warning("a flat train config of an older release: read with its fields in their sections (%s)",
-                           ", ".join(f"{name} -> {FLAT[name]}" for name, value in values.items()
-                                     if _flat(name, value)))
-            return cls.from_flat(values)
+        flat = [name for name, value in values.items() if _flat(name, value)]
+        if flat:
+            raise ValueError("a flat train config of an older release: this release keeps "
+                             f"{', '.join(f'{name} in {FLAT[name]}' for name in flat)}; move each into its section, "
+                             "or start a new run")
         for name, kind in SECTIONS.items():
             if isinstance(values.get(name), dict):
                 values[name] = _from_json(kind, values[name])
@@ -307,5 +304,5 @@ def _check_served(config: TrainConfig) -> None:
 
 
 def load_train_config(path: str | Path) -> TrainConfig:
-    """A run's saved ``train_config.json``, of this release or an older (flat) one."""
+    """A run's saved ``train_config.json`` (a flat one, of an older release, is refused: ``from_dict``)."""
     return TrainConfig.from_dict(json.loads(Path(path).read_text()))

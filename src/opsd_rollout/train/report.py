@@ -1,7 +1,6 @@
 """Where a training run's figures go: ``metrics.jsonl`` (one record per optimizer step), DeepSpeed's own monitor
 (the ``tensorboard``, ``wandb`` and ``csv_monitor`` sections of its config), a live progress line, and at the end a
-plot of the held-out curves. Every key of a record, and its name in the monitors, is ``metrics.TRAINING``'s; a
-file written before those names reads back under them (``read_records``)."""
+plot of the held-out curves. Every key of a record, and its name in the monitors, is ``metrics.TRAINING``'s."""
 
 from __future__ import annotations
 
@@ -16,7 +15,7 @@ import psutil
 
 from opsd_rollout.files import save_figure_atomic, write_text_atomic
 from opsd_rollout.metrics import (RECORD_ROLLOUT_STAGES, ROLLOUT_PREFIX, STEP_STAGES, TIME, hidden_share,
-                                  training_metric, upgrade)
+                                  training_metric)
 
 
 def step_record(step: int, profiles: list[Any], *, step_ms: float, learning_rate: float, on_policy: bool | None,
@@ -63,12 +62,11 @@ def teacher_losses(profiles: list[Any]) -> dict[str, float]:
 
 
 def read_records(path: Path) -> list[dict[str, Any]]:
-    """A ``metrics.jsonl``'s records under today's keys (``metrics.upgrade``: a file written before TRL's names
-    and ``time/`` reads as one written now); a line cut by a kill is dropped."""
+    """A ``metrics.jsonl``'s records; a line cut by a kill is dropped."""
     records = []
     for line in path.read_text().splitlines():
         try:
-            records.append(upgrade(json.loads(line)))
+            records.append(json.loads(line))
         except json.JSONDecodeError:
             continue
     return records
@@ -76,14 +74,13 @@ def read_records(path: Path) -> list[dict[str, Any]]:
 
 class MetricsLog:
     """``metrics.jsonl``: each record one line, written whole and flushed, so the file stays valid whenever the
-    run stops. A resumed run first drops the records past the step it resumes from (and writes the others back
-    under today's keys)."""
+    run stops. A resumed run first drops the records past the step it resumes from."""
 
     def __init__(self, path: Path, *, resume_step: int | None):
         self.path = path
         path.parent.mkdir(parents=True, exist_ok=True)
         kept = []
-        if resume_step is not None and path.exists():  # an older run's keys rewritten as today's: one vocabulary
+        if resume_step is not None and path.exists():
             kept = [r for r in read_records(path) if r.get("step", math.inf) <= resume_step]
         write_text_atomic(path, "".join(json.dumps(record) + "\n" for record in kept))
         self.records = kept
@@ -173,8 +170,7 @@ def _panels(records: list[dict[str, Any]]) -> dict[str, dict[str, list[tuple[int
 def plot_eval(records: list[dict[str, Any]], path: Path, title: str) -> Path | None:
     """The held-out curves (reverse KL to the teacher, cross-entropy on the references) and the task evaluation's
     (greedy accuracy, pass@1, pass@K, the teacher's figures as dashed lines) against the optimizer step, as a PNG;
-    ``None`` without matplotlib or without an evaluation. Records of any age (``metrics.upgrade``)."""
-    records = [upgrade(r) for r in records]
+    ``None`` without matplotlib or without an evaluation."""
     panels = _panels(records)
     if not panels:
         return None

@@ -4,7 +4,7 @@ iterations, its table and its time breakdown. The matrix, runner, statistics, JS
 multi-rank merging are shared and know nothing of any kind.
 
 Adding a kind: a module here with a ``Scenario`` subclass (and its config and settings dataclasses),
-registered in ``SCENARIOS``; a CLI subcommand that names it (``cli.py``). See docs/ARCHITECTURE.md.
+registered in ``SCENARIOS``; a CLI subcommand that names it (``PARSERS`` in ``cli/bench.py``). See docs/ARCHITECTURE.md.
 """
 
 from __future__ import annotations

@@ -10,8 +10,6 @@ import shlex
 import sys
 from typing import Any
 
-from opsd_rollout.cli_bench import add_flag
-
 LOSSES = ("forward_kl", "reverse_kl", "jsd", "sampled_reverse_kl")
 FLAGS: list[tuple[str, str, dict[str, Any]]] = [  # (flag, TrainConfig's flat name, argparse keywords)
     ("--student", "student", dict(help="preset or local checkpoint directory (default llama-tiny; with no model or "
@@ -122,10 +120,6 @@ FLAGS: list[tuple[str, str, dict[str, Any]]] = [  # (flag, TrainConfig's flat na
 ]
 DEFAULT_RUN_FLAGS = ("student", "teacher", "teacher_url", "prompts")
 """With none of these (and objective opsd), ``train`` is the built-in run."""
-FORMERLY = {"--prompts-per-micro-batch": "--batch-size", "--cache-dir": "--teacher-cache-dir"}
-"""Renamed flags -> their old spellings, still accepted with a line naming the new: ``--batch-size`` counted
-prompts where DeepSpeed's batch sizes count rows (prompts x samples); ``--teacher-cache-dir`` (trained teachers)
-read as the place of ``--teacher-cache`` (the teacher's logits)."""
 
 
 def add_train_parser(sub: Any, common: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -138,9 +132,9 @@ def add_train_parser(sub: Any, common: argparse.ArgumentParser) -> argparse.Argu
         "into a smaller student.")
     train.add_argument("--output-dir", required=True, metavar="DIR", help="where the run writes")
     for flag, dest, kwargs in FLAGS:
-        add_flag(train, flag, formerly=FORMERLY.get(flag), dest=dest, **kwargs)
-    add_flag(train, "--cache-dir", formerly=FORMERLY["--cache-dir"], metavar="DIR", help="where the built-in run "
-             "keeps the teachers it trains (default $OPSD_ROLLOUT_CACHE or ~/.cache/opsd-rollout)")
+        train.add_argument(flag, dest=dest, **kwargs)
+    train.add_argument("--cache-dir", metavar="DIR", help="where the built-in run keeps the teachers it trains "
+                       "(default $OPSD_ROLLOUT_CACHE or ~/.cache/opsd-rollout)")
     train.add_argument("--quiet", action="store_true", help="no progress line")
     train.set_defaults(func=run_train)
     return train

@@ -1,18 +1,52 @@
-"""The benchmark subcommands' flags (``bench``, ``step``, ``kernels``): one flag per matrix axis, then the
-scenario's settings; ``cli.py`` maps them onto the scenario's dataclasses. Also every subcommand's renamed flags:
-the old spelling still works, with a line naming the new (``add_flag``). Light: no torch at import."""
+"""The benchmark subcommands (``bench``, ``step``, ``kernels``): one flag per matrix axis, then the scenario's
+settings, mapped onto the scenario's dataclasses; a run on one rank or relaunched on several, a dry run, a resumed
+run. Light: no torch at import; the runner loads when a run starts."""
 
 from __future__ import annotations
 
 import argparse
+import os
+import subprocess
+import sys
+from collections.abc import Sequence
+from dataclasses import fields
+from functools import partial
 from typing import Any
 
 from opsd_rollout import checks
 from opsd_rollout.bench.axes import byte_size
-from opsd_rollout.bench.configfile import RENAMED, renamed_note
-from opsd_rollout.bench.scenarios import KernelsScenario, Scenario, StepScenario
+from opsd_rollout.bench.configfile import read_config_file, split_config
+from opsd_rollout.bench.matrix import Matrix
+from opsd_rollout.bench.report import load_document
+from opsd_rollout.bench.scenarios import KernelsScenario, RolloutScenario, Scenario, StepScenario
 from opsd_rollout.bench.scenarios.rollout import PROMPT_KINDS
 from opsd_rollout.bench.scenarios.step import OVER_BUDGET
+from opsd_rollout.cli.common import LOCAL_RANK_FLAGS, console
+
+PARSERS: tuple[tuple[str, type[Scenario], str, str], ...] = (
+    ("bench", RolloutScenario, "benchmark rollouts over a matrix of shapes", "Benchmark rollouts over a matrix of "
+     "shapes. With no flags: a smoke matrix (batch 1,4 x samples 1,4 x prompt 128 x response 32, greedy, "
+     "llama-small)."),
+    ("step", StepScenario, "benchmark whole OPSD steps (rollout, teacher, student update)", "Benchmark whole "
+     "on-policy distillation steps on DeepSpeed: rollout, teacher forward into a host logit cache, student forward, "
+     "divergence, backward, optimizer step. Default: student llama-tiny, teacher llama-small, B 2 x n 2 x prompt 32 "
+     "x response 32, jsd(0.5), ZeRO 0 and 3."),
+    ("kernels", KernelsScenario, "benchmark kernels: ours against a baseline, side by side (sampling, "
+     "post-processing, attention layouts, fused loss, weight layout, ...)", "Benchmark the pieces that are neither "
+     "a rollout nor a step, each ours against a baseline (the code it replaced, or upstream's), both in every "
+     "iteration, their order alternating. Default: every kernel but compile at 16 rows, vocabulary 32,000, prompt "
+     "128, response 32, 4 samples per prompt, on llama-small."),
+)
+"""(subcommand, the scenario it runs, its help, its description)."""
+SUBCOMMANDS = {scenario.kind: name for name, scenario, _help, _description in PARSERS}
+"""The subcommand of each benchmark kind."""
+
+
+def add_bench_parsers(sub: Any, common: argparse.ArgumentParser) -> None:
+    for name, scenario, help_, description in PARSERS:
+        parser = sub.add_parser(name, parents=[common], help=help_, description=description)
+        add_bench_flags(parser, scenario)
+        parser.set_defaults(func=partial(run_matrix, scenario=scenario))
 
 
 def _warmup(text: str) -> int | str:
@@ -38,43 +72,13 @@ def _bytes(text: str) -> int:
                                          f"(bytes), got {text!r}") from None
 
 
-class Renamed(argparse.Action):
-    """A flag's old spelling: sets what the new one sets, and keeps the line naming the new one in ``renamed``,
-    which ``main`` prints before any work (the same line on every subcommand)."""
-
-    def __init__(self, option_strings: list[str], dest: str, *, new: str, **kwargs: Any):
-        super().__init__(option_strings, dest, **kwargs)
-        self.new = new
-
-    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
-                 option_string: str | None = None) -> None:
-        setattr(namespace, self.dest, values)
-        namespace.renamed = [*getattr(namespace, "renamed", []),
-                             renamed_note(f"{option_string} {values}", f"{self.new} {values}")]
-
-
-def add_flag(group: Any, flag: str, *, formerly: str | None = None, **kwargs: Any) -> argparse.Action:
-    """``group.add_argument(flag, **kwargs)``, and ``formerly``, its old spelling, hidden from ``--help``."""
-    action = group.add_argument(flag, **kwargs)
-    if formerly:
-        group.add_argument(formerly, dest=action.dest, type=action.type, choices=action.choices,
-                           metavar=action.metavar, default=argparse.SUPPRESS, help=argparse.SUPPRESS, action=Renamed,
-                           new=flag)
-    return action
-
-
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
-
-
 def add_bench_flags(bench: argparse.ArgumentParser, scenario: type[Scenario]) -> None:
-    formerly = {new: _flag(old) for old, new in RENAMED.get(scenario.kind, {}).items()}
     axes = bench.add_argument_group("matrix axes (comma lists; override --config)")
     for axis in scenario.axes:
         default = ",".join(map(axis.text, scenario.defaults[axis.name]))
         said = "(default)" in axis.help  # the help names its default already
-        add_flag(axes, axis.flag, formerly=formerly.get(axis.name), dest=axis.name, metavar="LIST",
-                 help=axis.help if said else f"{axis.help} (default {default})")
+        axes.add_argument(axis.flag, dest=axis.name, metavar="LIST",
+                          help=axis.help if said else f"{axis.help} (default {default})")
     defaults = scenario.settings_type()
     runs = bench.add_argument_group("settings (override --config)")
     runs.add_argument("--config", metavar="FILE", help="TOML, JSON or YAML file with axes and settings")
@@ -104,7 +108,7 @@ def add_bench_flags(bench: argparse.ArgumentParser, scenario: type[Scenario]) ->
                           f"directory (default {defaults.model})")
     _add_measuring_flags(runs, defaults)
     if scenario is not KernelsScenario:  # its sampling knobs are axes; it makes no prompts
-        _add_workload_flags(runs, defaults, formerly)
+        _add_workload_flags(runs, defaults)
     _add_output_flags(bench, scenario)
 
 
@@ -132,10 +136,10 @@ def _add_measuring_flags(runs: argparse._ArgumentGroup, defaults: Any) -> None:
     runs.add_argument("--seed", type=int, help=f"seed for prompts and sampling (default {defaults.seed})")
 
 
-def _add_workload_flags(runs: argparse._ArgumentGroup, defaults: Any, formerly: dict[str, str]) -> None:
+def _add_workload_flags(runs: argparse._ArgumentGroup, defaults: Any) -> None:
     # the setting is `prompts` (result files' name); `--prompts` is train's prompt file
-    add_flag(runs, "--prompt-kind", formerly=formerly.get("prompt_kind"), dest="prompts", choices=PROMPT_KINDS,
-             help="synthetic: exact-length prompts (default); variable: left-padded prompts of varying length")
+    runs.add_argument("--prompt-kind", dest="prompts", choices=PROMPT_KINDS, help="synthetic: exact-length prompts "
+                      "(default); variable: left-padded prompts of varying length")
     runs.add_argument("--pad-fraction", type=float, help=f"mean padding fraction with --prompt-kind variable "
                       f"(default {defaults.pad_fraction})")
     runs.add_argument("--temperature", type=float, help=f"sampling temperature (default {defaults.temperature})")
@@ -154,9 +158,9 @@ def _add_output_flags(bench: argparse.ArgumentParser, scenario: type[Scenario]) 
                      help="result JSON, rewritten atomically after every config (default %(default)s)")
     out.add_argument("--plot", metavar="DIR", help="write stages.png, throughput.png and latency.png here")
     out.add_argument("--trace", metavar="FILE", help="Chrome/Perfetto trace of one measured iteration per config")
-    add_flag(out, "--resume-results", formerly="--resume", metavar="FILE", help="finish an interrupted run from "
-             "its result FILE: runs only the configs FILE lacks (or that failed), with FILE's own matrix and "
-             "settings, and writes back to FILE")
+    out.add_argument("--resume-results", metavar="FILE", help="finish an interrupted run from its result FILE: runs "
+                     "only the configs FILE lacks (or that failed), with FILE's own matrix and settings, and writes "
+                     "back to FILE")
     out.add_argument("--dry-run", action="store_true", help="print the expanded matrix, its run order, the warm-up "
                      "and iterations, and an estimated duration; run nothing")
     out.add_argument("--estimate-from", metavar="FILE", help="with --dry-run: a previous result of these configs, "
@@ -168,3 +172,93 @@ def _add_output_flags(bench: argparse.ArgumentParser, scenario: type[Scenario]) 
     ranks.add_argument("--collective-timeout", type=float, default=600.0, metavar="S",
                        help="seconds any collective may wait for the other ranks before failing (default "
                        "%(default)s)")
+
+
+def _bench_inputs(args: argparse.Namespace, scenario: type[Scenario]) -> tuple[Matrix, Any]:
+    """The matrix and settings of a run: the scenario's defaults, then the config file, then the flags."""
+    file_axes, file_settings = (split_config(read_config_file(args.config), scenario, f"--config {args.config}")
+                                if args.config else ({}, {}))
+    flag_axes = {axis.name: axis.split(getattr(args, axis.name)) for axis in scenario.axes
+                 if getattr(args, axis.name) is not None}
+    matrix = Matrix.parse(scenario, {**file_axes, **flag_axes})
+    flag_settings = {f.name: getattr(args, f.name) for f in fields(scenario.settings_type)
+                     if getattr(args, f.name, None) is not None}
+    return matrix, scenario.settings_type(**{**file_settings, **flag_settings})
+
+
+def _relaunch(argv: Sequence[str], nproc: int) -> int:
+    """Run this same command on ``nproc`` local ranks under torchrun (free port, gloo on CPU)."""
+    from opsd_rollout.distributed import environment_without_ranks, free_port  # heavy: see the module docstring
+
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr",
+               "127.0.0.1", "--master_port", str(free_port()), "-m", "opsd_rollout", *argv]
+    # a one-process group of this process (if any) must not leak into the ranks' environment; the ranks share
+    # the machine's cores (torchrun would give each one thread)
+    env = environment_without_ranks()
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    return subprocess.run(command, env=env).returncode
+
+
+def _relaunch_argv(argv: Sequence[str]) -> list[str]:
+    """``argv`` without ``--nproc`` (the ranks must not relaunch) and ``--local_rank`` (each gets its own)."""
+    out, skip = [], False
+    for item in argv:
+        if skip:
+            skip = False
+        elif item in ("--nproc", *LOCAL_RANK_FLAGS):
+            skip = True
+        elif not item.startswith(tuple(f"{flag}=" for flag in ("--nproc", *LOCAL_RANK_FLAGS))):
+            out.append(item)
+    return out
+
+
+def _estimate_source(args: argparse.Namespace, existing: dict[str, Any] | None,
+                     scenario: type[Scenario]) -> tuple[dict[str, Any] | None, str | None]:
+    """The previous result a dry run estimates from, and its path: ``--estimate-from``, else the
+    ``--resume-results`` file, else the last run's result at ``--output`` (where ``make bench`` writes) when it
+    holds this kind of benchmark; an unreadable file there is no estimate, not an error."""
+    if args.estimate_from:
+        return load_document(args.estimate_from), args.estimate_from
+    if existing is not None:
+        return existing, args.resume_results
+    if not args.output or not os.path.isfile(args.output):
+        return None, None
+    try:
+        document = load_document(args.output)
+    except ValueError:
+        return None, None
+    return (document, args.output) if document.get("kind") == scenario.kind else (None, None)
+
+
+def run_matrix(args: argparse.Namespace, scenario: type[Scenario]) -> int:
+    checks.integer("--nproc", args.nproc, optional=True)
+    out = console()
+    existing = None
+    if args.resume_results:
+        existing = load_document(args.resume_results)
+        if existing["kind"] != scenario.kind:
+            raise ValueError(f"--resume-results {args.resume_results!r} holds a {existing['kind']} benchmark; "
+                             f"resume it with `opsd-rollout {SUBCOMMANDS.get(existing['kind'], 'bench')}`")
+        matrix = Matrix.parse(scenario, existing["matrix"])
+        settings = scenario.settings_type(**existing["settings"])
+        args.output = args.resume_results
+    else:
+        matrix, settings = _bench_inputs(args, scenario)
+    from opsd_rollout.bench.session import print_dry_run, run_bench_session
+    from opsd_rollout.models import max_positions
+
+    scenario(settings).check(matrix, max_positions)
+    if args.dry_run:  # on this process alone, whatever --nproc says: it runs nothing
+        previous, source = _estimate_source(args, existing, scenario)
+        print_dry_run(matrix, settings, previous, out, source)
+        return 0
+    if args.nproc is not None and args.nproc > 1 and int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        return _relaunch(_relaunch_argv(args.argv), args.nproc)  # not already under a launcher
+    from opsd_rollout.bench.runner import RankFailure  # heavy: see the module docstring
+
+    try:
+        return run_bench_session(matrix, settings, output=args.output, plot_dir=args.plot, trace=args.trace,
+                                 existing=existing, console=out, collective_timeout_s=args.collective_timeout)
+    except RankFailure as error:  # one rank failed: say which and why; the launcher stops the others
+        print(f"opsd-rollout: error: {error}", file=sys.stderr)
+        return 1

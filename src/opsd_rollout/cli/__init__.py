@@ -1,0 +1,82 @@
+"""Command line: ``opsd-rollout <subcommand>``; flags map onto the library's dataclasses, nothing else parses.
+One module a subcommand (``models``, ``bench`` with ``step`` and ``kernels``, ``compare``, ``train``, ``eval``,
+``serve-teacher``), each adding its parser and the function that runs it; ``main`` parses, runs, and turns bad
+input and Ctrl-C into a line and an exit status.
+
+Building the parser reads only light modules (the scenarios' axes and settings, the presets), so ``--help``,
+``models``, a dry run and a bad flag answer at once; torch, transformers and DeepSpeed are imported by the
+command that runs work (``tests/test_cli_fast.py`` checks which modules each light command loads).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+from opsd_rollout import __version__
+from opsd_rollout.cli.bench import add_bench_parsers
+from opsd_rollout.cli.common import apply_local_rank, common_flags, show_accelerator_fallback
+from opsd_rollout.cli.compare import add_compare_parser
+from opsd_rollout.cli.eval import add_eval_parser
+from opsd_rollout.cli.models import add_models_parser
+from opsd_rollout.cli.serve import add_serve_teacher_parser
+from opsd_rollout.cli.train import add_train_parser
+from opsd_rollout.cores import share_cores_politely
+
+
+class FullFlags(argparse.ArgumentParser):
+    """A parser that takes a flag only as spelled in full (its subcommands' parsers are of its class). argparse
+    would take any unique prefix (``--resume`` for ``--resume-results``): spellings nobody chose, which change
+    meaning or stop working when a flag is added."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **{"allow_abbrev": False, **kwargs})
+
+
+def build_parser() -> argparse.ArgumentParser:
+    common = common_flags()
+    parser = FullFlags(prog="opsd-rollout", parents=[common], description=(
+        "Profiled, fast rollouts for on-policy (self-)distillation on DeepSpeed."))
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    add_models_parser(sub, common)
+    add_bench_parsers(sub, common)
+    add_compare_parser(sub, common)
+    add_train_parser(sub, common)
+    add_eval_parser(sub, common)
+    add_serve_teacher_parser(sub, common)
+    return parser
+
+
+def shares_cores(command: str, modules: Any) -> bool:
+    """Whether to pick OpenMP's wait for shared cores (``cores.py``) now: for ``train`` (a benchmark measures the
+    machine as it is), and only before torch is imported, as OpenMP reads the setting once."""
+    return command == "train" and "torch" not in modules
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    # torch deprecations raised from inside DeepSpeed are not the user's to act on
+    warnings.filterwarnings("ignore", category=FutureWarning, module="torch")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    args.argv, args.verbose = argv, getattr(args, "verbose", False)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s")
+    show_accelerator_fallback(args.verbose)
+    if shares_cores(args.command, sys.modules):
+        share_cores_politely()
+    try:
+        apply_local_rank(getattr(args, "local_rank", None))
+        return int(args.func(args) or 0)
+    except ValueError as error:  # bad input: a clear message, no traceback
+        print(f"opsd-rollout: error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt as interrupted:
+        said = {"train": "nothing trained yet", "eval": "no result written"}.get(
+            args.command, "finished configs are in the result file (finish with --resume-results)")
+        print("opsd-rollout: interrupted; " + (str(interrupted) or said), file=sys.stderr)
+        return 130
+
