@@ -13,9 +13,10 @@ the teacher the cached built-in teacher (``<cache-dir>/teachers/llama-micro-*/mo
 - ``jsd``: on-policy, the JSD (beta 0.5);
 - ``reverse_kl_k1`` / ``reverse_kl_k3``: on-policy, the sampled reverse KL with the k1 / k3 estimator;
 - ``supervised_kd``: the teacher's responses to the training prompts, sampled ONCE beforehand (temperature 1, one a
-  prompt, its EOS kept) by our rollout engine into a prompt file, then ``--lmbda 0 --loss forward_kl``: the forward
-  KL to the teacher's whole distribution on each token of those fixed responses. The generation's wall time is
-  added to the arm's wall-time axis;
+  prompt) by our rollout engine into a prompt file (``sample_record``: one that ended at the teacher's EOS a whole
+  response, trained with that EOS after it; one cut at 80 tokens a continuation, trained with none), then ``--lmbda
+  0 --loss forward_kl``: the forward KL to the teacher's whole distribution on each token of those fixed responses.
+  The generation's wall time is added to the arm's wall-time axis;
 - ``sft``: cross-entropy on the task's worked solutions (``--objective sft``).
 
 Runs are repeatable (the seed), their times are not: on a shared machine run a pair again with another ``--runs``
@@ -137,11 +138,21 @@ def teacher_responses(teacher: Path, problems: list[Any]) -> list[str]:
     return out
 
 
+def sample_record(prompt: str, text: str, eos: str) -> dict[str, Any]:
+    """A teacher's sample (``text``, with the EOS's text where it ended) as a prompt file's line: a sample that
+    ended is a whole response, its reference the text before the EOS (training puts the EOS back after it, so the
+    student learns to stop); one cut at ``max_new_tokens`` did not end, and says so (``"continuation": true``:
+    trained with no EOS after it)."""
+    if text.endswith(eos):
+        return {"prompt": prompt, "reference": text[:-len(eos)]}
+    return {"prompt": prompt, "reference": text, "continuation": True}
+
+
 def generate(teacher: Path, path: Path) -> None:
-    """The teacher's responses to the task's training prompts, sampled once, as a prompt file (``prompt`` and
-    ``reference``, the EOS kept as its text so the student learns to stop). The held-out problems' responses fill
-    every 10th line (the lines a prompt file's run holds out), so the run trains on exactly the 20,000 training
-    prompts the other arms do, in the same order. The wall time goes to ``<path>.json``."""
+    """The teacher's responses to the task's training prompts, sampled once, as a prompt file (``sample_record``).
+    The held-out problems' responses fill every 10th line (the lines a prompt file's run holds out), so the run
+    trains on exactly the 20,000 training prompts the other arms do, in the same order. The wall time goes to
+    ``<path>.json``."""
     from opsd_rollout.files import write_text_atomic
     from opsd_rollout.models import load_tokenizer
     from opsd_rollout.train.scorers import extract
@@ -149,6 +160,7 @@ def generate(teacher: Path, path: Path) -> None:
     from opsd_rollout.train.tasks import TASKS
 
     start, load_start = time.perf_counter(), load()
+    eos = load_tokenizer(str(teacher)).eos_token
     train, held_out = TASKS["arithmetic"].problems()
     train_texts, held_texts = teacher_responses(teacher, train), teacher_responses(teacher, held_out)
     lines, taken, held = [], 0, 0
@@ -157,9 +169,8 @@ def generate(teacher: Path, path: Path) -> None:
             p, text, held = held_out[held % len(held_out)], held_texts[held % len(held_out)], held + 1
         else:
             p, text, taken = train[taken], train_texts[taken], taken + 1
-        lines.append(json.dumps({"prompt": p.prompt, "reference": text}))
+        lines.append(json.dumps(sample_record(p.prompt, text, eos)))
     write_text_atomic(path, "\n".join(lines) + "\n")
-    eos = load_tokenizer(str(teacher)).eos_token
     right = sum(extract("gsm8k", t.replace(eos, "")) == str(p.answer) for p, t in zip(train, train_texts))
     stopped = sum(t.endswith(eos) for t in train_texts)
     write_json_atomic(path.with_suffix(".json"), dict(

@@ -49,8 +49,8 @@ def test_turns_render_with_the_tokenizers_template(tmp_path, chat_tokenizer):
     assert continued.prompt == chat_tokenizer.apply_chat_template([*CONVERSATION, PREFIX], tokenize=False,
                                                                   continue_final_message=True)
     assert continued.prompt.endswith("<|im_start|>assistant\nIt is")  # open: the student continues the turn
-    # the reference is the rest of the turn as the template closes it
-    assert with_reference == Example(new_turn.prompt, "4<|im_end|>\n", "math")
+    # the reference is the rest of the turn as the template closes it, which ends it: no EOS after it
+    assert with_reference == Example(new_turn.prompt, "4<|im_end|>\n", "math", eos=False)
 
 
 def test_without_a_template_turns_are_role_lines(tmp_path):
@@ -130,9 +130,36 @@ def test_the_loss_trains_on_the_reference_alone_token_by_token(tmp_path, chat_to
     assert [e.reference for e in examples] == [" 4.<|im_end|>\n", "4<|im_end|>\n"]
 
 
+EOS_TURNS = ("{% for m in messages %}[{{ m.role }}] {{ m.content }}{% if m.role == 'assistant' %}</s>{% endif %}"
+             "{% endfor %}{% if add_generation_prompt %}[assistant] {% endif %}")
+"""A template that closes an assistant turn with the EOS's own text (as Llama 2's and Mistral's do)."""
+
+
+@pytest.mark.parametrize("template,continuation,reference,expected", [
+    (CHATML, False, "4", "4<|im_end|>\n"),  # the template's end of turn, no EOS after it
+    (EOS_TURNS, False, "4", "4</s>"),  # the template's end of turn is the EOS: once, not doubled
+    (None, False, " 4.", " 4.</s>"),  # role lines close no turn: the EOS ends it
+    (CHATML, True, " 4", " 4"),  # running text: the turn left open, nothing after it
+    (None, True, " 4", " 4"),
+])
+def test_a_chat_reference_ends_its_turn_once_unless_it_is_a_continuation(tmp_path, template, continuation,
+                                                                          reference, expected):
+    tokenizer = byte_tokenizer()
+    tokenizer.chat_template = template
+    record = {"messages": [*CONVERSATION, PREFIX], "reference": reference}
+    (example,) = read_examples(write(tmp_path / "chat.jsonl", [{**record, "continuation": continuation}]), tokenizer)
+    batch = Encoder(tokenizer, max_prompt_tokens=512, max_reference_tokens=64).with_references([example],
+                                                                                               torch.device("cpu"))
+    targets = response_targets(batch)
+    trained = targets.labels[0][targets.mask[0]].tolist()
+    assert trained == tokenizer(expected, add_special_tokens=False)["input_ids"]
+    assert trained.count(EOS_ID) == expected.count("</s>")
+
+
 def test_train_takes_a_multi_turn_file(tmp_path):
     """A run on chat records (the presets' tokenizer has no template: role lines): its off-policy steps train on the
-    references' tokens alone (1 + 3 of them), its held-out evaluation samples the student's continuations."""
+    references' tokens and the EOS after each alone (1 + 3 of them, 2 EOS), its held-out evaluation samples the
+    student's continuations."""
     from opsd_rollout.train import TrainConfig, train
 
     path = write(tmp_path / "chat.jsonl", [{"messages": CONVERSATION, "reference": "4"},
@@ -141,5 +168,5 @@ def test_train_takes_a_multi_turn_file(tmp_path):
                                               teacher="qwen2-tiny", prompts=path, steps=1, lmbda=0.0,
                                               prompts_per_micro_batch=2, max_new_tokens=8, eval_prompts=2,
                                               progress=False)))
-    assert result.records[1]["response_tokens"] == 4 and not result.records[1]["on_policy"]
+    assert result.records[1]["response_tokens"] == 1 + 3 + 2 and not result.records[1]["on_policy"]
     assert result.records[0]["eval_reverse_kl"] > 0

@@ -102,7 +102,8 @@ def test_the_tasks_examples_train_an_eos_after_each_worked_solution(monkeypatch)
     train, held_out = task_examples("arithmetic")
     assert len(train) == 300 and all(e.eos and e.reference.endswith(f"#### {e.reference.split()[-1]}") for e in train)
     encoder = Encoder(byte_tokenizer(), max_prompt_tokens=256, max_reference_tokens=128)
-    batch = encoder.with_references(train[:2] + [Example("a window", "of running text")], torch.device("cpu"))
+    window = Example("a window", "of running text", eos=False)
+    batch = encoder.with_references(train[:2] + [window], torch.device("cpu"))
     start = batch.response_start_idx[0]
     for row, example in zip(range(3), train[:2] + [None]):
         tokens = batch.input_ids[row, start:][batch.attention_mask[row, start:].bool()].tolist()

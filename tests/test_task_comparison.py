@@ -53,3 +53,25 @@ def test_the_report_reads_equal_steps_equal_time_and_half_the_teacher(tmp_path):
     assert fkl["summary"]["accuracy_at_each_arms_end"] == {"forward_kl": 0.6, "supervised_kd": 0.1}
     tc.plot(result, tmp_path / "out" / "comparison.png")
     assert (tmp_path / "out" / "comparison.png").stat().st_size > 0
+
+
+def test_supervised_kds_samples_train_the_teachers_tokens_and_its_eos_where_it_ended(tmp_path):
+    """A teacher's sample that ended trains its tokens and that EOS, once; one cut at max_new_tokens its tokens
+    alone (a continuation): exactly the tokens the teacher sampled, whichever way it stopped."""
+    import torch
+
+    from opsd_rollout.models import EOS_ID, byte_tokenizer
+    from opsd_rollout.opsd.targets import response_targets
+    from opsd_rollout.train import read_examples
+    from opsd_rollout.train.data import Encoder
+
+    tc, tokenizer = _script(), byte_tokenizer()
+    samples = ["7+8=15, 5\n#### 15</s>", "7+8=15, 5\n#### 1"]  # as teacher_responses returns them: ended, cut
+    path = tmp_path / "teacher_samples.jsonl"
+    path.write_text("".join(json.dumps(tc.sample_record("7+8?\n", s, tokenizer.eos_token)) + "\n" for s in samples))
+    batch = Encoder(tokenizer, max_prompt_tokens=64, max_reference_tokens=80).with_references(
+        read_examples(path, tokenizer), torch.device("cpu"))
+    targets = response_targets(batch)
+    trained = [labels[mask].tolist() for labels, mask in zip(targets.labels, targets.mask)]
+    assert trained == [tokenizer(s, add_special_tokens=False)["input_ids"] for s in samples]
+    assert [row.count(EOS_ID) for row in trained] == [1, 0]

@@ -80,10 +80,13 @@ def test_the_data_order_is_a_function_of_seed_and_micro_batch_only():
 
 
 def test_references_become_a_rollout_batch_of_the_contract():
-    encoder = Encoder(byte_tokenizer(), max_prompt_tokens=64, max_reference_tokens=3)
+    tokenizer = byte_tokenizer()
+    encoder = Encoder(tokenizer, max_prompt_tokens=64, max_reference_tokens=3)
     batch = encoder.with_references([Example("ab", "xyzw"), Example("abcd", "q")], torch.device("cpu"), samples=2)
     assert batch.input_ids.shape == (4, 4 + 3) and batch.response_start_idx.tolist() == [4] * 4
-    assert batch.attention_mask.tolist()[0] == [0, 0, 1, 1, 1, 1, 1] and batch.attention_mask.tolist()[2] == [1] * 5 + [0, 0]
+    mask = batch.attention_mask.tolist()  # "xyzw" cut to 3 tokens (no EOS: it did not end there), "q" and its EOS
+    assert mask[0] == [0, 0, 1, 1, 1, 1, 1] and mask[2] == [1] * 6 + [0]
+    assert tokenizer.decode(batch.input_ids[0, 4:]) == "xyz" and batch.input_ids[2, 5] == tokenizer.eos_token_id
     assert torch.equal(batch.input_ids[0], batch.input_ids[1])  # repeat_interleave order
 
 
@@ -229,7 +232,7 @@ def test_sft_is_the_cross_entropy_on_the_references(tmp_path):
     engine = build_engine(model.train(), 0, lr=1e-3)
     profile = sft_step(engine, batch)
     assert profile.loss == pytest.approx(float(expected), rel=1e-5)
-    assert profile.rollout is None and profile.response_tokens == 7 + 2
+    assert profile.rollout is None and profile.response_tokens == 7 + 2 + 2  # an EOS after each
 
 
 @pytest.mark.parametrize("zero_stage", [0, 2])

@@ -19,14 +19,16 @@ def _held_out(topic: str) -> bool:
 def corpus_examples(*, prompt_chars: int = 48, reference_chars: int = 32,
                     stride: int | None = None) -> tuple[list[Example], list[Example]]:
     """(train, held-out): windows of each topic's text, ``prompt_chars`` of prompt then ``reference_chars`` of
-    reference, every ``stride`` characters (default: a window's length, no overlap); whitespace runs collapsed."""
+    reference (running text, trained with no EOS after it: a window does not end where it stops), every ``stride``
+    characters (default: a window's length, no overlap); whitespace runs collapsed."""
     from pydoc_data.topics import topics
 
     stride = stride or prompt_chars + reference_chars
     train, held_out = [], []
     for topic in sorted(topics):
         text = " ".join(topics[topic].split())
-        windows = [Example(text[i:i + prompt_chars], text[i + prompt_chars:i + prompt_chars + reference_chars])
+        windows = [Example(text[i:i + prompt_chars], text[i + prompt_chars:i + prompt_chars + reference_chars],
+                           eos=False)
                    for i in range(0, len(text) - prompt_chars - reference_chars + 1, stride)]
         (held_out if _held_out(topic) else train).extend(windows)
     return train, held_out

@@ -6,7 +6,13 @@ chat ``messages`` and an optional ``reference`` (the text the prompt should cont
 a synonym), or plain text with one prompt a line. Chat messages are rendered with the tokenizer's chat template:
 after a last user (or tool) turn with the generation prompt (a new assistant turn follows), a last assistant turn
 continued (its text is the prefix the student completes). Every earlier turn is prompt: context the student is
-never trained on. The order is a function of the seed and the micro-batch's index alone, so a resumed run takes
+never trained on.
+
+A reference is a whole response unless its record says ``"continuation": true``: a text reference is trained with
+the tokenizer's EOS after it, a chat reference with the end-of-turn text its template closes the turn with (the EOS
+where the template writes none), so the model learns to stop where the reference ends. A continuation (running
+text, like the built-in corpus's windows) is trained on its own tokens alone; a chat one leaves the turn open. The
+order is a function of the seed and the micro-batch's index alone, so a resumed run takes
 exactly the batches the uninterrupted run would have.
 """
 
@@ -32,16 +38,21 @@ class Example:
     """The text that follows the prompt in the data (SFT's target, supervised KD's references)."""
     teacher: str | None = None
     """The teacher that scores it (a name, with several teachers); ``None``: the default teacher."""
-    eos: bool = False
-    """The reference is a whole response (a built-in task's worked solution), not a window of running text:
-    training on it trains the tokenizer's EOS after it too, so the model learns to stop."""
+    eos: bool = True
+    """Training on the reference trains the tokenizer's EOS after it (once: none is added to a reference whose
+    tokens end with it), so the model learns to stop there: a whole response. ``False``: a continuation, running
+    text that does not end where the reference stops (the built-in corpus's windows), or a chat reference whose
+    template's end-of-turn text already ends it."""
 
 
-def render_messages(messages: list[dict[str, Any]], tokenizer: Any, reference: str | None = None) -> Example:
+def render_messages(messages: list[dict[str, Any]], tokenizer: Any, reference: str | None = None, *,
+                    continuation: bool = False) -> Example:
     """Chat ``messages`` as a prompt, with the tokenizer's chat template (``role: content`` lines when it has
     none): a last user (or tool) turn gets the generation prompt, a last assistant turn is left open to continue
     (``continue_final_message``). ``reference``, when given, is the rest of that assistant turn (or the whole new
-    one): rendered as the template closes a turn (its end-of-turn text included), the part after the prompt."""
+    one): rendered as the template closes a turn (its end-of-turn text included), the part after the prompt, with
+    the EOS after it where the template writes no end-of-turn text (the ``role: content`` lines); with
+    ``continuation``, rendered with the turn left open, and nothing after it."""
     messages = list(check_messages(messages))
     prompt = _render(messages, tokenizer)
     if reference is None:
@@ -50,8 +61,15 @@ def render_messages(messages: list[dict[str, Any]], tokenizer: Any, reference: s
         whole = [*messages[:-1], {**messages[-1], "content": messages[-1]["content"] + reference}]
     else:
         whole = [*messages, {"role": CONTINUE, "content": reference}]
+    opened = _render(whole, tokenizer)
+    if continuation:
+        return Example(prompt, opened[len(prompt):] if opened.startswith(prompt) else reference, eos=False)
     closed = _render(whole, tokenizer, closed=True)
-    return Example(prompt, closed[len(prompt):] if closed.startswith(prompt) else reference)
+    if not closed.startswith(prompt):
+        return Example(prompt, reference)
+    # the template's end-of-turn text: what closing the turn adds after it (none, in the role lines)
+    end = closed[len(opened):] if closed.startswith(opened) else None
+    return Example(prompt, closed[len(prompt):], eos=end is not None and not end.strip())
 
 
 def _render(messages: list[dict[str, Any]], tokenizer: Any, *, closed: bool = False) -> str:
@@ -70,9 +88,9 @@ def _render(messages: list[dict[str, Any]], tokenizer: Any, *, closed: bool = Fa
 def example_of(record: Record, tokenizer: Any) -> Example:
     """A record rendered: a chat record's messages through the tokenizer's template, a text record as it is."""
     if record.messages is None:
-        return Example(record.prompt, record.reference, record.teacher)
-    example = render_messages(list(record.messages), tokenizer, record.reference)
-    return Example(example.prompt, example.reference, record.teacher)
+        return Example(record.prompt, record.reference, record.teacher, eos=not record.continuation)
+    example = render_messages(list(record.messages), tokenizer, record.reference, continuation=record.continuation)
+    return Example(example.prompt, example.reference, record.teacher, eos=example.eos)
 
 
 def read_examples(path: str | Path, tokenizer: Any) -> list[Example]:
@@ -120,15 +138,21 @@ class Encoder:
             mask[i, width - len(row):] = 1
         return RolloutRequest(ids.to(device), mask.to(device))
 
+    def reference_ids(self, example: Example, eos: list[int]) -> list[int]:
+        """The reference's tokens, then ``eos`` (``[the tokenizer's EOS]``, or ``[]``) where the example trains it
+        and they do not end with it already (a reference written with the EOS's text)."""
+        ids = self.ids(example.reference)
+        return ids + eos if example.eos and ids[-1:] != eos else ids
+
     def with_references(self, examples: list[Example], device: torch.device, samples: int = 1) -> RolloutBatch:
-        """A ``RolloutBatch`` whose responses are the examples' references (followed by EOS where ``eos``), each cut
-        to ``max_reference_tokens``, every row repeated ``samples`` times, as a rollout of ``samples`` per prompt
-        returns it."""
+        """A ``RolloutBatch`` whose responses are the examples' references (followed by EOS where ``eos``:
+        ``reference_ids``), each cut to ``max_reference_tokens`` (a reference cut there trains no EOS: it did not
+        end), every row repeated ``samples`` times, as a rollout of ``samples`` per prompt returns it."""
         if any(e.reference is None for e in examples):
             raise ValueError("training on references needs a 'reference' for every example")
         request = self.request(examples, device)
         eos = [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else []
-        answers = [(self.ids(e.reference) + (eos if e.eos else []))[:self.max_reference_tokens] for e in examples]
+        answers = [self.reference_ids(e, eos)[:self.max_reference_tokens] for e in examples]
         width = max(1, max(len(a) for a in answers))
         ids = torch.full((len(answers), width), self.pad, dtype=torch.int64)
         mask = torch.zeros((len(answers), width), dtype=torch.int64)

@@ -3,8 +3,12 @@ the command line refuses a bad file, naming its line, before any of them loads.
 
 A file is JSON lines or plain text (one prompt a line, when it is neither ``.jsonl``/``.json`` nor starts with
 ``{``). A JSON record has a ``prompt`` (text) or chat ``messages``, and optionally a ``reference`` (``completion``
-is read as a synonym: the text that continues the prompt) and a ``teacher`` (the name of the teacher that scores
-it, with several teachers).
+is read as a synonym: the text that continues the prompt), ``continuation`` and a ``teacher`` (the name of the
+teacher that scores it, with several teachers).
+
+A reference is a whole response: training on it trains the end after it too (the tokenizer's EOS; a chat turn's
+end-of-turn text), so the model learns to stop there. ``"continuation": true`` says a reference is running text
+that does not end there (a window of a document): nothing is trained after it.
 
 Chat ``messages`` are a list of ``{"role": ..., "content": ...}`` turns (``system``, ``user``, ``assistant``,
 ``tool``, or any role the tokenizer's chat template knows). The last turn says what the rollout does: after a
@@ -39,6 +43,9 @@ class Record:
     """What continues the prompt: a text record's next text, a chat record's rest of the assistant turn."""
     teacher: str | None = None
     """The teacher that scores this example (its name with several teachers); ``None``: the default teacher."""
+    continuation: bool = False
+    """The reference is running text that does not end where it stops (``"continuation": true``); ``False``: a whole
+    response, whose end is trained after it."""
 
 
 def read_records(path: str | Path) -> list[Record]:
@@ -71,13 +78,18 @@ def _record(where: str, number: int, line: str) -> Record:
     teacher = value.get("teacher")
     if teacher is not None and (not isinstance(teacher, str) or not teacher):
         raise ValueError(f"{where}: 'teacher' must be a teacher's name; got {teacher!r}")
+    continuation = value.get("continuation", False)
+    if not isinstance(continuation, bool):
+        raise ValueError(f"{where}: 'continuation' must be true or false; got {continuation!r}")
+    if continuation and reference is None:
+        raise ValueError(f"{where}: 'continuation' says how a reference ends, and the line has no 'reference'")
     if "messages" in value:
         return Record(number, messages=check_messages(value["messages"], where), reference=reference,
-                      teacher=teacher)
+                      teacher=teacher, continuation=continuation)
     prompt = str(value["prompt"])
     if not prompt:
         raise ValueError(f"{where} has an empty prompt")
-    return Record(number, prompt=prompt, reference=reference, teacher=teacher)
+    return Record(number, prompt=prompt, reference=reference, teacher=teacher, continuation=continuation)
 
 
 def check_messages(messages: Any, where: str = "messages") -> tuple[dict[str, Any], ...]:

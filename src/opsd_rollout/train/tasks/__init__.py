@@ -17,7 +17,7 @@ SCORERS = {"arithmetic": "gsm8k"}
 
 def examples_of(problems: list[Problem]) -> list[Example]:
     """Problems as training examples: the worked solution the reference, a whole response (EOS after it)."""
-    return [Example(p.prompt, p.reference, eos=True) for p in problems]
+    return [Example(p.prompt, p.reference) for p in problems]
 
 
 def task_examples(name: str) -> tuple[list[Example], list[Example]]:
