@@ -18,7 +18,8 @@ from opsd_rollout.opsd.divergence import DivergenceConfig, chunked_divergence
 from opsd_rollout.opsd.fused import fusion_problem, head_divergence
 from opsd_rollout.opsd.sampled import head_sampled_divergence, sampled_divergence
 from opsd_rollout.opsd.served import ServedTeacher
-from opsd_rollout.opsd.targets import response_targets
+from opsd_rollout.opsd.self_teacher import SelfTeacher
+from opsd_rollout.opsd.targets import expanded_prompts, reprompted, response_targets
 from opsd_rollout.opsd.teachers import Share, check_routes, check_teacher, route_rows, share_targets
 from opsd_rollout.opsd.teacher import TeacherCacheBuffers, TeacherCacheConfig, build_teacher_cache
 from opsd_rollout.opsd.step_profile import StepParts, StepProfile
@@ -107,7 +108,7 @@ def _warn_if_teacher_is_student(student: torch.nn.Module, teacher: torch.nn.Modu
     """Once per student and ``state``, at its first step (afterwards its weights have moved): a teacher equal to
     the student makes every divergence 0, so the step would train nothing and report ``loss 0.0000`` without a
     word."""
-    if student in state.checked:
+    if student in state.checked or isinstance(teacher, SelfTeacher):  # a self-teacher differs by its context
         return
     state.checked.add(student)
     if _same_weights(student, teacher):
@@ -168,8 +169,10 @@ def token_mean(total: torch.Tensor, count: torch.Tensor) -> tuple[torch.Tensor, 
 
 
 def resident_bytes(module: Any) -> int:
-    """Bytes of ``module``'s parameters held on this rank (a ZeRO-3 parameter's own partition)."""
-    held = (getattr(p, "ds_tensor", p) for p in innermost_model(module).parameters())
+    """Bytes of ``module``'s parameters held on this rank (a ZeRO-3 parameter's own partition); a ``SelfTeacher``'s
+    own alone (the student's weights it scores with are the student's)."""
+    params = module.parameters() if isinstance(module, SelfTeacher) else innermost_model(module).parameters()
+    held = (getattr(p, "ds_tensor", p) for p in params)
     return sum(t.numel() * t.element_size() for t in held)
 
 
@@ -190,8 +193,8 @@ def check_pairing(divergence: DivergenceConfig, teacher_cache: TeacherCacheConfi
 def opsd_step(student_engine: Any, teacher: Any, rollout: Any, request: Any, sampling: Any, *,
               divergence: DivergenceConfig | None = None, teacher_cache: TeacherCacheConfig | None = None,
               behaviour_logprobs: torch.Tensor | None = None, state: StepState | None = None,
-              seed: int | None = None, grad_norm: bool = False,
-              routes: Sequence[str] | None = None) -> StepProfile:
+              seed: int | None = None, grad_norm: bool = False, routes: Sequence[str] | None = None,
+              teacher_request: Any = None) -> StepProfile:
     """One step on ``student_engine`` (a DeepSpeed engine, ZeRO 0-3), and its profile: the one-call convenience over
     ``OPSDStep`` (``OPSDStep(...)(request, ...)``; a caller running many steps builds the ``OPSDStep`` once).
 
@@ -205,7 +208,8 @@ def opsd_step(student_engine: Any, teacher: Any, rollout: Any, request: Any, sam
     step = OPSDStep(engine=student_engine, teacher=teacher, rollout=rollout, sampling=sampling,
                     divergence=divergence or DivergenceConfig(), teacher_cache=teacher_cache or TeacherCacheConfig(),
                     grad_norm=grad_norm, state=state if state is not None else StepState())
-    return step(request, seed=seed, routes=routes, behaviour_logprobs=behaviour_logprobs)
+    return step(request, seed=seed, routes=routes, behaviour_logprobs=behaviour_logprobs,
+                teacher_request=teacher_request)
 
 
 @dataclass(kw_only=True, eq=False)
@@ -242,18 +246,21 @@ class OPSDStep:
         for name, each in self.teachers.items():  # before any work
             check_teacher(each, vocab, self.teacher_cache, name)
             if not isinstance(each, ServedTeacher):
-                _warn_if_teacher_is_student(student, innermost_model(each), self.state)
+                _warn_if_teacher_is_student(student, each if isinstance(each, SelfTeacher) else innermost_model(each),
+                                            self.state)
         self.fused = _fuses(student, self.divergence, self.state)
         self.device = torch.device(self.engine.device)
 
     def __call__(self, request: Any, *, seed: int | None = None, routes: Sequence[str] | None = None,
-                 behaviour_logprobs: torch.Tensor | None = None, rollout: Any = None) -> StepProfile:
+                 behaviour_logprobs: torch.Tensor | None = None, rollout: Any = None,
+                 teacher_request: Any = None) -> StepProfile:
         """One whole step (``start(...).finish()``)."""
         return self.start(request, seed=seed, routes=routes, behaviour_logprobs=behaviour_logprobs,
-                          rollout=rollout).finish()
+                          rollout=rollout, teacher_request=teacher_request).finish()
 
     def start(self, request: Any, *, seed: int | None = None, routes: Sequence[str] | None = None,
-              behaviour_logprobs: torch.Tensor | None = None, rollout: Any = None, slot: int = 0) -> "StepInFlight":
+              behaviour_logprobs: torch.Tensor | None = None, rollout: Any = None, teacher_request: Any = None,
+              slot: int = 0) -> "StepInFlight":
         """The step's first half: the rollout, and each teacher's cache, built here by an in-process teacher or
         asked of a served one in the background (``overlap``) and left in flight. ``.finish()`` is the rest: the
         student's forward, the wait for a served teacher, the loss, backward and the optimizer.
@@ -264,7 +271,10 @@ class OPSDStep:
         teachers, one name per prompt. ``behaviour_logprobs`` [N, R]: with ``sampled_reverse_kl``, the sampled tokens'
         log-probabilities under the policy that sampled them, for an off-policy update (``None``: on-policy).
         ``rollout``: this step's samples from another source than the run's rollout (the teacher's samples for
-        supervised KD, a batch made beforehand).
+        supervised KD, a batch made beforehand). ``teacher_request``: the teachers' own prompts, a
+        ``RolloutRequest`` with one (left-padded) prompt for each of ``request``'s (a privileged context: the
+        reference, for self-distillation); each teacher scores the student's responses after its row's prompt, the
+        student learns after its own. ``None``: the teachers see the student's prompts.
 
         Between the halves the caller may do work that does not change the student's weights: ``train`` rolls out
         its next micro-batches there, so each one's teacher request is in flight behind the next rollout. Steps in
@@ -281,28 +291,32 @@ class OPSDStep:
                 seeded_call = {} if seed is None else {"seed": seed}
                 batch = parts.run("rollout", rollout.generate, request, self.sampling, **seeded_call)
             targets = response_targets(batch)
-            shares = self._shares(targets, routes)
+            scored = None if teacher_request is None else reprompted(
+                targets, *teacher_prompts(teacher_request, request, self.sampling.n_samples_per_prompt))
+            shares = self._shares(targets, routes, scored)
             in_flight = StepInFlight(step=self, rollout=rollout, seed=seed, behaviour_logprobs=behaviour_logprobs,
                                      recorder=recorder, parts=parts, switch=switch, targets=targets, shares=shares)
             for share in sorted(shares, key=lambda share: not share.served):  # the servers' requests first
                 buffers = self.state.buffers_for(slot, share.name)
                 if share.served:
-                    share.pending = share.teacher.submit(share.targets, self.teacher_cache, buffers=buffers,
+                    share.pending = share.teacher.submit(share.teacher_targets, self.teacher_cache, buffers=buffers,
                                                          pin=self.device.type == "cuda")
                     if not share.teacher.overlap:
                         in_flight.wait(share)
                 else:
-                    share.cache = parts.run("teacher", build_teacher_cache, share.teacher, share.targets,
+                    share.cache = parts.run("teacher", build_teacher_cache, share.teacher, share.teacher_targets,
                                             self.teacher_cache, recorder=recorder, buffers=buffers)
         return in_flight
 
-    def _shares(self, targets: Any, routes: Sequence[str] | None) -> list[Share]:
-        """Each teacher's rows and targets: every row for one teacher; with several, each prompt's rows to the
-        teacher its route names (a partitioned teacher joins with no rows: its gathers need every rank)."""
+    def _shares(self, targets: Any, routes: Sequence[str] | None, scored: Any) -> list[Share]:
+        """Each teacher's rows and targets (and what it scores, ``scored``, when its prompts are not the student's):
+        every row for one teacher; with several, each prompt's rows to the teacher its route names (a partitioned
+        teacher joins with no rows: its gathers need every rank)."""
         if not self.routed:
-            return [Share(name=None, teacher=self.teacher, rows=None, targets=targets)]
+            return [Share(name=None, teacher=self.teacher, rows=None, targets=targets, scored=scored)]
         rows = route_rows(self.teacher, routes, self.sampling.n_samples_per_prompt, targets.input_ids.device)
-        return [Share(name=name, teacher=each, rows=rows[name], targets=share_targets(targets, rows[name]))
+        return [Share(name=name, teacher=each, rows=rows[name], targets=share_targets(targets, rows[name]),
+                      scored=None if scored is None else share_targets(scored, rows[name]))
                 for name, each in self.teacher.items() if rows[name].numel() or partitioned(innermost_model(each))]
 
 
@@ -379,6 +393,19 @@ class StepInFlight:
             teacher_latency_ms=max((pending.latency_ms for pending in served), default=0.0),
             teacher_losses={name: value for name, (value, _) in teachers.items()},
             teacher_tokens={name: tokens for name, (_, tokens) in teachers.items()})
+
+
+def teacher_prompts(teacher_request: Any, request: Any, samples_per_prompt: int) -> tuple[torch.Tensor,
+                                                                                       torch.Tensor]:
+    """The teachers' prompts ``[B * n, P']`` (ids and mask), one a response row, from ``teacher_request``'s one a
+    prompt of ``request``."""
+    ids, mask = teacher_request.prompt_ids, teacher_request.prompt_attention_mask
+    prompts = int(request.prompt_ids.shape[0])
+    if ids.dim() != 2 or ids.shape[0] != prompts or mask.shape != ids.shape:
+        raise ValueError(f"teacher_request must hold one prompt for each of the request's {prompts} prompts: ids "
+                         f"[{prompts}, P'] and a mask of the same shape; got {tuple(ids.shape)} and "
+                         f"{tuple(mask.shape)}")
+    return expanded_prompts(teacher_request, samples_per_prompt)
 
 
 def per_teacher(names: list[str], sums: dict[str, tuple[torch.Tensor, torch.Tensor]],

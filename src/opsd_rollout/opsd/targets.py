@@ -103,3 +103,30 @@ def filled_width(response_mask: torch.Tensor) -> int:
         return 0
     last = filled.shape[0] - filled.flip(0).to(torch.int8).argmax()
     return int(torch.where(filled.any(), last, 0))
+
+
+def reprompted(targets: ResponseTargets, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> ResponseTargets:
+    """``targets``' responses after other prompts: the teacher's own (``prompt_ids``, ``prompt_mask`` [N, P'],
+    left-padded, one a row), so a teacher shown another context than the student (the reference, for
+    self-distillation) scores exactly the student's response tokens. Labels and mask are ``targets``' own: window
+    position ``j`` predicts the same response token on both sides, whatever the two prompts' lengths and padding."""
+    rows = targets.labels.shape[0]
+    if prompt_ids.dim() != 2 or prompt_ids.shape[0] != rows or prompt_mask.shape != prompt_ids.shape:
+        raise ValueError(f"the teacher's prompts must be [N, P'] ids and a mask of the same shape, a row for each of "
+                         f"the {rows} response rows; got {tuple(prompt_ids.shape)} and {tuple(prompt_mask.shape)}")
+    if prompt_ids.shape[1] < 1 or not bool(prompt_mask[:, -1].bool().all()):
+        raise ValueError("the teacher's prompts must be left-padded (every row's last column a real token), so that "
+                         "each response follows its prompt")
+    start = targets.prompt_length
+    device = targets.input_ids.device
+    input_ids = torch.cat([prompt_ids.to(device, targets.input_ids.dtype), targets.input_ids[:, start:]], dim=1)
+    attention_mask = torch.cat([prompt_mask.to(device, targets.attention_mask.dtype),
+                                targets.attention_mask[:, start:]], dim=1)
+    return ResponseTargets(input_ids, attention_mask, prompt_ids.shape[1], targets.labels, targets.mask)
+
+
+def expanded_prompts(request: Any, samples_per_prompt: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A ``RolloutRequest``'s prompts ``[B, P]`` as ``[B * n, P]`` ids and mask, row ``i`` prompt ``i // n`` (the
+    rollout's row order), for ``reprompted``."""
+    return (request.prompt_ids.repeat_interleave(samples_per_prompt, 0),
+            request.prompt_attention_mask.repeat_interleave(samples_per_prompt, 0))

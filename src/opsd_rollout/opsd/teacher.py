@@ -22,6 +22,7 @@ import torch
 from opsd_rollout import checks
 from opsd_rollout.distributed import agree_max, partitioned
 from opsd_rollout.modeling import innermost_model, logit_transform, position_ids, text_config
+from opsd_rollout.opsd.self_teacher import scoring
 from opsd_rollout.opsd.targets import response_targets
 from opsd_rollout.profiling import NULL_RECORDER
 
@@ -207,8 +208,14 @@ def build_teacher_cache(teacher: Any, targets: Any, config: TeacherCacheConfig, 
     ``targets``: our ``ResponseTargets``, DeepSpeed's ``ResponseTokenBatch`` (its window starts at the first
     position it trains on) or a ``RolloutBatch``. ``recorder`` (a ``StageRecorder``) gets ``teacher_forward``
     (body and LM head) and ``cache_write`` spans. ``buffers``: the host memory to build the cache in, kept by a
-    caller that builds one every step; ``None``: fresh buffers, for a one-off cache (they go with it)."""
-    targets = response_targets(targets)
+    caller that builds one every step; ``None``: fresh buffers, for a one-off cache (they go with it). A
+    ``SelfTeacher`` scores in its own context (eval mode; a LoRA student's adapters off for its initial weights)."""
+    with scoring(teacher) as running:
+        return _build(running, response_targets(targets), config, recorder, buffers)
+
+
+def _build(teacher: Any, targets: Any, config: TeacherCacheConfig, recorder: Any,
+           buffers: TeacherCacheBuffers | None) -> TeacherCache:
     model = innermost_model(teacher)  # inside DeepSpeed and PEFT wrappers
     body, head = model.base_model, model.get_output_embeddings()
     head_param = next(head.parameters(), None)

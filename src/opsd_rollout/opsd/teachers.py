@@ -27,10 +27,17 @@ class Share:
     rows: torch.Tensor | None
     """[n] the batch rows it scores (int64, ascending); ``None``: every row."""
     targets: ResponseTargets
-    """Those rows' targets, in the whole batch's window."""
+    """Those rows' targets, in the whole batch's window: what the student's loss is over."""
+    scored: ResponseTargets | None = None
+    """What the teacher scores, when its prompts are not the student's (its own context before the same responses:
+    ``targets.reprompted``); ``None``: ``targets``."""
     cache: TeacherCache | None = None
     pending: InFlight | None = None
     """A served teacher's cache on its way."""
+
+    @property
+    def teacher_targets(self) -> ResponseTargets:
+        return self.scored if self.scored is not None else self.targets
 
     @property
     def served(self) -> bool:
