@@ -180,7 +180,7 @@ def test_train_flags_set_the_train_config_fields_of_their_names():
     from opsd_rollout.train import TrainConfig
     from opsd_rollout.train.config import FLAT, SECTIONS
     from opsd_rollout.train.teacher_spec import FLAGS as TEACHER_FLAGS
-    from opsd_rollout.train.teacher_spec import TeacherSpec
+    from opsd_rollout.train.teacher_spec import OPTIONS, TeacherSpec
 
     named_otherwise = {"samples_per_prompt": "sampling.n_samples_per_prompt", "teacher_cache": "teacher_cache.mode",
                        "teacher_top_k": "teacher_cache.top_k", "eval_data": "task_eval.data",
@@ -192,9 +192,8 @@ def test_train_flags_set_the_train_config_fields_of_their_names():
         assert dest == flag[2:].replace("-", "_"), flag
         if dest in top:
             continue
-        if dest in TEACHER_FLAGS:  # the teachers' flags: each TeacherSpec's field of their name
-            assert dest in ("teacher", "teacher_url") or dest.removeprefix("teacher_") in {
-                f.name for f in fields(TeacherSpec)}, flag
+        if dest in TEACHER_FLAGS:  # the teachers' flags: a TeacherSpec's field each (OPTIONS) or the sources
+            assert dest in ("teacher", "teacher_url") or OPTIONS[dest][0] in {f.name for f in fields(TeacherSpec)}
             continue
         section, leaf = FLAT[dest].split(".")
         assert leaf in {f.name for f in fields(SECTIONS[section])}, flag

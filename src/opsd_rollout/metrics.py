@@ -230,6 +230,12 @@ TRAINING: dict[str, Metric] = {m.name: m for m in [
            meaning="the optimizer's learning rate after the step (DeepSpeed's `get_lr()`, the first group's)"),
     Metric("divergence", "divergence", "text", lower_is_better=None,
            meaning="the loss: `jsd`, `forward_kl`, `reverse_kl`, `sampled_reverse_kl`, or `cross_entropy` (SFT)"),
+    Metric("teacher", "teacher", "text", lower_is_better=None,
+           meaning="who scored the step: the teacher's preset, directory or address, `self (initial)` or `self (live)` "
+                   "for the student as its own teacher; with several, `NAME=...` each; `null` for SFT"),
+    Metric("teacher_context", "context", "text", lower_is_better=None,
+           meaning="the context the teacher was shown before the student's response (`--teacher-context`: its "
+                   "template, `{prompt}` and `{reference}` filled per example); `null`: the student's own prompt"),
     Metric("on_policy", "on-policy", "bool", lower_is_better=None,
            meaning="whether the step trained on the student's own samples (`--lmbda`'s draw); `null` for SFT"),
     Metric("trainable_parameters", "trainable", "count", lower_is_better=None,

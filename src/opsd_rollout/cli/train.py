@@ -15,9 +15,21 @@ FLAGS: list[tuple[str, str, dict[str, Any]]] = [  # (flag, TrainConfig's flat na
     ("--student", "student", dict(help="preset or local checkpoint directory (default llama-tiny; with no model or "
                                        "data flag at all: the built-in run, see the description)")),
     ("--teacher", "teacher", dict(action="append", metavar="[NAME=]PRESET_OR_DIR", help="preset or local checkpoint "
-                                  "of the student's vocabulary (needed to distil); repeat it as NAME=PRESET_OR_DIR "
-                                  "for several teachers, each example going to the one its 'teacher' field names "
-                                  "(the one given without a name, or the first named, takes the rest)")),
+                                  "of the student's vocabulary (needed to distil), or self: the student is its own "
+                                  "teacher, shown the reference (on-policy self-distillation); repeat it as "
+                                  "NAME=PRESET_OR_DIR for several teachers, each example going to the one its "
+                                  "'teacher' field names (the one given without a name, or the first named, takes "
+                                  "the rest)")),
+    ("--self-teacher", "self_teacher", dict(choices=("initial", "live"), help="with --teacher self, which weights "
+                                            "teach: initial (default), the student's starting weights, frozen (a "
+                                            "LoRA student's base with its adapters off: no second copy); live, the "
+                                            "student as it trains, without gradient")),
+    ("--teacher-context", "teacher_context", dict(metavar="TEMPLATE", help="the teacher's own prompt: a text with "
+                                                  "{prompt} and {reference}, filled per example (a chat example's "
+                                                  "last user turn), so the teacher scores the student's response "
+                                                  "knowing the answer (default with --teacher self: the problem, the "
+                                                  "reference solution, then an instruction to solve it in its own "
+                                                  "words; else the student's prompt)")),
     ("--prompts", "prompts", dict(metavar="FILE", help="JSON lines with 'prompt' (or chat 'messages': a new "
                                   "assistant turn after a last user or tool turn, a last assistant turn continued) "
                                   "and an optional 'reference', or one prompt a line (default: the built-in corpus, "

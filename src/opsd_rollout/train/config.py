@@ -29,7 +29,8 @@ from opsd_rollout.train.eval_file import TaskEvalConfig
 from opsd_rollout.train.lora import AdapterConfig
 from opsd_rollout.train.preflight import check_teacher_given
 from opsd_rollout.train.teacher_spec import FLAGS as TEACHER_FLAGS
-from opsd_rollout.train.teacher_spec import UNNAMED, TeacherSpec, as_specs, check_specs, routed, specs_from_flags
+from opsd_rollout.train.teacher_spec import (UNNAMED, TeacherSpec, as_specs, check_self, check_specs, routed,
+                                             specs_from_flags)
 from opsd_rollout.train.setup import OptimizationConfig
 
 OBJECTIVES = ("opsd", "sft")
@@ -146,6 +147,7 @@ class TrainConfig:
             _check_task(self)
         check_teacher_given(self.objective, self.teachers)
         check_specs(self.teachers, self.default_teacher)
+        check_self(self.teachers, self.objective, self.lmbda, teacher_samples=self.off_policy == "teacher")
         if self.served:
             _check_served(self)
         for name, kind in SECTIONS.items():

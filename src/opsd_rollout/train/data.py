@@ -19,7 +19,8 @@ exactly the batches the uninterrupted run would have.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,7 @@ import torch
 from deepspeed.runtime.rollout.base import RolloutBatch, RolloutRequest
 
 from opsd_rollout.train.records import CONTINUE, Record, check_messages, read_records
+from opsd_rollout.train.teacher_spec import fill
 
 
 @dataclass(frozen=True)
@@ -43,6 +45,9 @@ class Example:
     tokens end with it), so the model learns to stop there: a whole response. ``False``: a continuation, running
     text that does not end where the reference stops (the built-in corpus's windows), or a chat reference whose
     template's end-of-turn text already ends it."""
+    teacher_prompt: str | None = None
+    """The teacher's own prompt, when it is shown another context than the student (its reference: ``in_context``,
+    for self-distillation); ``None``: the student's prompt."""
 
 
 def render_messages(messages: list[dict[str, Any]], tokenizer: Any, reference: str | None = None, *,
@@ -85,18 +90,58 @@ def _render(messages: list[dict[str, Any]], tokenizer: Any, *, closed: bool = Fa
     return "\n".join(lines) if final or closed else "".join(line + "\n" for line in lines) + f"{CONTINUE}: "
 
 
-def example_of(record: Record, tokenizer: Any) -> Example:
-    """A record rendered: a chat record's messages through the tokenizer's template, a text record as it is."""
+def example_of(record: Record, tokenizer: Any, context: str | None = None) -> Example:
+    """A record rendered: a chat record's messages through the tokenizer's template, a text record as it is; with a
+    teacher ``context`` (a template of ``{prompt}`` and ``{reference}``), the teacher's prompt too."""
     if record.messages is None:
-        return Example(record.prompt, record.reference, record.teacher, eos=not record.continuation)
-    example = render_messages(list(record.messages), tokenizer, record.reference, continuation=record.continuation)
-    return Example(example.prompt, example.reference, record.teacher, eos=example.eos)
+        example = Example(record.prompt, record.reference, record.teacher, eos=not record.continuation)
+    else:
+        rendered = render_messages(list(record.messages), tokenizer, record.reference, continuation=record.continuation)
+        example = Example(rendered.prompt, rendered.reference, record.teacher, eos=rendered.eos)
+    if context is None:
+        return example
+    if record.reference is None:
+        raise ValueError(f"line {record.line}: its teacher is shown the reference (--teacher-context, --teacher self), "
+                         "and it has no 'reference'")
+    return replace(example, teacher_prompt=context_prompt(context, record.prompt, record.reference,
+                                                          record.messages, tokenizer))
 
 
-def read_examples(path: str | Path, tokenizer: Any) -> list[Example]:
-    """Every example of a prompt file (see the module docstring); a clear error, naming the line, for a missing or
-    empty file or a line that is not an example (``records.read_records``)."""
-    return [example_of(record, tokenizer) for record in read_records(path)]
+def context_prompt(template: str, prompt: str | None, reference: str, messages: Any = None,
+                   tokenizer: Any = None) -> str:
+    """The teacher's prompt: ``template`` filled with the prompt and the reference; for chat ``messages``, the last
+    user turn's content filled so (the conversation otherwise the student's, rendered by the same template)."""
+    if messages is None:
+        return fill(template, prompt=prompt, reference=reference)
+    turns = [dict(m) for m in messages]
+    last = max((i for i, m in enumerate(turns) if m["role"] == "user"), default=len(turns) - 1)
+    turns[last]["content"] = fill(template, prompt=turns[last].get("content") or "", reference=reference)
+    return _render(turns, tokenizer)
+
+
+def in_context(examples: list[Example], context_of: Callable[[str | None], str | None]) -> list[Example]:
+    """Text examples (a built-in task's, the corpus's) with their teachers' prompts: ``context_of(example.teacher)``,
+    the template of the teacher each goes to (``None``: it sees the student's prompt)."""
+    out = []
+    for number, example in enumerate(examples, 1):
+        context = context_of(example.teacher)
+        if context is not None:
+            if example.reference is None:
+                raise ValueError(f"example {number}: its teacher is shown the reference (--teacher-context, --teacher "
+                                 "self), and it has none")
+            example = replace(example, teacher_prompt=context_prompt(context, example.prompt, example.reference))
+        out.append(example)
+    return out
+
+
+def read_examples(path: str | Path, tokenizer: Any,
+                  context_of: Callable[[str | None], str | None] | None = None) -> list[Example]:
+    """Every example of a prompt file (see the module docstring), with each teacher's prompt where ``context_of``
+    (a teacher's name -> its context template, or ``None``) gives a context; a clear error, naming the line, for a
+    missing or empty file, a line that is not an example (``records.read_records``), or a line without the reference
+    its teacher's context shows."""
+    return [example_of(record, tokenizer, context_of(record.teacher) if context_of else None)
+            for record in read_records(path)]
 
 
 @functools.lru_cache(maxsize=4)
@@ -129,7 +174,17 @@ class Encoder:
 
     def request(self, examples: list[Example], device: torch.device) -> RolloutRequest:
         """[B, P] left-padded prompts, each cut to its last ``max_prompt_tokens`` tokens."""
-        rows = [self.ids(e.prompt)[-self.max_prompt_tokens:] or [self.pad] for e in examples]
+        return self._left_padded([self.ids(e.prompt)[-self.max_prompt_tokens:] or [self.pad] for e in examples],
+                                 device)
+
+    def teacher_request(self, examples: list[Example], device: torch.device) -> RolloutRequest:
+        """[B, P'] the teachers' own prompts, left-padded (an example without one: the student's prompt), whole (a
+        run checks before any work that they fit: ``Models.check_prompts``)."""
+        return self._left_padded([self.ids(e.teacher_prompt) if e.teacher_prompt is not None
+                                  else self.ids(e.prompt)[-self.max_prompt_tokens:] or [self.pad] for e in examples],
+                                 device)
+
+    def _left_padded(self, rows: list[list[int]], device: torch.device) -> RolloutRequest:
         width = max(len(r) for r in rows)
         ids = torch.full((len(rows), width), self.pad, dtype=torch.int64)
         mask = torch.zeros((len(rows), width), dtype=torch.int64)

@@ -20,7 +20,7 @@ from opsd_rollout.distributed import agree_max, partitioned
 from opsd_rollout.modeling import position_ids, text_config
 from opsd_rollout.opsd.divergence import DivergenceConfig, token_divergence
 from opsd_rollout.opsd.served import ServedTeacher
-from opsd_rollout.opsd.targets import response_targets
+from opsd_rollout.opsd.targets import expanded_prompts, reprompted, response_targets
 from opsd_rollout.opsd.teachers import route_rows, share_targets
 from opsd_rollout.opsd.teacher import TeacherCacheConfig
 from opsd_rollout.seeding import seeded
@@ -52,15 +52,19 @@ def _row_chunks(targets: Any, vocab: int, *models: torch.nn.Module) -> list[slic
     return chunks
 
 
-def reverse_kl_sum(student: torch.nn.Module, teacher: torch.nn.Module, batch: Any) -> tuple[float, int]:
-    """Summed per-token KL(student || teacher) over ``batch``'s response tokens, and their count."""
+def reverse_kl_sum(student: torch.nn.Module, teacher: torch.nn.Module, batch: Any,
+                   scored: Any = None) -> tuple[float, int]:
+    """Summed per-token KL(student || teacher) over ``batch``'s response tokens, and their count; ``scored``: what
+    the teacher reads when its prompts are not the student's (``targets.reprompted``: the same responses after its
+    own prompts)."""
     targets = response_targets(batch)
+    theirs = scored if scored is not None else targets
     total, count = 0.0, 0
     for rows in _row_chunks(targets, text_config(student.config).vocab_size, student, teacher):
         if rows.stop == 0:  # another rank's forward: join its gathers
-            _window_logits(student, targets, slice(0, 1)), _window_logits(teacher, targets, slice(0, 1))
+            _window_logits(student, targets, slice(0, 1)), _window_logits(teacher, theirs, slice(0, 1))
             continue
-        kl = token_divergence(_window_logits(student, targets, rows), _window_logits(teacher, targets, rows),
+        kl = token_divergence(_window_logits(student, targets, rows), _window_logits(teacher, theirs, rows),
                               REVERSE_KL)  # [n, R], exact over the vocabulary
         mask = targets.mask[rows].to(kl.device)
         total += float((kl * mask).sum())
@@ -68,13 +72,14 @@ def reverse_kl_sum(student: torch.nn.Module, teacher: torch.nn.Module, batch: An
     return total, count
 
 
-def served_reverse_kl_sum(student: torch.nn.Module, teacher: ServedTeacher, batch: Any) -> tuple[float, int]:
+def served_reverse_kl_sum(student: torch.nn.Module, teacher: ServedTeacher, batch: Any,
+                          scored: Any = None) -> tuple[float, int]:
     """Summed per-token KL(student || teacher) over ``batch``'s response tokens, estimated from the sampled tokens
     alone (a served teacher sends log-probabilities, not distributions): k3 = exp(-r) - 1 + r with r = log p_s(y) -
     log p_t(y), whose mean under the student's sampling is the same per-token KL as the exact figure (unbiased,
     never negative), and their count."""
     targets = response_targets(batch)
-    teacher_logprobs = teacher.build_cache(targets, SAMPLED).values  # [N, R] on the host
+    teacher_logprobs = teacher.build_cache(scored if scored is not None else targets, SAMPLED).values  # [N, R], host
     total, count = 0.0, 0
     for rows in _row_chunks(targets, text_config(student.config).vocab_size, student):
         logits = _window_logits(student, targets, rows)
@@ -103,10 +108,13 @@ def cross_entropy_of(student: torch.nn.Module, batch: Any) -> tuple[float, int]:
 
 @torch.no_grad()
 def evaluate(engine: Any, teacher: Any, rollout: Any, encoder: Encoder, examples: list[Example],
-             sampling: Any, *, seed: int, batch_size: int, default_teacher: str | None = None) -> dict[str, float]:
+             sampling: Any, *, seed: int, batch_size: int, default_teacher: str | None = None,
+             teacher_prompts: bool = False) -> dict[str, float]:
     """``eval_reverse_kl`` (with a teacher) and ``eval_cross_entropy`` (when every example has a reference) of the
     student ``engine`` over ``examples``. Several teachers (``teacher`` a mapping by name): each example's KL to its
-    own (its ``teacher`` field's, else ``default_teacher``), also per teacher as ``eval_reverse_kl/NAME``."""
+    own (its ``teacher`` field's, else ``default_teacher``), also per teacher as ``eval_reverse_kl/NAME``. With
+    ``teacher_prompts``, each teacher scores the samples after its own prompt (``Example.teacher_prompt``: shown
+    the reference, as it is in training)."""
     module = getattr(engine, "module", engine)
     device = torch.device(getattr(engine, "device", next(module.parameters()).device))
     was_training = module.training
@@ -121,14 +129,18 @@ def evaluate(engine: Any, teacher: Any, rollout: Any, encoder: Encoder, examples
                 chunk = examples[start:start + batch_size]
                 if teacher is not None:
                     batch = rollout.generate(encoder.request(chunk, device), sampling, seed=seed + start)
+                    targets = response_targets(batch)
+                    scored = None if not teacher_prompts else reprompted(targets, *expanded_prompts(
+                        encoder.teacher_request(chunk, device), sampling.n_samples_per_prompt))
                     if not several:
-                        _add(sums["eval_reverse_kl"], _reverse_kl(module, teacher, batch))
+                        _add(sums["eval_reverse_kl"], _reverse_kl(module, teacher, targets, scored))
                     routes = [e.teacher or default_teacher for e in chunk] if several else []
                     rows = route_rows(teacher, routes, sampling.n_samples_per_prompt, batch.input_ids.device) \
                         if several else {}
                     for name, picked in rows.items():
                         if picked.numel():
-                            figure = _reverse_kl(module, teacher[name], share_targets(response_targets(batch), picked))
+                            figure = _reverse_kl(module, teacher[name], share_targets(targets, picked),
+                                                 None if scored is None else share_targets(scored, picked))
                             _add(sums["eval_reverse_kl"], figure)
                             _add(sums[f"eval_reverse_kl/{name}"], figure)
                 if references:
@@ -143,9 +155,9 @@ def evaluate(engine: Any, teacher: Any, rollout: Any, encoder: Encoder, examples
     return {name: total / count for name, (total, count) in sums.items() if count}
 
 
-def _reverse_kl(student: torch.nn.Module, teacher: Any, batch: Any) -> tuple[float, int]:
+def _reverse_kl(student: torch.nn.Module, teacher: Any, batch: Any, scored: Any) -> tuple[float, int]:
     kl = served_reverse_kl_sum if isinstance(teacher, ServedTeacher) else reverse_kl_sum
-    return kl(student, teacher, batch)
+    return kl(student, teacher, batch, scored)
 
 
 def _add(into: list, value: tuple[float, int]) -> None:

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from opsd_rollout.files import write_text_atomic
+from opsd_rollout.opsd.self_teacher import SelfTeacher
 from opsd_rollout.opsd.served import ServedTeacher
 from opsd_rollout.opsd.step import OPSDStep, StepInFlight
 from opsd_rollout.opsd.step_profile import StepProfile
@@ -33,6 +34,7 @@ from opsd_rollout.train.report import MetricsLog, Progress, monitor_events, plot
 from opsd_rollout.train.setup import Models, build_student_engine, load_models, split_examples
 from opsd_rollout.train.sft import sft_step
 from opsd_rollout.train.task_eval import Problem, evaluate_task, task_problems
+from opsd_rollout.train.teacher_spec import described
 
 logger = logging.getLogger(__name__)
 
@@ -104,6 +106,13 @@ class _Run:
             from opsd_rollout.deepspeed_engine import build_inference_engine
 
             self.teacher = build_inference_engine(self.teacher, 3)
+        for each in (self.teacher.values() if config.several else [self.teacher]):
+            if isinstance(each, SelfTeacher) and each.copied and self.engine.zero_optimization_stage() == 3:
+                from opsd_rollout.deepspeed_engine import build_inference_engine  # the student's starting weights,
+
+                each.module = build_inference_engine(each.module, 3)  # partitioned as the student is
+        self.reprompt = any(spec.context is not None for spec in config.teachers)
+        """The teachers see their own prompts (a context: the reference), built from each example's."""
         self.references = config.off_policy == "references" or (
             config.off_policy == "auto" and all(e.reference is not None for e in train))
         self.teacher_rollout = (HybridEngineRollout(self.teacher, models.tokenizer, config.rollout)
@@ -152,8 +161,9 @@ class _Run:
             rollout = (_Fixed(self.encoder.with_references(examples, self.device, config.sampling.n_samples_per_prompt))
                        if self.references else self.teacher_rollout)
         routes = [e.teacher or config.default_teacher_name for e in examples] if config.several else None
+        teacher_request = self.encoder.teacher_request(examples, self.device) if self.reprompt else None
         return self.opsd.start(self.encoder.request(examples, self.device), seed=_seed_of(config.seed, index),
-                               routes=routes, rollout=rollout, slot=slot)
+                               routes=routes, rollout=rollout, teacher_request=teacher_request, slot=slot)
 
     def train_step(self, number: int) -> dict[str, Any]:
         """Optimizer step ``number`` (counted from 1): its micro-batches, and its record."""
@@ -178,8 +188,10 @@ class _Run:
         step_ms = (time.perf_counter() - start) * 1e3
         divergence = "cross_entropy" if config.objective == "sft" else config.divergence.loss
         drawn = number * self.accumulation * config.prompts_per_micro_batch * self.rank.world_size  # every rank's
+        teacher, context = described(config.teachers) if config.objective == "opsd" else (None, None)
         return step_record(number, profiles, step_ms=step_ms, learning_rate=float(self.engine.get_lr()[0]),
-                           on_policy=on_policy, divergence=divergence, epoch=drawn / len(self.train))
+                           on_policy=on_policy, divergence=divergence, epoch=drawn / len(self.train), teacher=teacher,
+                           teacher_context=context)
 
     def evaluation(self, *, teacher: bool = False) -> dict[str, float]:
         """The held-out figures, the task evaluation's when there is one, and with ``teacher`` (step 0) the
@@ -189,7 +201,7 @@ class _Run:
         start = time.perf_counter()
         figures = evaluate(self.engine, self.teacher, self.rollout, self.encoder, shard, self.config.sampling,
                            seed=_seed_of(self.config.seed, 2**31), batch_size=self.config.prompts_per_micro_batch,
-                           default_teacher=self.config.default_teacher_name)
+                           default_teacher=self.config.default_teacher_name, teacher_prompts=self.reprompt)
         if self.problems is not None:
             if teacher:
                 figures.update(self.teacher_task_evaluation())
@@ -214,6 +226,11 @@ class _Run:
             if self.rank.rank == 0:
                 logger.warning("with several teachers, none is scored on --eval-data here: for a teacher's figure, "
                                "run opsd-rollout eval --model on its checkpoint")
+            return {}
+        if isinstance(self.teacher, SelfTeacher) or self.config.teachers[0].is_self:
+            if self.rank.rank == 0:
+                logger.warning("the self-teacher is not scored on --eval-data: it is the student's own weights, shown "
+                               "the reference in training; the student's figure at step 0 is its starting point")
             return {}
         if isinstance(self.teacher, ServedTeacher):
             if self.rank.rank == 0:
@@ -308,16 +325,20 @@ def train(config: TrainConfig) -> TrainResult:
     """Run ``config``: every input checked before any model work, then the loop. Ctrl-C saves a checkpoint and
     returns with ``interrupted`` set; a served teacher that stops answering for its ``timeout`` seconds saves one
     at the last completed step and returns with ``stopped`` set."""
-    from opsd_rollout.train.data import read_examples
+    from opsd_rollout.train.data import in_context, read_examples
     from opsd_rollout.train.eval_file import read_eval_file
+    from opsd_rollout.train.teacher_spec import check_self, context_of
 
     if config.resume is not None:
         find_checkpoint(config.resume)  # before any work: a directory without a checkpoint is refused
     task = config.task_eval
     records = read_eval_file(task.data, task.scorer) if task is not None else None  # before any model work
     models = load_models(config)
-    examples = read_examples(config.prompts, models.tokenizer) if config.prompts else None
+    contexts = context_of(config.teachers, config.default_teacher)
+    examples = read_examples(config.prompts, models.tokenizer, contexts) if config.prompts else None
     train_examples, held_out = split_examples(config, examples)
+    if contexts is not None and examples is None:  # a built-in task's or the corpus's: text examples
+        train_examples, held_out = in_context(train_examples, contexts), in_context(held_out, contexts)
     models.check_prompts(train_examples + held_out, config)
     references = all(e.reference is not None for e in train_examples)
     if config.objective == "sft" and not references:
@@ -325,6 +346,7 @@ def train(config: TrainConfig) -> TrainResult:
     if config.off_policy == "references" and not references:
         raise ValueError("off_policy references trains on references: every example needs a 'reference'")
     teacher_samples = config.off_policy == "teacher" or (config.off_policy == "auto" and not references)
+    check_self(config.teachers, config.objective, config.lmbda, teacher_samples)
     if config.several:
         check_example_teachers(train_examples + held_out, {spec.name for spec in config.teachers})
         if config.lmbda < 1 and teacher_samples:

@@ -18,7 +18,8 @@ from opsd_rollout.train.checkpoint import find_checkpoint
 from opsd_rollout.train.eval_file import TaskEvalConfig, read_eval_file
 from opsd_rollout.train.lora import AdapterConfig
 from opsd_rollout.train.records import read_records
-from opsd_rollout.train.teacher_spec import TeacherSpec, check_specs, routed, specs_from_flags
+from opsd_rollout.train.teacher_spec import (TeacherSpec, check_self, check_specs, context_of, routed,
+                                             specs_from_flags)
 
 DEFAULT_STUDENT = "llama-tiny"
 """``TrainConfig.student``'s default (a test checks they agree)."""
@@ -55,6 +56,8 @@ def preflight(values: dict[str, Any], *, builtin: bool = False) -> None:
                      if values.get(flat) is not None})
     specs = specs_from_flags(values)
     check_specs(specs, values.get("default_teacher"))
+    check_self(specs, values.get("objective", "opsd"), values.get("lmbda", 1.0),
+               teacher_samples=values.get("off_policy") == "teacher")
     if not builtin:
         check_teacher_given(values.get("objective", "opsd"), specs)
         student = values.get("student") or DEFAULT_STUDENT
@@ -63,7 +66,10 @@ def preflight(values: dict[str, Any], *, builtin: bool = False) -> None:
                 check_vocabularies(student, vocab_size(student), spec.label, vocab_size(spec.source))
     if values.get("prompts") is not None:
         names = {spec.name for spec in specs} if routed(specs) else None
-        check_routes(read_records(values["prompts"]), names, f"--prompts {values['prompts']!r}")
+        records = read_records(values["prompts"])
+        where = f"--prompts {values['prompts']!r}"
+        check_routes(records, names, where)
+        check_references_shown(records, context_of(specs, values.get("default_teacher")), where)
     task = {leaf: values[flat] for flat, leaf in (("eval_data", "data"), ("eval_scorer", "scorer"),
                                                   ("eval_samples", "samples"),
                                                   ("eval_max_new_tokens", "max_new_tokens"))
@@ -86,6 +92,14 @@ def check_vocabularies(student: str, student_vocab: int | None, teacher: str | N
     if teacher is not None and None not in (student_vocab, teacher_vocab) and student_vocab != teacher_vocab:
         raise ValueError(f"student {student!r} has a vocabulary of {student_vocab:,} tokens and teacher {teacher!r} "
                          f"one of {teacher_vocab:,}: distillation needs the same vocabulary")
+
+
+def check_references_shown(records: list[Any], contexts: Any, where: str) -> None:
+    """Every record whose teacher is shown the reference (a context) has one."""
+    for record in records if contexts is not None else ():
+        if contexts(record.teacher) is not None and record.reference is None:
+            raise ValueError(f"{where} line {record.line}: its teacher is shown the reference (--teacher-context, "
+                             "--teacher self), and it has no 'reference'")
 
 
 def check_routes(records: list[Any], names: set[str] | None, where: str) -> None:

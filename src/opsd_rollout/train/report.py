@@ -19,7 +19,8 @@ from opsd_rollout.metrics import (RECORD_ROLLOUT_STAGES, ROLLOUT_PREFIX, STEP_ST
 
 
 def step_record(step: int, profiles: list[Any], *, step_ms: float, learning_rate: float, on_policy: bool | None,
-                divergence: str, epoch: float) -> dict[str, Any]:
+                divergence: str, epoch: float, teacher: str | None = None,
+                teacher_context: str | None = None) -> dict[str, Any]:
     """One optimizer step's record from its micro-batches' ``StepProfile``s: times and tokens summed, the loss the
     token-weighted mean, memory the largest, the gradient norm the step's (the last micro-batch's: the one that
     stepped the optimizer)."""
@@ -28,7 +29,8 @@ def step_record(step: int, profiles: list[Any], *, step_ms: float, learning_rate
         "step": step, "epoch": epoch, "loss": sum(p.loss * p.response_tokens for p in profiles) / max(tokens, 1),
         **teacher_losses(profiles),
         "grad_norm": next((p.grad_norm for p in reversed(profiles) if p.grad_norm is not None), None),
-        "learning_rate": learning_rate, "divergence": divergence, "on_policy": on_policy,
+        "learning_rate": learning_rate, "divergence": divergence, "teacher": teacher,
+        "teacher_context": teacher_context, "on_policy": on_policy,
         "micro_batches": len(profiles), "response_tokens": tokens,
         "tokens_per_second": tokens / (step_ms / 1e3) if step_ms > 0 else 0.0, "time/step_ms": step_ms}
     times = {name: sum(getattr(p, name) for p in profiles) for name in ("total_ms", *STEP_STAGES)}

@@ -15,12 +15,13 @@ from opsd_rollout import checks
 from opsd_rollout.deepspeed_config import check_deepspeed_config, read_deepspeed_file, refusal
 from opsd_rollout.modeling import max_positions_of, text_config
 from opsd_rollout.models import load_model, load_tokenizer, model_config, model_skeleton
+from opsd_rollout.opsd.self_teacher import SelfTeacher
 from opsd_rollout.opsd.served import ServedTeacher
 from opsd_rollout.presets import PRESETS
 from opsd_rollout.train.data import Example
 from opsd_rollout.train.lora import check_targets, with_adapters
 from opsd_rollout.train.preflight import check_vocabularies
-from opsd_rollout.train.teacher_spec import UNNAMED, TeacherSpec
+from opsd_rollout.train.teacher_spec import SELF, UNNAMED, TeacherSpec
 
 HELD_OUT_EVERY = 10
 """A prompt file's every tenth example is held out (files of fewer than ten evaluate on their training prompts)."""
@@ -54,6 +55,8 @@ class Models:
     """The one teacher, or several by name when examples are routed (``TrainConfig.several``); ``None``: SFT."""
     max_prompt_tokens: int
     """The longest prompt a rollout can take: the models' positions less ``max_new_tokens`` (or the config's)."""
+    max_teacher_prompt_tokens: int = 1 << 30
+    """The longest prompt a teacher shown a context can take: the models' positions less ``max_new_tokens``."""
 
     def check_prompts(self, examples: list[Example], config: Any) -> None:
         """Refuses, before any work, a prompt longer than ``max_prompt_tokens``."""
@@ -63,6 +66,14 @@ class Models:
                 raise ValueError(f"prompt {number} has {length} tokens, over the {self.max_prompt_tokens} a rollout "
                                  f"can take (the models' positions less max_new_tokens {config.sampling.max_new_tokens}, or "
                                  "--max-prompt-tokens): shorten it or lower --max-new-tokens")
+            if example.teacher_prompt is None:
+                continue
+            length = len(self.tokenizer(example.teacher_prompt, add_special_tokens=False)["input_ids"])
+            if length > self.max_teacher_prompt_tokens:
+                raise ValueError(f"example {number}'s teacher prompt (its context, with the reference) has {length} "
+                                 f"tokens, over the {self.max_teacher_prompt_tokens} the models' positions leave after "
+                                 f"max_new_tokens {config.sampling.max_new_tokens}: shorten its reference or the "
+                                 "--teacher-context, or lower --max-new-tokens")
 
 
 def load_models(config: Any) -> Models:
@@ -70,7 +81,7 @@ def load_models(config: Any) -> Models:
     the same vocabulary and positions that fit ``max_prompt_tokens + max_new_tokens``. The user's DeepSpeed config is
     checked first: a run's first model work is here, and a bad config is refused (an unknown key warned of) before."""
     deepspeed_config_of(config)
-    local = [spec for spec in config.teachers if not spec.served]
+    local = [spec for spec in config.teachers if spec.kind == "model"]
     configs = [text_config(model_config(name)) for name in (config.student, *(spec.source for spec in local))]
     for spec, theirs in zip(local, configs[1:]):
         check_vocabularies(config.student, configs[0].vocab_size, spec.label, theirs.vocab_size)
@@ -90,17 +101,21 @@ def load_models(config: Any) -> Models:
                          "len(tokenizer) (added tokens count; docs/MODELS.md)")
     if config.lora.enabled:  # fresh adapters on the loaded weights, the base frozen
         student = with_adapters(student, config.lora, config.student, config.seed)
-    teachers = {spec.name: load_teacher(spec, config, tokenizer, configs[0].vocab_size) for spec in config.teachers}
+    teachers = {spec.name: load_teacher(spec, config, tokenizer, configs[0].vocab_size, student)
+                for spec in config.teachers}
     teacher = teachers if config.several else next(iter(teachers.values()), None)
-    return Models(student, tokenizer, teacher, longest)
+    return Models(student, tokenizer, teacher, longest, max_teacher_prompt_tokens=positions - new_tokens)
 
 
-def load_teacher(spec: TeacherSpec, config: Any, tokenizer: Any, vocab_size: int) -> Any:
+def load_teacher(spec: TeacherSpec, config: Any, tokenizer: Any, vocab_size: int, student: torch.nn.Module) -> Any:
     """One teacher, checked before any step: a model's tokens against the student's, then its weights (a preset that
     is also the student gets other random weights: the same would make the loss 0); a server's answer, model,
-    tokenizer and vocabulary (``served_teacher``)."""
+    tokenizer and vocabulary (``served_teacher``); the student itself (``SelfTeacher``: its starting weights, made
+    now, before any step, or its live ones)."""
     if spec.served:
-        return served_teacher(spec, tokenizer, vocab_size)
+        return served_teacher(spec, tokenizer, vocab_size, student=config.student)
+    if spec.kind == "self":
+        return SelfTeacher.initial(student) if spec.self_weights == "initial" else SelfTeacher.live(student)
     check_same_tokens(config.student, tokenizer, spec.label, load_tokenizer(spec.source), vocab_size)
     seed = 1 if spec.source == config.student and spec.source in PRESETS else None
     return load_model(spec.source, seed=seed)[0].eval().requires_grad_(False)
@@ -125,12 +140,12 @@ def check_same_tokens(student: str, tokenizer: Any, teacher: str, teacher_tokeni
                          "distillation needs the same tokens at the same ids")
 
 
-def served_teacher(spec: TeacherSpec, tokenizer: Any, vocab_size: int) -> ServedTeacher:
+def served_teacher(spec: TeacherSpec, tokenizer: Any, vocab_size: int, *, student: str | None = None) -> ServedTeacher:
     """The served teacher of ``spec``, checked before any step: it answers (retried up to its ``timeout``), serves
-    ``spec.model`` (when named), and has the student's tokenizer and vocabulary; each failure one line naming both
-    sides."""
+    ``spec.model`` (when named; a served self-teacher the ``student``'s starting weights), and has the student's
+    tokenizer and vocabulary; each failure one line naming both sides."""
     flag = "--teacher-url" if spec.name == UNNAMED else f"--teacher-url {spec.name}="
-    teacher = ServedTeacher(spec.source, model=spec.model,
+    teacher = ServedTeacher(spec.source, model=student if spec.model == SELF else spec.model,
                             api_key=spec.api_key or os.environ.get("OPSD_ROLLOUT_API_KEY"),
                             protocol=spec.protocol, tokenizer=tokenizer, retry_timeout_s=spec.timeout,
                             overlap=overlaps(spec.overlap, spec.source))
