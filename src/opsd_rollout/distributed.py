@@ -26,6 +26,12 @@ def rank_info() -> RankInfo:
     return RankInfo(0, 1)
 
 
+def several_ranks() -> bool:
+    """Whether this process is one of several ranks of a process group: the one test before a collective that
+    one rank (or no group at all) skips."""
+    return rank_info().world_size > 1
+
+
 def partitioned(module: torch.nn.Module) -> bool:
     """Whether ``module``'s parameters are ZeRO-3 partitions (gathered collectively in every forward)."""
     return any(hasattr(p, "ds_status") for p in module.parameters())
@@ -34,7 +40,7 @@ def partitioned(module: torch.nn.Module) -> bool:
 def agree_max(values: list[int], device: torch.device | str = "cpu") -> list[int]:
     """Every rank's largest of each of ``values`` (one all-reduce; as given with one rank): how ranks whose work
     differs agree on a number of collective calls."""
-    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+    if not several_ranks():
         return list(values)
     flags = torch.tensor(values, dtype=torch.int64, device=device)
     dist.all_reduce(flags, op=dist.ReduceOp.MAX)

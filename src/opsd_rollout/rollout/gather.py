@@ -13,6 +13,7 @@ import torch
 from deepspeed.runtime.zero import parameter_offload
 from deepspeed.runtime.zero.partition_parameters import GatheredParameters
 
+from opsd_rollout.distributed import several_ranks
 from opsd_rollout.rollout.phases import partitioned_bytes
 
 logger = logging.getLogger(__name__)
@@ -52,8 +53,7 @@ class GatherOnce:
         """Whether the full parameters fit the budget on every rank (ranks must agree: a gather is collective)."""
         budget = self.budget_bytes if self.budget_bytes is not None else default_budget_bytes(self.device)
         fits = self.full_bytes <= budget
-        if torch.distributed.is_available() and torch.distributed.is_initialized() and \
-                torch.distributed.get_world_size() > 1:
+        if several_ranks():
             flag = torch.tensor(int(fits), device=self.device)
             torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN)
             fits = bool(flag.item())

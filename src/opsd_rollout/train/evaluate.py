@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from opsd_rollout.distributed import agree_max, partitioned
+from opsd_rollout.distributed import agree_max, partitioned, several_ranks
 from opsd_rollout.modeling import position_ids, text_config
 from opsd_rollout.opsd.divergence import DivergenceConfig, token_divergence
 from opsd_rollout.opsd.served import ServedTeacher
@@ -136,7 +136,7 @@ def evaluate(engine: Any, teacher: Any, rollout: Any, encoder: Encoder, examples
     finally:
         if was_training:
             engine.train()
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:  # every rank's tokens
+    if several_ranks():  # every rank's tokens
         both = torch.tensor([value for pair in sums.values() for value in pair], dtype=torch.float64, device=device)
         dist.all_reduce(both)
         sums = {name: both[2 * i:2 * i + 2].tolist() for i, name in enumerate(sums)}
