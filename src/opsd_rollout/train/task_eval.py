@@ -21,9 +21,8 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
-from opsd_rollout.distributed import agree_max, rank_info, several_ranks
+from opsd_rollout.distributed import agree_max, gather_objects, rank_info
 from opsd_rollout.modeling import max_positions_of, text_config
 from opsd_rollout.seeding import seeded
 from opsd_rollout.train.data import Encoder, Example, render_messages
@@ -218,8 +217,5 @@ def _score(problem: Problem, completion: str, samples: list[str], config: TaskEv
 
 def _gathered(scores: list[ProblemScore], tokens: int, seconds: float) -> tuple[list[ProblemScore], int, float]:
     """Every rank's problems, tokens summed, the slowest rank's time (as given with one rank)."""
-    if not several_ranks():
-        return scores, tokens, seconds
-    every: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(every, (scores, tokens, seconds))
+    every = gather_objects((scores, tokens, seconds))
     return [s for part in every for s in part[0]], sum(p[1] for p in every), max(p[2] for p in every)
