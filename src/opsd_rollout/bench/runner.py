@@ -16,13 +16,14 @@ from opsd_rollout.bench.engines import EnginePool
 from opsd_rollout.bench.environment import environment_block, measure_ceilings
 from opsd_rollout.bench.matrix import Matrix, run_order
 from opsd_rollout.bench.ranks import merge_iterations, stage_skew
-from opsd_rollout.bench.report import SCHEMA_VERSION, ConfigResult, write_json_atomic
+from opsd_rollout.bench.report import SCHEMA_VERSION, ConfigResult
 from opsd_rollout.bench.scenarios.base import Measurement
 from opsd_rollout.bench.stability import (Interference, InterferenceMonitor, Warmup, merge_interference,
                                           spread_warning, warm_up)
 from opsd_rollout.bench.threads import share_cores
 from opsd_rollout.deepspeed_engine import DEFAULT_COLLECTIVE_TIMEOUT_S, init_distributed
 from opsd_rollout.distributed import agree_all, gather_objects, rank_info
+from opsd_rollout.files import write_json_atomic
 from opsd_rollout.modeling import ModelSpec
 from opsd_rollout.models import parse_dtype
 

@@ -9,9 +9,9 @@ from typing import Any
 
 import torch
 
+from opsd_rollout.files import json_safe
 from opsd_rollout.metrics import STEP_PARTS, STEP_STAGES, bytes_text, hidden_share, label
 from opsd_rollout.profiling import PeakMemory, RolloutProfile, StageRecorder
-from opsd_rollout.profiling.profile import json_safe
 
 
 @dataclass(frozen=True, kw_only=True)

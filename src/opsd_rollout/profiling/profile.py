@@ -9,8 +9,6 @@ reads back as a profile; ``str()`` is a few lines for a person.
 from __future__ import annotations
 
 import dataclasses
-import math
-import numbers
 import statistics
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -18,26 +16,12 @@ from typing import Any
 
 import torch
 
+from opsd_rollout.files import json_safe
 from opsd_rollout.metrics import ATTRIBUTED_PHASES, DEEPSPEED_ALIASES, ROLLOUT_STAGES, bytes_text, label
 DERIVED_KEYS = ("generation_overhead_ms", "cache_management_ms")
 CACHE_MANAGEMENT_PHASES = ("workspace_alloc_ms", "compaction_ms", "kv_placement_ms")
 """The attributed phases that manage the key/value cache (DeepSpeed's ``cache_management_overhead_ms``)."""
 ATTRIBUTED_FIELDS = tuple(f"{phase}_ms" for phase in ATTRIBUTED_PHASES)
-
-
-def json_safe(record: dict[str, Any]) -> dict[str, Any]:
-    """``record`` with values any JSON encoder or scalar logger takes as they are: a tensor or numpy scalar as a
-    Python number, NaN and infinities as ``None`` (JSON has no spelling for them; ``json.dumps`` would write
-    ``NaN``, which strict readers refuse)."""
-    return {key: _plain(value) for key, value in record.items()}
-
-
-def _plain(value: Any) -> Any:
-    if isinstance(value, torch.Tensor) or (isinstance(value, numbers.Number) and not isinstance(value, (int, float))):
-        value = value.item()
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    return value
 
 
 @dataclass(frozen=True, kw_only=True, eq=True)
