@@ -6,6 +6,8 @@ word) and refuses a bad value in a pydantic section by a dump of several lines n
 line: the file, the key path, the value and what is allowed. What is known comes from the installed DeepSpeed: the
 keys ``DeepSpeedConfig`` reads (recorded as it reads) and those looked up by name outside that reading (found in
 the source). Sections are checked by DeepSpeed's own models, which refuse an unknown key (``extra="forbid"``).
+
+The configs the package builds itself share one default learning rate, ``LEARNING_RATE``.
 """
 
 from __future__ import annotations
@@ -24,6 +26,12 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 logger = logging.getLogger(__name__)
+
+LEARNING_RATE = 1e-3
+"""The student's AdamW learning rate wherever the package builds its DeepSpeed config and none is given: ``train``'s
+built config (``OptimizationConfig.lr``, ``--lr``), the ``step`` bench's student (``--lr``) and
+``deepspeed_engine.build_engine``. One rate, ``train``'s: the one its recipes were measured at (docs/TRAINING.md), so
+the bench times the step ``train`` takes and the library's ``opsd_step`` on a built engine learns as ``train`` does."""
 
 
 def read_deepspeed_file(path: str) -> dict[str, Any]:

@@ -17,6 +17,7 @@ import deepspeed
 import torch
 import torch.distributed as dist
 
+from opsd_rollout.deepspeed_config import LEARNING_RATE
 from opsd_rollout.distributed import free_port
 
 
@@ -48,7 +49,7 @@ def init_distributed(timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S) -> None:
         logger.info("%s", line)
 
 
-def deepspeed_config(zero_stage: int, *, dtype: torch.dtype = torch.float32, lr: float = 1e-4,
+def deepspeed_config(zero_stage: int, *, dtype: torch.dtype = torch.float32, lr: float = LEARNING_RATE,
                      micro_batch_size: int = 1, param_persistence_threshold: int = 0) -> dict[str, Any]:
     """A minimal DeepSpeed config for ``zero_stage`` (0-3).
 

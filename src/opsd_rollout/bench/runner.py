@@ -21,6 +21,7 @@ from opsd_rollout.bench.scenarios.base import Measurement
 from opsd_rollout.bench.stability import (Interference, InterferenceMonitor, Warmup, merge_interference,
                                           spread_warning, warm_up)
 from opsd_rollout.bench.threads import share_cores
+from opsd_rollout.deepspeed_config import LEARNING_RATE
 from opsd_rollout.deepspeed_engine import DEFAULT_COLLECTIVE_TIMEOUT_S, init_distributed
 from opsd_rollout.distributed import agree_all, gather_objects, rank_info
 from opsd_rollout.files import write_json_atomic
@@ -112,7 +113,7 @@ class BenchRunner:
             ceilings = measure_ceilings(self.device) if self._measure_machine else None
             self.environment = environment_block(self.device, ceilings, self.threads)
         self._save()
-        pool = EnginePool(self.settings.model, self.device, lr=getattr(self.settings, "lr", 1e-4),
+        pool = EnginePool(self.settings.model, self.device, lr=getattr(self.settings, "lr", LEARNING_RATE),
                           rank=self.ranks.rank)
         try:
             for batch in self.batches():
