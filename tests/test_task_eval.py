@@ -129,9 +129,9 @@ def test_chat_messages_are_rendered_and_a_long_prompt_refused(tmp_path):
     ([{"prompt": "a", "answer": None}], "line 1: 'answer' must be a non-empty string or a number"),
     ([{"messages": [], "answer": "1"}], "line 1: 'messages' must be a non-empty list"),
     ([{"prompt": "a", "answer": "#### 1"}, {"prompt": "b", "answer": "one"}],
-     "line 2: 'answer' 'one' holds no answer the gsm8k scorer can read \\(1 of 2 such lines"),
+     "line 2: 'answer' \"one\" holds no answer the gsm8k scorer can read \\(1 of 2 such lines"),
     ([{"prompt": "a", "answer": "one"}, {"prompt": "b", "answer": "two"}],
-     "no 'answer' holds one the gsm8k scorer can read \\(line 1: 'one'\\): pick the scorer of the answers' format "
+     "no 'answer' holds one the gsm8k scorer can read \\(line 1: \"one\"\\): pick the scorer of the answers' format "
      "\\(boxed, last-number, exact\\)"),
 ])
 def test_a_bad_eval_file_is_one_line_naming_it(tmp_path, rows, message):

@@ -123,14 +123,9 @@ def read_eval_file(path: str | Path, scorer: str) -> list[EvalRecord]:
         number, reference = unreadable[0]
         others = ", ".join(s for s in SCORERS if s != scorer)
         raise ValueError(f"{_where(path)}: no 'answer' holds one the {scorer} scorer can read (line {number}: "
-                         f"{_short(reference)}): pick the scorer of the answers' format ({others})")
+                         f"{checks.quoted(reference)}): pick the scorer of the answers' format ({others})")
     if unreadable:
         number, reference = unreadable[0]
-        raise ValueError(f"{_where(path, number)}: 'answer' {_short(reference)} holds no answer the {scorer} scorer "
-                         f"can read ({len(unreadable)} of {len(lines)} such lines; it would only count wrong)")
+        raise ValueError(f"{_where(path, number)}: 'answer' {checks.quoted(reference)} holds no answer the {scorer} "
+                         f"scorer can read ({len(unreadable)} of {len(lines)} such lines; it would only count wrong)")
     return records
-
-
-def _short(text: Any, limit: int = 60) -> str:
-    text = repr(text)
-    return text if len(text) <= limit else text[:limit - 4] + "...'"
