@@ -54,6 +54,16 @@ def known_model(*, coin: bool = False) -> torch.nn.Module:
     return model
 
 
+@pytest.fixture(scope="module")
+def known_checkpoint(tmp_path_factory) -> str:
+    """A checkpoint directory of ``known_model`` with the byte tokenizer, for what loads a model by its path (``eval
+    --model``, ``train --teacher``)."""
+    directory = tmp_path_factory.mktemp("known") / "model"
+    known_model().save_pretrained(directory)
+    byte_tokenizer().save_pretrained(directory)
+    return str(directory)
+
+
 def write_eval(path: Path, rows: list[dict]) -> Path:
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     return path
