@@ -80,12 +80,9 @@ def build_inference_engine(model: torch.nn.Module, zero_stage: int = 3, *, param
         raise ValueError(f"an inference engine's ZeRO stage is 0 or 3 (stages 1 and 2 partition optimizer state and "
                          f"gradients, which a frozen teacher has none of); got {zero_stage!r}")
     init_distributed()
-    dtype = next(model.parameters()).dtype
-    zero: dict[str, Any] = {"stage": zero_stage}
-    if zero_stage == 3:
-        zero["stage3_param_persistence_threshold"] = param_persistence_threshold
-    config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": zero, "steps_per_print": 1 << 30,
-              "bf16": {"enabled": dtype == torch.bfloat16}, "fp16": {"enabled": dtype == torch.float16}}
+    config = deepspeed_config(zero_stage, dtype=next(model.parameters()).dtype,
+                              param_persistence_threshold=param_persistence_threshold)
+    del config["optimizer"]  # nothing to optimise
     engine, *_ = deepspeed.initialize(model=model.eval().requires_grad_(False), config=config)
     return engine
 
