@@ -44,8 +44,8 @@ def _row_chunks(targets: Any, vocab: int, *models: torch.nn.Module) -> list[slic
     """Rows per forward within ``LOGITS_BUDGET``; where a model is ZeRO-3 partitioned, every rank runs as many
     forwards (the extra ones over row 0, their result unused) so that the gathers meet."""
     per_row = max(1, targets.labels.shape[1] * vocab * 4)
-    step = max(1, LOGITS_BUDGET // per_row)
-    chunks = [slice(i, i + step) for i in range(0, targets.labels.shape[0], step)]
+    rows = max(1, LOGITS_BUDGET // per_row)
+    chunks = [slice(i, i + rows) for i in range(0, targets.labels.shape[0], rows)]
     if any(partitioned(m) for m in models):
         (count,) = agree_max([len(chunks)], targets.input_ids.device)
         chunks += [slice(0, 0)] * (count - len(chunks))  # an empty slice: a forward of no rows, counted apart
