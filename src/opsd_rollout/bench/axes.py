@@ -21,6 +21,7 @@ from typing import Any
 from opsd_rollout import checks
 from opsd_rollout.bench.contenders import CONTENDERS, OURS
 from opsd_rollout.bench.lengths import KINDS, LengthModel
+from opsd_rollout.metrics import parse_size, size_text
 from opsd_rollout.rollout.config import HybridEngineRolloutConfig
 DTYPES = ("fp32", "fp16", "bf16")
 DECODINGS = ("greedy", "sampling")
@@ -72,29 +73,6 @@ def split_specs(text: str) -> list[str]:
         else:
             items.append(piece)
     return items
-
-
-_UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-
-
-def byte_size(value: Any) -> int:
-    """Bytes, or a number with KiB, MiB, GiB or TiB (``8GiB``, ``1.5GiB``), at least 1."""
-    if isinstance(value, bool):
-        raise ValueError
-    text = str(value).strip().lower()
-    number = text.rstrip("kmgtib")
-    size = int(float(number) * _UNITS[text[len(number):]]) if text[len(number):] in _UNITS else 0
-    if size < 1:
-        raise ValueError
-    return size
-
-
-def size_text(size: int) -> str:
-    """``8388608`` -> ``8MiB``: the largest unit that divides it exactly."""
-    for unit, factor in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if size % factor == 0:
-            return f"{size // factor}{unit}"
-    return str(size)
 
 
 def or_none(parse: Callable[[Any], Any], *words: str) -> Callable[[Any], Any]:
@@ -211,7 +189,7 @@ def engine_axis(where: str, f: Field, doc: str) -> Axis:
     if kind == "bool":
         parse, expected = on_off, "on or off"
     elif kind == "int":
-        parse, expected = ((byte_size, "a size such as 64MiB") if f.name.endswith("_bytes")
+        parse, expected = ((parse_size, "a size such as 64MiB") if f.name.endswith("_bytes")
                            else (positive_int, "an integer >= 1"))
     else:
         options = spec["choices"]

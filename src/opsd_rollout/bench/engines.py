@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from opsd_rollout.bench import contenders
+from opsd_rollout.deepspeed_config import LEARNING_RATE
 from opsd_rollout.deepspeed_engine import build_engine, build_inference_engine
 from opsd_rollout.modeling import ModelSpec
 from opsd_rollout.models import load_model
@@ -32,7 +33,7 @@ class EnginePool:
     """Keeps one engine alive at a time (the one the current config needs), and frozen models (teachers)
     per (name, dtype)."""
 
-    def __init__(self, model: str, device: torch.device, *, lr: float = 1e-4, rank: int = 0):
+    def __init__(self, model: str, device: torch.device, *, lr: float = LEARNING_RATE, rank: int = 0):
         self.model, self.device, self.lr, self.rank = model, device, lr, rank
         self._key: tuple | None = None
         self._current: BuiltEngine | None = None

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import copy
 import json
-import math
 import os
 from dataclasses import asdict, dataclass, field, fields
 from importlib import resources
@@ -13,7 +12,6 @@ from pathlib import Path
 from typing import Any
 
 from opsd_rollout.bench.stats import Stats, is_number
-from opsd_rollout.files import write_text_atomic
 
 SCHEMA_VERSION = 4
 """The version of the document ``bench/schema.json`` describes; a file of another version is refused, not read."""
@@ -77,22 +75,6 @@ class ConfigResult:
     def spread_flag(self) -> str:
         """``*`` when a spread warning was given (the table marks it; the warning says why)."""
         return "*" if any(w.startswith("total_ms spread") for w in self.warnings) else ""
-
-
-def write_json_atomic(path: str | os.PathLike, document: dict[str, Any]) -> None:
-    """``document`` as JSON (NaN and infinities as null), written atomically."""
-    write_text_atomic(path, json.dumps(_finite(document), indent=1, allow_nan=False) + "\n")
-
-
-def _finite(value: Any) -> Any:
-    """NaN and infinities become null: JSON has no spelling for them."""
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_finite(v) for v in value]
-    return value
 
 
 def load_schema() -> dict[str, Any]:

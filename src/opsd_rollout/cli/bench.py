@@ -14,7 +14,6 @@ from functools import partial
 from typing import Any
 
 from opsd_rollout import checks
-from opsd_rollout.bench.axes import byte_size
 from opsd_rollout.bench.configfile import read_config_file, split_config
 from opsd_rollout.bench.matrix import Matrix
 from opsd_rollout.bench.report import load_document
@@ -22,6 +21,7 @@ from opsd_rollout.bench.scenarios import KernelsScenario, RolloutScenario, Scena
 from opsd_rollout.bench.scenarios.rollout import PROMPT_KINDS
 from opsd_rollout.bench.scenarios.step import OVER_BUDGET
 from opsd_rollout.cli.common import LOCAL_RANK_FLAGS, console
+from opsd_rollout.metrics import parse_size
 
 PARSERS: tuple[tuple[str, type[Scenario], str, str], ...] = (
     ("bench", RolloutScenario, "benchmark rollouts over a matrix of shapes", "Benchmark rollouts over a matrix of "
@@ -66,7 +66,7 @@ _on_off = checks.argument(checks.on_off, str)
 def _bytes(text: str) -> int:
     """argparse type of sizes: bytes, or a number with KiB, MiB, GiB or TiB (``8GiB``, ``1.5GiB``)."""
     try:
-        return byte_size(text)
+        return parse_size(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a size of at least 1 byte such as 8GiB, 512MiB or 1000000 "
                                          f"(bytes), got {text!r}") from None

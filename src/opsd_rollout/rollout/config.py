@@ -11,7 +11,7 @@ from typing import Any
 
 from opsd_rollout import checks
 from opsd_rollout.rollout.deepspeed_fields import NAMES as DEEPSPEED_NAMES
-from opsd_rollout.rollout.deepspeed_fields import DeepSpeedFields, contradiction, implied_fields
+from opsd_rollout.rollout.deepspeed_fields import DeepSpeedFields, ReadBack, contradiction, implied_fields
 
 STRATEGIES = ("static", "generate")
 RESPONSE_WIDTHS = ("max_new_tokens", "longest")
@@ -193,29 +193,11 @@ class HybridEngineRolloutConfig(_ConfigFields):
         values.update(changes, **implied_fields(given, changes))
         return type(self)(**values, deepspeed=DeepSpeedFields(**{**self.deepspeed.given(), **given}))
 
-    # DeepSpeed's names, read back as given (or, not given, as what this config does)
-    @property
-    def use_graph_capture(self) -> bool:
-        """DeepSpeed's CUDA-graph decode: ``compile_decode``."""
-        return self.compile_decode
-
-    @property
-    def use_shared_prefill(self) -> bool:
-        """As given; else whether prompts are prefilled once for their n samples (``shared_prefill``, static)."""
-        given = self.deepspeed.use_shared_prefill
-        return given if given is not None else self.shared_prefill and self.strategy == "static"
-
-    @property
-    def align_decode_fronts(self) -> bool:
-        """As given; else ``True``: each slot decodes from its own column, right after its own prompt."""
-        given = self.deepspeed.align_decode_fronts
-        return given if given is not None else True
-
-    @property
-    def enable_cache_trimming(self) -> bool:
-        """As given; else ``compact_rows`` (finished rows leave the decode batch and free their memory)."""
-        given = self.deepspeed.enable_cache_trimming
-        return given if given is not None else self.compact_rows
+    # DeepSpeed's names, read back as given (or, not given, as what this config does: deepspeed_fields.read_back)
+    use_graph_capture = ReadBack()
+    use_shared_prefill = ReadBack()
+    align_decode_fronts = ReadBack()
+    enable_cache_trimming = ReadBack()
 
     @classmethod
     def from_flat(cls, **values: Any) -> "HybridEngineRolloutConfig":

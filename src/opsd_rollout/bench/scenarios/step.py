@@ -15,6 +15,7 @@ from opsd_rollout.bench.tables import baseline_table, config_table, fmt, mib, st
 from opsd_rollout.bench.scenarios.base import Scenario
 from opsd_rollout.bench.scenarios.rollout import RolloutConfig, RolloutSettings
 from opsd_rollout.checks import boolean, choice, integer, number, rule, text
+from opsd_rollout.deepspeed_config import LEARNING_RATE
 from opsd_rollout.metrics import STEP_STAGES, label
 
 OVER_BUDGET = ("error", "topk")
@@ -74,8 +75,8 @@ class StepSettings(RolloutSettings):
     """The student: preset name or local checkpoint directory."""
     teacher: str = "llama-small"
     """The teacher (preset or local checkpoint; the student's vocabulary)."""
-    lr: float = 1e-3
-    """The student's AdamW learning rate."""
+    lr: float = LEARNING_RATE
+    """The student's AdamW learning rate (``train``'s default)."""
     fused_loss: bool = True
     """The loss fused with the student's LM head (``DivergenceConfig.fused``); ``False``: whole logits."""
     teacher_cache_budget_bytes: int | None = None
