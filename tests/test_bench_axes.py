@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from opsd_rollout.bench.axes import ROLLOUT_AXES, engine_axes
+from opsd_rollout.bench.axes import NOT_AXES, ROLLOUT_AXES, SPELLINGS, engine_axes
 from opsd_rollout.bench.matrix import Matrix
 from opsd_rollout.bench.report import load_document, results_of
 from opsd_rollout.bench.scenarios import RolloutScenario, scenario_class
@@ -25,10 +25,10 @@ COMMITTED = sorted(path for path in Path(__file__).parents[1].joinpath("benchmar
 
 
 def axis_fields(config_type) -> list[str]:
-    """Every field of the config and of the dataclasses it nests, but those its metadata says are no axis."""
+    """Every field of the config and of the dataclasses it nests, but those the bench says are no axis."""
     out = []
     for f in fields(config_type):
-        if f.metadata.get("axis", {}) is None:
+        if f.name in NOT_AXES:
             continue
         nested = f.default_factory if f.default_factory is not MISSING else None
         out += axis_fields(nested) if nested is not None and is_dataclass(nested) else [f.name]
@@ -44,6 +44,16 @@ def test_the_engine_axes_are_the_engine_configs_fields():
             owner = RolloutOptions() if axis.engine in {f.name for f in fields(RolloutOptions)} else \
                 HybridEngineRolloutConfig()
             assert axis.default == getattr(owner, axis.engine) == RolloutScenario.defaults[axis.name][0]
+
+
+def test_the_engines_config_knows_no_bench_and_the_bench_spells_only_its_fields():
+    """The axes' names, key fragments and strategies live in the bench (``SPELLINGS``, ``NOT_AXES``); an entry for a
+    field the engine no longer has would silently stop spelling it (and change committed keys)."""
+    engine = HybridEngineRolloutConfig()
+    assert not any(f.metadata for config in (engine, engine.options) for f in fields(config))
+    names = {f.name for config in (engine, engine.options) for f in fields(config)}
+    assert set(SPELLINGS) <= names and set(NOT_AXES) <= names
+    assert set(SPELLINGS).isdisjoint(NOT_AXES)
 
 
 @dataclass(kw_only=True)
