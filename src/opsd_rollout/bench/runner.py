@@ -127,7 +127,7 @@ class BenchRunner:
         return [self.results[c.key] for c in self.configs]
 
     def _set_baselines(self) -> None:
-        if not has_contenders(self.matrix):  # kernels: each config is its own contest
+        if not has_contenders(self.matrix):  # a scenario without contenders (the kernels: each config its own)
             return
         baseline = getattr(self.settings, "baseline", None) or self.matrix["strategies"][0]
         set_baselines([self.results[c.key] for c in self.configs], self.matrix.scenario.axes, baseline)

@@ -51,7 +51,7 @@ class Settings:
 @dataclass(kw_only=True)
 class MeasuringSettings(Settings):
     """What every kind of benchmark has: the model, how a config is warmed up and measured, the seed. An
-    iteration is one call (``bench``, ``step``) or one round of both sides (``kernels``)."""
+    iteration is one call (``bench``, ``step``) or one round of both sides (the developers' kernels)."""
 
     model: str = DEFAULT_MODEL
     """Preset name or local checkpoint directory."""
