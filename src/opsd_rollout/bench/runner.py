@@ -71,7 +71,8 @@ class BenchRunner:
         self._measure_machine = measure_machine
         self.timelines: dict[str, list] = {}
         self._compile_ms: dict[str, float | None] = {}
-        self.threads = share_cores()  # under a launcher, the local ranks divide the cores
+        # under a launcher, the local ranks divide the cores; a served teacher may have some kept for its server
+        self.threads = share_cores(self.scenario.cores_to_keep())
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # under torchrun / the deepspeed launcher
             init_distributed(collective_timeout_s or DEFAULT_COLLECTIVE_TIMEOUT_S)
             if self.device.type == "cuda":
@@ -112,7 +113,7 @@ class BenchRunner:
             self.environment = environment_block(self.device, ceilings, self.threads)
         self._save()
         pool = EnginePool(self.settings.model, self.device, lr=getattr(self.settings, "lr", 1e-4),
-                          rank=self.ranks.rank)
+                          rank=self.ranks.rank, kept_cores=self.threads.kept)
         try:
             for batch in self.batches():
                 self._run_batch(pool, batch, progress)
@@ -122,7 +123,7 @@ class BenchRunner:
                 self._set_baselines()
                 self._save()
         finally:
-            pool.close()
+            pool.shutdown()
         progress("done", None, 0)
         return [self.results[c.key] for c in self.configs]
 

@@ -65,6 +65,10 @@ def add_step_flags(runs: argparse._ArgumentGroup, defaults: Any) -> None:
     runs.add_argument("--teacher-cache-over-budget", dest="teacher_cache_over_budget", choices=OVER_BUDGET,
                       help="a teacher cache over its budget: error (default: refuse, naming the fixes) or topk "
                       "(cache the top-k logits instead)")
+    runs.add_argument("--split-cores", dest="split_cores", action="store_true", default=None, help="with "
+                      "--teacher-serving json or compact: the teacher's server on the last core (one thread), this "
+                      "run on the others, one thread a core: the teacher off the student's cores, as on a machine of "
+                      "its own (default: both on every core)")
 
 
 COMMANDS: tuple[BenchCommand, ...] = (
