@@ -366,12 +366,11 @@ TEACHER_SERVING = choice_axis(
     "teacher_serving", "teacher_serving", TEACHER_SERVINGS, "in-process (default): the teacher runs in this process; "
     "json or compact: the teacher served by opsd-rollout serve-teacher, started on loopback in its own process "
     "(--split-cores gives it a core of its own), answering vLLM's JSON or the compact answer; a served teacher needs a "
-    "top<k> or sampled teacher cache (static, generate)", "in-process", applies_to=OURS, key="served{}",
-    display="served {}")
+    "top<k> or sampled teacher cache (static, generate)", "in-process", applies_to=OURS, key="served{}")
 """Where an OPSD step's teacher runs (a knob of our step: DeepSpeed's pieces score with the teacher in process)."""
 TEACHER_OVERLAP = Axis(
     "teacher_overlaps", "teacher_overlap", on_off, "on or off", "a served teacher's request in flight while the "
     "student's forward runs (on, default: ServedTeacher(overlap=True)) or waited for before it (off); served "
-    "teachers only", applies_to=OURS, default=True, key="waited", display="overlap {}")
+    "teachers only", applies_to=OURS, default=True, key="waited")
 """Whether a served teacher's answer is awaited or overlapped (``None`` for a teacher in process)."""
 STEP_AXES += (TEACHER_SERVING, TEACHER_OVERLAP)
