@@ -17,6 +17,24 @@ SCHEMA_VERSION = 4
 """The version of the document ``bench/schema.json`` describes; a file of another version is refused, not read."""
 
 
+@dataclass(frozen=True)
+class RecordedConfig:
+    """A config as a result file holds it, for a kind of benchmark that has no scenario in this package (the
+    developers' kernels, ``scripts/kernel_bench``): its key and its fields, as written. ``compare`` needs no more."""
+
+    key: str
+    values: dict[str, Any]
+
+    @property
+    def label(self) -> str:
+        return self.key
+
+
+def config_values(config: Any) -> dict[str, Any]:
+    """A config's fields by name, a scenario's or a recorded one."""
+    return dict(config.values) if isinstance(config, RecordedConfig) else asdict(config)
+
+
 @dataclass(kw_only=True)
 class ConfigResult:
     """One config's outcome: raw per-iteration figures and their summary."""
@@ -55,7 +73,8 @@ class ConfigResult:
         return stats.p50 if stats is not None else None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"key": self.config.key, "config": asdict(self.config), "status": self.status, "error": self.error,
+        return {"key": self.config.key, "config": config_values(self.config), "status": self.status,
+                "error": self.error,
                 "iterations": self.iterations,
                 "summary": {name: stats.to_dict() for name, stats in self.summary().items()},
                 "derived": self.derived, "warnings": self.warnings, "per_rank": self.per_rank, "skew": self.skew,
@@ -63,9 +82,12 @@ class ConfigResult:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], config_type: type) -> "ConfigResult":
-        """The result of ``data`` (``to_dict``'s), its lists and dicts copied: a resumed run appends to its own."""
+        """The result of ``data`` (``to_dict``'s), its lists and dicts copied: a resumed run appends to its own.
+        ``config_type`` ``RecordedConfig`` keeps the config as written, with its key."""
         given = {f.name: copy.copy(data[f.name]) for f in fields(cls) if f.name != "config" and f.name in data}
-        return cls(config=config_type(**data["config"]), **given)
+        config = (RecordedConfig(data["key"], dict(data["config"])) if config_type is RecordedConfig
+                  else config_type(**data["config"]))
+        return cls(config=config, **given)
 
     @property
     def disturbed(self) -> bool:

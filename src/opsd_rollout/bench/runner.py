@@ -73,7 +73,8 @@ class BenchRunner:
         self._measure_machine = measure_machine
         self.timelines: dict[str, list] = {}
         self._compile_ms: dict[str, float | None] = {}
-        self.threads = share_cores()  # under a launcher, the local ranks divide the cores
+        # under a launcher, the local ranks divide the cores; a served teacher may have some kept for its server
+        self.threads = share_cores(self.scenario.cores_to_keep())
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # under torchrun / the deepspeed launcher
             init_distributed(collective_timeout_s or DEFAULT_COLLECTIVE_TIMEOUT_S)
             if self.device.type == "cuda":
@@ -114,7 +115,7 @@ class BenchRunner:
             self.environment = environment_block(self.device, ceilings, self.threads)
         self._save()
         pool = EnginePool(self.settings.model, self.device, lr=getattr(self.settings, "lr", LEARNING_RATE),
-                          rank=self.ranks.rank)
+                          rank=self.ranks.rank, kept_cores=self.threads.kept)
         try:
             for batch in self.batches():
                 self._run_batch(pool, batch, progress)
@@ -124,12 +125,12 @@ class BenchRunner:
                 self._set_baselines()
                 self._save()
         finally:
-            pool.close()
+            pool.shutdown()
         progress("done", None, 0)
         return [self.results[c.key] for c in self.configs]
 
     def _set_baselines(self) -> None:
-        if not has_contenders(self.matrix):  # kernels: each config is its own contest
+        if not has_contenders(self.matrix):  # a scenario without contenders (the kernels: each config its own)
             return
         baseline = getattr(self.settings, "baseline", None) or self.matrix["strategies"][0]
         set_baselines([self.results[c.key] for c in self.configs], self.matrix.scenario.axes, baseline)
