@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 
+import psutil
 import pytest
 
 from opsd_rollout.bench import stability
@@ -131,8 +132,12 @@ def test_a_disturbed_config_is_recorded_and_shown(tmp_path, monkeypatch, capsys)
 
 @pytest.mark.slow
 def test_a_real_busy_neighbour_is_flagged(tmp_path):
-    """A process spinning on one core while a config is measured."""
-    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    """A process spinning on one core while a config is measured: not one the run started (their CPU time is the
+    run's own, as a served teacher's server is), so it is left behind by a shell that exits at once."""
+    shell = subprocess.run(["sh", "-c", f"'{sys.executable}' -c 'while True: pass' >/dev/null 2>&1 & echo $!"],
+                           capture_output=True, text=True, check=True)
+    spinner = psutil.Process(int(shell.stdout))
+    assert spinner.pid not in {c.pid for c in psutil.Process().children(recursive=True)}
     time.sleep(0.5)  # spinning before the config starts
     try:
         matrix = Matrix.parse(RolloutScenario, {"batch_sizes": [1], "samples_per_prompt": [1], "prompt_lengths": [8],
