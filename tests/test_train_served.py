@@ -97,6 +97,32 @@ def test_what_a_served_teacher_cannot_do_is_refused_before_any_step(tmp_path, mo
                                      "teacher_url": qwen_server.url, **change}))
 
 
+def test_a_missing_or_wrong_key_and_a_silent_server_are_said_by_the_flags(tmp_path, monkeypatch):
+    """The messages named the library's ``ServedTeacher(api_key=...)`` and ``retry_timeout_s=``: a user of the
+    command line reads its flags, and the environment variable that keeps the key off the command line."""
+    from opsd_rollout.distributed import free_port
+
+    server = TeacherServer(ServeConfig(model="qwen2-tiny", port=0, api_key="the-right-key"),
+                           model=load_model("qwen2-tiny")[0], tokenizer=load_model("qwen2-tiny")[1]).start()
+    monkeypatch.delenv("OPSD_ROLLOUT_API_KEY", raising=False)
+    common = {**TINY, "steps": 1, "output_dir": str(tmp_path / "run"), "teacher_url": server.url}
+    try:
+        for key, which in ((None, "no key was given"), ("a-wrong-key", "the key given was not its own")):
+            with pytest.raises(ValueError) as refused:
+                train(TrainConfig.from_flat({**common, **({"teacher_api_key": key} if key else {})}))
+            said = str(refused.value)
+            assert said.startswith(f"--teacher-url: the teacher server at {server.url} refused GET /v1/models: HTTP "
+                                   f"401") and f"; {which}: set $OPSD_ROLLOUT_API_KEY to the server's --api-key" in said
+            assert "--teacher-api-key" in said and "ServedTeacher" not in said and "a-wrong-key" not in said
+    finally:
+        server.stop()
+    nowhere = f"http://127.0.0.1:{free_port()}"
+    with pytest.raises(ValueError) as refused:
+        train(TrainConfig.from_flat({**common, "teacher_url": nowhere, "teacher_timeout": 0.5}))
+    assert str(refused.value).endswith("; it is retried for --teacher-timeout, 0.5 s")
+    assert "retry_timeout_s" not in str(refused.value)
+
+
 def test_accumulated_micro_batches_roll_out_ahead_of_their_updates_with_the_same_losses(tmp_path, qwen_server,
                                                                                         monkeypatch):
     """With gradient accumulation, every micro-batch of an optimizer step is rolled out (its teacher request sent)

@@ -99,7 +99,9 @@ def run_eval(args: argparse.Namespace) -> int:
         result = evaluate_task(model, rollout, tokenizer, problems, config, sampling,
                                max_new_tokens=config.max_new_tokens, seed=args.seed,
                                batch_size=args.prompts_per_batch, progress=advance)
-    Console().print(result_table(result, title=f"{args.model} on {args.eval_data}"))
+    out = Console()
+    out.print(f"{args.model} on {args.eval_data}", soft_wrap=True, markup=False, highlight=False)  # paths kept whole
+    out.print(result_table(result))
     if args.output:
         settings = {"eval_samples": config.samples, "eval_max_new_tokens": config.max_new_tokens,
                     "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p, "seed": args.seed,
@@ -132,9 +134,10 @@ class _progress:
         self.bar.stop()
 
 
-def result_table(result: Any, *, title: str) -> Table:
-    """A ``TaskEvalResult`` for people: one figure a row (the JSON's figures, read from the same object)."""
-    table = Table(title=title, box=box.SIMPLE_HEAD, show_header=False, padding=(0, 1), pad_edge=False)
+def result_table(result: Any) -> Table:
+    """A ``TaskEvalResult`` for people: one figure a row (the JSON's figures, read from the same object); its title,
+    the model and the eval file, is printed above it whole (a table's title wraps at the table's width)."""
+    table = Table(box=box.SIMPLE_HEAD, show_header=False, padding=(0, 1), pad_edge=False)
     table.add_column("figure", no_wrap=True)
     table.add_column("value", justify="right", overflow="fold")
     n, k = len(result.problems), result.samples

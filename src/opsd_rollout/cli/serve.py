@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import os
+import socket
 import sys
 from typing import Any
 
@@ -17,6 +19,7 @@ def run_serve_teacher(args: argparse.Namespace) -> int:
     if args.model not in PRESETS and not os.path.isdir(args.model):  # before loading anything
         raise ValueError(f"--model {args.model!r} is neither a built-in preset (opsd-rollout models) nor a local "
                          "checkpoint directory (this tool never downloads)")
+    check_address(args.host, args.port)
     from opsd_rollout.serve.engine import EngineLimits  # heavy: torch
     from opsd_rollout.serve.server import ServeConfig, TeacherServer  # heavy: torch, transformers, uvicorn
 
@@ -30,6 +33,25 @@ def run_serve_teacher(args: argparse.Namespace) -> int:
               "query the teacher", file=sys.stderr)
     TeacherServer(config).serve()
     return 0
+
+
+def check_address(host: str, port: int) -> None:
+    """Refuses, before the model loads, an address this process could not listen on: a port another process holds
+    (port 0 is any free one) or a host that is not this machine's. A probe bound and closed at once, as uvicorn will
+    bind it (``SO_REUSEADDR``: a port left in TIME_WAIT by a past server is free)."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as error:
+        raise ValueError(f"--host {host!r} is no address to listen on: {error.strerror}") from None
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(address)
+        except OSError as error:
+            if error.errno == errno.EADDRINUSE:
+                raise ValueError(f"--port {port} is taken on {host}: another process listens on it; choose another "
+                                 "port (--port 0 takes a free one and prints it)") from None
+            raise ValueError(f"--host {host} --port {port}: cannot listen there: {error.strerror}") from None
 
 
 def add_serve_teacher_parser(sub: Any, common: argparse.ArgumentParser) -> None:

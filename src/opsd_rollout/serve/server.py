@@ -64,6 +64,13 @@ class ServeConfig:
         return self.served_model_name or self.model
 
 
+def limits_text(limits: EngineLimits) -> str:
+    """The limits as the ready line says them, each by the flag that sets it."""
+    return (f"up to {limits.max_batch_tokens:,} tokens a forward (--max-batch-tokens), {limits.max_queue} requests "
+            f"waiting (--max-queue), top-{limits.max_logprobs} log-probabilities (--max-logprobs), "
+            f"{limits.max_model_len:,} tokens a prompt (--max-model-len)")
+
+
 class TeacherServer:
     """The model loaded, the engine started and the app built; ``serve()`` or ``start()`` to listen."""
 
@@ -97,7 +104,7 @@ class TeacherServer:
         self.start(ready_timeout_s=None)
         print(f"opsd-rollout: serving teacher {self.config.name!r} at {self.url} (POST {self.url}/v1/completions "
               f"with prompt_logprobs; {'key required' if self.config.api_key else 'no key'}; "
-              f"limits: {self.engine.limits})", file=out, flush=True)
+              f"{limits_text(self.engine.limits)})", file=out, flush=True)
         try:
             while self.thread is not None and self.thread.is_alive():
                 self.thread.join(0.5)

@@ -17,11 +17,12 @@ from opsd_rollout.modeling import max_positions_of, text_config
 from opsd_rollout.models import load_model, load_tokenizer, model_config, model_skeleton
 from opsd_rollout.opsd.self_teacher import SelfTeacher
 from opsd_rollout.opsd.served import ServedTeacher
+from opsd_rollout.opsd.served_wire import KeyRefused
 from opsd_rollout.presets import PRESETS
 from opsd_rollout.train.data import Example
 from opsd_rollout.train.lora import check_targets, with_adapters
 from opsd_rollout.train.preflight import check_vocabularies
-from opsd_rollout.train.teacher_spec import SELF, UNNAMED, TeacherSpec
+from opsd_rollout.train.teacher_spec import KEY_VARIABLE, SELF, UNNAMED, TeacherSpec
 
 HELD_OUT_EVERY = 10
 """A prompt file's every tenth example is held out (files of fewer than ten evaluate on their training prompts)."""
@@ -135,9 +136,15 @@ def check_same_tokens(student: str, tokenizer: Any, teacher: str, teacher_tokeni
     if ours != theirs:
         token = next((t for t in sorted(ours) if theirs.get(t) != ours[t]), None) or next(
             t for t in sorted(theirs) if t not in ours)
-        raise ValueError(f"teacher {teacher!r}'s tokenizer is not student {student!r}'s: token {token!r} is id "
-                         f"{ours.get(token)} in the student's and {theirs.get(token)} in the teacher's; "
-                         "distillation needs the same tokens at the same ids")
+        if token not in theirs:
+            differs = f"the student's token {ours[token]} ({token!r}) is missing from the teacher's"
+        elif token not in ours:
+            differs = f"the teacher's token {theirs[token]} ({token!r}) is missing from the student's"
+        else:
+            differs = f"{token!r} is token {ours[token]} in the student's and token {theirs[token]} in the teacher's"
+        raise ValueError(f"the teacher ({teacher}) and the student ({student}) have different tokenizers: {differs}; "
+                         "the teacher scores the student's token ids, so both need the same tokens at the same ids "
+                         "(save the student's tokenizer with the teacher, or pick a teacher of its family)")
 
 
 def served_teacher(spec: TeacherSpec, tokenizer: Any, vocab_size: int, *, student: str | None = None) -> ServedTeacher:
@@ -146,13 +153,18 @@ def served_teacher(spec: TeacherSpec, tokenizer: Any, vocab_size: int, *, studen
     tokenizer and vocabulary; each failure one line naming both sides."""
     flag = "--teacher-url" if spec.name == UNNAMED else f"--teacher-url {spec.name}="
     teacher = ServedTeacher(spec.source, model=student if spec.model == SELF else spec.model,
-                            api_key=spec.api_key or os.environ.get("OPSD_ROLLOUT_API_KEY"),
+                            api_key=spec.api_key or os.environ.get(KEY_VARIABLE),
                             protocol=spec.protocol, tokenizer=tokenizer, retry_timeout_s=spec.timeout,
                             overlap=overlaps(spec.overlap, spec.source))
     try:
         teacher.connect(vocab_size)
     except ConnectionError as error:
-        raise ValueError(f"{flag}: {error}") from None
+        raise ValueError(f"{flag}: {error}; it is retried for --teacher-timeout, {spec.timeout:g} s") from None
+    except KeyRefused as error:
+        which = "the key given was not its own" if error.given else "no key was given"
+        raise ValueError(f"{flag}: {error.refused}; {which}: set ${KEY_VARIABLE} to the server's --api-key (or "
+                         "pass --teacher-api-key, which every user of this machine can read in its process list)") \
+            from None
     return teacher
 
 
