@@ -101,6 +101,24 @@ def test_bad_input_is_refused_in_one_line_before_torch_loads(tmp_path, monkeypat
         assert not (tmp_path / "run").exists()  # nothing written
 
 
+def test_an_output_directory_that_holds_a_run_or_is_a_file_is_refused_before_torch_loads(tmp_path, capsys, light):
+    done = tmp_path / "done"
+    (done / "checkpoints").mkdir(parents=True)
+    (done / "metrics.jsonl").write_text("{}\n")
+    (tmp_path / "a_file").write_text("")
+    for argv, message in [
+        (["--output-dir", str(done)], f"--output-dir {str(done)!r} holds a run (metrics.jsonl, checkpoints): continue "
+                                      f"it with --resume {done}, or start over with --overwrite"),
+        (["--output-dir", str(tmp_path / "a_file")], "is a file: name a directory"),
+        (["--output-dir", str(tmp_path / "a_file" / "run")], f"lies under {str(tmp_path / 'a_file')!r}, a file"),
+        ([], "--output-dir DIR is needed: where the run writes (--resume DIR alone continues that run in DIR)"),
+    ]:
+        assert light.main(["train", "--teacher", "llama-mini", *argv]) == 2
+        lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+        assert len(lines) == 1 and lines[0].startswith("opsd-rollout: error: ")
+        assert message in lines[0], (argv, lines)
+
+
 def test_the_flag_checks_refuse_what_train_config_refuses():
     """Each value the command line refuses before torch loads, ``TrainConfig`` refuses too (for the library's
     callers), and each it accepts, ``TrainConfig`` accepts: the light checks cannot drift from the config's."""

@@ -28,6 +28,7 @@ from opsd_rollout.rollout.validation import check_sampling
 from opsd_rollout.train.eval_file import TaskEvalConfig
 from opsd_rollout.train.lora import AdapterConfig
 from opsd_rollout.train.preflight import check_teacher_given
+from opsd_rollout.train.run_dir import resumed_output_dir
 from opsd_rollout.train.teacher_spec import FLAGS as TEACHER_FLAGS
 from opsd_rollout.train.teacher_spec import (UNNAMED, TeacherSpec, as_specs, check_self, check_specs, routed,
                                              specs_from_flags)
@@ -69,9 +70,10 @@ def _profiled() -> HybridEngineRolloutConfig:
 class TrainConfig:
     """A training run; ``opsd-rollout train``'s flags map onto these fields and their sections' (``FLAT``)."""
 
-    output_dir: str
+    output_dir: str | None = None
     """Where ``metrics.jsonl``, ``checkpoints/``, ``model/`` (the final student, loadable as a local checkpoint)
-    and ``eval.png`` go."""
+    and ``eval.png`` go; ``None``: the run ``resume`` continues. A directory that holds another run is refused
+    unless ``overwrite``."""
     student: str = "llama-tiny"
     """Preset name or local checkpoint directory."""
     teachers: tuple[TeacherSpec, ...] = ()
@@ -111,7 +113,11 @@ class TrainConfig:
     save_every: int | None = None
     """A checkpoint every this many steps (one is always written at the end and on Ctrl-C)."""
     resume: str | None = None
-    """A previous run's output directory (or its ``checkpoints/``): continue from its latest checkpoint."""
+    """A previous run's output directory (or its ``checkpoints/``): continue from its latest checkpoint, into that
+    directory unless ``output_dir`` names another."""
+    overwrite: bool = False
+    """Start over in an ``output_dir`` that holds a run: what that run wrote is removed first (``run_dir.WRITTEN``),
+    never mixed with the new one."""
     progress: bool = True
     """A progress line on the terminal."""
     sampling: SamplingConfig = field(default_factory=_default_sampling)
@@ -141,6 +147,12 @@ class TrainConfig:
     full fine-tuning otherwise."""
 
     def __post_init__(self) -> None:
+        if self.output_dir is None:
+            if self.resume is None:
+                raise ValueError("output_dir: name the directory the run writes (--output-dir DIR), or resume a run "
+                                 "into its own (--resume DIR)")
+            object.__setattr__(self, "output_dir", resumed_output_dir(self.resume))
+        checks.boolean("overwrite", self.overwrite)
         checks.choice("objective", self.objective, OBJECTIVES)
         object.__setattr__(self, "teachers", as_specs(self.teachers))
         if self.task is not None:

@@ -48,6 +48,11 @@ RUNS = {None: (TEACHER, STUDENT), "arithmetic": (ARITHMETIC_TEACHER, ARITHMETIC_
 """The built-in runs by task (``None``: the corpus run): (the teacher's recipe, the student's by the flags' names)."""
 
 
+UNMADE = ("output_dir", "progress", "save_every", "resume", "overwrite")
+"""``TrainConfig``'s fields that change where a run goes and what it keeps, not the teacher it makes: left out of
+the name of a cached teacher (``teacher_dir``)."""
+
+
 def cache_root(cache_dir: str | None) -> Path:
     return Path(cache_dir or os.environ.get("OPSD_ROLLOUT_CACHE") or Path.home() / ".cache" / "opsd-rollout")
 
@@ -89,7 +94,7 @@ def teacher_dir(cache_dir: str | None, config: TrainConfig = TEACHER) -> Path:
     """Where the teacher of ``config`` is kept: named by a hash of everything that makes it."""
     import opsd_rollout
 
-    recipe = {k: v for k, v in config.to_dict().items() if k not in ("output_dir", "progress", "save_every", "resume")}
+    recipe = {k: v for k, v in config.to_dict().items() if k not in UNMADE}
     if recipe["task"] is None:
         del recipe["task"]  # the corpus teacher's name as it was before tasks
     recipe.update(version=opsd_rollout.__version__, corpus=data_hash(config.task))
@@ -143,8 +148,8 @@ def trained_teacher(cache_dir: str | None, *, progress: bool = True, config: Tra
         if config.task is not None and config.task_eval is None:  # its accuracy as it trains (not in its name)
             flags = task_eval_flags(cache_dir, config.task)
             config = replace(config, task_eval=TaskEvalConfig(data=flags["eval_data"], scorer=flags["eval_scorer"]))
-        result = train(replace(config, output_dir=str(partial), progress=progress,
-                               resume=str(partial) if saved else None))
+        result = train(replace(config, output_dir=str(partial), progress=progress,  # no checkpoint: start over
+                               resume=str(partial) if saved else None, overwrite=not saved))
         if result.interrupted or result.model_dir is None:
             raise TeacherInterrupted(f"the teacher's training stopped at step {result.steps} of {config.steps}, "
                                      f"checkpoint {result.checkpoint}; the same command continues it")

@@ -325,14 +325,19 @@ def train(config: TrainConfig) -> TrainResult:
     """Run ``config``: every input checked before any model work, then the loop. Ctrl-C saves a checkpoint and
     returns with ``interrupted`` set; a served teacher that stops answering for its ``timeout`` seconds saves one
     at the last completed step and returns with ``stopped`` set."""
+    from opsd_rollout.distributed import rank_info
     from opsd_rollout.train.data import in_context, read_examples
     from opsd_rollout.train.eval_file import read_eval_file
+    from opsd_rollout.train.run_dir import check_output_dir, clear_run
     from opsd_rollout.train.teacher_spec import check_self, context_of
 
     if config.resume is not None:
         find_checkpoint(config.resume)  # before any work: a directory without a checkpoint is refused
+    check_output_dir(config.output_dir, resume=config.resume, overwrite=config.overwrite)
     task = config.task_eval
     records = read_eval_file(task.data, task.scorer) if task is not None else None  # before any model work
+    if config.overwrite and rank_info().rank == 0:  # every check passed: the old run goes before any is written
+        clear_run(config.output_dir)
     models = load_models(config)
     contexts = context_of(config.teachers, config.default_teacher)
     examples = read_examples(config.prompts, models.tokenizer, contexts) if config.prompts else None

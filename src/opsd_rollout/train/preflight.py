@@ -1,6 +1,7 @@
 """A training run's inputs checked before torch, transformers or DeepSpeed load: the files and names that need no
-model (each flag's value; the prompt file, line by line; the DeepSpeed config file; a ``--resume`` directory; student and teacher
-named as presets or checkpoint directories, their vocabularies from their configs; the LoRA flags), so that a
+model (each flag's value; the prompt file, line by line; the DeepSpeed config file; a ``--resume`` directory; an
+output directory that holds another run; student and teacher named as presets or checkpoint directories, their
+vocabularies from their configs; the LoRA flags), so that a
 mistake costs the command line a fraction of a second, as ``bench``'s do. ``TrainConfig`` checks the same values
 again (for the library's callers, and the combinations of flags: a loss and a cache that do not go together);
 what needs a model (a LoRA target that matches no layer) is checked once its config is loaded, before any step.
@@ -18,6 +19,7 @@ from opsd_rollout.train.checkpoint import find_checkpoint
 from opsd_rollout.train.eval_file import TaskEvalConfig, read_eval_file
 from opsd_rollout.train.lora import AdapterConfig
 from opsd_rollout.train.records import read_records
+from opsd_rollout.train.run_dir import check_output_dir
 from opsd_rollout.train.teacher_spec import (TeacherSpec, check_self, check_specs, context_of, routed,
                                              specs_from_flags)
 
@@ -49,6 +51,8 @@ def preflight(values: dict[str, Any], *, builtin: bool = False) -> None:
                          "another set: give one of them")
     if values.get("resume") is not None:
         find_checkpoint(values["resume"])
+    if values.get("output_dir") is not None:
+        check_output_dir(values["output_dir"], resume=values.get("resume"), overwrite=bool(values.get("overwrite")))
     if values.get("deepspeed") is not None and not isinstance(values["deepspeed"], dict):
         read_deepspeed_file(values["deepspeed"])
     AdapterConfig(**{leaf: values[flat] for flat, leaf in (("lora_rank", "rank"), ("lora_alpha", "alpha"),
