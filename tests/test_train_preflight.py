@@ -84,6 +84,8 @@ def bad_inputs(tmp: Path) -> list[tuple[list[str], str]]:
          "sys.jsonl' line 2: the last message is the 'system' turn"),
         (["--deepspeed", write(tmp / "ds.json", ["[1, 2]"]), *teacher], "ds.json' must hold a JSON object"),
         (["--resume", str(tmp / "empty"), *teacher], "holds no checkpoint"),
+        (["--deepspeed", write(tmp / "bf16.json", [{"bf16": {"enabled": True}}]), "--dtype", "fp32", *teacher],
+         "--dtype fp32 and " + str(tmp / "bf16.json") + " disagree: its bf16 on"),
     ]
 
 

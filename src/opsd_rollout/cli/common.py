@@ -10,6 +10,8 @@ import os
 
 from rich.console import Console
 
+from opsd_rollout.placement import DTYPES, device_flag
+
 
 def console() -> Console:
     """The width it is given: ``COLUMNS``, else the terminal's, else 80 (a file, a CI log); every table folds
@@ -31,6 +33,14 @@ def common_flags() -> argparse.ArgumentParser:
     common.add_argument(*LOCAL_RANK_FLAGS, dest="local_rank", type=int, default=argparse.SUPPRESS,
                         help=argparse.SUPPRESS)
     return common
+
+
+def add_placement_flags(parser: argparse.ArgumentParser, what: str) -> None:
+    """``--dtype`` and ``--device``, with ``train``'s choices and defaults (``opsd_rollout.placement``)."""
+    parser.add_argument("--dtype", choices=DTYPES, default="auto", help=f"{what}'s dtype (default auto: bf16 on a "
+                        "GPU, fp32 on the CPU)")
+    parser.add_argument("--device", type=device_flag, default="auto", metavar="{auto,cpu,cuda,cuda:N}",
+                        help=f"where {what} runs (default auto: a GPU when there is one, else the CPU)")
 
 
 def apply_local_rank(local_rank: int | None) -> None:

@@ -11,6 +11,7 @@ import sys
 from typing import Any
 
 from opsd_rollout import checks
+from opsd_rollout.cli.common import add_placement_flags
 from opsd_rollout.presets import PRESETS
 
 
@@ -73,9 +74,7 @@ def add_serve_teacher_parser(sub: Any, common: argparse.ArgumentParser) -> None:
                        help="port (default %(default)s; 0 picks a free one)")
     serve.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (as vLLM's --api-key; default: "
                        "$OPSD_ROLLOUT_API_KEY, else no key)")
-    serve.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32", help="teacher dtype (default "
-                       "%(default)s)")
-    serve.add_argument("--device", default="cpu", help="teacher device, e.g. cuda:0 (default %(default)s)")
+    add_placement_flags(serve, "the teacher")
     serve.add_argument("--seed", type=int, help="a preset's weight seed (default: the preset's own)")
     serve.add_argument("--max-batch-tokens", type=checks.argument(checks.integer), default=8192,
                        help="token positions (rows x longest row) in one teacher forward; a request must fit one "

@@ -10,6 +10,7 @@ import shlex
 import sys
 from typing import Any
 
+from opsd_rollout.placement import DTYPES, device_flag
 from opsd_rollout.train.teacher_spec import DEFAULTS, KEY_VARIABLE
 
 LOSSES = ("forward_kl", "reverse_kl", "jsd", "sampled_reverse_kl")
@@ -45,6 +46,12 @@ FLAGS: list[tuple[str, str, dict[str, Any]]] = [  # (flag, TrainConfig's flat na
     ("--deepspeed", "deepspeed", dict(metavar="JSON", help="the student's DeepSpeed config (ZeRO stage, optimizer, "
                                       "scheduler, gradient_accumulation_steps, bf16, tensorboard/wandb/csv_monitor); "
                                       "default: one built from the flags below")),
+    ("--dtype", "dtype", dict(choices=DTYPES, help="the run's precision, the student's and every teacher's "
+                              "(default auto: the --deepspeed config's bf16/fp16 section when it turns one on, else "
+                              "bf16 on a GPU and fp32 on the CPU; a config that says otherwise is refused)")),
+    ("--device", "device", dict(type=device_flag, metavar="{auto,cpu,cuda,cuda:N}", help="where the student and "
+                                "its teachers run (default auto: DeepSpeed's accelerator, a GPU when there is one, "
+                                "each rank its own)")),
     ("--zero-stage", "zero_stage", dict(type=int, choices=(0, 1, 2, 3), help="ZeRO stage of the built config "
                                         "(default 0)")),
     ("--lr", "lr", dict(type=float, help="AdamW learning rate of the built config (default 1e-3)")),
@@ -210,6 +217,8 @@ def run_train(args: argparse.Namespace) -> int:
     output_dir = output_dir_of(args)
     preflight({**given, "output_dir": output_dir}, builtin=builtin)
 
+    if given.get("device") == "cpu":  # DeepSpeed picks its accelerator once, when first imported: the CPU, asked
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
     from transformers.utils import logging as transformers_logging
 
     from opsd_rollout.train import TrainConfig, train  # heavy: see the module docstring

@@ -20,6 +20,7 @@ from deepspeed.runtime.rollout.base import SamplingConfig
 
 from opsd_rollout import checks
 from opsd_rollout.opsd.divergence import DivergenceConfig
+from opsd_rollout.placement import device_choice, dtype_choice
 from opsd_rollout.opsd.served import refuse_full_cache
 from opsd_rollout.opsd.step import check_pairing
 from opsd_rollout.opsd.teacher import TeacherCacheConfig
@@ -120,6 +121,13 @@ class TrainConfig:
     never mixed with the new one."""
     progress: bool = True
     """A progress line on the terminal."""
+    dtype: str = "auto"
+    """The run's precision, the student's and every teacher's: ``fp32``, ``bf16``, ``fp16``, or ``auto`` (the
+    DeepSpeed config's bf16/fp16 section when it turns one on, else bf16 on a GPU and fp32 on the CPU). A DeepSpeed
+    config that says otherwise is refused; one that says nothing gets the section."""
+    device: str = "auto"
+    """Where the student and its teachers run: ``auto`` (DeepSpeed's accelerator: a GPU when there is one, each
+    rank its own), ``cpu``, ``cuda`` or ``cuda:N`` (one process)."""
     sampling: SamplingConfig = field(default_factory=_default_sampling)
     """The rollouts' sampling (the evaluation's too), as DeepSpeed's ``generate`` takes it: ``max_new_tokens``
     (response tokens per sample, and the references' length), ``n_samples_per_prompt``, ``temperature``,
@@ -153,6 +161,8 @@ class TrainConfig:
                                  "into its own (--resume DIR)")
             object.__setattr__(self, "output_dir", resumed_output_dir(self.resume))
         checks.boolean("overwrite", self.overwrite)
+        dtype_choice(self.dtype)
+        device_choice(self.device)
         checks.choice("objective", self.objective, OBJECTIVES)
         object.__setattr__(self, "teachers", as_specs(self.teachers))
         if self.task is not None:

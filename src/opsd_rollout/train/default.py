@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from opsd_rollout import checks
+from opsd_rollout.placement import resolve_device, resolve_dtype
 from opsd_rollout.train.checkpoint import latest_tag
 from opsd_rollout.train.config import TrainConfig
 from opsd_rollout.train.eval_file import TaskEvalConfig, read_eval_file
@@ -48,7 +49,7 @@ RUNS = {None: (TEACHER, STUDENT), "arithmetic": (ARITHMETIC_TEACHER, ARITHMETIC_
 """The built-in runs by task (``None``: the corpus run): (the teacher's recipe, the student's by the flags' names)."""
 
 
-UNMADE = ("output_dir", "progress", "save_every", "resume", "overwrite")
+UNMADE = ("output_dir", "progress", "save_every", "resume", "overwrite", "device")
 """``TrainConfig``'s fields that change where a run goes and what it keeps, not the teacher it makes: left out of
 the name of a cached teacher (``teacher_dir``)."""
 
@@ -95,6 +96,11 @@ def teacher_dir(cache_dir: str | None, config: TrainConfig = TEACHER) -> Path:
     import opsd_rollout
 
     recipe = {k: v for k, v in config.to_dict().items() if k not in UNMADE}
+    dtype = resolve_dtype(config.dtype, resolve_device(config.device).partition(":")[0])
+    if dtype == "fp32":
+        del recipe["dtype"]  # the name of an fp32 teacher as it was before the run's dtype was a field
+    else:
+        recipe["dtype"] = dtype
     if recipe["task"] is None:
         del recipe["task"]  # the corpus teacher's name as it was before tasks
     recipe.update(version=opsd_rollout.__version__, corpus=data_hash(config.task))

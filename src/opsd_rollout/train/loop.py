@@ -30,6 +30,7 @@ from opsd_rollout.train.config import TrainConfig
 from opsd_rollout.train.data import Encoder, Example, batch_indices
 from opsd_rollout.train.evaluate import evaluate
 from opsd_rollout.train.lora import trainable_parameters
+from opsd_rollout.train.precision import place_teachers
 from opsd_rollout.train.report import MetricsLog, Progress, monitor_events, plot_eval, step_record
 from opsd_rollout.train.setup import Models, build_student_engine, load_models, split_examples
 from opsd_rollout.train.sft import sft_step
@@ -101,16 +102,8 @@ class _Run:
                                max_reference_tokens=config.sampling.max_new_tokens)
         merged = config.rollout.merge_adapters or (config.lora.enabled and config.lora.merge_rollouts)
         self.rollout = HybridEngineRollout(self.engine, models.tokenizer, config.rollout.replace(merge_adapters=merged))
-        self.teacher = models.teacher
-        if config.teachers and not config.several and config.teachers[0].zero_stage == 3:
-            from opsd_rollout.deepspeed_engine import build_inference_engine
-
-            self.teacher = build_inference_engine(self.teacher, 3)
-        for each in (self.teacher.values() if config.several else [self.teacher]):
-            if isinstance(each, SelfTeacher) and each.copied and self.engine.zero_optimization_stage() == 3:
-                from opsd_rollout.deepspeed_engine import build_inference_engine  # the student's starting weights,
-
-                each.module = build_inference_engine(each.module, 3)  # partitioned as the student is
+        self.teacher = place_teachers(models.teacher, {spec.name: spec.zero_stage for spec in config.teachers},
+                                      self.engine)  # where the student runs, in its dtype
         self.reprompt = any(spec.context is not None for spec in config.teachers)
         """The teachers see their own prompts (a context: the reference), built from each example's."""
         self.references = config.off_policy == "references" or (

@@ -18,6 +18,7 @@ from opsd_rollout.models import vocab_size
 from opsd_rollout.train.checkpoint import find_checkpoint
 from opsd_rollout.train.eval_file import TaskEvalConfig, read_eval_file
 from opsd_rollout.train.lora import AdapterConfig
+from opsd_rollout.train.precision import run_dtype
 from opsd_rollout.train.records import read_records
 from opsd_rollout.train.run_dir import check_output_dir
 from opsd_rollout.train.teacher_spec import (TeacherSpec, check_self, check_specs, context_of, routed,
@@ -54,7 +55,9 @@ def preflight(values: dict[str, Any], *, builtin: bool = False) -> None:
     if values.get("output_dir") is not None:
         check_output_dir(values["output_dir"], resume=values.get("resume"), overwrite=bool(values.get("overwrite")))
     if values.get("deepspeed") is not None and not isinstance(values["deepspeed"], dict):
-        read_deepspeed_file(values["deepspeed"])
+        ds = read_deepspeed_file(values["deepspeed"])
+        if values.get("dtype") not in (None, "auto"):  # auto takes what the config says: no disagreement
+            run_dtype(values["dtype"], ds, "cpu", values["deepspeed"])
     AdapterConfig(**{leaf: values[flat] for flat, leaf in (("lora_rank", "rank"), ("lora_alpha", "alpha"),
                                                            ("lora_targets", "targets"), ("merge_lora", "merge"))
                      if values.get(flat) is not None})
