@@ -86,6 +86,9 @@ def bad_inputs(tmp: Path) -> list[tuple[list[str], str]]:
         (["--resume", str(tmp / "empty"), *teacher], "holds no checkpoint"),
         (["--deepspeed", write(tmp / "bf16.json", [{"bf16": {"enabled": True}}]), "--dtype", "fp32", *teacher],
          "--dtype fp32 and " + str(tmp / "bf16.json") + " disagree: its bf16 on"),
+        (["--save-best", "loss", *teacher], "--save-best 'loss' is not an evaluation figure with a direction"),
+        (["--save-best", "eval_accuracy", *teacher], "a task evaluation's figure, and the run has none"),
+        (["--save-total-limit", "0", *teacher], "--save-total-limit must be an int >= 1; got 0"),
     ]
 
 
@@ -132,7 +135,7 @@ def test_the_flag_checks_refuse_what_train_config_refuses():
     for name in RULES:
         kind = "int" if name in ("steps", "prompts_per_micro_batch", "samples_per_prompt", "max_new_tokens",
                                  "max_prompt_tokens", "eval_every", "eval_prompts", "save_every", "teacher_top_k",
-                                 "gradient_accumulation_steps", "lora_rank", "top_k") else "float"
+                                 "gradient_accumulation_steps", "lora_rank", "top_k", "save_total_limit") else "float"
         for value in probes[kind]:
             values = {"teacher": "qwen2-tiny", name: value, **({"lora_rank": 4} if name == "lora_alpha" else {}),
                       **({"teacher_url": "http://127.0.0.1:1"} if name == "teacher_timeout" else {})}

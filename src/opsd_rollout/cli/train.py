@@ -130,6 +130,12 @@ FLAGS: list[tuple[str, str, dict[str, Any]]] = [  # (flag, TrainConfig's flat na
                                                           "completion may take (default: --max-new-tokens)")),
     ("--save-every", "save_every", dict(type=int, metavar="N", help="a checkpoint every N steps (always one at the "
                                         "end and on Ctrl-C)")),
+    ("--save-total-limit", "save_total_limit", dict(type=int, metavar="N", help="keep at most N checkpoints, the "
+                                                    "oldest removed first, never the latest nor the --save-best "
+                                                    "model's step (as transformers' Trainer; default: every one)")),
+    ("--save-best", "save_best", dict(metavar="METRIC", help="after each evaluation better by METRIC than every "
+                                      "earlier one (eval_accuracy, eval_reverse_kl, ...: the direction is the "
+                                      "figure's), write the student to best/, with best.json naming the step")),
     ("--resume", "resume", dict(metavar="DIR", help="continue a run from its latest checkpoint, exactly, into DIR "
                                 "(unless --output-dir names another directory)")),
     ("--overwrite", "overwrite", dict(action="store_true", default=None, help="start over in an --output-dir that "
@@ -253,7 +259,10 @@ def run_train(args: argparse.Namespace) -> int:
         teacher = result.records[0].get("teacher_eval_accuracy") if result.records else None
         print(f"task accuracy: {accuracy[0][1]:.1%} at step {accuracy[0][0]} -> {accuracy[-1][1]:.1%} at step "
               f"{accuracy[-1][0]}" + (f" (teacher {teacher:.1%})" if teacher is not None else ""))
+    best = result.best
     print(f"metrics {result.output_dir / 'metrics.jsonl'}, model {result.model_dir}, checkpoint {result.checkpoint}"
+          + (f", best model {result.output_dir / 'best'} (step {best.step}, {best.metric} {best.value:.4g})"
+             if best is not None and best.step is not None else "")
           + (f", merged model {result.merged_dir}" if result.merged_dir else "")
           + (f", plot {result.plot}" if result.plot else ""))
     return 0

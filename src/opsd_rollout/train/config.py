@@ -26,6 +26,7 @@ from opsd_rollout.opsd.step import check_pairing
 from opsd_rollout.opsd.teacher import TeacherCacheConfig
 from opsd_rollout.rollout.config import HybridEngineRolloutConfig
 from opsd_rollout.rollout.validation import check_sampling
+from opsd_rollout.train.best import check_save_best
 from opsd_rollout.train.eval_file import TaskEvalConfig
 from opsd_rollout.train.lora import AdapterConfig
 from opsd_rollout.train.preflight import check_teacher_given
@@ -113,6 +114,13 @@ class TrainConfig:
     """Held-out prompts evaluated (the first of the held-out set)."""
     save_every: int | None = None
     """A checkpoint every this many steps (one is always written at the end and on Ctrl-C)."""
+    save_total_limit: int | None = None
+    """At most this many checkpoints kept in ``checkpoints/``, the oldest removed first, never the latest nor the
+    best model's step (transformers' Trainer's ``save_total_limit``); ``None``: every one."""
+    save_best: str | None = None
+    """An evaluation figure (``eval_accuracy``, ``eval_reverse_kl``, ...; its direction ``metrics.TRAINING``'s
+    ``lower_is_better``): after each evaluation better by it than every earlier one, the student is written to
+    ``best/``, with ``best.json`` naming the step and the value. ``None``: no ``best/``."""
     resume: str | None = None
     """A previous run's output directory (or its ``checkpoints/``): continue from its latest checkpoint, into that
     directory unless ``output_dir`` names another."""
@@ -178,7 +186,7 @@ class TrainConfig:
                 raise TypeError(f"{name} must be a {kind.__name__}; got {type(value).__name__}")
         for name in ("steps", "prompts_per_micro_batch", "eval_every", "eval_prompts"):
             checks.integer(name, getattr(self, name))
-        for name in ("save_every", "max_prompt_tokens"):
+        for name in ("save_every", "max_prompt_tokens", "save_total_limit"):
             checks.integer(name, getattr(self, name), optional=True)
         for name in ("max_new_tokens", "n_samples_per_prompt"):
             checks.integer(f"sampling.{name}", getattr(self.sampling, name))
@@ -186,6 +194,9 @@ class TrainConfig:
         checks.number("lmbda", self.lmbda, at_least=0, at_most=1)
         checks.choice("off_policy", self.off_policy, OFF_POLICY)
         check_pairing(self.divergence, self.cache)
+        check_save_best(self.save_best, objective=self.objective, task_eval=self.task_eval is not None,
+                        eval_samples=self.task_eval.samples if self.task_eval else 1,
+                        teachers=tuple(spec.name for spec in self.teachers) if self.several else ())
         if self.task_eval is not None and self.task_eval.samples > 1 and self.sampling.temperature <= 0:
             raise ValueError(f"--eval-samples {self.task_eval.samples} samples at the run's temperature "
                              f"{self.sampling.temperature!r}, which is greedy: K identical completions say nothing of "

@@ -25,7 +25,8 @@ from opsd_rollout.opsd.served import ServedTeacher
 from opsd_rollout.opsd.step import OPSDStep, StepInFlight
 from opsd_rollout.opsd.step_profile import StepProfile
 from opsd_rollout.seeding import seeded
-from opsd_rollout.train.checkpoint import find_checkpoint, save_merged, save_model
+from opsd_rollout.train.best import BEST_DIR, NOTE, Best
+from opsd_rollout.train.checkpoint import find_checkpoint, prune_checkpoints, save_merged, save_model
 from opsd_rollout.train.config import TrainConfig
 from opsd_rollout.train.data import Encoder, Example, batch_indices
 from opsd_rollout.train.evaluate import evaluate
@@ -50,6 +51,8 @@ class TrainResult:
     plot: Path | None = None
     merged_dir: Path | None = None
     """A LoRA run's merged model (``--merge-lora``): the adapters folded into the base weights."""
+    best: Any = None
+    """With ``save_best``: the best evaluation (``best.Best``: its step and value), whose model is in ``best/``."""
     interrupted: bool = False
     stopped: str | None = None
     """Why the run stopped before its last step other than Ctrl-C (a served teacher that stopped answering); a
@@ -130,6 +133,7 @@ class _Run:
         if self.rank.rank == 0:
             write_text_atomic(self.out / "train_config.json", json.dumps(config.to_dict(), indent=2))
         self.saved_at: int | None = self.global_step if config.resume else None
+        self.best = Best.of(config.save_best, self.out) if config.save_best else None
 
     # ---- one optimizer step --------------------------------------------------------------------------------
 
@@ -247,6 +251,14 @@ class _Run:
             progress.show(record)
         if self.engine.monitor.enabled:
             self.engine.monitor.write_events(monitor_events(record))
+        self.keep_best(record)
+
+    def keep_best(self, record: dict[str, Any]) -> None:
+        """With ``save_best``: the student written to ``best/`` when ``record``'s evaluation is the best so far
+        (every rank alike: the figures are reduced over them, and under ZeRO-3 the save gathers)."""
+        if self.best is not None and self.best.improved(record):
+            save_model(self.engine, self.models.tokenizer, self.out / BEST_DIR, self.rank,
+                       files={NOTE: self.best.note()})
 
     def save(self) -> Path:
         config = self.config.to_dict()
@@ -256,7 +268,14 @@ class _Run:
         self.engine.save_checkpoint(str(self.checkpoints), tag=f"step{self.global_step}", client_state={"train_state": state},
                                     exclude_frozen_parameters=self.config.lora.enabled)
         self.saved_at = self.global_step
+        self.prune()
         return self.checkpoints / f"step{self.global_step}"
+
+    def prune(self) -> None:
+        """With ``save_total_limit``: the oldest checkpoints removed past it, never the latest or the best's."""
+        if self.config.save_total_limit and self.rank.rank == 0:
+            best = {f"step{self.best.step}"} if self.best is not None and self.best.step is not None else set()
+            prune_checkpoints(self.checkpoints, self.config.save_total_limit, keep=best)
 
     def run(self) -> TrainResult:
         config = self.config
@@ -291,7 +310,7 @@ class _Run:
             result.checkpoint = self.save()
         else:
             result.checkpoint = self.checkpoints / f"step{self.global_step}"
-        result.steps, result.records = self.global_step, list(self.log.records)
+        result.steps, result.records, result.best = self.global_step, list(self.log.records), self.best
         if not result.interrupted and result.stopped is None:
             result.model_dir = save_model(self.engine, self.models.tokenizer, self.out / "model", self.rank)
             if config.lora.merge and self.rank.rank == 0:

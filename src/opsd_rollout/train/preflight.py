@@ -15,6 +15,7 @@ from typing import Any
 from opsd_rollout import checks
 from opsd_rollout.deepspeed_config import read_deepspeed_file
 from opsd_rollout.models import vocab_size
+from opsd_rollout.train.best import check_save_best
 from opsd_rollout.train.checkpoint import find_checkpoint
 from opsd_rollout.train.eval_file import TaskEvalConfig, read_eval_file
 from opsd_rollout.train.lora import AdapterConfig
@@ -30,7 +31,7 @@ COUNT = checks.rule(checks.integer)
 RULES = {
     **{name: COUNT for name in ("steps", "prompts_per_micro_batch", "samples_per_prompt", "max_new_tokens",
                                 "max_prompt_tokens", "eval_every", "eval_prompts", "save_every", "teacher_top_k",
-                                "gradient_accumulation_steps", "lora_rank")},
+                                "gradient_accumulation_steps", "lora_rank", "save_total_limit")},
     "top_k": checks.rule(checks.integer, minimum=None), "lr": checks.rule(checks.number, above=0),
     "lmbda": checks.rule(checks.number, at_least=0, at_most=1), "beta": checks.rule(checks.number, at_least=0,
                                                                                     at_most=1),
@@ -62,6 +63,10 @@ def preflight(values: dict[str, Any], *, builtin: bool = False) -> None:
                                                            ("lora_targets", "targets"), ("merge_lora", "merge"))
                      if values.get(flat) is not None})
     specs = specs_from_flags(values)
+    check_save_best(values.get("save_best"), objective=values.get("objective", "opsd"),
+                    task_eval=values.get("eval_data") is not None or values.get("task") is not None,
+                    eval_samples=values.get("eval_samples") or 1,
+                    teachers=tuple(spec.name for spec in specs) if routed(specs) else ())
     check_specs(specs, values.get("default_teacher"))
     check_self(specs, values.get("objective", "opsd"), values.get("lmbda", 1.0),
                teacher_samples=values.get("off_policy") == "teacher")
