@@ -11,6 +11,10 @@ import os
 from rich.console import Console
 
 from opsd_rollout.placement import DTYPES, device_flag
+from opsd_rollout.quiet import DEEPSPEED_LOGGER, CpuFallbackFilter
+
+__all__ = ["CpuFallbackFilter", "add_placement_flags", "apply_local_rank", "common_flags", "console",
+           "show_accelerator_fallback"]
 
 
 def console() -> Console:
@@ -54,19 +58,6 @@ def apply_local_rank(local_rank: int | None) -> None:
     if current is not None and current != str(local_rank):
         raise ValueError(f"--local_rank={local_rank} disagrees with LOCAL_RANK={current} in the environment")
     os.environ["LOCAL_RANK"] = str(local_rank)
-
-
-DEEPSPEED_LOGGER = "DeepSpeed"
-"""The logger DeepSpeed logs through (``deepspeed.utils.logging``); it prints to stdout itself."""
-
-
-class CpuFallbackFilter(logging.Filter):
-    """Drops DeepSpeed's "Setting accelerator to CPU. If you have GPU ..." (``real_accelerator.py``, logged on
-    every first ``get_accelerator()`` of a machine without one): on a CPU machine it says nothing the user can
-    act on. Installed without ``-v``; DeepSpeed's other messages pass."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.msg).startswith("Setting accelerator to CPU")
 
 
 def show_accelerator_fallback(verbose: bool) -> None:

@@ -78,10 +78,10 @@ def run_eval(args: argparse.Namespace) -> int:
 
     import torch
     from deepspeed.runtime.rollout.base import SamplingConfig
-    from transformers.utils import logging as transformers_logging
 
     from opsd_rollout.models import load_model
     from opsd_rollout.placement import resolve_device, resolve_dtype
+    from opsd_rollout.quiet import progress_bars_hidden
     from opsd_rollout.rollout import HybridEngineRollout
     from opsd_rollout.rollout.validation import check_sampling
     from opsd_rollout.train.task_eval import evaluate_task, task_problems
@@ -91,8 +91,8 @@ def run_eval(args: argparse.Namespace) -> int:
     check_sampling(sampling)
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, torch.device(device).type)
-    transformers_logging.disable_progress_bar()  # loading a checkpoint: the scoring bar says enough
-    model, tokenizer = load_model(args.model, dtype=dtype, device=device)
+    with progress_bars_hidden():  # loading a checkpoint: the scoring bar says enough
+        model, tokenizer = load_model(args.model, dtype=dtype, device=device)
     problems = task_problems(records, tokenizer, [model], config.max_new_tokens)
     rollout = HybridEngineRollout(model, tokenizer)
     console = Console(stderr=True)

@@ -225,18 +225,19 @@ def run_train(args: argparse.Namespace) -> int:
 
     if given.get("device") == "cpu":  # DeepSpeed picks its accelerator once, when first imported: the CPU, asked
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    from transformers.utils import logging as transformers_logging
-
+    if args.verbose:  # DeepSpeed's CPU-fallback line, logged as it is first imported, shown (-v): the package's
+        import deepspeed  # noqa: F401  names below import it quietly, as they do for the library's callers
     from opsd_rollout.train import TrainConfig, train  # heavy: see the module docstring
     from opsd_rollout.train.default import default_run, task_flags
 
-    transformers_logging.disable_progress_bar()  # loading and saving checkpoints: our progress line says enough
-    if builtin:
-        result = default_run(output_dir, cache_dir=args.cache_dir, progress=not args.quiet, overrides=given)
+    if builtin:  # quiet as the library is, transformers' progress bars included, unless -v
+        result = default_run(output_dir, cache_dir=args.cache_dir, progress=not args.quiet,
+                             overrides={"verbose": args.verbose, **given})
     else:
         if "task" in given:  # responses as long as its solutions, scored on its held-out problems
             given = {**task_flags(args.cache_dir, given["task"]), **given}
-        result = train(TrainConfig.from_flat({"output_dir": output_dir, "progress": not args.quiet, **given}))
+        result = train(TrainConfig.from_flat({"output_dir": output_dir, "progress": not args.quiet,
+                                              "verbose": args.verbose, **given}))
     if int(os.environ.get("RANK", "0")) != 0:  # under a launcher, rank 0 speaks
         return 130 if result.interrupted else 0
     if result.interrupted:

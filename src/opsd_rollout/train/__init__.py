@@ -18,4 +18,7 @@ def __getattr__(name: str):
         raise AttributeError(name)
     import importlib
 
-    return getattr(importlib.import_module(f"opsd_rollout.train.{_HOMES[name]}"), name)
+    from opsd_rollout.quiet import cpu_fallback_hidden
+
+    with cpu_fallback_hidden():  # a library user's first import of DeepSpeed is often this one: quiet, as train()
+        return getattr(importlib.import_module(f"opsd_rollout.train.{_HOMES[name]}"), name)

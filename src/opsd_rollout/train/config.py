@@ -129,6 +129,9 @@ class TrainConfig:
     never mixed with the new one."""
     progress: bool = True
     """A progress line on the terminal."""
+    verbose: bool = False
+    """Let DeepSpeed's CPU-fallback line and transformers' progress bars (loading and saving checkpoints) show
+    during the run; hidden by default, as the command line hides them without ``-v`` (``opsd_rollout.quiet``)."""
     dtype: str = "auto"
     """The run's precision, the student's and every teacher's: ``fp32``, ``bf16``, ``fp16``, or ``auto`` (the
     DeepSpeed config's bf16/fp16 section when it turns one on, else bf16 on a GPU and fp32 on the CPU). A DeepSpeed
@@ -169,6 +172,7 @@ class TrainConfig:
                                  "into its own (--resume DIR)")
             object.__setattr__(self, "output_dir", resumed_output_dir(self.resume))
         checks.boolean("overwrite", self.overwrite)
+        checks.boolean("verbose", self.verbose)
         dtype_choice(self.dtype)
         device_choice(self.device)
         checks.choice("objective", self.objective, OBJECTIVES)

@@ -49,7 +49,7 @@ RUNS = {None: (TEACHER, STUDENT), "arithmetic": (ARITHMETIC_TEACHER, ARITHMETIC_
 """The built-in runs by task (``None``: the corpus run): (the teacher's recipe, the student's by the flags' names)."""
 
 
-UNMADE = ("output_dir", "progress", "save_every", "resume", "overwrite", "save_total_limit", "save_best",
+UNMADE = ("output_dir", "progress", "verbose", "save_every", "resume", "overwrite", "save_total_limit", "save_best",
           "device")
 """``TrainConfig``'s fields that change where a run goes and what it keeps, not the teacher it makes: left out of
 the name of a cached teacher (``teacher_dir``)."""

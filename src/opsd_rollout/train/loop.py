@@ -24,6 +24,7 @@ from opsd_rollout.opsd.self_teacher import SelfTeacher
 from opsd_rollout.opsd.served import ServedTeacher
 from opsd_rollout.opsd.step import OPSDStep, StepInFlight
 from opsd_rollout.opsd.step_profile import StepProfile
+from opsd_rollout.quiet import quiet
 from opsd_rollout.seeding import seeded
 from opsd_rollout.train.best import BEST_DIR, NOTE, Best
 from opsd_rollout.train.checkpoint import find_checkpoint, prune_checkpoints, save_merged, save_model
@@ -336,7 +337,13 @@ def check_example_teachers(examples: list[Example], names: set[str]) -> None:
 def train(config: TrainConfig) -> TrainResult:
     """Run ``config``: every input checked before any model work, then the loop. Ctrl-C saves a checkpoint and
     returns with ``interrupted`` set; a served teacher that stops answering for its ``timeout`` seconds saves one
-    at the last completed step and returns with ``stopped`` set."""
+    at the last completed step and returns with ``stopped`` set. Quiet as the command line is, unless
+    ``config.verbose`` (``opsd_rollout.quiet``: DeepSpeed's CPU-fallback line, transformers' progress bars)."""
+    with quiet(config.verbose):
+        return _checked_run(config)
+
+
+def _checked_run(config: TrainConfig) -> TrainResult:
     from opsd_rollout.distributed import rank_info
     from opsd_rollout.train.data import in_context, read_examples
     from opsd_rollout.train.eval_file import read_eval_file
