@@ -141,6 +141,10 @@ FLAGS: list[tuple[str, str, dict[str, Any]]] = [  # (flag, TrainConfig's flat na
     ("--overwrite", "overwrite", dict(action="store_true", default=None, help="start over in an --output-dir that "
                                       "holds a run: what it wrote (metrics, checkpoints, model) is removed first; "
                                       "without it such a directory is refused")),
+    ("--gradient-checkpointing", "gradient_checkpointing", dict(
+        action="store_true", default=None, help="recompute the student's layer activations in the backward pass "
+        "instead of keeping them (transformers' gradient checkpointing): less memory for long responses, about a "
+        "third more compute; any ZeRO stage, LoRA too")),
     ("--lora-rank", "lora_rank", dict(type=int, metavar="R", help="train LoRA adapters (PEFT) of rank R on the "
                                       "student instead of every weight; model/ is then a PEFT adapter directory")),
     ("--lora-alpha", "lora_alpha", dict(type=float, metavar="A", help="LoRA's alpha: updates scaled by A / R "

@@ -161,6 +161,10 @@ class TrainConfig:
     """Task evaluation at every evaluation (an eval file with answers, a scorer, K samples per problem), the
     teacher scored once at step 0; its samples use ``sampling``'s temperature, top-k and top-p, and its completions
     ``task_eval.max_new_tokens`` (``None``: ``sampling.max_new_tokens``). ``None``: none."""
+    gradient_checkpointing: bool = False
+    """transformers' gradient checkpointing on the student (``gradient_checkpointing_enable``, non-reentrant): its
+    layers' activations recomputed in the backward pass instead of kept, for long responses; under ZeRO 0-3 and
+    LoRA alike. Rollouts are not affected (eval mode, cache on)."""
     lora: AdapterConfig = field(default_factory=AdapterConfig)
     """LoRA adapters on the student (PEFT's), the only parameters trained and optimised, when ``lora.rank`` is set;
     full fine-tuning otherwise."""
@@ -173,6 +177,7 @@ class TrainConfig:
             object.__setattr__(self, "output_dir", resumed_output_dir(self.resume))
         checks.boolean("overwrite", self.overwrite)
         checks.boolean("verbose", self.verbose)
+        checks.boolean("gradient_checkpointing", self.gradient_checkpointing)
         dtype_choice(self.dtype)
         device_choice(self.device)
         checks.choice("objective", self.objective, OBJECTIVES)

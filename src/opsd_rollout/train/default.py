@@ -50,7 +50,7 @@ RUNS = {None: (TEACHER, STUDENT), "arithmetic": (ARITHMETIC_TEACHER, ARITHMETIC_
 
 
 UNMADE = ("output_dir", "progress", "verbose", "save_every", "resume", "overwrite", "save_total_limit", "save_best",
-          "device")
+          "device", "gradient_checkpointing")
 """``TrainConfig``'s fields that change where a run goes and what it keeps, not the teacher it makes: left out of
 the name of a cached teacher (``teacher_dir``)."""
 

@@ -103,12 +103,31 @@ def load_models(config: Any) -> Models:
         raise ValueError(f"student {config.student!r}: its tokenizer has {len(tokenizer):,} tokens and its model a "
                          f"vocabulary of {configs[0].vocab_size:,}: the model's vocab_size must be at least "
                          "len(tokenizer) (added tokens count; docs/MODELS.md)")
+    if config.gradient_checkpointing:  # before the adapters: PEFT then sees it (and the LoRA layers recompute too)
+        checkpointed(student, config.student)
     if config.lora.enabled:  # fresh adapters on the loaded weights, the base frozen
         student = with_adapters(student, config.lora, config.student, config.seed)
     teachers = {spec.name: load_teacher(spec, config, tokenizer, configs[0].vocab_size, student, dtype)
                 for spec in config.teachers}
     teacher = teachers if config.several else next(iter(teachers.values()), None)
     return Models(student, tokenizer, teacher, longest, max_teacher_prompt_tokens=positions - new_tokens)
+
+
+def checkpointed(student: torch.nn.Module, name: str) -> torch.nn.Module:
+    """transformers' gradient checkpointing on ``student`` (``gradient_checkpointing_enable``): in training mode
+    each decoder layer keeps its input alone and recomputes the rest in the backward pass, for less memory and
+    about a third more compute; a rollout runs in eval mode, uncheckpointed, its cache on. Non-reentrant (torch's
+    recommended kind): it needs no input that requires a gradient, so a LoRA student's frozen embeddings need not be
+    made to (PEFT's ``enable_input_require_grads``, which the reentrant kind needs), and it works under ZeRO-3."""
+    if not getattr(student, "supports_gradient_checkpointing", False):
+        raise ValueError(f"--gradient-checkpointing: student {name!r} ({type(student).__name__}) has no gradient "
+                         "checkpointing in transformers")
+    kwargs = {"use_reentrant": False}
+    if hasattr(student, "activation_checkpointing_enable"):  # transformers 5.24's name; the old one warns there
+        student.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        student.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    return student
 
 
 def load_teacher(spec: TeacherSpec, config: Any, tokenizer: Any, vocab_size: int, student: torch.nn.Module,
