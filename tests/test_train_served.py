@@ -225,6 +225,20 @@ def start_server(port: int, *flags: str, seen: list[str] | None = None) -> tuple
     pytest.fail("serve-teacher did not start within 300 s:\n" + "".join(seen[-20:]), pytrace=False)
 
 
+def stopped_by_a_killed_server(run: subprocess.Popen, server: subprocess.Popen, out: Path) -> tuple[str, str]:
+    """Kills ``server`` once ``run`` (a train process writing into ``out``) has recorded steps 0, 1 and 2, then waits
+    for the run to stop; returns its stdout and stderr."""
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline and run.poll() is None:
+        if (out / "metrics.jsonl").is_file() and len(records(out)) >= 3:
+            break
+        time.sleep(0.2)
+    assert run.poll() is None, "train finished before the server could be killed"
+    server.kill()
+    server.wait(60)
+    return run.communicate(timeout=600)
+
+
 @pytest.mark.slow
 def test_a_killed_server_stops_the_run_and_the_printed_command_finishes_it(tmp_path):
     """The real thing, in processes: serve-teacher killed (SIGKILL) while train runs; train stops with exit 3, a
@@ -239,15 +253,7 @@ def test_a_killed_server_stops_the_run_and_the_printed_command_finishes_it(tmp_p
                "--eval-every", "4", "--eval-prompts", "4", "--output-dir", str(out), "--quiet"]
     run = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=clean_env())
     try:
-        deadline = time.monotonic() + 600
-        while time.monotonic() < deadline and run.poll() is None:
-            if (out / "metrics.jsonl").is_file() and len(records(out)) >= 3:  # steps 0, 1, 2 done
-                break
-            time.sleep(0.2)
-        assert run.poll() is None, "train finished before the server could be killed"
-        server.kill()
-        server.wait(60)
-        _, err = run.communicate(timeout=600)
+        _, err = stopped_by_a_killed_server(run, server, out)
         assert run.returncode == 3, err[-4000:]
         assert "did not answer POST /v1/completions" in err
         resume = shlex.split(err.strip().splitlines()[-1])
@@ -282,15 +288,7 @@ def test_the_key_is_nowhere_in_what_a_run_prints_logs_or_writes(tmp_path):
                "--output-dir", str(out), "--quiet"]
     run = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=clean_env())
     try:
-        deadline = time.monotonic() + 600
-        while time.monotonic() < deadline and run.poll() is None:
-            if (out / "metrics.jsonl").is_file() and len(records(out)) >= 3:
-                break
-            time.sleep(0.2)
-        assert run.poll() is None, "train finished before the server could be killed"
-        server.kill()
-        server.wait(60)
-        first_out, first_err = run.communicate(timeout=600)
+        first_out, first_err = stopped_by_a_killed_server(run, server, out)
         assert run.returncode == 3, first_err[-4000:]
         said = first_err.strip().splitlines()
         assert said[-2].endswith("continue with (the server key in $OPSD_ROLLOUT_API_KEY):"), said[-3:]
