@@ -73,7 +73,8 @@ def add_serve_teacher_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     serve.add_argument("--port", type=checks.argument(checks.integer, minimum=0), default=8000,
                        help="port (default %(default)s; 0 picks a free one)")
     serve.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (as vLLM's --api-key; default: "
-                       "$OPSD_ROLLOUT_API_KEY, else no key)")
+                       "$OPSD_ROLLOUT_API_KEY, else no key; the variable keeps the key off the command line, which "
+                       "every user of the machine can read)")
     add_placement_flags(serve, "the teacher")
     serve.add_argument("--seed", type=int, help="a preset's weight seed (default: the preset's own)")
     serve.add_argument("--max-batch-tokens", type=checks.argument(checks.integer), default=8192,
