@@ -13,7 +13,7 @@ import pytest
 from opsd_rollout.cli import main
 from opsd_rollout.cli.train import resume_command
 from opsd_rollout.train import TrainConfig, train
-from opsd_rollout.train.run_dir import check_output_dir, clear_run
+from opsd_rollout.train.run_dir import check_output_dir, check_resumed_run, clear_run
 from test_train import write_prompts
 
 FLAGS = ["--student", "llama-tiny", "--teacher", "qwen2-tiny", "--prompts-per-micro-batch", "2", "--max-new-tokens",
@@ -115,3 +115,32 @@ def test_the_resume_command_leaves_the_key_and_overwrite_out():
             "--teacher-api-key=s3cret", "--resume", "old", "--steps", "4"]
     assert resume_command(argv, "o") == ("opsd-rollout train --teacher-url http://h:1 --output-dir o --steps 4 "
                                          "--resume o")
+
+
+def test_a_resume_without_the_flags_that_started_the_run_is_refused_before_any_model_loads(tmp_path, monkeypatch,
+                                                                                            capsys):
+    """``train --resume DIR`` alone, over a run of the user's flags, was the built-in run: its teacher trained for
+    minutes, then its student resumed from the other run's checkpoint. The saved ``train_config.json`` says what
+    the run was; flags that describe another are refused in one line, by the command line and the library alike."""
+    from opsd_rollout.train import default, setup
+
+    monkeypatch.setattr(setup, "load_model", lambda *a, **k: pytest.fail("loaded a model"))
+    monkeypatch.setattr(default, "trained_teacher", lambda *a, **k: pytest.fail("trained the built-in teacher"))
+    monkeypatch.chdir(tmp_path)
+    prompts = write_prompts(tmp_path / "p.jsonl")
+    out = tmp_path / "run"
+    (out / "checkpoints" / "step1").mkdir(parents=True)
+    (out / "checkpoints" / "latest").write_text("step1")
+    (out / "train_config.json").write_text(json.dumps(TrainConfig.from_flat(dict(
+        output_dir=str(out), student="llama-tiny", teacher="qwen2-tiny", prompts="p.jsonl")).to_dict()))
+    assert main(["train", "--resume", str(out), "--steps", "4"]) == 2
+    assert capsys.readouterr().err == (f"opsd-rollout: error: --resume {str(out)!r} continues another run than these "
+                                       "flags describe (--prompts 'p.jsonl' there, none here): give the flags that "
+                                       "started it, as the command a stopped run prints does\n")
+    assert main(["train", "--student", "llama-tiny", "--teacher", "qwen2-tiny", "--resume", str(out)]) == 2
+    assert "(--prompts 'p.jsonl' there, none here)" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="--student 'llama-tiny' there, 'qwen2-tiny' here; --prompts 'p.jsonl' there, "
+                                         "none here"):
+        train(TrainConfig.from_flat(dict(student="qwen2-tiny", teacher="qwen2-tiny", resume=str(out))))
+    check_resumed_run(out, dict(student="llama-tiny", prompts=str(prompts), task=None, objective="opsd"))  # one file
+    check_resumed_run(tmp_path / "elsewhere", dict(student="gpt2-tiny"))  # no saved config: nothing to compare

@@ -26,6 +26,7 @@ from opsd_rollout.train.checkpoint import latest_tag
 from opsd_rollout.train.config import TrainConfig
 from opsd_rollout.train.eval_file import TaskEvalConfig, read_eval_file
 from opsd_rollout.train.loop import TrainResult, train
+from opsd_rollout.train.run_dir import check_resumed_run
 
 TEACHER = TrainConfig.from_flat(dict(output_dir="", objective="sft", student="llama-mini", steps=800,
                                      prompts_per_micro_batch=16, lr=1e-3, eval_every=100, eval_prompts=64,
@@ -181,6 +182,8 @@ def default_run(output_dir: str, *, cache_dir: str | None = None, progress: bool
                                     "progress": progress, **overrides})  # checked before the teacher trains
     if config.task_eval is not None:  # the eval file too
         read_eval_file(config.task_eval.data, config.task_eval.scorer)
+    if config.resume is not None:  # a run of the user's flags, resumed without them, is not this one
+        check_resumed_run(config.resume, config)
     trained_teacher(cache_dir, progress=progress, config=teacher_config)
     print(f"student: distilling into {config.student} on-policy ({config.steps} steps) into {output_dir}", flush=True)
     return train(config)

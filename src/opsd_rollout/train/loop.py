@@ -347,11 +347,12 @@ def _checked_run(config: TrainConfig) -> TrainResult:
     from opsd_rollout.distributed import rank_info
     from opsd_rollout.train.data import in_context, read_examples
     from opsd_rollout.train.eval_file import read_eval_file
-    from opsd_rollout.train.run_dir import check_output_dir, clear_run
+    from opsd_rollout.train.run_dir import check_output_dir, check_resumed_run, clear_run
     from opsd_rollout.train.teacher_spec import check_self, context_of
 
     if config.resume is not None:
         find_checkpoint(config.resume)  # before any work: a directory without a checkpoint is refused
+        check_resumed_run(config.resume, config)
     check_output_dir(config.output_dir, resume=config.resume, overwrite=config.overwrite)
     task = config.task_eval
     records = read_eval_file(task.data, task.scorer) if task is not None else None  # before any model work

@@ -21,7 +21,7 @@ from opsd_rollout.train.eval_file import TaskEvalConfig, read_eval_file
 from opsd_rollout.train.lora import AdapterConfig
 from opsd_rollout.train.precision import run_dtype
 from opsd_rollout.train.records import read_records
-from opsd_rollout.train.run_dir import check_output_dir
+from opsd_rollout.train.run_dir import check_output_dir, check_resumed_run
 from opsd_rollout.train.teacher_spec import (TeacherSpec, check_self, check_specs, context_of, routed,
                                              specs_from_flags)
 
@@ -72,6 +72,9 @@ def preflight(values: dict[str, Any], *, builtin: bool = False) -> None:
                teacher_samples=values.get("off_policy") == "teacher")
     if not builtin:
         check_teacher_given(values.get("objective", "opsd"), specs)
+        if values.get("resume") is not None:
+            check_resumed_run(values["resume"], {"student": DEFAULT_STUDENT, "prompts": None, "task": None,
+                                                 "objective": "opsd", **values})
         student = values.get("student") or DEFAULT_STUDENT
         for spec in specs:
             if spec.kind == "model":

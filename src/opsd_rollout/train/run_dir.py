@@ -4,9 +4,11 @@ Light: no torch, so the command line refuses before any model loads."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
+from typing import Any
 
 HOLDS_A_RUN = ("metrics.jsonl", "checkpoints", "train_config.json")
 """What marks a directory as holding a run: any of them."""
@@ -37,6 +39,45 @@ def check_output_dir(output_dir: str | os.PathLike, *, resume: str | os.PathLike
     if held and not continued and not overwrite:
         raise ValueError(f"--output-dir {str(path)!r} holds a run ({', '.join(held)}): continue it with --resume "
                          f"{path}, or start over with --overwrite (which removes that run first)")
+
+
+RESUMED_AS_SAVED = {"student": "--student", "prompts": "--prompts", "task": "--task", "objective": "--objective"}
+"""What a run is, by ``train_config.json``'s names -> their flags: a resume that names other values (a served
+teacher's address, the steps, the output directory may change) continues another run than the one saved."""
+
+
+def check_resumed_run(resume: str | os.PathLike, values: Any) -> None:
+    """Refuses (one line, before any model loads) a ``resume`` whose run, as its ``train_config.json`` says, is not
+    the one ``values`` describe (a ``TrainConfig``, or ``RESUMED_AS_SAVED``'s names -> values; a missing name or file
+    is not checked): ``train --resume DIR`` without the flags that started the run would otherwise be the built-in
+    run, continued from another model's checkpoint."""
+    if not isinstance(values, dict):
+        values = {name: getattr(values, name) for name in RESUMED_AS_SAVED}
+    saved_file = Path(resumed_output_dir(resume)) / "train_config.json"
+    if not saved_file.is_file():
+        return
+    try:
+        saved = json.loads(saved_file.read_text())
+    except ValueError:  # not this package's file: nothing to compare with
+        return
+    if not isinstance(saved, dict):
+        return
+    differ = [f"{flag} {_spelled(saved.get(name))} there, {_spelled(values.get(name))} here"
+              for name, flag in RESUMED_AS_SAVED.items()
+              if name in saved and name in values and not _same_value(saved[name], values[name])]
+    if differ:
+        raise ValueError(f"--resume {str(resume)!r} continues another run than these flags describe "
+                         f"({'; '.join(differ)}): give the flags that started it, as the command a stopped run "
+                         "prints does")
+
+
+def _spelled(value: Any) -> str:
+    return "none" if value is None else repr(value)
+
+
+def _same_value(a: Any, b: Any) -> bool:
+    """Equal, or two names of one existing file or directory (``p.jsonl`` and ``./p.jsonl``)."""
+    return a == b or (isinstance(a, str) and isinstance(b, str) and Path(a).exists() and _same(a, b))
 
 
 def clear_run(output_dir: str | os.PathLike) -> list[str]:
