@@ -66,7 +66,6 @@ def test_unknown_subcommand_exits_2():
     (["serve-teacher", "--model", "m", "--dtype", "fp8"], "argument --dtype: invalid choice: 'fp8'"),
     (["bench", "--zero-stages"], "argument --zero-stages: expected one argument"),
     (["step", "--teacher-caches", "full", "--nope"], "unrecognized arguments: --nope"),
-    (["kernels", "--kernels", "x", "y"], "unrecognized arguments: y"),
     (["compare", "a.json"], "the following arguments are required: AFTER.json"),
     (["models", "--all"], "unrecognized arguments: --all"),
 ])
