@@ -636,6 +636,35 @@ def check_opsd_step(ctx: Context) -> Finding:
                    f"cache write {p.cache_write_ms:.1f}, backward {p.backward_ms:.1f})")
 
 
+def check_teacher_placement(ctx: Context) -> Finding:
+    """``train``'s teachers beside their student: with the run's defaults on a GPU (``--dtype auto``, ``--device
+    auto``) the student's engine is on the device in bf16, and every teacher follows it, on that device in that dtype:
+    two in-process teachers, the self-teacher's frozen copy of the student, a ZeRO-3 teacher (each partition).
+    The rehearsal asks for bf16 (auto is fp32 on the CPU)."""
+    from opsd_rollout.train import TrainConfig
+    from opsd_rollout.train.precision import place_teachers
+    from opsd_rollout.train.setup import build_student_engine, load_models
+
+    placed = []
+    for teachers in (dict(teacher=["a=qwen2-tiny", "b=gpt2-tiny"]), dict(teacher="self"),
+                     dict(teacher="qwen2-tiny", teacher_zero_stage=3)):
+        config = TrainConfig.from_flat(dict(output_dir="unused", student="llama-tiny", prompts_per_micro_batch=2,
+                                            dtype=ctx.gpu.size("auto", "bf16"), **teachers))
+        models = load_models(config)
+        engine = build_student_engine(config, models.student)
+        student = next(engine.module.parameters())
+        assert (student.device.type, student.dtype) == (ctx.device.type, torch.bfloat16), (student.device,
+                                                                                           student.dtype)
+        teacher = place_teachers(models.teacher, {spec.name: spec.zero_stage for spec in config.teachers}, engine)
+        for name, each in (teacher.items() if isinstance(teacher, dict) else [(teachers["teacher"], teacher)]):
+            module = getattr(each, "module", each)  # a self-teacher's copy, a ZeRO-3 engine's model
+            where = {(t.device, t.dtype) for t in (getattr(p, "ds_tensor", p) for p in module.parameters())}
+            assert where == {(student.device, student.dtype)}, f"teacher {name}: {where}, student {student.device}"
+            placed.append(f"{name} ({type(each).__name__})")
+    return Finding(f"{len(placed)} teachers on {student.device} in {student.dtype}, as the student",
+                   ", ".join(placed))
+
+
 PROFILE_READ = "profiling/clock.py:settle"
 """Where profiling waits for the device: reading a record's marks, once each (docs/PROFILING.md)."""
 STEP_RECORD_WAITS = collections.Counter({PROFILE_READ: 2})
@@ -791,6 +820,7 @@ CHECKS: list[tuple[str, Callable[[Context], Finding]]] = [
     ("forward timer (CUDA events)", check_forward_timer),
     ("compiled step: speed and bandwidth per batch", check_compiled_speed),
     ("OPSD step and teacher cache", check_opsd_step),
+    ("train's teachers on the student's device and dtype", check_teacher_placement),
     ("PEFT merge_adapters", check_peft_merge),
     ("ZeRO-3 gather: attribution, once vs per layer", check_zero3),
     ("shared-prefix attention: tokens, samples, speed", check_shared_prefix),

@@ -58,6 +58,27 @@ def test_unknown_subcommand_exits_2():
     assert exit_info.value.code == 2
 
 
+@pytest.mark.parametrize("argv,said", [
+    (["train", "--output-dir", "o", "--loss", "kl"], "argument --loss: invalid choice: 'kl' (choose from "
+                                                     "'forward_kl', 'reverse_kl', 'jsd', 'sampled_reverse_kl')"),
+    (["frobnicate"], "argument COMMAND: invalid choice: 'frobnicate' (choose from 'models', 'bench'"),
+    (["eval", "--model", "m"], "the following arguments are required: --eval-data, --eval-scorer"),
+    (["serve-teacher", "--model", "m", "--dtype", "fp8"], "argument --dtype: invalid choice: 'fp8'"),
+    (["bench", "--zero-stages"], "argument --zero-stages: expected one argument"),
+    (["step", "--teacher-caches", "full", "--nope"], "unrecognized arguments: --nope"),
+    (["compare", "a.json"], "the following arguments are required: AFTER.json"),
+    (["models", "--all"], "unrecognized arguments: --all"),
+])
+def test_a_parser_error_is_one_line_with_every_errors_prefix(argv, said, capsys):
+    """argparse printed the whole usage (26 lines for train) before its error, under the subcommand's name; every
+    subcommand's parser now says its error alone, as every other refusal does."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.startswith("opsd-rollout: error: ")
+    assert said in err and err.count("\n") == 1 and "usage:" not in err, err
+
+
 def documentation() -> str:
     """The README and every page of docs/, where the commands users copy are."""
     from pathlib import Path

@@ -37,6 +37,19 @@ def test_eval_prints_the_table_and_writes_the_same_figures_as_json(tmp_path, kno
     assert f"{result['tokens_per_second']:,.1f}" in printed
 
 
+def test_the_title_keeps_a_long_path_whole(tmp_path, known_checkpoint, capsys, monkeypatch):
+    """A table's title wraps at the table's width, which cut the eval file's path mid-name at any terminal width;
+    it is now a line of its own."""
+    monkeypatch.setenv("COLUMNS", "120")
+    folder = tmp_path / ("a_directory_with_a_long_name_" * 3)
+    folder.mkdir()
+    data = problems_file(folder)
+    assert main(["eval", "--model", known_checkpoint, "--eval-data", str(data), "--eval-scorer", "last-number",
+                 "--eval-max-new-tokens", "6", "--quiet"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert f"{known_checkpoint} on {data}" in lines, lines[:3]
+
+
 def test_every_scorer_is_named_in_both_helps():
     for command in ("eval", "train"):
         text = next(a for a in build_parser()._subparsers._group_actions[0].choices[command]._actions

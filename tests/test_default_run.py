@@ -86,3 +86,14 @@ def test_ctrl_c_in_the_teacher_phase_says_what_was_saved(tmp_path, monkeypatch, 
     assert main(["train", "--output-dir", str(tmp_path / "student"), "--cache-dir", str(tmp_path)]) == 130
     err = capsys.readouterr().err
     assert "interrupted; the teacher's training stopped at step 5 of 800" in err and "nothing trained" not in err
+
+
+def test_the_cached_teachers_name_ignores_where_and_how_a_run_is_kept(tmp_path):
+    """Fields that say where a run goes and how it is kept make no other teacher: a teacher cached before they
+    existed keeps its name. The run's dtype makes another one, unless fp32 (what every cached teacher is)."""
+    from dataclasses import replace
+
+    name = default.teacher_dir(str(tmp_path)).name
+    kept = replace(default.TEACHER, output_dir="elsewhere", overwrite=True, save_every=7, device="cpu", dtype="fp32")
+    assert default.teacher_dir(str(tmp_path), kept).name == name
+    assert default.teacher_dir(str(tmp_path), replace(default.TEACHER, dtype="bf16")).name != name

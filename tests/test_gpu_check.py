@@ -90,6 +90,22 @@ def test_a_step_the_loop_no_longer_calls_fails_the_check(gpu_check, ctx, monkeyp
         gpu_check.check_no_host_sync(ctx)
 
 
+def test_the_teachers_follow_the_student_in_the_rehearsal(gpu_check, ctx):
+    finding = gpu_check.check_teacher_placement(ctx)
+    assert finding.figure == "4 teachers on cpu in torch.bfloat16, as the student", finding
+    assert "self" in finding.detail and "DeepSpeedEngine" in finding.detail, finding
+
+
+def test_a_teacher_left_where_it_loaded_fails_the_placement_check(gpu_check, ctx, monkeypatch):
+    """What train did before: the teacher kept on the host in fp32, whatever the student's engine."""
+    from opsd_rollout.train import precision, setup
+
+    monkeypatch.setattr(precision, "place_teachers", lambda teacher, *_: teacher)
+    monkeypatch.setattr(setup, "load_teacher", lambda spec, config, *a: setup.load_model(spec.source, seed=1)[0])
+    with pytest.raises(AssertionError, match="teacher a: .*float32"):
+        gpu_check.check_teacher_placement(ctx)
+
+
 def test_a_profiled_training_step_waits_only_to_read_its_records(gpu_check, ctx):
     finding = gpu_check.check_profiled_step_syncs(ctx)
     assert "profiling adds 1 (profiling/clock.py:settle)" in finding.figure, finding

@@ -14,7 +14,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "src" / "opsd_rollout"
 
 LAYERS = [
     {"metrics", "checks", "modeling", "presets", "models", "distributed", "deepspeed_engine", "deepspeed_config",
-     "files", "seeding", "cores", "compact_answer", "lazy"},
+     "files", "seeding", "cores", "compact_answer", "lazy", "placement", "quiet"},
     {"profiling"},
     {"rollout"},
     {"opsd"},

@@ -178,3 +178,47 @@ def test_the_client_sends_the_key_and_says_when_it_has_none(server):
     keyed = ServedTeacher(server.url, api_key=KEY)
     keyed.connect(259)
     assert keyed.model == "llama-tiny"
+
+
+def test_a_taken_port_is_refused_in_one_line_before_the_model_loads(monkeypatch, capsys):
+    """It was a 14-line traceback after seconds of loading the model."""
+    import socket
+
+    from opsd_rollout.cli import main
+    from opsd_rollout.serve import server as server_module
+
+    monkeypatch.setattr(server_module, "TeacherServer", lambda *a, **k: pytest.fail("loaded the model"))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["serve-teacher", "--model", "llama-tiny", "--port", str(port)]) == 2
+    assert capsys.readouterr().err == (f"opsd-rollout: error: --port {port} is taken on 127.0.0.1: another process "
+                                       "listens on it; choose another port (--port 0 takes a free one and prints it)\n")
+
+
+def test_the_ready_line_says_the_limits_by_their_flags(tiny_models, tokenizer):
+    """It printed ``EngineLimits(max_batch_tokens=8192, ...)``, a Python repr (here the model's 1,024 positions
+    bound the prompt)."""
+    import io
+    import time
+
+    from opsd_rollout.cli import build_parser
+
+    served = TeacherServer(ServeConfig(model="llama-tiny", port=0), model=tiny_models["llama-tiny"],
+                           tokenizer=tokenizer)
+    out = io.StringIO()
+    thread = threading.Thread(target=served.serve, args=(out,), daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while "serving teacher" not in out.getvalue() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    served.stop()
+    thread.join(60)
+    line = out.getvalue().strip()
+    assert line.endswith("no key; up to 8,192 tokens a forward (--max-batch-tokens), 64 requests waiting "
+                         "(--max-queue), top-64 log-probabilities (--max-logprobs), 1,024 tokens a prompt "
+                         "(--max-model-len))"), line
+    serve_flags = build_parser()._subparsers._group_actions[0].choices["serve-teacher"]._option_string_actions
+    assert all(flag in serve_flags for flag in ("--max-batch-tokens", "--max-queue", "--max-logprobs",
+                                                "--max-model-len"))

@@ -453,3 +453,16 @@ def test_two_zero3_ranks_train_evaluate_and_checkpoint_together(tmp_path):
 
     model, _ = load_model(str(out / "model"))
     assert sum(p.numel() for p in model.parameters()) == PRESETS["llama-tiny"].num_parameters()  # gathered whole
+
+
+def test_the_progress_line_gives_a_rollout_share_only_to_steps_that_rolled_out(tmp_path, capsys):
+    """SFT's progress line said ``rollout 0%`` on every line: its steps roll nothing out."""
+    from opsd_rollout.train.report import Progress
+
+    train(flat_config(output_dir=str(tmp_path / "sft"), objective="sft", student="llama-tiny", steps=2,
+                      prompts=str(write_prompts(tmp_path / "p.jsonl")), prompts_per_micro_batch=2, max_new_tokens=6,
+                      eval_every=1, eval_prompts=2, progress=True))
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("step ")]
+    assert len(lines) == 2 and not any("rollout" in line for line in lines), lines
+    rolled = {"step": 1, "loss": 0.5, "tokens_per_second": 10.0, "time/rollout_ms": 30.0, "time/rollout_share": 0.6}
+    assert "rollout 60%" in Progress(2, 0).line(rolled)

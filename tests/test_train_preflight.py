@@ -84,6 +84,11 @@ def bad_inputs(tmp: Path) -> list[tuple[list[str], str]]:
          "sys.jsonl' line 2: the last message is the 'system' turn"),
         (["--deepspeed", write(tmp / "ds.json", ["[1, 2]"]), *teacher], "ds.json' must hold a JSON object"),
         (["--resume", str(tmp / "empty"), *teacher], "holds no checkpoint"),
+        (["--deepspeed", write(tmp / "bf16.json", [{"bf16": {"enabled": True}}]), "--dtype", "fp32", *teacher],
+         "--dtype fp32 and " + str(tmp / "bf16.json") + " disagree: its bf16 on"),
+        (["--save-best", "loss", *teacher], "--save-best 'loss' is not an evaluation figure with a direction"),
+        (["--save-best", "eval_accuracy", *teacher], "a task evaluation's figure, and the run has none"),
+        (["--save-total-limit", "0", *teacher], "--save-total-limit must be an int >= 1; got 0"),
     ]
 
 
@@ -101,6 +106,24 @@ def test_bad_input_is_refused_in_one_line_before_torch_loads(tmp_path, monkeypat
         assert not (tmp_path / "run").exists()  # nothing written
 
 
+def test_an_output_directory_that_holds_a_run_or_is_a_file_is_refused_before_torch_loads(tmp_path, capsys, light):
+    done = tmp_path / "done"
+    (done / "checkpoints").mkdir(parents=True)
+    (done / "metrics.jsonl").write_text("{}\n")
+    (tmp_path / "a_file").write_text("")
+    for argv, message in [
+        (["--output-dir", str(done)], f"--output-dir {str(done)!r} holds a run (metrics.jsonl, checkpoints): continue "
+                                      f"it with --resume {done}, or start over with --overwrite"),
+        (["--output-dir", str(tmp_path / "a_file")], "is a file: name a directory"),
+        (["--output-dir", str(tmp_path / "a_file" / "run")], f"lies under {str(tmp_path / 'a_file')!r}, a file"),
+        ([], "--output-dir DIR is needed: where the run writes (--resume DIR alone continues that run in DIR)"),
+    ]:
+        assert light.main(["train", "--teacher", "llama-mini", *argv]) == 2
+        lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+        assert len(lines) == 1 and lines[0].startswith("opsd-rollout: error: ")
+        assert message in lines[0], (argv, lines)
+
+
 def test_the_flag_checks_refuse_what_train_config_refuses():
     """Each value the command line refuses before torch loads, ``TrainConfig`` refuses too (for the library's
     callers), and each it accepts, ``TrainConfig`` accepts: the light checks cannot drift from the config's."""
@@ -112,7 +135,7 @@ def test_the_flag_checks_refuse_what_train_config_refuses():
     for name in RULES:
         kind = "int" if name in ("steps", "prompts_per_micro_batch", "samples_per_prompt", "max_new_tokens",
                                  "max_prompt_tokens", "eval_every", "eval_prompts", "save_every", "teacher_top_k",
-                                 "gradient_accumulation_steps", "lora_rank", "top_k") else "float"
+                                 "gradient_accumulation_steps", "lora_rank", "top_k", "save_total_limit") else "float"
         for value in probes[kind]:
             values = {"teacher": "qwen2-tiny", name: value, **({"lora_rank": 4} if name == "lora_alpha" else {}),
                       **({"teacher_url": "http://127.0.0.1:1"} if name == "teacher_timeout" else {})}

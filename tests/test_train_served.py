@@ -97,6 +97,32 @@ def test_what_a_served_teacher_cannot_do_is_refused_before_any_step(tmp_path, mo
                                      "teacher_url": qwen_server.url, **change}))
 
 
+def test_a_missing_or_wrong_key_and_a_silent_server_are_said_by_the_flags(tmp_path, monkeypatch):
+    """The messages named the library's ``ServedTeacher(api_key=...)`` and ``retry_timeout_s=``: a user of the
+    command line reads its flags, and the environment variable that keeps the key off the command line."""
+    from opsd_rollout.distributed import free_port
+
+    server = TeacherServer(ServeConfig(model="qwen2-tiny", port=0, api_key="the-right-key"),
+                           model=load_model("qwen2-tiny")[0], tokenizer=load_model("qwen2-tiny")[1]).start()
+    monkeypatch.delenv("OPSD_ROLLOUT_API_KEY", raising=False)
+    common = {**TINY, "steps": 1, "output_dir": str(tmp_path / "run"), "teacher_url": server.url}
+    try:
+        for key, which in ((None, "no key was given"), ("a-wrong-key", "the key given was not its own")):
+            with pytest.raises(ValueError) as refused:
+                train(TrainConfig.from_flat({**common, **({"teacher_api_key": key} if key else {})}))
+            said = str(refused.value)
+            assert said.startswith(f"--teacher-url: the teacher server at {server.url} refused GET /v1/models: HTTP "
+                                   f"401") and f"; {which}: set $OPSD_ROLLOUT_API_KEY to the server's --api-key" in said
+            assert "--teacher-api-key" in said and "ServedTeacher" not in said and "a-wrong-key" not in said
+    finally:
+        server.stop()
+    nowhere = f"http://127.0.0.1:{free_port()}"
+    with pytest.raises(ValueError) as refused:
+        train(TrainConfig.from_flat({**common, "teacher_url": nowhere, "teacher_timeout": 0.5}))
+    assert str(refused.value).endswith("; it is retried for --teacher-timeout, 0.5 s")
+    assert "retry_timeout_s" not in str(refused.value)
+
+
 def test_accumulated_micro_batches_roll_out_ahead_of_their_updates_with_the_same_losses(tmp_path, qwen_server,
                                                                                         monkeypatch):
     """With gradient accumulation, every micro-batch of an optimizer step is rolled out (its teacher request sent)
@@ -163,6 +189,7 @@ def test_a_server_gone_mid_run_stops_it_with_a_checkpoint_and_resume_continues(t
     assert main(argv) == 3
     err = capsys.readouterr().err
     assert "stopped after step 2: the teacher server at" in err and "did not answer POST /v1/completions" in err
+    assert "(each request is retried for --teacher-timeout, 1 s)" in err and "retry_timeout_s" not in err
     assert f"checkpoint {out / 'checkpoints' / 'step2'}" in err
     command = err.strip().splitlines()[-1].strip()
     assert command == "opsd-rollout " + " ".join(argv) + f" --resume {out}"
@@ -176,12 +203,16 @@ def test_a_server_gone_mid_run_stops_it_with_a_checkpoint_and_resume_continues(t
     assert [r["step"] for r in records(out)] == [0, 1, 2, 3, 4] and (out / "model" / "config.json").is_file()
 
 
-def start_server(port: int) -> tuple[subprocess.Popen, str]:
-    """``opsd-rollout serve-teacher`` in its own process on ``port``; returns it and the URL it printed."""
-    command = [sys.executable, "-m", "opsd_rollout", "serve-teacher", "--model", "qwen2-tiny", "--port", str(port)]
+def start_server(port: int, *flags: str, seen: list[str] | None = None) -> tuple[subprocess.Popen, str]:
+    """``opsd-rollout serve-teacher`` in its own process on ``port`` (with ``flags``); returns it and the URL it
+    printed. ``seen`` collects every line it prints, until the test ends."""
+    command = [sys.executable, "-m", "opsd_rollout", "serve-teacher", "--model", "qwen2-tiny", "--port", str(port),
+               *flags]
     server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=clean_env())
     lines: queue.Queue[str] = queue.Queue()
-    threading.Thread(target=lambda: [lines.put(line) for line in server.stdout], daemon=True).start()
+    kept = seen if seen is not None else []
+    threading.Thread(target=lambda: [(lines.put(line), kept.append(line)) for line in server.stdout],
+                     daemon=True).start()
     deadline, seen = time.monotonic() + 300, []
     while time.monotonic() < deadline and server.poll() is None:
         try:
@@ -192,6 +223,20 @@ def start_server(port: int) -> tuple[subprocess.Popen, str]:
             return server, seen[-1].split(" at ", 1)[1].split()[0]
     server.kill()
     pytest.fail("serve-teacher did not start within 300 s:\n" + "".join(seen[-20:]), pytrace=False)
+
+
+def stopped_by_a_killed_server(run: subprocess.Popen, server: subprocess.Popen, out: Path) -> tuple[str, str]:
+    """Kills ``server`` once ``run`` (a train process writing into ``out``) has recorded steps 0, 1 and 2, then waits
+    for the run to stop; returns its stdout and stderr."""
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline and run.poll() is None:
+        if (out / "metrics.jsonl").is_file() and len(records(out)) >= 3:
+            break
+        time.sleep(0.2)
+    assert run.poll() is None, "train finished before the server could be killed"
+    server.kill()
+    server.wait(60)
+    return run.communicate(timeout=600)
 
 
 @pytest.mark.slow
@@ -208,15 +253,7 @@ def test_a_killed_server_stops_the_run_and_the_printed_command_finishes_it(tmp_p
                "--eval-every", "4", "--eval-prompts", "4", "--output-dir", str(out), "--quiet"]
     run = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=clean_env())
     try:
-        deadline = time.monotonic() + 600
-        while time.monotonic() < deadline and run.poll() is None:
-            if (out / "metrics.jsonl").is_file() and len(records(out)) >= 3:  # steps 0, 1, 2 done
-                break
-            time.sleep(0.2)
-        assert run.poll() is None, "train finished before the server could be killed"
-        server.kill()
-        server.wait(60)
-        _, err = run.communicate(timeout=600)
+        _, err = stopped_by_a_killed_server(run, server, out)
         assert run.returncode == 3, err[-4000:]
         assert "did not answer POST /v1/completions" in err
         resume = shlex.split(err.strip().splitlines()[-1])
@@ -231,6 +268,49 @@ def test_a_killed_server_stops_the_run_and_the_printed_command_finishes_it(tmp_p
     finally:
         run.kill()
         server.kill()
+
+
+@pytest.mark.slow
+def test_the_key_is_nowhere_in_what_a_run_prints_logs_or_writes(tmp_path):
+    """A served teacher behind ``serve-teacher --api-key``, a run given the key on its command line (``-v``: every
+    log too) that stops when the server is killed, then the printed command run with the key in
+    ``$OPSD_ROLLOUT_API_KEY`` against the server restarted: the key is in none of the two runs' output, nor in any
+    file of the run (metrics.jsonl, train_config.json, the checkpoints, the model), nor in what the server
+    printed. The printed command names the variable instead."""
+    from opsd_rollout.distributed import free_port
+
+    key = "sk-" + "a1b2c3d4" * 4
+    port, out, printed = free_port(), tmp_path / "run", []
+    server, url = start_server(port, "--api-key", key, seen=printed)
+    command = [sys.executable, "-m", "opsd_rollout", "-v", "train", "--student", "llama-tiny", "--teacher-url", url,
+               "--teacher-api-key", key, "--teacher-timeout", "3", "--steps", "6", "--prompts-per-micro-batch", "2",
+               "--max-new-tokens", "6", "--eval-every", "3", "--eval-prompts", "2", "--save-every", "1",
+               "--output-dir", str(out), "--quiet"]
+    run = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=clean_env())
+    try:
+        first_out, first_err = stopped_by_a_killed_server(run, server, out)
+        assert run.returncode == 3, first_err[-4000:]
+        said = first_err.strip().splitlines()
+        assert said[-2].endswith("continue with (the server key in $OPSD_ROLLOUT_API_KEY):"), said[-3:]
+        resume = shlex.split(said[-1])
+        assert "--teacher-api-key" not in resume and resume[-2:] == ["--resume", str(out)]
+        server, _ = start_server(port, "--api-key", key, seen=printed)
+        finished = run_named("train resumed (about 20 s on 2 quiet cores)",
+                             [sys.executable, "-m", "opsd_rollout", *resume[1:]], timeout=900,
+                             env={**clean_env(), "OPSD_ROLLOUT_API_KEY": key})
+        assert finished.returncode == 0, finished.stderr[-4000:]
+    finally:
+        run.kill()
+        server.kill()
+    server.wait(60)
+    texts = {"train's stdout": first_out, "train's stderr": first_err, "the resumed run's stdout": finished.stdout,
+             "the resumed run's stderr": finished.stderr, "the server's output": "".join(printed)}
+    assert "serving teacher" in texts["the server's output"] and "stopped after step" in first_err
+    leaks = [where for where, text in texts.items() if key in text]
+    files = [path for path in out.rglob("*") if path.is_file()]
+    leaks += [str(path) for path in files if key.encode() in path.read_bytes()]
+    assert not leaks, leaks
+    assert {"metrics.jsonl", "train_config.json", "model.safetensors", "latest"} <= {path.name for path in files}
 
 
 def test_a_teacher_url_alone_is_the_users_run_not_the_built_in_one(monkeypatch, tmp_path):

@@ -15,7 +15,7 @@ import logging
 import sys
 import warnings
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 from opsd_rollout import __version__
 from opsd_rollout.cli.bench import add_bench_parsers
@@ -27,14 +27,21 @@ from opsd_rollout.cli.serve import add_serve_teacher_parser
 from opsd_rollout.cli.train import add_train_parser
 from opsd_rollout.cores import share_cores_politely
 
+ERROR = "opsd-rollout: error: "
+"""What begins every line that refuses an input, whoever refuses it (the parser, a check, a library call)."""
+
 
 class FullFlags(argparse.ArgumentParser):
     """A parser that takes a flag only as spelled in full (its subcommands' parsers are of its class). argparse
     would take any unique prefix (``--resume`` for ``--resume-results``): spellings nobody chose, which change
-    meaning or stop working when a flag is added."""
+    meaning or stop working when a flag is added. Its errors are one line with every other error's prefix (argparse
+    prints the whole usage first, under the subcommand's name)."""
 
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **{"allow_abbrev": False, **kwargs})
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{ERROR}{message}\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -74,7 +81,7 @@ def main(argv: Sequence[str] | None = None, parser: argparse.ArgumentParser | No
         apply_local_rank(getattr(args, "local_rank", None))
         return int(args.func(args) or 0)
     except ValueError as error:  # bad input: a clear message, no traceback
-        print(f"opsd-rollout: error: {error}", file=sys.stderr)
+        print(f"{ERROR}{error}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as interrupted:
         said = {"train": "nothing trained yet", "eval": "no result written"}.get(

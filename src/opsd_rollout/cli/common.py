@@ -10,6 +10,12 @@ import os
 
 from rich.console import Console
 
+from opsd_rollout.placement import DTYPES, device_flag
+from opsd_rollout.quiet import DEEPSPEED_LOGGER, CpuFallbackFilter
+
+__all__ = ["CpuFallbackFilter", "add_placement_flags", "apply_local_rank", "common_flags", "console",
+           "show_accelerator_fallback"]
+
 
 def console() -> Console:
     """The width it is given: ``COLUMNS``, else the terminal's, else 80 (a file, a CI log); every table folds
@@ -33,6 +39,14 @@ def common_flags() -> argparse.ArgumentParser:
     return common
 
 
+def add_placement_flags(parser: argparse.ArgumentParser, what: str) -> None:
+    """``--dtype`` and ``--device``, with ``train``'s choices and defaults (``opsd_rollout.placement``)."""
+    parser.add_argument("--dtype", choices=DTYPES, default="auto", help=f"{what}'s dtype (default auto: bf16 on a "
+                        "GPU, fp32 on the CPU)")
+    parser.add_argument("--device", type=device_flag, default="auto", metavar="{auto,cpu,cuda,cuda:N}",
+                        help=f"where {what} runs (default auto: a GPU when there is one, else the CPU)")
+
+
 def apply_local_rank(local_rank: int | None) -> None:
     """``--local_rank=N`` from a launcher: the rank's device index. The environment's ``LOCAL_RANK`` (which
     torchrun and DeepSpeed's launcher also set) is what the run reads; the flag fills it in when absent."""
@@ -44,19 +58,6 @@ def apply_local_rank(local_rank: int | None) -> None:
     if current is not None and current != str(local_rank):
         raise ValueError(f"--local_rank={local_rank} disagrees with LOCAL_RANK={current} in the environment")
     os.environ["LOCAL_RANK"] = str(local_rank)
-
-
-DEEPSPEED_LOGGER = "DeepSpeed"
-"""The logger DeepSpeed logs through (``deepspeed.utils.logging``); it prints to stdout itself."""
-
-
-class CpuFallbackFilter(logging.Filter):
-    """Drops DeepSpeed's "Setting accelerator to CPU. If you have GPU ..." (``real_accelerator.py``, logged on
-    every first ``get_accelerator()`` of a machine without one): on a CPU machine it says nothing the user can
-    act on. Installed without ``-v``; DeepSpeed's other messages pass."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.msg).startswith("Setting accelerator to CPU")
 
 
 def show_accelerator_fallback(verbose: bool) -> None:

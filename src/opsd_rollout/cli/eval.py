@@ -15,6 +15,7 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
+from opsd_rollout.cli.common import add_placement_flags
 from opsd_rollout.files import write_text_atomic
 
 SCHEMA_VERSION = 1
@@ -49,9 +50,7 @@ def add_eval_parser(sub: Any, common: argparse.ArgumentParser) -> argparse.Argum
                         "with its K samples; default %(default)s)")
     parser.add_argument("--seed", type=int, default=0, help="the samples' seed: the same seed, the same samples "
                         "(default %(default)s)")
-    parser.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32", help="the model's dtype "
-                        "(default %(default)s)")
-    parser.add_argument("--device", help="e.g. cuda:0 (default: cuda when there is one, else cpu)")
+    add_placement_flags(parser, "the model")
     parser.add_argument("--output", metavar="FILE", help="also write the result as JSON (written whole)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     parser.set_defaults(func=run_eval)
@@ -79,9 +78,10 @@ def run_eval(args: argparse.Namespace) -> int:
 
     import torch
     from deepspeed.runtime.rollout.base import SamplingConfig
-    from transformers.utils import logging as transformers_logging
 
     from opsd_rollout.models import load_model
+    from opsd_rollout.placement import resolve_device, resolve_dtype
+    from opsd_rollout.quiet import progress_bars_hidden
     from opsd_rollout.rollout import HybridEngineRollout
     from opsd_rollout.rollout.validation import check_sampling
     from opsd_rollout.train.task_eval import evaluate_task, task_problems
@@ -89,9 +89,10 @@ def run_eval(args: argparse.Namespace) -> int:
     sampling = SamplingConfig(max_new_tokens=config.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                               top_p=args.top_p)
     check_sampling(sampling)
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    transformers_logging.disable_progress_bar()  # loading a checkpoint: the scoring bar says enough
-    model, tokenizer = load_model(args.model, dtype=args.dtype, device=device)
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, torch.device(device).type)
+    with progress_bars_hidden():  # loading a checkpoint: the scoring bar says enough
+        model, tokenizer = load_model(args.model, dtype=dtype, device=device)
     problems = task_problems(records, tokenizer, [model], config.max_new_tokens)
     rollout = HybridEngineRollout(model, tokenizer)
     console = Console(stderr=True)
@@ -99,11 +100,13 @@ def run_eval(args: argparse.Namespace) -> int:
         result = evaluate_task(model, rollout, tokenizer, problems, config, sampling,
                                max_new_tokens=config.max_new_tokens, seed=args.seed,
                                batch_size=args.prompts_per_batch, progress=advance)
-    Console().print(result_table(result, title=f"{args.model} on {args.eval_data}"))
+    out = Console()
+    out.print(f"{args.model} on {args.eval_data}", soft_wrap=True, markup=False, highlight=False)  # paths kept whole
+    out.print(result_table(result))
     if args.output:
         settings = {"eval_samples": config.samples, "eval_max_new_tokens": config.max_new_tokens,
                     "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p, "seed": args.seed,
-                    "prompts_per_batch": args.prompts_per_batch, "dtype": args.dtype, "device": device}
+                    "prompts_per_batch": args.prompts_per_batch, "dtype": dtype, "device": device}
         document = {"schema_version": SCHEMA_VERSION, "kind": "task_eval", "model": args.model,
                     "eval_data": args.eval_data, "command": ["opsd-rollout", *args.argv], "settings": settings,
                     "result": result.to_dict()}
@@ -132,9 +135,10 @@ class _progress:
         self.bar.stop()
 
 
-def result_table(result: Any, *, title: str) -> Table:
-    """A ``TaskEvalResult`` for people: one figure a row (the JSON's figures, read from the same object)."""
-    table = Table(title=title, box=box.SIMPLE_HEAD, show_header=False, padding=(0, 1), pad_edge=False)
+def result_table(result: Any) -> Table:
+    """A ``TaskEvalResult`` for people: one figure a row (the JSON's figures, read from the same object); its title,
+    the model and the eval file, is printed above it whole (a table's title wraps at the table's width)."""
+    table = Table(box=box.SIMPLE_HEAD, show_header=False, padding=(0, 1), pad_edge=False)
     table.add_column("figure", no_wrap=True)
     table.add_column("value", justify="right", overflow="fold")
     n, k = len(result.problems), result.samples

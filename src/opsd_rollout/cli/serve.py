@@ -4,11 +4,14 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import os
+import socket
 import sys
 from typing import Any
 
 from opsd_rollout import checks
+from opsd_rollout.cli.common import add_placement_flags
 from opsd_rollout.presets import PRESETS
 
 
@@ -17,6 +20,7 @@ def run_serve_teacher(args: argparse.Namespace) -> int:
     if args.model not in PRESETS and not os.path.isdir(args.model):  # before loading anything
         raise ValueError(f"--model {args.model!r} is neither a built-in preset (opsd-rollout models) nor a local "
                          "checkpoint directory (this tool never downloads)")
+    check_address(args.host, args.port)
     from opsd_rollout.serve.engine import EngineLimits  # heavy: torch
     from opsd_rollout.serve.server import ServeConfig, TeacherServer  # heavy: torch, transformers, uvicorn
 
@@ -30,6 +34,25 @@ def run_serve_teacher(args: argparse.Namespace) -> int:
               "query the teacher", file=sys.stderr)
     TeacherServer(config).serve()
     return 0
+
+
+def check_address(host: str, port: int) -> None:
+    """Refuses, before the model loads, an address this process could not listen on: a port another process holds
+    (port 0 is any free one) or a host that is not this machine's. A probe bound and closed at once, as uvicorn will
+    bind it (``SO_REUSEADDR``: a port left in TIME_WAIT by a past server is free)."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as error:
+        raise ValueError(f"--host {host!r} is no address to listen on: {error.strerror}") from None
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(address)
+        except OSError as error:
+            if error.errno == errno.EADDRINUSE:
+                raise ValueError(f"--port {port} is taken on {host}: another process listens on it; choose another "
+                                 "port (--port 0 takes a free one and prints it)") from None
+            raise ValueError(f"--host {host} --port {port}: cannot listen there: {error.strerror}") from None
 
 
 def add_serve_teacher_parser(sub: Any, common: argparse.ArgumentParser) -> None:
@@ -50,10 +73,9 @@ def add_serve_teacher_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     serve.add_argument("--port", type=checks.argument(checks.integer, minimum=0), default=8000,
                        help="port (default %(default)s; 0 picks a free one)")
     serve.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (as vLLM's --api-key; default: "
-                       "$OPSD_ROLLOUT_API_KEY, else no key)")
-    serve.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32", help="teacher dtype (default "
-                       "%(default)s)")
-    serve.add_argument("--device", default="cpu", help="teacher device, e.g. cuda:0 (default %(default)s)")
+                       "$OPSD_ROLLOUT_API_KEY, else no key; the variable keeps the key off the command line, which "
+                       "every user of the machine can read)")
+    add_placement_flags(serve, "the teacher")
     serve.add_argument("--seed", type=int, help="a preset's weight seed (default: the preset's own)")
     serve.add_argument("--max-batch-tokens", type=checks.argument(checks.integer), default=8192,
                        help="token positions (rows x longest row) in one teacher forward; a request must fit one "

@@ -11,6 +11,8 @@ import sys
 from typing import Any
 
 from opsd_rollout.deepspeed_config import LEARNING_RATE
+from opsd_rollout.placement import DTYPES, device_flag
+from opsd_rollout.train.teacher_spec import DEFAULTS, KEY_VARIABLE
 
 LOSSES = ("forward_kl", "reverse_kl", "jsd", "sampled_reverse_kl")
 FLAGS: list[tuple[str, str, dict[str, Any]]] = [  # (flag, TrainConfig's flat name, argparse keywords)
@@ -45,6 +47,12 @@ FLAGS: list[tuple[str, str, dict[str, Any]]] = [  # (flag, TrainConfig's flat na
     ("--deepspeed", "deepspeed", dict(metavar="JSON", help="the student's DeepSpeed config (ZeRO stage, optimizer, "
                                       "scheduler, gradient_accumulation_steps, bf16, tensorboard/wandb/csv_monitor); "
                                       "default: one built from the flags below")),
+    ("--dtype", "dtype", dict(choices=DTYPES, help="the run's precision, the student's and every teacher's "
+                              "(default auto: the --deepspeed config's bf16/fp16 section when it turns one on, else "
+                              "bf16 on a GPU and fp32 on the CPU; a config that says otherwise is refused)")),
+    ("--device", "device", dict(type=device_flag, metavar="{auto,cpu,cuda,cuda:N}", help="where the student and "
+                                "its teachers run (default auto: DeepSpeed's accelerator, a GPU when there is one, "
+                                "each rank its own)")),
     ("--zero-stage", "zero_stage", dict(type=int, choices=(0, 1, 2, 3), help="ZeRO stage of the built config "
                                         "(default 0)")),
     ("--lr", "lr", dict(type=float, help=f"AdamW learning rate of the built config (default {LEARNING_RATE:g})")),
@@ -83,8 +91,10 @@ FLAGS: list[tuple[str, str, dict[str, Any]]] = [  # (flag, TrainConfig's flat na
     ("--default-teacher", "default_teacher", dict(metavar="NAME", help="with several teachers, the one of examples "
                                                   "without a 'teacher' field (default: the one given without a "
                                                   "name, else the first named)")),
-    ("--teacher-api-key", "teacher_api_key", dict(metavar="KEY", help="the served teacher's --api-key (default "
-                                                  "$OPSD_ROLLOUT_API_KEY); never written to train_config.json")),
+    ("--teacher-api-key", "teacher_api_key", dict(metavar="KEY", help="the served teacher's --api-key; better "
+                                                  "in $OPSD_ROLLOUT_API_KEY (the default), as a command line is "
+                                                  "visible to every user of the machine; never printed, logged or "
+                                                  "written to train_config.json")),
     ("--teacher-timeout", "teacher_timeout", dict(type=float, metavar="SECONDS", help="how long an unanswering "
                                                   "teacher server is retried, at the start and mid-run, before the "
                                                   "run stops with a checkpoint (default 120)")),
@@ -121,7 +131,21 @@ FLAGS: list[tuple[str, str, dict[str, Any]]] = [  # (flag, TrainConfig's flat na
                                                           "completion may take (default: --max-new-tokens)")),
     ("--save-every", "save_every", dict(type=int, metavar="N", help="a checkpoint every N steps (always one at the "
                                         "end and on Ctrl-C)")),
-    ("--resume", "resume", dict(metavar="DIR", help="continue a run from its latest checkpoint, exactly")),
+    ("--save-total-limit", "save_total_limit", dict(type=int, metavar="N", help="keep at most N checkpoints, the "
+                                                    "oldest removed first, never the latest nor the --save-best "
+                                                    "model's step (as transformers' Trainer; default: every one)")),
+    ("--save-best", "save_best", dict(metavar="METRIC", help="after each evaluation better by METRIC than every "
+                                      "earlier one (eval_accuracy, eval_reverse_kl, ...: the direction is the "
+                                      "figure's), write the student to best/, with best.json naming the step")),
+    ("--resume", "resume", dict(metavar="DIR", help="continue a run from its latest checkpoint, exactly, into DIR "
+                                "(unless --output-dir names another directory)")),
+    ("--overwrite", "overwrite", dict(action="store_true", default=None, help="start over in an --output-dir that "
+                                      "holds a run: what it wrote (metrics, checkpoints, model) is removed first; "
+                                      "without it such a directory is refused")),
+    ("--gradient-checkpointing", "gradient_checkpointing", dict(
+        action="store_true", default=None, help="recompute the student's layer activations in the backward pass "
+        "instead of keeping them (transformers' gradient checkpointing): less memory for long responses, about a "
+        "third more compute; any ZeRO stage, LoRA too")),
     ("--lora-rank", "lora_rank", dict(type=int, metavar="R", help="train LoRA adapters (PEFT) of rank R on the "
                                       "student instead of every weight; model/ is then a PEFT adapter directory")),
     ("--lora-alpha", "lora_alpha", dict(type=float, metavar="A", help="LoRA's alpha: updates scaled by A / R "
@@ -144,7 +168,8 @@ def add_train_parser(sub: Any, common: argparse.ArgumentParser) -> argparse.Argu
         "With no --student, --teacher, --teacher-url or --prompts: the built-in run, a real one on the Python "
         "documentation that ships with Python: a teacher trained on it by SFT (cached in --cache-dir), distilled "
         "into a smaller student.")
-    train.add_argument("--output-dir", required=True, metavar="DIR", help="where the run writes")
+    train.add_argument("--output-dir", metavar="DIR", help="where the run writes (needed, unless --resume DIR: "
+                       "then DIR); one that holds another run is refused unless --overwrite")
     for flag, dest, kwargs in FLAGS:
         train.add_argument(flag, dest=dest, **kwargs)
     train.add_argument("--cache-dir", metavar="DIR", help="where the built-in run keeps the teachers it trains "
@@ -154,17 +179,45 @@ def add_train_parser(sub: Any, common: argparse.ArgumentParser) -> argparse.Argu
     return train
 
 
+NOT_RESUMED = {"--resume": True, "--teacher-api-key": True, "--overwrite": False}
+"""Flags the command that continues a run leaves out, each -> whether it takes a value: the old ``--resume`` (one
+naming the run is added), the served teacher's key (never printed: ``$OPSD_ROLLOUT_API_KEY`` passes it) and
+``--overwrite`` (which would remove the run to continue)."""
+
+
 def resume_command(argv: list[str], output_dir: Any) -> str:
-    """The command that continues a run: ``argv`` as given, with ``--resume`` (replaced, or added) naming the run."""
+    """The command that continues a run: ``argv`` as given, less ``NOT_RESUMED``'s flags, with ``--resume`` naming
+    the run."""
     kept, skip = [], False
     for arg in argv:
+        flag = arg.split("=", 1)[0]
         if skip:
             skip = False
-        elif arg == "--resume":
-            skip = True
-        elif not arg.startswith("--resume="):
+        elif flag in NOT_RESUMED:
+            skip = NOT_RESUMED[flag] and "=" not in arg
+        else:
             kept.append(arg)
     return shlex.join(["opsd-rollout", *kept, "--resume", str(output_dir)])
+
+
+def continue_with(argv: list[str], output_dir: Any) -> str:
+    """What the messages of a stopped run end with: the command that continues it, on its own last line (copied
+    verbatim), said to want the served teacher's key in the environment when the run was given one."""
+    key = any(arg.split("=", 1)[0] == "--teacher-api-key" for arg in argv)
+    return (f"continue with{f' (the server key in ${KEY_VARIABLE})' if key else ''}:\n  "
+            + resume_command(argv, output_dir))
+
+
+def output_dir_of(args: argparse.Namespace) -> str:
+    """``--output-dir``, or the run ``--resume`` continues."""
+    if args.output_dir is not None:
+        return args.output_dir
+    if args.resume is None:
+        raise ValueError("--output-dir DIR is needed: where the run writes (--resume DIR alone continues that run "
+                         "in DIR)")
+    from opsd_rollout.train.run_dir import resumed_output_dir
+
+    return resumed_output_dir(args.resume)
 
 
 def run_train(args: argparse.Namespace) -> int:
@@ -172,31 +225,35 @@ def run_train(args: argparse.Namespace) -> int:
 
     given = {dest: getattr(args, dest) for _flag, dest, _kw in FLAGS if getattr(args, dest) is not None}
     builtin = not any(name in given for name in DEFAULT_RUN_FLAGS) and given.get("objective", "opsd") == "opsd"
-    preflight(given, builtin=builtin)
+    output_dir = output_dir_of(args)
+    preflight({**given, "output_dir": output_dir}, builtin=builtin)
 
-    from transformers.utils import logging as transformers_logging
-
+    if given.get("device") == "cpu":  # DeepSpeed picks its accelerator once, when first imported: the CPU, asked
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    if args.verbose:  # DeepSpeed's CPU-fallback line, logged as it is first imported, shown (-v): the package's
+        import deepspeed  # noqa: F401  names below import it quietly, as they do for the library's callers
     from opsd_rollout.train import TrainConfig, train  # heavy: see the module docstring
     from opsd_rollout.train.default import default_run, task_flags
 
-    transformers_logging.disable_progress_bar()  # loading and saving checkpoints: our progress line says enough
-    if builtin:
-        result = default_run(args.output_dir, cache_dir=args.cache_dir, progress=not args.quiet,
-                             overrides=given)
+    if builtin:  # quiet as the library is, transformers' progress bars included, unless -v
+        result = default_run(output_dir, cache_dir=args.cache_dir, progress=not args.quiet,
+                             overrides={"verbose": args.verbose, **given})
     else:
         if "task" in given:  # responses as long as its solutions, scored on its held-out problems
             given = {**task_flags(args.cache_dir, given["task"]), **given}
-        result = train(TrainConfig.from_flat({"output_dir": args.output_dir, "progress": not args.quiet, **given}))
+        result = train(TrainConfig.from_flat({"output_dir": output_dir, "progress": not args.quiet,
+                                              "verbose": args.verbose, **given}))
     if int(os.environ.get("RANK", "0")) != 0:  # under a launcher, rank 0 speaks
         return 130 if result.interrupted else 0
     if result.interrupted:
-        print(f"opsd-rollout: interrupted at step {result.steps}; checkpoint {result.checkpoint}; continue with "
-              f"--resume {result.output_dir}", file=sys.stderr)
+        print(f"opsd-rollout: interrupted at step {result.steps}; checkpoint {result.checkpoint}; "
+              + continue_with(args.argv, result.output_dir), file=sys.stderr)
         return 130
     if result.stopped is not None:
-        print(f"opsd-rollout: stopped after step {result.steps}: {result.stopped}\ncheckpoint {result.checkpoint}; "
-              f"once the teacher server answers, continue with:\n  {resume_command(args.argv, result.output_dir)}",
-              file=sys.stderr)
+        retried = given.get("teacher_timeout", DEFAULTS["timeout"])
+        print(f"opsd-rollout: stopped after step {result.steps}: {result.stopped} (each request is retried for "
+              f"--teacher-timeout, {retried:g} s)\ncheckpoint {result.checkpoint}; once the teacher server answers, "
+              + continue_with(args.argv, result.output_dir), file=sys.stderr)
         return 3
     curve = result.eval_curve()
     if curve:
@@ -208,7 +265,10 @@ def run_train(args: argparse.Namespace) -> int:
         teacher = result.records[0].get("teacher_eval_accuracy") if result.records else None
         print(f"task accuracy: {accuracy[0][1]:.1%} at step {accuracy[0][0]} -> {accuracy[-1][1]:.1%} at step "
               f"{accuracy[-1][0]}" + (f" (teacher {teacher:.1%})" if teacher is not None else ""))
+    best = result.best
     print(f"metrics {result.output_dir / 'metrics.jsonl'}, model {result.model_dir}, checkpoint {result.checkpoint}"
+          + (f", best model {result.output_dir / 'best'} (step {best.step}, {best.metric} {best.value:.4g})"
+             if best is not None and best.step is not None else "")
           + (f", merged model {result.merged_dir}" if result.merged_dir else "")
           + (f", plot {result.plot}" if result.plot else ""))
     return 0

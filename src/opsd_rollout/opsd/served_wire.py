@@ -72,8 +72,7 @@ class Wire:
                 if waited + backoff > self.retry_timeout_s:
                     raise ConnectionError(
                         f"the teacher server at {self.url} did not answer {method} {path} for {waited:.0f} s "
-                        f"({failures} tries, backing off up to {self.max_backoff_s:g} s; retry_timeout_s="
-                        f"{self.retry_timeout_s:g}): {retry.reason}") from None
+                        f"({failures} tries, backing off up to {self.max_backoff_s:g} s): {retry.reason}") from None
                 self.retries += 1
                 if self.stopping.wait(backoff):
                     raise ConnectionError(f"the teacher server at {self.url} did not answer {method} {path}, and "
@@ -101,12 +100,22 @@ class Wire:
                 raise _Retry(f"HTTP {error.code}: {_message(body)}") from None
             if error.code == 404:
                 return 404, None
-            hint = " (give the server's key: ServedTeacher(api_key=...))" if error.code == 401 else ""
-            raise ValueError(f"the teacher server at {self.url} refused {method} {path}: HTTP {error.code}: "
-                             f"{_message(body)}{hint}") from None
+            refused = f"the teacher server at {self.url} refused {method} {path}: HTTP {error.code}: {_message(body)}"
+            if error.code == 401:
+                raise KeyRefused(refused, given=bool(self.api_key)) from None
+            raise ValueError(refused) from None
         except (urllib.error.URLError, http.client.HTTPException, ConnectionError, socket.timeout, TimeoutError) \
                 as error:
             raise _Retry(f"{type(error).__name__}: {getattr(error, 'reason', error)}") from None
+
+
+class KeyRefused(ValueError):
+    """The server wants a key (HTTP 401): none was sent, or not its own (``given``). The message says how a library
+    caller gives one; ``refused`` is the server's answer alone, for a caller that names its own way."""
+
+    def __init__(self, refused: str, *, given: bool):
+        super().__init__(f"{refused} (give the server's key: ServedTeacher(api_key=...))")
+        self.refused, self.given = refused, given
 
 
 class _Retry(Exception):

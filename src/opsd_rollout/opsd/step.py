@@ -53,7 +53,7 @@ def student_logits(engine: Any, targets) -> torch.Tensor:
     """The student's logits over the response window [N, R, V]: its whole forward (an OPSD step's unfused loss and
     the SFT step's cross-entropy both read them), positions counted from each row's first real token."""
     out = engine(input_ids=targets.input_ids, attention_mask=targets.attention_mask,
-                 position_ids=position_ids(targets.attention_mask))
+                 position_ids=position_ids(targets.attention_mask), use_cache=False)  # one pass: no cache to keep
     return out.logits[:, targets.window]  # [N, R, V]
 
 
@@ -61,7 +61,8 @@ def _student_hidden(engine: Any, targets) -> torch.Tensor:
     """The student's final hidden states over the response window [N, R, H]: its forward with the LM head run on
     one position only (the fused loss runs the head itself)."""
     out = engine(input_ids=targets.input_ids, attention_mask=targets.attention_mask,
-                 position_ids=position_ids(targets.attention_mask), output_hidden_states=True, logits_to_keep=1)
+                 position_ids=position_ids(targets.attention_mask), output_hidden_states=True, logits_to_keep=1,
+                 use_cache=False)
     return out.hidden_states[-1][:, targets.window]
 
 

@@ -19,6 +19,7 @@ import uvicorn
 from opsd_rollout import checks
 from opsd_rollout.models import load_model
 from opsd_rollout.modeling import max_positions_of, text_config
+from opsd_rollout.placement import device_choice, dtype_choice, resolve_device, resolve_dtype
 from opsd_rollout.serve.app import build_app
 from opsd_rollout.serve.engine import EngineLimits, TeacherEngine
 
@@ -42,8 +43,10 @@ class ServeConfig:
     """0: any free port (the printed URL says which)."""
     api_key: str | None = None
     """Requests must carry ``Authorization: Bearer <api_key>`` (all routes but ``/health``); ``None``: no key."""
-    dtype: str = "fp32"
-    device: str = "cpu"
+    dtype: str = "auto"
+    """``fp32``, ``bf16``, ``fp16``, or ``auto``: bf16 on a GPU, fp32 on the CPU (``placement.resolve_dtype``)."""
+    device: str = "auto"
+    """``cpu``, ``cuda``, ``cuda:N``, or ``auto``: a GPU when there is one, else the CPU."""
     seed: int | None = None
     """A preset's weights are drawn from this seed (``None``: the preset's own), as ``load_model`` does."""
     limits: EngineLimits = field(default_factory=EngineLimits)
@@ -58,10 +61,19 @@ class ServeConfig:
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must be a non-empty string or None")
         checks.boolean("compact_answers", self.compact_answers)
+        dtype_choice(self.dtype)
+        device_choice(self.device)
 
     @property
     def name(self) -> str:
         return self.served_model_name or self.model
+
+
+def limits_text(limits: EngineLimits) -> str:
+    """The limits as the ready line says them, each by the flag that sets it."""
+    return (f"up to {limits.max_batch_tokens:,} tokens a forward (--max-batch-tokens), {limits.max_queue} requests "
+            f"waiting (--max-queue), top-{limits.max_logprobs} log-probabilities (--max-logprobs), "
+            f"{limits.max_model_len:,} tokens a prompt (--max-model-len)")
 
 
 class TeacherServer:
@@ -71,7 +83,9 @@ class TeacherServer:
         """``model``/``tokenizer``: an already loaded teacher (tests, a notebook) instead of ``config.model``."""
         self.config = config
         if model is None:
-            model, tokenizer = load_model(config.model, dtype=config.dtype, device=config.device, seed=config.seed)
+            device = resolve_device(config.device)
+            model, tokenizer = load_model(config.model, dtype=resolve_dtype(config.dtype, device.partition(":")[0]),
+                                          device=device, seed=config.seed)
         limits = config.limits
         positions = max_positions_of(model.config)
         if positions is not None and positions < limits.max_model_len:  # never past the model's positions
@@ -97,7 +111,7 @@ class TeacherServer:
         self.start(ready_timeout_s=None)
         print(f"opsd-rollout: serving teacher {self.config.name!r} at {self.url} (POST {self.url}/v1/completions "
               f"with prompt_logprobs; {'key required' if self.config.api_key else 'no key'}; "
-              f"limits: {self.engine.limits})", file=out, flush=True)
+              f"{limits_text(self.engine.limits)})", file=out, flush=True)
         try:
             while self.thread is not None and self.thread.is_alive():
                 self.thread.join(0.5)

@@ -24,4 +24,11 @@ if TYPE_CHECKING:
     from opsd_rollout.train.sft import sft_step
     from opsd_rollout.train.teacher_spec import TeacherSpec
 
-__getattr__ = lazy_exports(globals(), _EXPORTS)
+_load = lazy_exports(globals(), _EXPORTS)
+
+
+def __getattr__(name: str):
+    from opsd_rollout.quiet import cpu_fallback_hidden
+
+    with cpu_fallback_hidden():  # a library user's first import of DeepSpeed is often this one: quiet, as train()
+        return _load(name)

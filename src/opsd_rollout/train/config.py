@@ -20,14 +20,17 @@ from deepspeed.runtime.rollout.base import SamplingConfig
 
 from opsd_rollout import checks
 from opsd_rollout.opsd.divergence import DivergenceConfig
+from opsd_rollout.placement import device_choice, dtype_choice
 from opsd_rollout.opsd.served import refuse_full_cache
 from opsd_rollout.opsd.step import check_pairing
 from opsd_rollout.opsd.teacher import TeacherCacheConfig
 from opsd_rollout.rollout.config import HybridEngineRolloutConfig
 from opsd_rollout.rollout.validation import check_sampling
+from opsd_rollout.train.best import check_save_best
 from opsd_rollout.train.eval_file import TaskEvalConfig
 from opsd_rollout.train.lora import AdapterConfig
 from opsd_rollout.train.preflight import check_teacher_given
+from opsd_rollout.train.run_dir import resumed_output_dir
 from opsd_rollout.train.teacher_spec import FLAGS as TEACHER_FLAGS
 from opsd_rollout.train.teacher_spec import (UNNAMED, TeacherSpec, as_specs, check_self, check_specs, routed,
                                              specs_from_flags)
@@ -69,9 +72,10 @@ def _profiled() -> HybridEngineRolloutConfig:
 class TrainConfig:
     """A training run; ``opsd-rollout train``'s flags map onto these fields and their sections' (``FLAT``)."""
 
-    output_dir: str
+    output_dir: str | None = None
     """Where ``metrics.jsonl``, ``checkpoints/``, ``model/`` (the final student, loadable as a local checkpoint)
-    and ``eval.png`` go."""
+    and ``eval.png`` go; ``None``: the run ``resume`` continues. A directory that holds another run is refused
+    unless ``overwrite``."""
     student: str = "llama-tiny"
     """Preset name or local checkpoint directory."""
     teachers: tuple[TeacherSpec, ...] = ()
@@ -110,10 +114,31 @@ class TrainConfig:
     """Held-out prompts evaluated (the first of the held-out set)."""
     save_every: int | None = None
     """A checkpoint every this many steps (one is always written at the end and on Ctrl-C)."""
+    save_total_limit: int | None = None
+    """At most this many checkpoints kept in ``checkpoints/``, the oldest removed first, never the latest nor the
+    best model's step (transformers' Trainer's ``save_total_limit``); ``None``: every one."""
+    save_best: str | None = None
+    """An evaluation figure (``eval_accuracy``, ``eval_reverse_kl``, ...; its direction ``metrics.TRAINING``'s
+    ``lower_is_better``): after each evaluation better by it than every earlier one, the student is written to
+    ``best/``, with ``best.json`` naming the step and the value. ``None``: no ``best/``."""
     resume: str | None = None
-    """A previous run's output directory (or its ``checkpoints/``): continue from its latest checkpoint."""
+    """A previous run's output directory (or its ``checkpoints/``): continue from its latest checkpoint, into that
+    directory unless ``output_dir`` names another."""
+    overwrite: bool = False
+    """Start over in an ``output_dir`` that holds a run: what that run wrote is removed first (``run_dir.WRITTEN``),
+    never mixed with the new one."""
     progress: bool = True
     """A progress line on the terminal."""
+    verbose: bool = False
+    """Let DeepSpeed's CPU-fallback line and transformers' progress bars (loading and saving checkpoints) show
+    during the run; hidden by default, as the command line hides them without ``-v`` (``opsd_rollout.quiet``)."""
+    dtype: str = "auto"
+    """The run's precision, the student's and every teacher's: ``fp32``, ``bf16``, ``fp16``, or ``auto`` (the
+    DeepSpeed config's bf16/fp16 section when it turns one on, else bf16 on a GPU and fp32 on the CPU). A DeepSpeed
+    config that says otherwise is refused; one that says nothing gets the section."""
+    device: str = "auto"
+    """Where the student and its teachers run: ``auto`` (DeepSpeed's accelerator: a GPU when there is one, each
+    rank its own), ``cpu``, ``cuda`` or ``cuda:N`` (one process)."""
     sampling: SamplingConfig = field(default_factory=_default_sampling)
     """The rollouts' sampling (the evaluation's too), as DeepSpeed's ``generate`` takes it: ``max_new_tokens``
     (response tokens per sample, and the references' length), ``n_samples_per_prompt``, ``temperature``,
@@ -136,11 +161,25 @@ class TrainConfig:
     """Task evaluation at every evaluation (an eval file with answers, a scorer, K samples per problem), the
     teacher scored once at step 0; its samples use ``sampling``'s temperature, top-k and top-p, and its completions
     ``task_eval.max_new_tokens`` (``None``: ``sampling.max_new_tokens``). ``None``: none."""
+    gradient_checkpointing: bool = False
+    """transformers' gradient checkpointing on the student (``gradient_checkpointing_enable``, non-reentrant): its
+    layers' activations recomputed in the backward pass instead of kept, for long responses; under ZeRO 0-3 and
+    LoRA alike. Rollouts are not affected (eval mode, cache on)."""
     lora: AdapterConfig = field(default_factory=AdapterConfig)
     """LoRA adapters on the student (PEFT's), the only parameters trained and optimised, when ``lora.rank`` is set;
     full fine-tuning otherwise."""
 
     def __post_init__(self) -> None:
+        if self.output_dir is None:
+            if self.resume is None:
+                raise ValueError("output_dir: name the directory the run writes (--output-dir DIR), or resume a run "
+                                 "into its own (--resume DIR)")
+            object.__setattr__(self, "output_dir", resumed_output_dir(self.resume))
+        checks.boolean("overwrite", self.overwrite)
+        checks.boolean("verbose", self.verbose)
+        checks.boolean("gradient_checkpointing", self.gradient_checkpointing)
+        dtype_choice(self.dtype)
+        device_choice(self.device)
         checks.choice("objective", self.objective, OBJECTIVES)
         object.__setattr__(self, "teachers", as_specs(self.teachers))
         if self.task is not None:
@@ -156,7 +195,7 @@ class TrainConfig:
                 raise TypeError(f"{name} must be a {kind.__name__}; got {type(value).__name__}")
         for name in ("steps", "prompts_per_micro_batch", "eval_every", "eval_prompts"):
             checks.integer(name, getattr(self, name))
-        for name in ("save_every", "max_prompt_tokens"):
+        for name in ("save_every", "max_prompt_tokens", "save_total_limit"):
             checks.integer(name, getattr(self, name), optional=True)
         for name in ("max_new_tokens", "n_samples_per_prompt"):
             checks.integer(f"sampling.{name}", getattr(self.sampling, name))
@@ -164,6 +203,9 @@ class TrainConfig:
         checks.number("lmbda", self.lmbda, at_least=0, at_most=1)
         checks.choice("off_policy", self.off_policy, OFF_POLICY)
         check_pairing(self.divergence, self.cache)
+        check_save_best(self.save_best, objective=self.objective, task_eval=self.task_eval is not None,
+                        eval_samples=self.task_eval.samples if self.task_eval else 1,
+                        teachers=tuple(spec.name for spec in self.teachers) if self.several else ())
         if self.task_eval is not None and self.task_eval.samples > 1 and self.sampling.temperature <= 0:
             raise ValueError(f"--eval-samples {self.task_eval.samples} samples at the run's temperature "
                              f"{self.sampling.temperature!r}, which is greedy: K identical completions say nothing of "

@@ -21,10 +21,12 @@ from pathlib import Path
 from typing import Any
 
 from opsd_rollout import checks
+from opsd_rollout.placement import resolve_device, resolve_dtype
 from opsd_rollout.train.checkpoint import latest_tag
 from opsd_rollout.train.config import TrainConfig
 from opsd_rollout.train.eval_file import TaskEvalConfig, read_eval_file
 from opsd_rollout.train.loop import TrainResult, train
+from opsd_rollout.train.run_dir import check_resumed_run
 
 TEACHER = TrainConfig.from_flat(dict(output_dir="", objective="sft", student="llama-mini", steps=800,
                                      prompts_per_micro_batch=16, lr=1e-3, eval_every=100, eval_prompts=64,
@@ -46,6 +48,12 @@ ARITHMETIC_STUDENT = dict(objective="opsd", task="arithmetic", student="llama-ti
 forward KL (from a random start the JSD's gradient fades where the two disagree most: measured in docs/TRAINING.md)."""
 RUNS = {None: (TEACHER, STUDENT), "arithmetic": (ARITHMETIC_TEACHER, ARITHMETIC_STUDENT)}
 """The built-in runs by task (``None``: the corpus run): (the teacher's recipe, the student's by the flags' names)."""
+
+
+UNMADE = ("output_dir", "progress", "verbose", "save_every", "resume", "overwrite", "save_total_limit", "save_best",
+          "device", "gradient_checkpointing")
+"""``TrainConfig``'s fields that change where a run goes and what it keeps, not the teacher it makes: left out of
+the name of a cached teacher (``teacher_dir``)."""
 
 
 def cache_root(cache_dir: str | None) -> Path:
@@ -89,7 +97,12 @@ def teacher_dir(cache_dir: str | None, config: TrainConfig = TEACHER) -> Path:
     """Where the teacher of ``config`` is kept: named by a hash of everything that makes it."""
     import opsd_rollout
 
-    recipe = {k: v for k, v in config.to_dict().items() if k not in ("output_dir", "progress", "save_every", "resume")}
+    recipe = {k: v for k, v in config.to_dict().items() if k not in UNMADE}
+    dtype = resolve_dtype(config.dtype, resolve_device(config.device).partition(":")[0])
+    if dtype == "fp32":
+        del recipe["dtype"]  # the name of an fp32 teacher as it was before the run's dtype was a field
+    else:
+        recipe["dtype"] = dtype
     if recipe["task"] is None:
         del recipe["task"]  # the corpus teacher's name as it was before tasks
     recipe.update(version=opsd_rollout.__version__, corpus=data_hash(config.task))
@@ -143,8 +156,8 @@ def trained_teacher(cache_dir: str | None, *, progress: bool = True, config: Tra
         if config.task is not None and config.task_eval is None:  # its accuracy as it trains (not in its name)
             flags = task_eval_flags(cache_dir, config.task)
             config = replace(config, task_eval=TaskEvalConfig(data=flags["eval_data"], scorer=flags["eval_scorer"]))
-        result = train(replace(config, output_dir=str(partial), progress=progress,
-                               resume=str(partial) if saved else None))
+        result = train(replace(config, output_dir=str(partial), progress=progress,  # no checkpoint: start over
+                               resume=str(partial) if saved else None, overwrite=not saved))
         if result.interrupted or result.model_dir is None:
             raise TeacherInterrupted(f"the teacher's training stopped at step {result.steps} of {config.steps}, "
                                      f"checkpoint {result.checkpoint}; the same command continues it")
@@ -169,6 +182,8 @@ def default_run(output_dir: str, *, cache_dir: str | None = None, progress: bool
                                     "progress": progress, **overrides})  # checked before the teacher trains
     if config.task_eval is not None:  # the eval file too
         read_eval_file(config.task_eval.data, config.task_eval.scorer)
+    if config.resume is not None:  # a run of the user's flags, resumed without them, is not this one
+        check_resumed_run(config.resume, config)
     trained_teacher(cache_dir, progress=progress, config=teacher_config)
     print(f"student: distilling into {config.student} on-policy ({config.steps} steps) into {output_dir}", flush=True)
     return train(config)

@@ -24,12 +24,15 @@ from opsd_rollout.opsd.self_teacher import SelfTeacher
 from opsd_rollout.opsd.served import ServedTeacher
 from opsd_rollout.opsd.step import OPSDStep, StepInFlight
 from opsd_rollout.opsd.step_profile import StepProfile
+from opsd_rollout.quiet import quiet
 from opsd_rollout.seeding import seeded
-from opsd_rollout.train.checkpoint import find_checkpoint, save_merged, save_model
+from opsd_rollout.train.best import BEST_DIR, NOTE, Best
+from opsd_rollout.train.checkpoint import find_checkpoint, prune_checkpoints, save_merged, save_model
 from opsd_rollout.train.config import TrainConfig
 from opsd_rollout.train.data import Encoder, Example, batch_indices
 from opsd_rollout.train.evaluate import evaluate
 from opsd_rollout.train.lora import trainable_parameters
+from opsd_rollout.train.precision import place_teachers
 from opsd_rollout.train.report import MetricsLog, Progress, monitor_events, plot_eval, step_record
 from opsd_rollout.train.setup import Models, build_student_engine, load_models, split_examples
 from opsd_rollout.train.sft import sft_step
@@ -49,6 +52,8 @@ class TrainResult:
     plot: Path | None = None
     merged_dir: Path | None = None
     """A LoRA run's merged model (``--merge-lora``): the adapters folded into the base weights."""
+    best: Any = None
+    """With ``save_best``: the best evaluation (``best.Best``: its step and value), whose model is in ``best/``."""
     interrupted: bool = False
     stopped: str | None = None
     """Why the run stopped before its last step other than Ctrl-C (a served teacher that stopped answering); a
@@ -101,16 +106,8 @@ class _Run:
                                max_reference_tokens=config.sampling.max_new_tokens)
         merged = config.rollout.merge_adapters or (config.lora.enabled and config.lora.merge_rollouts)
         self.rollout = HybridEngineRollout(self.engine, models.tokenizer, config.rollout.replace(merge_adapters=merged))
-        self.teacher = models.teacher
-        if config.teachers and not config.several and config.teachers[0].zero_stage == 3:
-            from opsd_rollout.deepspeed_engine import build_inference_engine
-
-            self.teacher = build_inference_engine(self.teacher, 3)
-        for each in (self.teacher.values() if config.several else [self.teacher]):
-            if isinstance(each, SelfTeacher) and each.copied and self.engine.zero_optimization_stage() == 3:
-                from opsd_rollout.deepspeed_engine import build_inference_engine  # the student's starting weights,
-
-                each.module = build_inference_engine(each.module, 3)  # partitioned as the student is
+        self.teacher = place_teachers(models.teacher, {spec.name: spec.zero_stage for spec in config.teachers},
+                                      self.engine)  # where the student runs, in its dtype
         self.reprompt = any(spec.context is not None for spec in config.teachers)
         """The teachers see their own prompts (a context: the reference), built from each example's."""
         self.references = config.off_policy == "references" or (
@@ -137,6 +134,7 @@ class _Run:
         if self.rank.rank == 0:
             write_text_atomic(self.out / "train_config.json", json.dumps(config.to_dict(), indent=2))
         self.saved_at: int | None = self.global_step if config.resume else None
+        self.best = Best.of(config.save_best, self.out) if config.save_best else None
 
     # ---- one optimizer step --------------------------------------------------------------------------------
 
@@ -254,6 +252,14 @@ class _Run:
             progress.show(record)
         if self.engine.monitor.enabled:
             self.engine.monitor.write_events(monitor_events(record))
+        self.keep_best(record)
+
+    def keep_best(self, record: dict[str, Any]) -> None:
+        """With ``save_best``: the student written to ``best/`` when ``record``'s evaluation is the best so far
+        (every rank alike: the figures are reduced over them, and under ZeRO-3 the save gathers)."""
+        if self.best is not None and self.best.improved(record):
+            save_model(self.engine, self.models.tokenizer, self.out / BEST_DIR, self.rank,
+                       files={NOTE: self.best.note()})
 
     def save(self) -> Path:
         config = self.config.to_dict()
@@ -263,7 +269,14 @@ class _Run:
         self.engine.save_checkpoint(str(self.checkpoints), tag=f"step{self.global_step}", client_state={"train_state": state},
                                     exclude_frozen_parameters=self.config.lora.enabled)
         self.saved_at = self.global_step
+        self.prune()
         return self.checkpoints / f"step{self.global_step}"
+
+    def prune(self) -> None:
+        """With ``save_total_limit``: the oldest checkpoints removed past it, never the latest or the best's."""
+        if self.config.save_total_limit and self.rank.rank == 0:
+            best = {f"step{self.best.step}"} if self.best is not None and self.best.step is not None else set()
+            prune_checkpoints(self.checkpoints, self.config.save_total_limit, keep=best)
 
     def run(self) -> TrainResult:
         config = self.config
@@ -298,7 +311,7 @@ class _Run:
             result.checkpoint = self.save()
         else:
             result.checkpoint = self.checkpoints / f"step{self.global_step}"
-        result.steps, result.records = self.global_step, list(self.log.records)
+        result.steps, result.records, result.best = self.global_step, list(self.log.records), self.best
         if not result.interrupted and result.stopped is None:
             result.model_dir = save_model(self.engine, self.models.tokenizer, self.out / "model", self.rank)
             if config.lora.merge and self.rank.rank == 0:
@@ -324,15 +337,27 @@ def check_example_teachers(examples: list[Example], names: set[str]) -> None:
 def train(config: TrainConfig) -> TrainResult:
     """Run ``config``: every input checked before any model work, then the loop. Ctrl-C saves a checkpoint and
     returns with ``interrupted`` set; a served teacher that stops answering for its ``timeout`` seconds saves one
-    at the last completed step and returns with ``stopped`` set."""
+    at the last completed step and returns with ``stopped`` set. Quiet as the command line is, unless
+    ``config.verbose`` (``opsd_rollout.quiet``: DeepSpeed's CPU-fallback line, transformers' progress bars)."""
+    with quiet(config.verbose):
+        return _checked_run(config)
+
+
+def _checked_run(config: TrainConfig) -> TrainResult:
+    from opsd_rollout.distributed import rank_info
     from opsd_rollout.train.data import in_context, read_examples
     from opsd_rollout.train.eval_file import read_eval_file
+    from opsd_rollout.train.run_dir import check_output_dir, check_resumed_run, clear_run
     from opsd_rollout.train.teacher_spec import check_self, context_of
 
     if config.resume is not None:
         find_checkpoint(config.resume)  # before any work: a directory without a checkpoint is refused
+        check_resumed_run(config.resume, config)
+    check_output_dir(config.output_dir, resume=config.resume, overwrite=config.overwrite)
     task = config.task_eval
     records = read_eval_file(task.data, task.scorer) if task is not None else None  # before any model work
+    if config.overwrite and rank_info().rank == 0:  # every check passed: the old run goes before any is written
+        clear_run(config.output_dir)
     models = load_models(config)
     contexts = context_of(config.teachers, config.default_teacher)
     examples = read_examples(config.prompts, models.tokenizer, contexts) if config.prompts else None

@@ -1,6 +1,7 @@
 """A training run's inputs checked before torch, transformers or DeepSpeed load: the files and names that need no
-model (each flag's value; the prompt file, line by line; the DeepSpeed config file; a ``--resume`` directory; student and teacher
-named as presets or checkpoint directories, their vocabularies from their configs; the LoRA flags), so that a
+model (each flag's value; the prompt file, line by line; the DeepSpeed config file; a ``--resume`` directory; an
+output directory that holds another run; student and teacher named as presets or checkpoint directories, their
+vocabularies from their configs; the LoRA flags), so that a
 mistake costs the command line a fraction of a second, as ``bench``'s do. ``TrainConfig`` checks the same values
 again (for the library's callers, and the combinations of flags: a loss and a cache that do not go together);
 what needs a model (a LoRA target that matches no layer) is checked once its config is loaded, before any step.
@@ -14,10 +15,13 @@ from typing import Any
 from opsd_rollout import checks
 from opsd_rollout.deepspeed_config import read_deepspeed_file
 from opsd_rollout.models import vocab_size
+from opsd_rollout.train.best import check_save_best
 from opsd_rollout.train.checkpoint import find_checkpoint
 from opsd_rollout.train.eval_file import TaskEvalConfig, read_eval_file
 from opsd_rollout.train.lora import AdapterConfig
+from opsd_rollout.train.precision import run_dtype
 from opsd_rollout.train.records import read_records
+from opsd_rollout.train.run_dir import check_output_dir, check_resumed_run
 from opsd_rollout.train.teacher_spec import (TeacherSpec, check_self, check_specs, context_of, routed,
                                              specs_from_flags)
 
@@ -27,7 +31,7 @@ COUNT = checks.rule(checks.integer)
 RULES = {
     **{name: COUNT for name in ("steps", "prompts_per_micro_batch", "samples_per_prompt", "max_new_tokens",
                                 "max_prompt_tokens", "eval_every", "eval_prompts", "save_every", "teacher_top_k",
-                                "gradient_accumulation_steps", "lora_rank")},
+                                "gradient_accumulation_steps", "lora_rank", "save_total_limit")},
     "top_k": checks.rule(checks.integer, minimum=None), "lr": checks.rule(checks.number, above=0),
     "lmbda": checks.rule(checks.number, at_least=0, at_most=1), "beta": checks.rule(checks.number, at_least=0,
                                                                                     at_most=1),
@@ -49,17 +53,28 @@ def preflight(values: dict[str, Any], *, builtin: bool = False) -> None:
                          "another set: give one of them")
     if values.get("resume") is not None:
         find_checkpoint(values["resume"])
+    if values.get("output_dir") is not None:
+        check_output_dir(values["output_dir"], resume=values.get("resume"), overwrite=bool(values.get("overwrite")))
     if values.get("deepspeed") is not None and not isinstance(values["deepspeed"], dict):
-        read_deepspeed_file(values["deepspeed"])
+        ds = read_deepspeed_file(values["deepspeed"])
+        if values.get("dtype") not in (None, "auto"):  # auto takes what the config says: no disagreement
+            run_dtype(values["dtype"], ds, "cpu", values["deepspeed"])
     AdapterConfig(**{leaf: values[flat] for flat, leaf in (("lora_rank", "rank"), ("lora_alpha", "alpha"),
                                                            ("lora_targets", "targets"), ("merge_lora", "merge"))
                      if values.get(flat) is not None})
     specs = specs_from_flags(values)
+    check_save_best(values.get("save_best"), objective=values.get("objective", "opsd"),
+                    task_eval=values.get("eval_data") is not None or values.get("task") is not None,
+                    eval_samples=values.get("eval_samples") or 1,
+                    teachers=tuple(spec.name for spec in specs) if routed(specs) else ())
     check_specs(specs, values.get("default_teacher"))
     check_self(specs, values.get("objective", "opsd"), values.get("lmbda", 1.0),
                teacher_samples=values.get("off_policy") == "teacher")
     if not builtin:
         check_teacher_given(values.get("objective", "opsd"), specs)
+        if values.get("resume") is not None:
+            check_resumed_run(values["resume"], {"student": DEFAULT_STUDENT, "prompts": None, "task": None,
+                                                 "objective": "opsd", **values})
         student = values.get("student") or DEFAULT_STUDENT
         for spec in specs:
             if spec.kind == "model":

@@ -112,8 +112,8 @@ def monitor_events(record: dict[str, Any]) -> list[tuple[str, float, int]]:
 
 
 class Progress:
-    """A live line: step, loss, tokens/s, rollout share and ETA (rewritten in place on a terminal, every tenth of
-    the run otherwise)."""
+    """A live line: step, loss, tokens/s, rollout share (of a step that rolled out) and ETA (rewritten in place on a
+    terminal, every tenth of the run otherwise)."""
 
     def __init__(self, total_steps: int, first_step: int, *, enabled: bool = True, stream: Any = None):
         self.total, self.first, self.enabled = total_steps, first_step, enabled
@@ -126,8 +126,10 @@ class Progress:
         done = record["step"] - self.first
         elapsed = time.perf_counter() - self.start
         left = (self.total - record["step"]) * elapsed / done if done > 0 else float("nan")
+        rolled = record.get(TIME + "rollout_ms", 0) > 0  # SFT and the references' steps roll nothing out
         text = (f"step {record['step']}/{self.total}  loss {record['loss']:.4f}  {record['tokens_per_second']:,.0f} "
-                f"tok/s  rollout {record['time/rollout_share']:.0%}  ETA {_duration(left)}")
+                f"tok/s  " + (f"rollout {record['time/rollout_share']:.0%}  " if rolled else "")
+                + f"ETA {_duration(left)}")
         if "eval_reverse_kl" in record:
             text += f"  eval reverse KL {record['eval_reverse_kl']:.4f}"
         if "eval_accuracy" in record:

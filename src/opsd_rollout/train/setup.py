@@ -3,6 +3,7 @@ the examples and their held-out split, and the student's DeepSpeed engine from t
 
 from __future__ import annotations
 
+import argparse
 import copy
 import os
 import urllib.parse
@@ -14,14 +15,16 @@ import torch
 from opsd_rollout import checks
 from opsd_rollout.deepspeed_config import LEARNING_RATE, check_deepspeed_config, read_deepspeed_file, refusal
 from opsd_rollout.modeling import max_positions_of, text_config
-from opsd_rollout.models import load_model, load_tokenizer, model_config, model_skeleton
+from opsd_rollout.models import load_model, load_tokenizer, model_config, model_skeleton, parse_dtype
 from opsd_rollout.opsd.self_teacher import SelfTeacher
 from opsd_rollout.opsd.served import ServedTeacher
+from opsd_rollout.opsd.served_wire import KeyRefused
 from opsd_rollout.presets import PRESETS
 from opsd_rollout.train.data import Example
 from opsd_rollout.train.lora import check_targets, with_adapters
+from opsd_rollout.train.precision import device_index, run_device_type, run_dtype, with_dtype
 from opsd_rollout.train.preflight import check_vocabularies
-from opsd_rollout.train.teacher_spec import SELF, UNNAMED, TeacherSpec
+from opsd_rollout.train.teacher_spec import KEY_VARIABLE, SELF, UNNAMED, TeacherSpec
 
 HELD_OUT_EVERY = 10
 """A prompt file's every tenth example is held out (files of fewer than ten evaluate on their training prompts)."""
@@ -94,31 +97,53 @@ def load_models(config: Any) -> Models:
                          f"{positions} positions")
     if config.lora.enabled:  # before the weights load
         check_targets(model_skeleton(config.student), config.lora, config.student)
-    student, tokenizer = load_model(config.student)
+    dtype = run_precision(config)[1]
+    student, tokenizer = load_model(config.student, dtype=dtype)
     if len(tokenizer) > configs[0].vocab_size:  # an id past the embedding would fail mid-rollout, far from here
         raise ValueError(f"student {config.student!r}: its tokenizer has {len(tokenizer):,} tokens and its model a "
                          f"vocabulary of {configs[0].vocab_size:,}: the model's vocab_size must be at least "
                          "len(tokenizer) (added tokens count; docs/MODELS.md)")
+    if config.gradient_checkpointing:  # before the adapters: PEFT then sees it (and the LoRA layers recompute too)
+        checkpointed(student, config.student)
     if config.lora.enabled:  # fresh adapters on the loaded weights, the base frozen
         student = with_adapters(student, config.lora, config.student, config.seed)
-    teachers = {spec.name: load_teacher(spec, config, tokenizer, configs[0].vocab_size, student)
+    teachers = {spec.name: load_teacher(spec, config, tokenizer, configs[0].vocab_size, student, dtype)
                 for spec in config.teachers}
     teacher = teachers if config.several else next(iter(teachers.values()), None)
     return Models(student, tokenizer, teacher, longest, max_teacher_prompt_tokens=positions - new_tokens)
 
 
-def load_teacher(spec: TeacherSpec, config: Any, tokenizer: Any, vocab_size: int, student: torch.nn.Module) -> Any:
-    """One teacher, checked before any step: a model's tokens against the student's, then its weights (a preset that
-    is also the student gets other random weights: the same would make the loss 0); a server's answer, model,
-    tokenizer and vocabulary (``served_teacher``); the student itself (``SelfTeacher``: its starting weights, made
-    now, before any step, or its live ones)."""
+def checkpointed(student: torch.nn.Module, name: str) -> torch.nn.Module:
+    """transformers' gradient checkpointing on ``student`` (``gradient_checkpointing_enable``): in training mode
+    each decoder layer keeps its input alone and recomputes the rest in the backward pass, for less memory and
+    about a third more compute; a rollout runs in eval mode, uncheckpointed, its cache on. Non-reentrant (torch's
+    recommended kind): it needs no input that requires a gradient, so a LoRA student's frozen embeddings need not be
+    made to (PEFT's ``enable_input_require_grads``, which the reentrant kind needs), and it works under ZeRO-3."""
+    if not getattr(student, "supports_gradient_checkpointing", False):
+        raise ValueError(f"--gradient-checkpointing: student {name!r} ({type(student).__name__}) has no gradient "
+                         "checkpointing in transformers")
+    kwargs = {"use_reentrant": False}
+    if hasattr(student, "activation_checkpointing_enable"):  # transformers 5.24's name; the old one warns there
+        student.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        student.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    return student
+
+
+def load_teacher(spec: TeacherSpec, config: Any, tokenizer: Any, vocab_size: int, student: torch.nn.Module,
+                 dtype: str = "fp32") -> Any:
+    """One teacher, checked before any step: a model's tokens against the student's, then its weights in the run's
+    ``dtype`` (a preset that is also the student gets other random weights: the same would make the loss 0); a
+    server's answer, model, tokenizer and vocabulary (``served_teacher``); the student itself (``SelfTeacher``: its
+    starting weights, copied now in its dtype, before any step, or its live ones). Each goes where the student runs
+    once its engine is built (``precision.place_teachers``)."""
     if spec.served:
         return served_teacher(spec, tokenizer, vocab_size, student=config.student)
     if spec.kind == "self":
         return SelfTeacher.initial(student) if spec.self_weights == "initial" else SelfTeacher.live(student)
     check_same_tokens(config.student, tokenizer, spec.label, load_tokenizer(spec.source), vocab_size)
     seed = 1 if spec.source == config.student and spec.source in PRESETS else None
-    return load_model(spec.source, seed=seed)[0].eval().requires_grad_(False)
+    return load_model(spec.source, seed=seed, dtype=dtype)[0].eval().requires_grad_(False)
 
 
 def check_same_tokens(student: str, tokenizer: Any, teacher: str, teacher_tokenizer: Any,
@@ -135,9 +160,15 @@ def check_same_tokens(student: str, tokenizer: Any, teacher: str, teacher_tokeni
     if ours != theirs:
         token = next((t for t in sorted(ours) if theirs.get(t) != ours[t]), None) or next(
             t for t in sorted(theirs) if t not in ours)
-        raise ValueError(f"teacher {teacher!r}'s tokenizer is not student {student!r}'s: token {token!r} is id "
-                         f"{ours.get(token)} in the student's and {theirs.get(token)} in the teacher's; "
-                         "distillation needs the same tokens at the same ids")
+        if token not in theirs:
+            differs = f"the student's token {ours[token]} ({token!r}) is missing from the teacher's"
+        elif token not in ours:
+            differs = f"the teacher's token {theirs[token]} ({token!r}) is missing from the student's"
+        else:
+            differs = f"{token!r} is token {ours[token]} in the student's and token {theirs[token]} in the teacher's"
+        raise ValueError(f"the teacher ({teacher}) and the student ({student}) have different tokenizers: {differs}; "
+                         "the teacher scores the student's token ids, so both need the same tokens at the same ids "
+                         "(save the student's tokenizer with the teacher, or pick a teacher of its family)")
 
 
 def served_teacher(spec: TeacherSpec, tokenizer: Any, vocab_size: int, *, student: str | None = None) -> ServedTeacher:
@@ -146,13 +177,18 @@ def served_teacher(spec: TeacherSpec, tokenizer: Any, vocab_size: int, *, studen
     tokenizer and vocabulary; each failure one line naming both sides."""
     flag = "--teacher-url" if spec.name == UNNAMED else f"--teacher-url {spec.name}="
     teacher = ServedTeacher(spec.source, model=student if spec.model == SELF else spec.model,
-                            api_key=spec.api_key or os.environ.get("OPSD_ROLLOUT_API_KEY"),
+                            api_key=spec.api_key or os.environ.get(KEY_VARIABLE),
                             protocol=spec.protocol, tokenizer=tokenizer, retry_timeout_s=spec.timeout,
                             overlap=overlaps(spec.overlap, spec.source))
     try:
         teacher.connect(vocab_size)
     except ConnectionError as error:
-        raise ValueError(f"{flag}: {error}") from None
+        raise ValueError(f"{flag}: {error}; it is retried for --teacher-timeout, {spec.timeout:g} s") from None
+    except KeyRefused as error:
+        which = "the key given was not its own" if error.given else "no key was given"
+        raise ValueError(f"{flag}: {error.refused}; {which}: set ${KEY_VARIABLE} to the server's --api-key (or "
+                         "pass --teacher-api-key, which every user of this machine can read in its process list)") \
+            from None
     return teacher
 
 
@@ -195,17 +231,31 @@ def deepspeed_config_of(config: Any, *, check: bool = True) -> dict[str, Any]:
     elif optimization.deepspeed is not None:
         ds = read_deepspeed_file(optimization.deepspeed)
     else:
-        ds = deepspeed_config(optimization.zero_stage, lr=optimization.lr)
+        ds = deepspeed_config(optimization.zero_stage, dtype=parse_dtype(run_precision(config)[1]),
+                              lr=optimization.lr)
         ds["gradient_clipping"] = 1.0
         ds["gradient_accumulation_steps"] = optimization.gradient_accumulation_steps
-    if optimization.deepspeed is not None and check:
-        check_deepspeed_config(ds, _source(optimization))
+    if optimization.deepspeed is not None:
+        if check:
+            check_deepspeed_config(ds, _source(optimization))
+        with_dtype(ds, run_precision(config, ds)[1])
     rows = config.prompts_per_micro_batch * config.sampling.n_samples_per_prompt
     if "train_batch_size" not in ds:
         ds.setdefault("train_micro_batch_size_per_gpu", rows)
     ds.setdefault("gradient_accumulation_steps", optimization.gradient_accumulation_steps)
     ds.setdefault("steps_per_print", 1 << 30)
     return ds
+
+
+def run_precision(config: Any, ds: dict[str, Any] | None = None) -> tuple[str, str]:
+    """(device type, dtype name) of the run: ``config.device`` against DeepSpeed's accelerator, ``config.dtype``
+    against the user's DeepSpeed config (read from ``config`` unless given as ``ds``; none: the flags build one)."""
+    device_type = run_device_type(config.device)
+    given = config.optimization.deepspeed
+    if ds is None and given is not None:
+        ds = copy.deepcopy(given) if isinstance(given, dict) else read_deepspeed_file(given)
+    return device_type, run_dtype(config.dtype, ds if given is not None else None, device_type,
+                                  _source(config.optimization))
 
 
 def _source(optimization: OptimizationConfig) -> str:
@@ -228,7 +278,9 @@ def build_student_engine(config: Any, student: torch.nn.Module) -> Any:
     optimization = config.optimization
     optimizer = None if "optimizer" in ds else torch.optim.AdamW(params, lr=optimization.lr)
     try:
-        engine, *_ = deepspeed.initialize(model=student.train(), config=ds, model_parameters=params,
+        index = device_index(config.device)  # cuda:N: this one process's GPU, not LOCAL_RANK's
+        engine, *_ = deepspeed.initialize(args=None if index is None else argparse.Namespace(device_rank=index),
+                                          model=student.train(), config=ds, model_parameters=params,
                                           optimizer=optimizer)
     except (AssertionError, KeyError, TypeError, ValidationError, DeepSpeedConfigError) as error:  # its own checks
         source = _source(optimization) if optimization.deepspeed is not None else "the config built from the flags"

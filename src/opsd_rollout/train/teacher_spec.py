@@ -25,6 +25,9 @@ NAME = re.compile(r"[A-Za-z0-9_.-]+")
 PROTOCOLS = ("vllm", "sglang")
 """A served teacher's API: vLLM's OpenAI-compatible ``/v1/completions`` (also ``serve-teacher``'s), SGLang's
 ``/generate``."""
+KEY_VARIABLE = "OPSD_ROLLOUT_API_KEY"
+"""The environment variable a served teacher's key is read from when none is given: the way to pass it, as a
+command line's arguments are visible to every user of the machine."""
 SELF = "self"
 """The source (or, served, the model) that names the student itself."""
 SELF_WEIGHTS = ("initial", "live")
@@ -54,8 +57,8 @@ class TeacherSpec:
     protocol: str = "vllm"
     """Served: ``vllm`` or ``sglang`` (``PROTOCOLS``)."""
     api_key: str | None = None
-    """Served: the server's key, sent as a bearer token; never written to ``train_config.json``. ``None``:
-    ``$OPSD_ROLLOUT_API_KEY`` if set."""
+    """Served: the server's key, sent as a bearer token; never written to ``train_config.json``, printed or logged.
+    ``None``: ``$OPSD_ROLLOUT_API_KEY`` if set (``KEY_VARIABLE``)."""
     timeout: float = 120.0
     """Served: seconds an unanswering server is retried, with backoff, at the start and mid-run; then the run stops
     with a checkpoint of its last completed step (a vLLM server may still be loading its model)."""
