@@ -265,28 +265,32 @@ class _Run:
         self.saved_at = self.global_step
         return self.checkpoints / f"step{self.global_step}"
 
+    def steps(self, result: TrainResult) -> None:
+        """The evaluation at step 0 (a new run), then the steps left, each recorded, evaluated and saved when due."""
+        config = self.config
+        progress = Progress(config.steps, self.global_step, enabled=config.progress)
+        if self.global_step == 0:
+            trainable, _ = trainable_parameters(self.engine.module)
+            self.record({"step": 0, "trainable_parameters": trainable, **self.evaluation(teacher=True)}, progress)
+        trained_s = next((r["time/steps_s"] for r in reversed(self.log.records) if "time/steps_s" in r), 0.0)
+        while self.global_step < config.steps:
+            record = self.train_step(self.global_step + 1)
+            self.global_step += 1
+            trained_s += record["time/step_ms"] / 1e3
+            record["time/steps_s"] = trained_s  # the optimizer steps' wall time so far, evaluations apart
+            try:
+                if self.global_step % config.eval_every == 0 or self.global_step == config.steps:
+                    record.update(self.evaluation())
+            finally:  # a step taken is a step recorded, even if Ctrl-C stops its evaluation
+                self.record(record, progress)
+            if config.save_every and self.global_step % config.save_every == 0:
+                result.checkpoint = self.save()
+
     def run(self) -> TrainResult:
         config = self.config
         result = TrainResult(self.out, self.global_step)
-        progress = Progress(config.steps, self.global_step, enabled=config.progress)
         try:
-            if self.global_step == 0:
-                trainable, _ = trainable_parameters(self.engine.module)
-                self.record({"step": 0, "trainable_parameters": trainable, **self.evaluation(teacher=True)},
-                            progress)
-            trained_s = next((r["time/steps_s"] for r in reversed(self.log.records) if "time/steps_s" in r), 0.0)
-            while self.global_step < config.steps:
-                record = self.train_step(self.global_step + 1)
-                self.global_step += 1
-                trained_s += record["time/step_ms"] / 1e3
-                record["time/steps_s"] = trained_s  # the optimizer steps' wall time so far, evaluations apart
-                try:
-                    if self.global_step % config.eval_every == 0 or self.global_step == config.steps:
-                        record.update(self.evaluation())
-                finally:  # a step taken is a step recorded, even if Ctrl-C stops its evaluation
-                    self.record(record, progress)
-                if config.save_every and self.global_step % config.save_every == 0:
-                    result.checkpoint = self.save()
+            self.steps(result)
         except KeyboardInterrupt:
             result.interrupted = True
         except ConnectionError as error:  # a served teacher gone for longer than its timeout: keep what is done
