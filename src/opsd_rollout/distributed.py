@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import socket
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -31,14 +32,37 @@ def partitioned(module: torch.nn.Module) -> bool:
     return any(hasattr(p, "ds_status") for p in module.parameters())
 
 
-def agree_max(values: list[int], device: torch.device | str = "cpu") -> list[int]:
-    """Every rank's largest of each of ``values`` (one all-reduce; as given with one rank): how ranks whose work
-    differs agree on a number of collective calls."""
-    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+def several_ranks() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def agree_max(values: list[int], device: torch.device | str = "cpu", group: Any = None) -> list[int]:
+    """Every rank's largest of each of ``values`` (one all-reduce over ``group``, the default one when ``None``; as
+    given with one rank): how ranks whose work differs agree on a number of collective calls, or on a flag."""
+    if not several_ranks():
         return list(values)
     flags = torch.tensor(values, dtype=torch.int64, device=device)
-    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
     return [int(v) for v in flags.tolist()]
+
+
+def host_group() -> Any:
+    """The group for agreements on host values (``agree_max`` on CPU tensors): ``None`` (the default group) when it
+    runs gloo or there is one rank, else a gloo group of every rank, made now (every rank calls this together): NCCL
+    takes no host tensor, and a device tensor would make the host wait for the device's queued work."""
+    if not several_ranks() or "gloo" in str(dist.get_backend()):
+        return None
+    return dist.new_group(backend="gloo")
+
+
+def gather_texts(text: str | None, group: Any = None) -> list[str | None]:
+    """Every rank's ``text``, in rank order (``[text]`` with one rank): a failure's message, on the path that
+    failed only (a pickled object a rank, far dearer than ``agree_max``)."""
+    if not several_ranks():
+        return [text]
+    texts: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(texts, text, group=group)
+    return texts
 
 
 LAUNCHER_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_SIZE",
