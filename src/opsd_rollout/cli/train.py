@@ -10,6 +10,8 @@ import shlex
 import sys
 from typing import Any
 
+from opsd_rollout.cli.common import LOCAL_RANK_FLAGS
+
 LOSSES = ("forward_kl", "reverse_kl", "jsd", "sampled_reverse_kl")
 FLAGS: list[tuple[str, str, dict[str, Any]]] = [  # (flag, TrainConfig's flat name, argparse keywords)
     ("--student", "student", dict(help="preset or local checkpoint directory (default llama-tiny; with no model or "
@@ -120,6 +122,13 @@ FLAGS: list[tuple[str, str, dict[str, Any]]] = [  # (flag, TrainConfig's flat na
     ("--save-every", "save_every", dict(type=int, metavar="N", help="a checkpoint every N steps (always one at the "
                                         "end and on Ctrl-C)")),
     ("--resume", "resume", dict(metavar="DIR", help="continue a run from its latest checkpoint, exactly")),
+    ("--max-skipped-steps", "max_skipped_steps", dict(type=int, metavar="N", help="stop, with a checkpoint, after N "
+                                                      "optimizer steps in a row skipped for a non-finite loss or "
+                                                      "gradient (default 20; exit status 5)")),
+    ("--collective-timeout", "collective_timeout_s", dict(type=float, metavar="SECONDS", help="how long a rank waits "
+                                                          "for another at a collective before it fails: how soon "
+                                                          "the others stop when one dies (default 600, or more "
+                                                          "with a long --teacher-timeout)")),
     ("--lora-rank", "lora_rank", dict(type=int, metavar="R", help="train LoRA adapters (PEFT) of rank R on the "
                                       "student instead of every weight; model/ is then a PEFT adapter directory")),
     ("--lora-alpha", "lora_alpha", dict(type=float, metavar="A", help="LoRA's alpha: updates scaled by A / R "
@@ -153,19 +162,21 @@ def add_train_parser(sub: Any, common: argparse.ArgumentParser) -> argparse.Argu
 
 
 def resume_command(argv: list[str], output_dir: Any) -> str:
-    """The command that continues a run: ``argv`` as given, with ``--resume`` (replaced, or added) naming the run."""
+    """The command that continues a run: ``argv`` as given, with ``--resume`` (replaced, or added) naming the run;
+    without the ``--local_rank`` a launcher gave this rank (the same launcher gives it again)."""
     kept, skip = [], False
     for arg in argv:
         if skip:
             skip = False
-        elif arg == "--resume":
+        elif arg in ("--resume", *LOCAL_RANK_FLAGS):
             skip = True
-        elif not arg.startswith("--resume="):
+        elif not arg.startswith(("--resume=", *(f"{flag}=" for flag in LOCAL_RANK_FLAGS))):
             kept.append(arg)
     return shlex.join(["opsd-rollout", *kept, "--resume", str(output_dir)])
 
 
 def run_train(args: argparse.Namespace) -> int:
+    from opsd_rollout.train.faults import exit_status, signal_name  # light
     from opsd_rollout.train.preflight import preflight  # light: before torch loads
 
     given = {dest: getattr(args, dest) for _flag, dest, _kw in FLAGS if getattr(args, dest) is not None}
@@ -185,17 +196,21 @@ def run_train(args: argparse.Namespace) -> int:
         if "task" in given:  # responses as long as its solutions, scored on its held-out problems
             given = {**task_flags(args.cache_dir, given["task"]), **given}
         result = train(TrainConfig.from_flat({"output_dir": args.output_dir, "progress": not args.quiet, **given}))
-    if int(os.environ.get("RANK", "0")) != 0:  # under a launcher, rank 0 speaks
-        return 130 if result.interrupted else 0
-    if result.interrupted:
-        print(f"opsd-rollout: interrupted at step {result.steps}; checkpoint {result.checkpoint}; continue with "
-              f"--resume {result.output_dir}", file=sys.stderr)
-        return 130
-    if result.stopped is not None:
-        print(f"opsd-rollout: stopped after step {result.steps}: {result.stopped}\ncheckpoint {result.checkpoint}; "
-              f"once the teacher server answers, continue with:\n  {resume_command(args.argv, result.output_dir)}",
+    status = exit_status(result)
+    if int(os.environ.get("RANK", "0")) != 0:  # under a launcher, rank 0 speaks; every rank exits alike
+        return status
+    launched = " (under the same launcher)" if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
+    if result.interrupted and result.fault is None:
+        print(f"opsd-rollout: {signal_name(result.signal)}: stopped at step {result.steps}; checkpoint "
+              f"{result.checkpoint}; continue with{launched}:\n  {resume_command(args.argv, result.output_dir)}",
               file=sys.stderr)
-        return 3
+        return status
+    if result.stopped is not None:
+        when = {"teacher": "once the teacher server answers, ", "checkpoint": "once it can be written, "}
+        print(f"opsd-rollout: stopped after step {result.steps}: {result.stopped}\ncheckpoint {result.checkpoint}; "
+              f"{when.get(result.fault, '')}continue with{launched}:\n  "
+              f"{resume_command(args.argv, result.output_dir)}", file=sys.stderr)
+        return status
     curve = result.eval_curve()
     if curve:
         (first_step, first), (last_step, last) = curve[0], curve[-1]
