@@ -3,9 +3,10 @@ serve-teacher`` in its own process on loopback, a mix of faults (``FAULTS``: bod
 in chunks, malformed JSON, a wrong key, prompts over a limit, bursts over the queue, bodies and heads that never
 finish), each of which must get its status (or its connection closed); good requests, sent meanwhile with the
 served teacher's own client (which retries a 429 or 503 as a run does), must all be answered; the server's resident
-memory is read before the abuse (after a warm-up) and after it.
+memory is read before the abuse (after a warm-up) and after each of ``--rounds`` rounds of it (a second round that
+adds nothing says the first's rise was the allocator's high water, not a leak).
 
-    python scripts/serve_abuse.py --output benchmarks/serve/abuse.json --check
+    python scripts/serve_abuse.py --rounds 2 --output benchmarks/serve/abuse.json --check
 """
 
 from __future__ import annotations
@@ -150,7 +151,8 @@ def good_requests(url: str, stop: threading.Event, tally: dict) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="llama-tiny")
-    parser.add_argument("--requests", type=int, default=10_000, help="fault requests in all")
+    parser.add_argument("--requests", type=int, default=10_000, help="fault requests a round")
+    parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--slow-concurrency", type=int, default=32, help="requests that stall, at once")
     parser.add_argument("--read-timeout", type=float, default=2.0, help="the server's --read-timeout")
@@ -179,39 +181,49 @@ def main(argv: list[str] | None = None) -> int:
         warming.join()
         before = sampler.process.memory_info().rss
         sampler.start()
-        good, stop = {"sent": 0, "answered": 0}, threading.Event()
-        meanwhile = threading.Thread(target=good_requests, args=(url, stop, good))
-        meanwhile.start()
-        started = time.monotonic()
-        faults = run_faults(url, args)
-        wall = time.monotonic() - started
-        stop.set()
-        meanwhile.join()
-        time.sleep(args.settle_s)
-        after = sampler.process.memory_info().rss
+        rounds = [abuse_round(url, args, sampler) for _ in range(args.rounds)]
     finally:
         sampler.stopped.set()
         server.terminate()
         server.wait(60)
-    peak = max([rss for _, rss in sampler.samples] + [before, after])
+    after = [each["rss_after_mib"] for each in rounds]
+    peak = max([rss / MIB for _, rss in sampler.samples] + [before / MIB, *after])
     document = {"command": "python scripts/serve_abuse.py " + " ".join(argv if argv is not None else sys.argv[1:]),
                 "environment": {"python": platform.python_version(), "cpu": platform.processor() or platform.machine(),
                                 "cores": os.cpu_count(),
                                 "load_average_1min": {"before": load_before[0], "after": os.getloadavg()[0]}},
-                "config": {k: v for k, v in vars(args).items() if k not in ("output", "check")},
-                "faults": faults, "good": good, "wall_s": wall,
-                "server_rss_mib": {"before": before / MIB, "after": after / MIB, "peak": peak / MIB}}
+                "config": {k: v for k, v in vars(args).items() if k not in ("output", "check")}, "rounds": rounds,
+                "server_rss_mib": {"before": before / MIB, "after_each_round": after, "peak": peak}}
     if args.output:
         Path(args.output).parent.mkdir(parents=True, exist_ok=True)
         write_text_atomic(args.output, json.dumps(document, indent=1) + "\n")
-    for name, fault in faults.items():
-        print(f"{name}: {fault['sent']} sent, got {fault['got']}, {fault['unexpected']} unexpected")
-    rss = document["server_rss_mib"]
-    print(f"good requests meanwhile: {good['answered']}/{good['sent']} answered ({good.get('retries', 0)} retries); "
-          f"server RSS {rss['before']:.1f} MiB before, {rss['after']:.1f} after, {rss['peak']:.1f} peak; {wall:.1f} s")
-    ok = (all(fault["unexpected"] == 0 for fault in faults.values()) and good["answered"] == good["sent"] > 0
-          and rss["after"] - rss["before"] <= args.max_growth_mib)
+    for number, each in enumerate(rounds, 1):
+        for name, fault in each["faults"].items():
+            print(f"round {number}: {name}: {fault['sent']} sent, got {fault['got']}, {fault['unexpected']} unexpected")
+        good = each["good"]
+        print(f"round {number}: good requests meanwhile: {good['answered']}/{good['sent']} answered "
+              f"({good.get('retries', 0)} retries); {each['wall_s']:.1f} s")
+    print(f"server RSS {before / MIB:.1f} MiB before, {', '.join(f'{mib:.1f}' for mib in after)} after each round, "
+          f"{peak:.1f} peak")
+    ok = all(fault["unexpected"] == 0 for each in rounds for fault in each["faults"].values()) and all(
+        each["good"]["answered"] == each["good"]["sent"] > 0 for each in rounds) and (
+        after[-1] - before / MIB <= args.max_growth_mib)
     return 0 if ok or not args.check else 1
+
+
+def abuse_round(url: str, args: argparse.Namespace, sampler: MemorySampler) -> dict:
+    """One round of the faults, good requests meanwhile; the server's RSS once it has settled after."""
+    good, stop = {"sent": 0, "answered": 0}, threading.Event()
+    meanwhile = threading.Thread(target=good_requests, args=(url, stop, good))
+    meanwhile.start()
+    started = time.monotonic()
+    faults = run_faults(url, args)
+    wall = time.monotonic() - started
+    stop.set()
+    meanwhile.join()
+    time.sleep(args.settle_s)
+    return {"faults": faults, "good": good, "wall_s": wall,
+            "rss_after_mib": sampler.process.memory_info().rss / MIB}
 
 
 if __name__ == "__main__":
