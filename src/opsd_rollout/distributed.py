@@ -27,13 +27,15 @@ def rank_info() -> RankInfo:
     return RankInfo(0, 1)
 
 
+def several_ranks() -> bool:
+    """Whether this process is one of several ranks of a process group: the one test before a collective that
+    one rank (or no group at all) skips."""
+    return rank_info().world_size > 1
+
+
 def partitioned(module: torch.nn.Module) -> bool:
     """Whether ``module``'s parameters are ZeRO-3 partitions (gathered collectively in every forward)."""
     return any(hasattr(p, "ds_status") for p in module.parameters())
-
-
-def several_ranks() -> bool:
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
 def agree_max(values: list[int], device: torch.device | str = "cpu", group: Any = None) -> list[int]:
@@ -55,14 +57,24 @@ def host_group() -> Any:
     return dist.new_group(backend="gloo")
 
 
-def gather_texts(text: str | None, group: Any = None) -> list[str | None]:
-    """Every rank's ``text``, in rank order (``[text]`` with one rank): a failure's message, on the path that
-    failed only (a pickled object a rank, far dearer than ``agree_max``)."""
+def agree_all(flag: bool, device: torch.device | str = "cpu") -> bool:
+    """Whether ``flag`` holds on every rank (one all-reduce; as given with one rank): how ranks agree on a choice
+    that decides their collective calls."""
     if not several_ranks():
-        return [text]
-    texts: list[str | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(texts, text, group=group)
-    return texts
+        return flag
+    value = torch.tensor(int(flag), device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MIN)
+    return bool(value.item())
+
+
+def gather_objects(payload: Any, group: Any = None) -> list[Any]:
+    """Every rank's ``payload`` (picklable), in rank order, on every rank (``[payload]`` with one rank), over
+    ``group`` (the default one when ``None``): a pickled object a rank, far dearer than ``agree_max``."""
+    if not several_ranks():
+        return [payload]
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, payload, group=group)
+    return gathered
 
 
 LAUNCHER_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_SIZE",

@@ -1,6 +1,6 @@
 """``opsd-rollout train``: its flags, each mapped onto a ``TrainConfig`` field by its name (the sections' fields
-through ``opsd_rollout.train.config.FLAT``). A light module (argparse only), so ``--help`` answers without importing
-torch."""
+through ``opsd_rollout.train.config.FLAT``). A light module (argparse and the standard library), so ``--help``
+answers without importing torch."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import sys
 from typing import Any
 
 from opsd_rollout.cli.common import LOCAL_RANK_FLAGS
+from opsd_rollout.deepspeed_config import LEARNING_RATE
 
 LOSSES = ("forward_kl", "reverse_kl", "jsd", "sampled_reverse_kl")
 FLAGS: list[tuple[str, str, dict[str, Any]]] = [  # (flag, TrainConfig's flat name, argparse keywords)
@@ -47,7 +48,7 @@ FLAGS: list[tuple[str, str, dict[str, Any]]] = [  # (flag, TrainConfig's flat na
                                       "default: one built from the flags below")),
     ("--zero-stage", "zero_stage", dict(type=int, choices=(0, 1, 2, 3), help="ZeRO stage of the built config "
                                         "(default 0)")),
-    ("--lr", "lr", dict(type=float, help="AdamW learning rate of the built config (default 1e-3)")),
+    ("--lr", "lr", dict(type=float, help=f"AdamW learning rate of the built config (default {LEARNING_RATE:g})")),
     ("--gradient-accumulation-steps", "gradient_accumulation_steps", dict(
         type=int, metavar="N", help="micro-batches per optimizer step, each with its own rollout, in the built "
         "config (default 1)")),

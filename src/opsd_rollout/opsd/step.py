@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from opsd_rollout.distributed import partitioned
+from opsd_rollout.distributed import partitioned, several_ranks
 from opsd_rollout.modeling import innermost_model, position_ids, text_config
 from opsd_rollout.opsd.divergence import DivergenceConfig, chunked_divergence
 from opsd_rollout.opsd.fused import fusion_problem, head_divergence
@@ -171,7 +171,7 @@ def token_mean(total: torch.Tensor, count: torch.Tensor) -> tuple[torch.Tensor, 
     rank makes the loss's scale NaN on every rank (``opsd.nonfinite``): every gradient is then non-finite and the step
     skipped alike.
     """
-    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+    if not several_ranks():
         mean = total / count.clamp(min=1)
         return mean * one_or_nan(total.detach()), mean.detach()
     both = torch.stack([total.detach().float(), count.float()]).to(total.device)
@@ -449,7 +449,7 @@ def per_teacher(names: list[str], sums: dict[str, tuple[torch.Tensor, torch.Tens
     zero = torch.zeros(())
     stacked = torch.stack([torch.stack([t.detach().float().reshape(()).cpu(), c.float().reshape(()).cpu()])
                            for t, c in (sums.get(name, (zero, zero)) for name in names)])  # [T, 2]
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+    if several_ranks():
         stacked = stacked.to(device)  # the student's: where the step's other collectives run
         dist.all_reduce(stacked)
     return {name: (total / count, int(count)) for name, (total, count) in zip(names, stacked.tolist()) if count}

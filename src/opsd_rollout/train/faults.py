@@ -137,9 +137,9 @@ class Agreement:
         on every rank, on a path they all take (a failure already agreed)."""
         if self.world_size == 1:
             return text
-        from opsd_rollout.distributed import gather_texts
+        from opsd_rollout.distributed import gather_objects
 
-        given = [(rank, each) for rank, each in enumerate(gather_texts(text, group=self.group)) if each]
+        given = [(rank, each) for rank, each in enumerate(gather_objects(text, group=self.group)) if each]
         return f"rank {given[0][0]}: {given[0][1]}" if given else None
 
     def check(self, failure: BaseException | None = None) -> None:
