@@ -2,7 +2,7 @@
 Content-Length, or in chunks without one), malformed JSON, a body that never finishes, a head that never finishes,
 more connections than it takes, a wrong key again and again: each refused with its status (or its connection
 closed), and a good request answered meanwhile. The 10,000-request run with the server's memory measured is
-``scripts/serve_abuse.py``, run here in the slow tier."""
+``benchmarks/serve/serve_abuse.py``, run here in the slow tier."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from test_serve import KEY, call
 
 READ_TIMEOUT_S = 1.0
 GOOD = {"prompt": [[5, 6, 7, 8]], "prompt_logprobs": 2}
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "serve_abuse.py"
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "serve" / "serve_abuse.py"
 
 
 @pytest.fixture(scope="module")
@@ -154,7 +154,7 @@ def test_a_wrong_key_again_and_again_is_401_each_time_and_nothing_else_waits(ser
 
 @pytest.mark.slow
 def test_ten_thousand_bounded_requests_leave_the_servers_memory_bounded(tmp_path):
-    """``scripts/serve_abuse.py`` against ``serve-teacher`` in its own process: every fault refused with its status,
+    """``benchmarks/serve/serve_abuse.py`` against ``serve-teacher`` in its own process: every fault refused with its status,
     every good request answered, and the server's resident memory after the abuse within 64 MiB of before."""
     output = tmp_path / "abuse.json"
     done = run_named("the abuse script", [sys.executable, str(SCRIPT), "--requests", "2000", "--output",

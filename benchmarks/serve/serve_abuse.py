@@ -1,4 +1,7 @@
-"""The teacher server under abuse: ``--requests`` bounded requests (10,000 by default) against ``opsd-rollout
+"""One-off reproducer of abuse.json beside it (RESULTS.md, "Faults", issue 50 part 6; ``tests/test_serve_abuse.py``
+runs it with ``--check``).
+
+The teacher server under abuse: ``--requests`` bounded requests (10,000 by default) against ``opsd-rollout
 serve-teacher`` in its own process on loopback, a mix of faults (``FAULTS``: bodies too large by their length or
 in chunks, malformed JSON, a wrong key, prompts over a limit, bursts over the queue, bodies and heads that never
 finish), each of which must get its status (or its connection closed); good requests, sent meanwhile with the
@@ -6,7 +9,7 @@ served teacher's own client (which retries a 429 or 503 as a run does), must all
 memory is read before the abuse (after a warm-up) and after each of ``--rounds`` rounds of it (a second round that
 adds nothing says the first's rise was the allocator's high water, not a leak).
 
-    python scripts/serve_abuse.py --rounds 2 --output benchmarks/serve/abuse.json --check
+    python benchmarks/serve/serve_abuse.py --rounds 2 --output benchmarks/serve/abuse.json --check
 """
 
 from __future__ import annotations
@@ -188,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
         server.wait(60)
     after = [each["rss_after_mib"] for each in rounds]
     peak = max([rss / MIB for _, rss in sampler.samples] + [before / MIB, *after])
-    document = {"command": "python scripts/serve_abuse.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+    document = {"command": "python benchmarks/serve/serve_abuse.py " + " ".join(argv if argv is not None else sys.argv[1:]),
                 "environment": {"python": platform.python_version(), "cpu": platform.processor() or platform.machine(),
                                 "cores": os.cpu_count(),
                                 "load_average_1min": {"before": load_before[0], "after": os.getloadavg()[0]}},

@@ -1,9 +1,11 @@
-"""What the ranks' agreement costs a training step: ``train`` calls ``faults.Agreement.check`` once a micro-batch,
+"""One-off reproducer of agreement.json beside it (RESULTS.md, "Faults", issue 50 part 2).
+
+What the ranks' agreement costs a training step: ``train`` calls ``faults.Agreement.check`` once a micro-batch,
 one all-reduce of two host integers (``distributed.agree_max`` on gloo), and with it the non-finite guard reads one
 number per optimizer step. This times both on 2 CPU ranks (gloo, loopback; started here), beside a training step's
 own time when given a 2-rank run's ``metrics.jsonl``:
 
-    python scripts/agreement_cost.py --calls 2000 --metrics runs/two-ranks/metrics.jsonl
+    python benchmarks/faults/agreement_cost.py --calls 2000 --metrics runs/two-ranks/metrics.jsonl
 """
 
 from __future__ import annotations
@@ -77,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps(result, indent=1))
     if args.output:
         with open(args.output, "w") as handle:
-            json.dump({"command": "python scripts/agreement_cost.py " + " ".join(sys.argv[1:]), **result}, handle,
+            json.dump({"command": "python benchmarks/faults/agreement_cost.py " + " ".join(sys.argv[1:]), **result}, handle,
                       indent=1)
     return 0
 
