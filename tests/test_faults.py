@@ -260,3 +260,34 @@ def test_a_save_cut_short_is_never_latest_and_the_next_save_clears_it(tmp_path, 
     resumed = train(TrainConfig.from_flat(dict(TINY, steps=4, save_every=2, output_dir=str(out), resume=str(out))))
     assert resumed.records[-1]["step"] == 4 and latest(out) == "step4"
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["latest", "step2", "step4"]
+
+
+# ---- a served teacher that answers what the wire refuses ------------------------------------------------------------
+
+def test_a_served_teacher_gone_bad_mid_run_stops_it_naming_the_field(tmp_path, monkeypatch, capsys):
+    """The served teacher's weights turn NaN before step 3: the server refuses to send a NaN log-probability (500,
+    naming the prompt and position), the client refuses the answer, and the run stops as for a teacher gone: step
+    2's checkpoint, exit 3, the line naming what was refused."""
+    from opsd_rollout.models import load_model
+    from opsd_rollout.opsd.step import OPSDStep
+    from opsd_rollout.serve import ServeConfig, TeacherServer
+
+    teacher, tokenizer = load_model("qwen2-tiny")
+    server = TeacherServer(ServeConfig(model="qwen2-tiny", port=0), model=teacher, tokenizer=tokenizer).start()
+
+    def poison(*_args, **_kwargs):
+        with torch.no_grad():
+            teacher.lm_head.weight.fill_(float("nan"))
+
+    on_call(monkeypatch, OPSDStep, "start", 3, poison)
+    out = tmp_path / "run"
+    try:
+        status = main(["train", "--student", "llama-tiny", "--teacher-url", server.url, "--prompts-per-micro-batch",
+                       "2", "--max-new-tokens", "6", "--eval-prompts", "2", "--eval-every", "100", "--steps", "4",
+                       "--quiet", "--output-dir", str(out)])
+    finally:
+        server.stop()
+    err = capsys.readouterr().err
+    assert status == EXIT_TEACHER, err
+    assert "stopped after step 2: the teacher server at" in err and "HTTP 500" in err and "logprob nan" in err
+    assert latest(out) == "step2" and [r["step"] for r in records(out)] == [0, 1, 2]

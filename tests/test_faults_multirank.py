@@ -47,6 +47,9 @@ HOOK = textwrap.dedent('''
         def full_disk(_original, _engine, _state, path):
             raise OSError(28, "No space left on device", path)
 
+        def teacher_gone(*_args, **_kwargs):
+            raise ConnectionError("planted: the teacher server did not answer this rank")
+
         def nan_cache(original, *args, **kwargs):
             cache = original(*args, **kwargs)
             cache.values.fill_(float("nan"))
@@ -62,6 +65,9 @@ HOOK = textwrap.dedent('''
             planted(TorchCheckpointEngine, "save", full_disk)
         elif FAULT == "nan-cache":
             planted(step, "build_teacher_cache", nan_cache)
+        elif FAULT == "teacher-gone":
+            from opsd_rollout.opsd.served import ServedTeacher
+            planted(ServedTeacher, "build_cache", teacher_gone)
 ''')
 
 
@@ -213,6 +219,26 @@ def test_a_teacher_killed_under_two_ranks_stops_both_and_resume_finishes_the_run
         assert [r["step"] for r in records(out)] == list(range(9)) and (out / "model" / "config.json").is_file()
     finally:
         server.kill()
+
+
+def test_a_teacher_that_fails_on_one_rank_alone_stops_both(tmp_path):
+    """Rank 1's teacher request fails at step 3 (its 4th: the first was step 0's evaluation) while rank 0's is
+    answered: the agreement before the loss stops both (exit 3, the line naming rank 1), with step 2's checkpoint;
+    no rank waits for the other."""
+    port, out = free_port(), tmp_path / "run"
+    server, url = start_server(port)
+    try:
+        args = ["train", *TRAIN, "--teacher-url", url, "--steps", "4", "--output-dir", str(out)]
+        done = run_named("a run on 2 ranks whose teacher fails on one", launched("torchrun", args),
+                         env=environment(tmp_path, fault="teacher-gone", fault_rank="1", fault_call="4"),
+                         timeout=1500)
+    finally:
+        server.kill()
+    printed = done.stdout + done.stderr
+    assert done.returncode != 0 and printed.count("stopped after step 2: rank 1: planted: the teacher server did "
+                                                  "not answer this rank") == 1, printed[-4000:]
+    assert "exitcode  : 3" in printed and latest(out) == "step2"
+    assert [r["step"] for r in records(out)] == [0, 1, 2]
 
 
 @pytest.fixture(scope="module")

@@ -314,7 +314,7 @@ class OPSDStep:
                     share.pending = share.teacher.submit(share.teacher_targets, self.teacher_cache, buffers=buffers,
                                                          pin=self.device.type == "cuda")
                     if not share.teacher.overlap:
-                        in_flight.wait(share)
+                        in_flight.failure = in_flight.failure or in_flight.received([share])
                 else:
                     share.cache = parts.run("teacher", build_teacher_cache, share.teacher, share.teacher_targets,
                                             self.teacher_cache, recorder=recorder, buffers=buffers)
@@ -349,6 +349,8 @@ class StepInFlight:
     targets: Any
     shares: list[Share]
     """Each teacher's rows and cache (one share, every row, with one teacher)."""
+    failure: BaseException | None = None
+    """A teacher's answer that failed before ``finish`` (one waited for in ``start``, without overlap)."""
 
     def wait(self, share: Share) -> None:
         """A served teacher's cache, waited for as the step's ``teacher`` part (the latency not hidden)."""
@@ -365,10 +367,12 @@ class StepInFlight:
             if share.pending is not None:
                 share.pending.cancel()
 
-    def received(self) -> BaseException | None:
-        """Every teacher's cache waited for; the first failure (a request that gave up, an answer refused at the
-        wire) returned, not raised, and the answers still on their way dropped."""
-        for share in self.shares:
+    def received(self, shares: list[Share] | None = None) -> BaseException | None:
+        """Every teacher's cache (of ``shares``, every one by default) waited for; the first failure (a request that
+        gave up, an answer refused at the wire) returned, not raised, and the answers still on their way dropped."""
+        if self.failure is not None:
+            return self.failure
+        for share in self.shares if shares is None else shares:
             try:
                 self.wait(share)
             except Exception as failure:  # noqa: BLE001 - what to do is agreed with the other ranks
