@@ -291,3 +291,33 @@ def test_a_served_teacher_gone_bad_mid_run_stops_it_naming_the_field(tmp_path, m
     assert status == EXIT_TEACHER, err
     assert "stopped after step 2: the teacher server at" in err and "HTTP 500" in err and "logprob nan" in err
     assert latest(out) == "step2" and [r["step"] for r in records(out)] == [0, 1, 2]
+
+
+# ---- the process group's timeout ------------------------------------------------------------------------------------
+
+def test_the_process_groups_timeout_outlasts_a_served_teachers_retries_and_reaches_the_group(monkeypatch):
+    """A rank waits for a served teacher up to --teacher-timeout + one request's limit (at least 30 s): the default
+    collective timeout (600 s) grows past that by 60 s, a shorter one given is refused naming the flag, one given
+    without a served teacher is taken as it is; whichever it is, the process group is made with it."""
+    from opsd_rollout.train import setup
+
+    local = dict(TINY, output_dir="unused")
+    served = dict(local, teacher=None, teacher_url="http://127.0.0.1:9", teacher_timeout=5)
+    assert TrainConfig.from_flat(local).collective_timeout == 600
+    assert TrainConfig.from_flat(served).collective_timeout == 600  # 5 + 30 + 60 is less
+    assert TrainConfig.from_flat(dict(served, teacher_timeout=900)).collective_timeout == 900 + 900 + 60
+    with pytest.raises(ValueError, match=r"--collective-timeout 60 s is shorter than .* \(35 s: .*at least 95"):
+        TrainConfig.from_flat(dict(served, collective_timeout_s=60))
+    assert TrainConfig.from_flat(dict(served, collective_timeout_s=95)).collective_timeout == 95
+    assert TrainConfig.from_flat(dict(local, collective_timeout_s=20)).collective_timeout == 20
+
+    class Made(Exception):
+        pass
+
+    def made(timeout_s):
+        raise Made(timeout_s)
+
+    monkeypatch.setattr("opsd_rollout.deepspeed_engine.init_distributed", made)
+    with pytest.raises(Made) as group:
+        setup.build_student_engine(TrainConfig.from_flat(dict(local, collective_timeout_s=20)), None)
+    assert group.value.args == (20,)

@@ -335,7 +335,7 @@ def _check_collective_timeout(config: TrainConfig) -> None:
     """A collective timeout given must outlast a served teacher's retries: the other ranks wait for them."""
     timeout = checks.number("collective_timeout_s", config.collective_timeout_s, above=0, optional=True)
     bound = teacher_wait_bound(config.teachers)
-    if timeout is not None and timeout < bound + COLLECTIVE_MARGIN_S:
+    if timeout is not None and bound and timeout < bound + COLLECTIVE_MARGIN_S:
         raise ValueError(f"--collective-timeout {timeout:g} s is shorter than the ranks may wait for a served teacher "
                          f"({bound:g} s: --teacher-timeout and one request's limit, + {COLLECTIVE_MARGIN_S:g} s): give "
                          f"at least {bound + COLLECTIVE_MARGIN_S:g}, or a shorter --teacher-timeout")
