@@ -303,13 +303,13 @@ def test_the_process_groups_timeout_outlasts_a_served_teachers_retries_and_reach
 
     local = dict(TINY, output_dir="unused")
     served = dict(local, teacher=None, teacher_url="http://127.0.0.1:9", teacher_timeout=5)
-    assert TrainConfig.from_flat(local).collective_timeout == 600
-    assert TrainConfig.from_flat(served).collective_timeout == 600  # 5 + 30 + 60 is less
-    assert TrainConfig.from_flat(dict(served, teacher_timeout=900)).collective_timeout == 900 + 900 + 60
+    assert TrainConfig.from_flat(local).group_timeout_s == 600
+    assert TrainConfig.from_flat(served).group_timeout_s == 600  # 5 + 30 + 60 is less
+    assert TrainConfig.from_flat(dict(served, teacher_timeout=900)).group_timeout_s == 900 + 900 + 60
     with pytest.raises(ValueError, match=r"--collective-timeout 60 s is shorter than .* \(35 s: .*at least 95"):
-        TrainConfig.from_flat(dict(served, collective_timeout_s=60))
-    assert TrainConfig.from_flat(dict(served, collective_timeout_s=95)).collective_timeout == 95
-    assert TrainConfig.from_flat(dict(local, collective_timeout_s=20)).collective_timeout == 20
+        TrainConfig.from_flat(dict(served, collective_timeout=60))
+    assert TrainConfig.from_flat(dict(served, collective_timeout=95)).group_timeout_s == 95
+    assert TrainConfig.from_flat(dict(local, collective_timeout=20)).group_timeout_s == 20
 
     class Made(Exception):
         pass
@@ -319,5 +319,5 @@ def test_the_process_groups_timeout_outlasts_a_served_teachers_retries_and_reach
 
     monkeypatch.setattr("opsd_rollout.deepspeed_engine.init_distributed", made)
     with pytest.raises(Made) as group:
-        setup.build_student_engine(TrainConfig.from_flat(dict(local, collective_timeout_s=20)), None)
+        setup.build_student_engine(TrainConfig.from_flat(dict(local, collective_timeout=20)), None)
     assert group.value.args == (20,)

@@ -44,6 +44,11 @@ HOOK = textwrap.dedent('''
                 mark.write(repr(time.time()))
             os.kill(os.getpid(), signal.SIGKILL)
 
+        def hung(*_args, **_kwargs):  # alive and silent: no connection closes, only the timeout tells
+            with open(os.environ["FAULT_MARK"], "w") as mark:
+                mark.write(repr(time.time()))
+            os.kill(os.getpid(), signal.SIGSTOP)
+
         def full_disk(_original, _engine, _state, path):
             raise OSError(28, "No space left on device", path)
 
@@ -59,6 +64,8 @@ HOOK = textwrap.dedent('''
         import opsd_rollout.opsd.step as step
         if FAULT == "kill-in-step":
             planted(step.StepInFlight, "finish", killed)
+        elif FAULT == "hang-in-step":
+            planted(step.StepInFlight, "finish", hung)
         elif FAULT == "kill-in-save":
             planted(TorchCheckpointEngine, "save", killed)
         elif FAULT == "full-disk":
@@ -277,6 +284,27 @@ def test_a_killed_rank_stops_the_other_and_resume_continues_exactly(tmp_path, un
     resumed = records(out)
     assert [r["step"] for r in resumed] == list(range(7))
     assert [r["loss"] for r in resumed[1:]] == [r["loss"] for r in uninterrupted[1:]]
+
+
+def test_a_hung_rank_is_waited_for_the_collective_timeout_not_forever(tmp_path):
+    """Rank 1 stops (SIGSTOP) in step 5, its connections open: rank 0 waits at the micro-batch's agreement for
+    --collective-timeout (60 s; the default is 600) and fails, and torchrun, which then kills rank 1, exits
+    non-zero, step 4's checkpoint the latest. The bound given to finish: the timeout, torchrun's 30 s before it
+    kills, and the busy machine's slack, well under the default timeout."""
+    out = tmp_path / "run"
+    args = ["train", *TRAIN, "--teacher", "qwen2-tiny", "--steps", "6", "--save-every", "2",
+            "--collective-timeout", "60", "--output-dir", str(out)]
+    run = start(launched("torchrun", args), environment(tmp_path, fault="hang-in-step", fault_rank="1",
+                                                        fault_call="5"))
+    mark, deadline = tmp_path / "died", time.monotonic() + 900
+    while not mark.is_file() and run.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert mark.is_file(), finish(run, "torchrun before the hang", timeout_s=60)[1][-4000:]
+    status, printed = finish(run, "torchrun after a rank's hang", timeout_s=400)
+    waited_s = time.time() - float(mark.read_text())
+    assert status != 0 and latest(out) == "step4", printed[-4000:]
+    assert [r["step"] for r in records(out)] == [0, 1, 2, 3, 4]
+    print(f"the launcher exited {waited_s:.1f} s after rank 1 hung (--collective-timeout 60)")
 
 
 def test_a_nan_on_one_rank_skips_the_step_on_both(tmp_path):

@@ -126,7 +126,7 @@ FLAGS: list[tuple[str, str, dict[str, Any]]] = [  # (flag, TrainConfig's flat na
     ("--max-skipped-steps", "max_skipped_steps", dict(type=int, metavar="N", help="stop, with a checkpoint, after N "
                                                       "optimizer steps in a row skipped for a non-finite loss or "
                                                       "gradient (default 20; exit status 5)")),
-    ("--collective-timeout", "collective_timeout_s", dict(type=float, metavar="SECONDS", help="how long a rank waits "
+    ("--collective-timeout", "collective_timeout", dict(type=float, metavar="SECONDS", help="how long a rank waits "
                                                           "for another at a collective before it fails: how soon "
                                                           "the others stop when one dies (default 600, or more "
                                                           "with a long --teacher-timeout)")),

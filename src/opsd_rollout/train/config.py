@@ -117,7 +117,7 @@ class TrainConfig:
     with a checkpoint of its weights, the last good step's. 20: above the 17 a fresh fp16 run may skip in a row while
     DeepSpeed's loss scaler halves its scale from 2^16 to 1 (hysteresis 2), and few enough that a poisoned run
     stops within minutes."""
-    collective_timeout_s: float | None = None
+    collective_timeout: float | None = None
     """How long a collective waits for another rank before it fails (the process group's timeout): how soon the
     ranks left stop when one dies or hangs. Above the longest a rank may legitimately keep the others waiting: a
     served teacher's retries (``default_collective_timeout``). ``None``: ``default_collective_timeout``."""
@@ -191,9 +191,9 @@ class TrainConfig:
         return TeacherCacheConfig(mode=default_cache_mode(self.divergence.loss, served=self.served))
 
     @property
-    def collective_timeout(self) -> float:
-        """The process group's timeout in seconds: ``collective_timeout_s``, or ``default_collective_timeout``."""
-        return self.collective_timeout_s or default_collective_timeout(self.teachers)
+    def group_timeout_s(self) -> float:
+        """The process group's timeout in seconds: ``collective_timeout``, or ``default_collective_timeout``."""
+        return self.collective_timeout or default_collective_timeout(self.teachers)
 
     @property
     def served(self) -> bool:
@@ -333,7 +333,7 @@ def default_collective_timeout(teachers: tuple[TeacherSpec, ...]) -> float:
 
 def _check_collective_timeout(config: TrainConfig) -> None:
     """A collective timeout given must outlast a served teacher's retries: the other ranks wait for them."""
-    timeout = checks.number("collective_timeout_s", config.collective_timeout_s, above=0, optional=True)
+    timeout = checks.number("collective_timeout", config.collective_timeout, above=0, optional=True)
     bound = teacher_wait_bound(config.teachers)
     if timeout is not None and bound and timeout < bound + COLLECTIVE_MARGIN_S:
         raise ValueError(f"--collective-timeout {timeout:g} s is shorter than the ranks may wait for a served teacher "

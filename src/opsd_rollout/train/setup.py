@@ -223,7 +223,7 @@ def build_student_engine(config: Any, student: torch.nn.Module) -> Any:
 
     from opsd_rollout.deepspeed_engine import init_distributed
 
-    init_distributed(config.collective_timeout)  # how soon the ranks left stop when one dies
+    init_distributed(config.group_timeout_s)  # how soon the ranks left stop when one dies
     ds = deepspeed_config_of(config, check=False)  # load_models checked it (and warned once)
     params = [p for p in student.parameters() if p.requires_grad]
     optimization = config.optimization
