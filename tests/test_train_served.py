@@ -138,9 +138,9 @@ def test_accumulated_micro_batches_roll_out_ahead_of_their_updates_with_the_same
         order.append("rollout")
         return start(*args, **kwargs)
 
-    def finishing(self):
+    def finishing(self, *args, **kwargs):
         order.append("update")
-        return finish(self)
+        return finish(self, *args, **kwargs)
 
     monkeypatch.setattr(step_module.OPSDStep, "start", starting)
     monkeypatch.setattr(step_module.StepInFlight, "finish", finishing)

@@ -40,11 +40,12 @@ from opsd_rollout.opsd.served_wire import Wire, read_response, request_body
 MIB = 2**20
 
 
-def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
-    """``serve-teacher`` in its own process; returns it and the URL it printed once ready."""
+def start_server(args: argparse.Namespace, extra: tuple[str, ...] = ()) -> tuple[subprocess.Popen, str]:
+    """``serve-teacher`` in its own process (``extra``: more of its flags); returns it and the URL it printed once
+    ready."""
     command = [sys.executable, "-m", "opsd_rollout", "serve-teacher", "--model", args.model, "--port", "0",
                "--max-logprobs", str(args.top_k), "--max-batch-tokens", str(args.max_batch_tokens),
-               "--max-queue", str(args.max_queue)]
+               "--max-queue", str(args.max_queue), *extra]
     server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines: queue.Queue[str] = queue.Queue()
     threading.Thread(target=lambda: [lines.put(line) for line in server.stdout], daemon=True).start()

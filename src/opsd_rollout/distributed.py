@@ -38,14 +38,23 @@ def partitioned(module: torch.nn.Module) -> bool:
     return any(hasattr(p, "ds_status") for p in module.parameters())
 
 
-def agree_max(values: list[int], device: torch.device | str = "cpu") -> list[int]:
-    """Every rank's largest of each of ``values`` (one all-reduce; as given with one rank): how ranks whose work
-    differs agree on a number of collective calls."""
+def agree_max(values: list[int], device: torch.device | str = "cpu", group: Any = None) -> list[int]:
+    """Every rank's largest of each of ``values`` (one all-reduce over ``group``, the default one when ``None``; as
+    given with one rank): how ranks whose work differs agree on a number of collective calls, or on a flag."""
     if not several_ranks():
         return list(values)
     flags = torch.tensor(values, dtype=torch.int64, device=device)
-    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
     return [int(v) for v in flags.tolist()]
+
+
+def host_group() -> Any:
+    """The group for agreements on host values (``agree_max`` on CPU tensors): ``None`` (the default group) when it
+    runs gloo or there is one rank, else a gloo group of every rank, made now (every rank calls this together): NCCL
+    takes no host tensor, and a device tensor would make the host wait for the device's queued work."""
+    if not several_ranks() or "gloo" in str(dist.get_backend()):
+        return None
+    return dist.new_group(backend="gloo")
 
 
 def agree_all(flag: bool, device: torch.device | str = "cpu") -> bool:
@@ -58,12 +67,13 @@ def agree_all(flag: bool, device: torch.device | str = "cpu") -> bool:
     return bool(value.item())
 
 
-def gather_objects(payload: Any) -> list[Any]:
-    """Every rank's ``payload`` (picklable), in rank order, on every rank (``[payload]`` with one rank)."""
+def gather_objects(payload: Any, group: Any = None) -> list[Any]:
+    """Every rank's ``payload`` (picklable), in rank order, on every rank (``[payload]`` with one rank), over
+    ``group`` (the default one when ``None``): a pickled object a rank, far dearer than ``agree_max``."""
     if not several_ranks():
         return [payload]
     gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, payload)
+    dist.all_gather_object(gathered, payload, group=group)
     return gathered
 
 

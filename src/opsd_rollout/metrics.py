@@ -232,6 +232,12 @@ TRAINING: dict[str, Metric] = {m.name: m for m in [
                    "taken before the step at ZeRO-0)"),
     Metric("learning_rate", "lr", "", merge="mean", lower_is_better=None, monitor="train/learning_rate",
            meaning="the optimizer's learning rate after the step (DeepSpeed's `get_lr()`, the first group's)"),
+    Metric("skipped_steps", "skipped", "count", merge="mean", monitor="train/skipped_steps",
+           meaning="optimizer steps skipped so far for a non-finite loss or gradient, no weight moved (DeepSpeed's "
+                   "`skipped_steps`, kept by its checkpoints; an fp16 loss scaler's overflows count too)"),
+    Metric("nonfinite", "non-finite", "text", lower_is_better=None,
+           meaning="on a skipped step, what went non-finite first on any rank: `teacher cache`, `student forward`, "
+                   "`loss` or `gradient` (the step's `loss` and `grad_norm` are then `null`)"),
     Metric("divergence", "divergence", "text", lower_is_better=None,
            meaning="the loss: `jsd`, `forward_kl`, `reverse_kl`, `sampled_reverse_kl`, or `cross_entropy` (SFT)"),
     Metric("teacher", "teacher", "text", lower_is_better=None,

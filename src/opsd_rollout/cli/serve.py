@@ -28,7 +28,8 @@ def run_serve_teacher(args: argparse.Namespace) -> int:
                           max_logprobs=args.max_logprobs, max_model_len=args.max_model_len)
     config = ServeConfig(model=args.model, served_model_name=args.served_model_name, host=args.host, port=args.port,
                          api_key=args.api_key or os.environ.get("OPSD_ROLLOUT_API_KEY") or None, dtype=args.dtype,
-                         device=args.device, seed=args.seed, limits=limits, compact_answers=args.compact_answers)
+                         device=args.device, seed=args.seed, limits=limits, compact_answers=args.compact_answers,
+                         max_connections=args.max_connections, read_timeout_s=args.read_timeout)
     if config.host not in ("127.0.0.1", "localhost", "::1") and config.api_key is None:
         print(f"opsd-rollout: warning: serving on {config.host} without --api-key: anyone who reaches this port can "
               "query the teacher", file=sys.stderr)
@@ -86,6 +87,11 @@ def add_serve_teacher_parser(sub: Any, common: argparse.ArgumentParser) -> None:
                        help="largest prompt_logprobs k (as vLLM's --max-logprobs; default %(default)s)")
     serve.add_argument("--max-model-len", type=checks.argument(checks.integer), default=2048,
                        help="tokens in one prompt, at most the model's positions (default %(default)s)")
+    serve.add_argument("--max-connections", type=checks.argument(checks.integer), default=256,
+                       help="connections at once; one more gets 503 until one closes (default %(default)s)")
+    serve.add_argument("--read-timeout", type=checks.argument(checks.number, float, above=0), default=30.0,
+                       metavar="SECONDS", help="how long a client may take to send a request's head (else its "
+                       "connection is closed) and its body (else 408) (default %(default)s)")
     serve.add_argument("--no-compact-answers", dest="compact_answers", action="store_false",
                        help="answer vLLM's JSON to every client, as vLLM does (default: the compact answer, the "
                        "response positions as packed arrays, to an opsd-rollout client that asks for it)")

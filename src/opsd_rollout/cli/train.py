@@ -10,6 +10,7 @@ import shlex
 import sys
 from typing import Any
 
+from opsd_rollout.cli.common import LOCAL_RANK_FLAGS
 from opsd_rollout.deepspeed_config import LEARNING_RATE
 from opsd_rollout.placement import DTYPES, device_flag
 from opsd_rollout.train.teacher_spec import DEFAULTS, KEY_VARIABLE
@@ -146,6 +147,13 @@ FLAGS: list[tuple[str, str, dict[str, Any]]] = [  # (flag, TrainConfig's flat na
         action="store_true", default=None, help="recompute the student's layer activations in the backward pass "
         "instead of keeping them (transformers' gradient checkpointing): less memory for long responses, about a "
         "third more compute; any ZeRO stage, LoRA too")),
+    ("--max-skipped-steps", "max_skipped_steps", dict(type=int, metavar="N", help="stop, with a checkpoint, after N "
+                                                      "optimizer steps in a row skipped for a non-finite loss or "
+                                                      "gradient (default 20; exit status 5)")),
+    ("--collective-timeout", "collective_timeout", dict(type=float, metavar="SECONDS", help="how long a rank waits "
+                                                          "for another at a collective before it fails: how soon "
+                                                          "the others stop when one dies (default 600, or more "
+                                                          "with a long --teacher-timeout)")),
     ("--lora-rank", "lora_rank", dict(type=int, metavar="R", help="train LoRA adapters (PEFT) of rank R on the "
                                       "student instead of every weight; model/ is then a PEFT adapter directory")),
     ("--lora-alpha", "lora_alpha", dict(type=float, metavar="A", help="LoRA's alpha: updates scaled by A / R "
@@ -186,26 +194,30 @@ naming the run is added), the served teacher's key (never printed: ``$OPSD_ROLLO
 
 
 def resume_command(argv: list[str], output_dir: Any) -> str:
-    """The command that continues a run: ``argv`` as given, less ``NOT_RESUMED``'s flags, with ``--resume`` naming
-    the run."""
+    """The command that continues a run: ``argv`` as given, less ``NOT_RESUMED``'s flags and the ``--local_rank`` a
+    launcher gave this rank (the same launcher gives it again), with ``--resume`` naming the run."""
+    dropped = {**NOT_RESUMED, **dict.fromkeys(LOCAL_RANK_FLAGS, True)}
     kept, skip = [], False
     for arg in argv:
         flag = arg.split("=", 1)[0]
         if skip:
             skip = False
-        elif flag in NOT_RESUMED:
-            skip = NOT_RESUMED[flag] and "=" not in arg
+        elif flag in dropped:
+            skip = dropped[flag] and "=" not in arg
         else:
             kept.append(arg)
     return shlex.join(["opsd-rollout", *kept, "--resume", str(output_dir)])
 
 
-def continue_with(argv: list[str], output_dir: Any) -> str:
+def continue_with(argv: list[str], output_dir: Any, launched: bool = False) -> str:
     """What the messages of a stopped run end with: the command that continues it, on its own last line (copied
-    verbatim), said to want the served teacher's key in the environment when the run was given one."""
-    key = any(arg.split("=", 1)[0] == "--teacher-api-key" for arg in argv)
-    return (f"continue with{f' (the server key in ${KEY_VARIABLE})' if key else ''}:\n  "
-            + resume_command(argv, output_dir))
+    verbatim), said to want the same launcher when the run had several ranks, and the served teacher's key in the
+    environment when the run was given one."""
+    notes = ["under the same launcher"] if launched else []
+    if any(arg.split("=", 1)[0] == "--teacher-api-key" for arg in argv):
+        notes.append(f"the server key in ${KEY_VARIABLE}")
+    said = f" ({'; '.join(notes)})" if notes else ""
+    return f"continue with{said}:\n  " + resume_command(argv, output_dir)
 
 
 def output_dir_of(args: argparse.Namespace) -> str:
@@ -221,6 +233,7 @@ def output_dir_of(args: argparse.Namespace) -> str:
 
 
 def run_train(args: argparse.Namespace) -> int:
+    from opsd_rollout.train.faults import exit_status, signal_name  # light
     from opsd_rollout.train.preflight import preflight  # light: before torch loads
 
     given = {dest: getattr(args, dest) for _flag, dest, _kw in FLAGS if getattr(args, dest) is not None}
@@ -243,18 +256,22 @@ def run_train(args: argparse.Namespace) -> int:
             given = {**task_flags(args.cache_dir, given["task"]), **given}
         result = train(TrainConfig.from_flat({"output_dir": output_dir, "progress": not args.quiet,
                                               "verbose": args.verbose, **given}))
-    if int(os.environ.get("RANK", "0")) != 0:  # under a launcher, rank 0 speaks
-        return 130 if result.interrupted else 0
-    if result.interrupted:
-        print(f"opsd-rollout: interrupted at step {result.steps}; checkpoint {result.checkpoint}; "
-              + continue_with(args.argv, result.output_dir), file=sys.stderr)
-        return 130
+    status = exit_status(result)
+    if int(os.environ.get("RANK", "0")) != 0:  # under a launcher, rank 0 speaks; every rank exits alike
+        return status
+    launched = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    if result.interrupted and result.fault is None:
+        print(f"opsd-rollout: {signal_name(result.signal)}: stopped at step {result.steps}; checkpoint "
+              f"{result.checkpoint}; " + continue_with(args.argv, result.output_dir, launched), file=sys.stderr)
+        return status
     if result.stopped is not None:
-        retried = given.get("teacher_timeout", DEFAULTS["timeout"])
-        print(f"opsd-rollout: stopped after step {result.steps}: {result.stopped} (each request is retried for "
-              f"--teacher-timeout, {retried:g} s)\ncheckpoint {result.checkpoint}; once the teacher server answers, "
-              + continue_with(args.argv, result.output_dir), file=sys.stderr)
-        return 3
+        retried = (f" (each request is retried for --teacher-timeout, "
+                   f"{given.get('teacher_timeout', DEFAULTS['timeout']):g} s)" if result.fault == "teacher" else "")
+        when = {"teacher": "once the teacher server answers, ", "checkpoint": "once it can be written, "}
+        print(f"opsd-rollout: stopped after step {result.steps}: {result.stopped}{retried}\ncheckpoint "
+              f"{result.checkpoint}; {when.get(result.fault, '')}"
+              + continue_with(args.argv, result.output_dir, launched), file=sys.stderr)
+        return status
     curve = result.eval_curve()
     if curve:
         (first_step, first), (last_step, last) = curve[0], curve[-1]

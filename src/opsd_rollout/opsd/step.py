@@ -4,7 +4,9 @@ backward -> optimizer step, with the eval/train switches around the rollout time
 from __future__ import annotations
 
 import logging
+import math
 import weakref
+from collections.abc import Callable
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -16,6 +18,7 @@ from opsd_rollout.distributed import partitioned, several_ranks
 from opsd_rollout.modeling import innermost_model, position_ids, text_config
 from opsd_rollout.opsd.divergence import DivergenceConfig, chunked_divergence
 from opsd_rollout.opsd.fused import fusion_problem, head_divergence
+from opsd_rollout.opsd.nonfinite import nonfinite_part, one_or_nan, plain_optimizer, plain_step_guard
 from opsd_rollout.opsd.sampled import head_sampled_divergence, sampled_divergence
 from opsd_rollout.opsd.served import ServedTeacher
 from opsd_rollout.opsd.self_teacher import SelfTeacher
@@ -36,14 +39,20 @@ def engine_step(engine: Any, *, grad_norm: bool = False) -> Any:
     ZeRO-0 in float32, where DeepSpeed keeps none, taken here before the step from the gradients the backwards left
     (accumulated over the micro-batches, each scaled by 1 / ``gradient_accumulation_steps``, and averaged over the
     ranks by the boundary's backward: alike on every rank). A number or a 0-d tensor (read it once the step's marks
-    are resolved, not to sync mid-step); ``None`` between boundaries and without ``grad_norm``."""
-    boundary = grad_norm and engine.is_gradient_accumulation_boundary()
+    are resolved, not to sync mid-step); ``None`` between boundaries and without ``grad_norm``.
+
+    A non-finite gradient is never stepped on (``opsd.nonfinite``): DeepSpeed's optimizers skip it, and at ZeRO-0 in
+    float32 the norm taken here does (read once, before the step)."""
+    at_boundary = engine.is_gradient_accumulation_boundary()
     ours = None
-    if boundary and engine.zero_optimization_stage() == 0 and not (engine.bfloat16_enabled() or engine.fp16_enabled()):
+    if at_boundary and plain_optimizer(engine):
         grads = [p.grad.detach() for p in engine.module.parameters() if p.grad is not None]
         ours = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
-    engine.step()
-    if not boundary:
+        with plain_step_guard(engine, ours):
+            engine.step()
+    else:
+        engine.step()
+    if not (grad_norm and at_boundary):
         return None
     theirs = engine.get_global_grad_norm()
     return ours if theirs is None else theirs
@@ -159,14 +168,17 @@ def token_mean(total: torch.Tensor, count: torch.Tensor) -> tuple[torch.Tensor, 
     every rank's valid tokens.
 
     DeepSpeed averages gradients over ranks, so each rank scales its sum by ``world_size / global count``;
-    dividing by its own count would weight ranks with fewer valid tokens too much.
+    dividing by its own count would weight ranks with fewer valid tokens too much. A loss that is not finite on any
+    rank makes the loss's scale NaN on every rank (``opsd.nonfinite``): every gradient is then non-finite and the step
+    skipped alike.
     """
     if not several_ranks():
-        return total / count.clamp(min=1), total.detach() / count.clamp(min=1)
+        mean = total / count.clamp(min=1)
+        return mean * one_or_nan(total.detach()), mean.detach()
     both = torch.stack([total.detach().float(), count.float()]).to(total.device)
     dist.all_reduce(both)
     global_count = both[1].clamp(min=1)
-    return total * dist.get_world_size() / global_count, both[0] / global_count
+    return total * dist.get_world_size() / global_count * one_or_nan(both[0]), both[0] / global_count
 
 
 def resident_bytes(module: Any) -> int:
@@ -303,7 +315,7 @@ class OPSDStep:
                     share.pending = share.teacher.submit(share.teacher_targets, self.teacher_cache, buffers=buffers,
                                                          pin=self.device.type == "cuda")
                     if not share.teacher.overlap:
-                        in_flight.wait(share)
+                        in_flight.failure = in_flight.failure or in_flight.received([share])
                 else:
                     share.cache = parts.run("teacher", build_teacher_cache, share.teacher, share.teacher_targets,
                                             self.teacher_cache, recorder=recorder, buffers=buffers)
@@ -338,6 +350,8 @@ class StepInFlight:
     targets: Any
     shares: list[Share]
     """Each teacher's rows and cache (one share, every row, with one teacher)."""
+    failure: BaseException | None = None
+    """A teacher's answer that failed before ``finish`` (one waited for in ``start``, without overlap)."""
 
     def wait(self, share: Share) -> None:
         """A served teacher's cache, waited for as the step's ``teacher`` part (the latency not hidden)."""
@@ -354,26 +368,48 @@ class StepInFlight:
             if share.pending is not None:
                 share.pending.cancel()
 
-    def finish(self) -> StepProfile:
+    def received(self, shares: list[Share] | None = None) -> BaseException | None:
+        """Every teacher's cache (of ``shares``, every one by default) waited for; the first failure (a request that
+        gave up, an answer refused at the wire) returned, not raised, and the answers still on their way dropped."""
+        if self.failure is not None:
+            return self.failure
+        for share in self.shares if shares is None else shares:
+            try:
+                self.wait(share)
+            except Exception as failure:  # noqa: BLE001 - what to do is agreed with the other ranks
+                self.cancel()
+                return failure
+        return None
+
+    def finish(self, agree: Callable[[BaseException | None], None] | None = None) -> StepProfile:
         """The rest of the step, then its profile: the student's forward (a served teacher's request in flight
-        during it), the teachers' caches, the loss (each teacher's over its rows), backward and the optimizer."""
+        during it), the teachers' caches, the loss (each teacher's over its rows), backward and the optimizer.
+
+        ``agree``: called once every teacher's cache is in, before any loss, with this rank's failure to get one (or
+        ``None``): where every rank decides alike whether the step goes on (``train``'s loop); it raises to stop.
+        Without it, a failure is raised here."""
         step, parts, targets = self.step, self.parts, self.targets
         with seeded(self.seed, step.device), self.recorder.stage("total"):
             out = _student_forward(parts, step.engine, targets, step.fused)
-            sums = []
-            for share in self.shares:
-                self.wait(share)
-                sums.append(_student_loss(parts, step.engine, share.pick(out), share.targets, share.cache,
-                                          step.divergence, step.fused, share.pick(self.behaviour_logprobs)))
+            failure = self.received()
+            if agree is not None:
+                agree(failure)
+            if failure is not None:
+                raise failure
+            sums = [_student_loss(parts, step.engine, share.pick(out), share.targets, share.cache, step.divergence,
+                                  step.fused, share.pick(self.behaviour_logprobs)) for share in self.shares]
             total, count = (sum(column) for column in zip(*sums))
             loss, reported = token_mean(total, count)
             parts.run("backward", step.engine.backward, loss)
             norm = parts.run("optimizer", engine_step, step.engine, grad_norm=step.grad_norm)
+        value = float(reported)
+        nonfinite = None if math.isfinite(value) else nonfinite_part([s.cache for s in self.shares], out, total)
         named = {share.name: sums[i] for i, share in enumerate(self.shares) if share.name is not None}
         names = [name for name in step.teachers if name is not None]
-        return self._profile(reported, norm, per_teacher(names, named, step.device))
+        return self._profile(value, norm, per_teacher(names, named, step.device), nonfinite)
 
-    def _profile(self, reported: torch.Tensor, norm: Any, teachers: dict[str, tuple[float, int]]) -> StepProfile:
+    def _profile(self, reported: float, norm: Any, teachers: dict[str, tuple[float, int]],
+                 nonfinite: str | None) -> StepProfile:
         ms, starts = self.parts.times()
         switch, caches = self.switch, [share.cache for share in self.shares]
         served = [share.pending for share in self.shares if share.pending is not None]
@@ -388,7 +424,7 @@ class StepInFlight:
             peak_memory_bytes=dict(self.parts.peaks), part_start_ms=starts, response_tokens=self.targets.tokens,
             teacher_cache_bytes=sum(cache.nbytes for cache in caches),
             teacher_cache_budget_bytes=max(cache.budget_bytes for cache in caches),
-            teacher_cache_mode=caches[0].mode, fused_loss=self.step.fused, loss=float(reported),
+            teacher_cache_mode=caches[0].mode, fused_loss=self.step.fused, loss=reported, nonfinite=nonfinite,
             teacher_parameter_bytes=sum(resident_bytes(s.teacher) for s in self.shares if not s.served),
             grad_norm=None if norm is None else float(norm),
             teacher_latency_ms=max((pending.latency_ms for pending in served), default=0.0),

@@ -61,6 +61,10 @@ class StepProfile:
     """Several teachers: each one's loss, the mean over the response tokens routed to it (every rank's)."""
     teacher_tokens: dict[str, int] = field(default_factory=dict)
     """Several teachers: the response tokens routed to each (every rank's)."""
+    nonfinite: str | None = None
+    """Whether the loss (every rank's) was not finite, and what in this rank's step went first: ``teacher cache``,
+    ``student forward``, ``loss``; ``None`` when it was finite, or when this rank's parts were (another rank's
+    went). Such a step's optimizer step is skipped (``opsd.nonfinite``)."""
     teacher_latency_ms: float = 0.0
     """A served teacher: its requests, from sending to the cache written. In flight while the step works (the
     student's forward; in ``train`` with accumulation, the next micro-batches' rollouts too): not a part of
@@ -82,7 +86,10 @@ class StepProfile:
         ``tokens_per_second``, ``peak_memory_bytes`` (the largest part's) and ``peak_<part>_bytes``,
         ``<part>_start_ms``, and the rollout profile's record under ``rollout/`` (absent when it was not profiled)."""
         data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-                if f.name not in ("rollout", "peak_memory_bytes", "part_start_ms", "teacher_losses", "teacher_tokens")}
+                if f.name not in ("rollout", "peak_memory_bytes", "part_start_ms", "teacher_losses", "teacher_tokens",
+                                  "nonfinite")}
+        if self.nonfinite is not None:
+            data["nonfinite"] = self.nonfinite
         data["tokens_per_second"] = self.tokens_per_second
         data["teacher_hidden_share"] = self.teacher_hidden_share
         data["peak_memory_bytes"] = max(self.peak_memory_bytes.values(), default=0)

@@ -2,13 +2,13 @@
 shapes: ``GET /health``, ``GET /v1/models``, ``POST /tokenize``, ``POST /v1/completions`` (token-id prompts,
 ``prompt_logprobs``). With an API key, every route but ``/health`` wants ``Authorization: Bearer KEY`` (vLLM's
 ``--api-key``). Errors are vLLM's JSON body with the status: 400 a bad request (the field named), 401 no or a wrong
-key, 404 another model, 413 a request over ``max_batch_tokens`` (or a body larger than such a request's), 429 the
-queue full; the limit a request broke is named in the message."""
+key, 404 another model, 408 a body that did not arrive in time, 413 a request over ``max_batch_tokens`` (or a body
+larger than such a request's), 429 the queue full; the limit a request broke is named in the message. What a
+request must be before a route sees it (its size, its key, its pace) is ``guard.RequestGuard``'s."""
 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 from typing import Any
 
@@ -21,17 +21,12 @@ from starlette.exceptions import HTTPException
 from opsd_rollout import compact_answer
 from opsd_rollout.compact_answer import check_logprobs
 from opsd_rollout.serve.engine import LimitExceeded, RowScores, TeacherEngine
-from opsd_rollout.serve.protocol import (CompletionChoice, CompletionRequest, CompletionResponse, ErrorInfo,
-                                         ErrorResponse, ModelCard, ModelList, TokenizeRequest, TokenizeResponse,
-                                         UsageInfo)
+from opsd_rollout.serve.guard import RequestGuard, error
+from opsd_rollout.serve.protocol import (CompletionChoice, CompletionRequest, CompletionResponse, ModelCard,
+                                         ModelList, TokenizeRequest, TokenizeResponse, UsageInfo)
 
 OPEN_PATHS = ("/health", )
 """Paths answered without the key: a load balancer's probe carries none (vLLM leaves /health open too)."""
-
-
-def error(status: int, message: str, kind: str = "BadRequestError", param: str | None = None) -> JSONResponse:
-    body = ErrorResponse(error=ErrorInfo(message=message, type=kind, param=param, code=status))
-    return JSONResponse(body.model_dump(), status_code=status)
 
 
 def request_bytes_limit(max_batch_tokens: int) -> int:
@@ -41,25 +36,13 @@ def request_bytes_limit(max_batch_tokens: int) -> int:
 
 
 def build_app(engine: TeacherEngine, tokenizer: Any, *, model_name: str, api_key: str | None = None,
-              compact_answers: bool = True) -> FastAPI:
+              compact_answers: bool = True, read_timeout_s: float = 30.0) -> FastAPI:
     """The app serving ``engine``'s teacher as ``model_name``; with ``compact_answers``, the compact answer to a
-    client that asks for it (``opsd_rollout.compact_answer``), else vLLM's JSON to every client."""
+    client that asks for it (``opsd_rollout.compact_answer``), else vLLM's JSON to every client. A request's body
+    must arrive within ``read_timeout_s`` of its head (``guard.RequestGuard``)."""
     app = FastAPI(title="opsd-rollout teacher", docs_url=None, redoc_url=None, openapi_url=None)
-
-    max_request_bytes = request_bytes_limit(engine.limits.max_batch_tokens)
-
-    @app.middleware("http")
-    async def bearer_key(request: Request, call_next):
-        size = request.headers.get("content-length", "0")
-        if size.isdigit() and int(size) > max_request_bytes:  # refused before the body is read
-            return error(413, f"the request's body is {int(size):,} bytes, over max_request_bytes "
-                         f"{max_request_bytes:,} (what --max-batch-tokens token ids take as JSON)", param="body")
-        if api_key is not None and request.url.path not in OPEN_PATHS:
-            given = request.headers.get("authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-                return error(401, "this teacher wants 'Authorization: Bearer <key>' with the server's --api-key",
-                             "AuthenticationError")
-        return await call_next(request)
+    app.add_middleware(RequestGuard, max_bytes=request_bytes_limit(engine.limits.max_batch_tokens),
+                       read_timeout_s=read_timeout_s, api_key=api_key, open_paths=OPEN_PATHS)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(_request: Request, exc: RequestValidationError) -> JSONResponse:

@@ -22,10 +22,13 @@ from opsd_rollout.modeling import max_positions_of, text_config
 from opsd_rollout.placement import device_choice, dtype_choice, resolve_device, resolve_dtype
 from opsd_rollout.serve.app import build_app
 from opsd_rollout.serve.engine import EngineLimits, TeacherEngine
+from opsd_rollout.serve.guard import timed_h11
 
 logger = logging.getLogger(__name__)
 
 LOOPBACK = "127.0.0.1"
+HEAD_BYTES = 16 << 10
+"""The longest request head (its line and headers) taken; a longer one is answered 400 (h11's own limit, said)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -53,9 +56,18 @@ class ServeConfig:
     compact_answers: bool = True
     """Give our client the compact answer it asks for (the response positions only, packed arrays:
     ``opsd_rollout.compact_answer``); ``False``: vLLM's JSON to every client, as a vLLM server answers."""
+    max_connections: int = 256
+    """Connections at once (and requests in progress); one more is answered 503 until one closes (uvicorn's
+    ``limit_concurrency``; our client retries a 503). With ``read_timeout_s`` and the largest body, what bounds the
+    memory clients can make the server hold: a request head (``HEAD_BYTES``) and a body a connection."""
+    read_timeout_s: float = 30.0
+    """How long a client may take to send a request's head (from its connection's opening or its last answer: the
+    connection is closed past it) and its body (from its head: 408): a client that stalls never keeps a connection."""
 
     def __post_init__(self) -> None:
         checks.integer("port", self.port, minimum=0)
+        checks.integer("max_connections", self.max_connections)
+        checks.number("read_timeout_s", self.read_timeout_s, above=0)
         if not isinstance(self.host, str) or not self.host:
             raise ValueError(f"host must be an address to bind (127.0.0.1, 0.0.0.0); got {self.host!r}")
         if self.api_key is not None and not self.api_key:
@@ -93,9 +105,11 @@ class TeacherServer:
                                   max_logprobs=limits.max_logprobs, max_model_len=positions)
         self.engine = TeacherEngine(model, limits, vocab_size=text_config(model.config).vocab_size)
         self.app = build_app(self.engine, tokenizer, model_name=config.name, api_key=config.api_key,
-                             compact_answers=config.compact_answers)
-        self.uvicorn = uvicorn.Server(uvicorn.Config(self.app, host=config.host, port=config.port,
-                                                     log_level="warning", access_log=False, lifespan="off"))
+                             compact_answers=config.compact_answers, read_timeout_s=config.read_timeout_s)
+        self.uvicorn = uvicorn.Server(uvicorn.Config(
+            self.app, host=config.host, port=config.port, log_level="warning", access_log=False, lifespan="off",
+            limit_concurrency=config.max_connections, http=timed_h11(config.read_timeout_s),
+            h11_max_incomplete_event_size=HEAD_BYTES))
         self.thread: threading.Thread | None = None
 
     @property

@@ -127,6 +127,15 @@ class TrainConfig:
     overwrite: bool = False
     """Start over in an ``output_dir`` that holds a run: what that run wrote is removed first (``run_dir.WRITTEN``),
     never mixed with the new one."""
+    max_skipped_steps: int = 20
+    """Optimizer steps skipped in a row (a non-finite loss or gradient: no weight moves) after which the run stops,
+    with a checkpoint of its weights, the last good step's. 20: above the 17 a fresh fp16 run may skip in a row while
+    DeepSpeed's loss scaler halves its scale from 2^16 to 1 (hysteresis 2), and few enough that a poisoned run
+    stops within minutes."""
+    collective_timeout: float | None = None
+    """How long a collective waits for another rank before it fails (the process group's timeout): how soon the
+    ranks left stop when one dies or hangs. Above the longest a rank may legitimately keep the others waiting: a
+    served teacher's retries (``default_collective_timeout``). ``None``: ``default_collective_timeout``."""
     progress: bool = True
     """A progress line on the terminal."""
     verbose: bool = False
@@ -197,6 +206,8 @@ class TrainConfig:
             checks.integer(name, getattr(self, name))
         for name in ("save_every", "max_prompt_tokens", "save_total_limit"):
             checks.integer(name, getattr(self, name), optional=True)
+        checks.integer("max_skipped_steps", self.max_skipped_steps)
+        _check_collective_timeout(self)
         for name in ("max_new_tokens", "n_samples_per_prompt"):
             checks.integer(f"sampling.{name}", getattr(self.sampling, name))
         check_sampling(self.sampling)
@@ -220,6 +231,11 @@ class TrainConfig:
         if self.teacher_cache is not None:
             return self.teacher_cache
         return TeacherCacheConfig(mode=default_cache_mode(self.divergence.loss, served=self.served))
+
+    @property
+    def group_timeout_s(self) -> float:
+        """The process group's timeout in seconds: ``collective_timeout``, or ``default_collective_timeout``."""
+        return self.collective_timeout or default_collective_timeout(self.teachers)
 
     @property
     def served(self) -> bool:
@@ -337,6 +353,34 @@ def _check_task(config: TrainConfig) -> None:
     if config.sampling.max_new_tokens < needed:
         raise ValueError(f"max_new_tokens {config.sampling.max_new_tokens} cuts task {config.task!r}'s worked "
                          f"solutions, up to {needed} tokens with the EOS: give at least {needed}")
+
+
+COLLECTIVE_TIMEOUT_S = 600.0
+"""The process group's timeout when no served teacher asks for more (``deepspeed_engine``'s default too)."""
+COLLECTIVE_MARGIN_S = 60.0
+"""What a collective waits beyond the longest a served teacher keeps one rank: that rank's checkpoint and the
+micro-batch's other work."""
+
+
+def teacher_wait_bound(teachers: tuple[TeacherSpec, ...]) -> float:
+    """The longest a rank waits for a served teacher before it gives up (``TeacherSpec.wait_bound_s``); 0 without
+    one."""
+    return max((spec.wait_bound_s for spec in teachers if spec.served), default=0.0)
+
+
+def default_collective_timeout(teachers: tuple[TeacherSpec, ...]) -> float:
+    """``COLLECTIVE_TIMEOUT_S``, or longer when a served teacher may keep a rank ``teacher_wait_bound`` seconds."""
+    return max(COLLECTIVE_TIMEOUT_S, teacher_wait_bound(teachers) + COLLECTIVE_MARGIN_S)
+
+
+def _check_collective_timeout(config: TrainConfig) -> None:
+    """A collective timeout given must outlast a served teacher's retries: the other ranks wait for them."""
+    timeout = checks.number("collective_timeout", config.collective_timeout, above=0, optional=True)
+    bound = teacher_wait_bound(config.teachers)
+    if timeout is not None and bound and timeout < bound + COLLECTIVE_MARGIN_S:
+        raise ValueError(f"--collective-timeout {timeout:g} s is shorter than the ranks may wait for a served teacher "
+                         f"({bound:g} s: --teacher-timeout and one request's limit, + {COLLECTIVE_MARGIN_S:g} s): give "
+                         f"at least {bound + COLLECTIVE_MARGIN_S:g}, or a shorter --teacher-timeout")
 
 
 def _check_served(config: TrainConfig) -> None:

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from opsd_rollout.files import write_text_atomic
+from opsd_rollout.opsd.nonfinite import NONFINITE_PARTS
 from opsd_rollout.opsd.self_teacher import SelfTeacher
 from opsd_rollout.opsd.served import ServedTeacher
 from opsd_rollout.opsd.step import OPSDStep, StepInFlight
@@ -27,10 +28,13 @@ from opsd_rollout.opsd.step_profile import StepProfile
 from opsd_rollout.quiet import quiet
 from opsd_rollout.seeding import seeded
 from opsd_rollout.train.best import BEST_DIR, NOTE, Best
-from opsd_rollout.train.checkpoint import find_checkpoint, prune_checkpoints, save_merged, save_model
+from opsd_rollout.train.checkpoint import (find_checkpoint, guard_writes, latest_tag, prune_checkpoints, save_merged,
+                                           save_model, save_published)
 from opsd_rollout.train.config import TrainConfig
 from opsd_rollout.train.data import Encoder, Example, batch_indices
 from opsd_rollout.train.evaluate import evaluate
+from opsd_rollout.train.faults import (Agreement, CheckpointNotWritten, StopSignals, TooManySkipped,
+                                       stopped_by)
 from opsd_rollout.train.lora import trainable_parameters
 from opsd_rollout.train.precision import place_teachers
 from opsd_rollout.train.report import MetricsLog, Progress, monitor_events, plot_eval, step_record
@@ -55,9 +59,16 @@ class TrainResult:
     best: Any = None
     """With ``save_best``: the best evaluation (``best.Best``: its step and value), whose model is in ``best/``."""
     interrupted: bool = False
+    """Stopped by Ctrl-C or a stop signal (``signal``), with the checkpoint of its last completed step."""
+    signal: int | None = None
+    """The stop signal's number (SIGINT for Ctrl-C)."""
     stopped: str | None = None
-    """Why the run stopped before its last step other than Ctrl-C (a served teacher that stopped answering); a
-    checkpoint of the last completed step was saved, and ``--resume`` continues from it."""
+    """Why the run stopped before its last step other than a signal, in a line (``fault`` names the kind); a
+    checkpoint of the last completed step was saved (but when the fault is that one could not be), and ``--resume``
+    continues from it."""
+    fault: str | None = None
+    """``teacher`` (a served teacher failed), ``checkpoint`` (a checkpoint not written; the latest is the one
+    before), ``skipped`` (too many non-finite steps in a row); ``faults.exit_status`` maps it to an exit status."""
 
     def eval_curve(self, name: str = "eval_reverse_kl") -> list[tuple[int, float]]:
         return [(r["step"], r[name]) for r in self.records if name in r]
@@ -91,7 +102,7 @@ class _Run:
 
     def __init__(self, config: TrainConfig, models: Models, train: list[Example], held_out: list[Example],
                  problems: list[Problem] | None = None):
-        from opsd_rollout.distributed import rank_info
+        from opsd_rollout.distributed import host_group, rank_info
         from opsd_rollout.rollout import HybridEngineRollout
 
         self.config, self.models, self.train, self.held_out = config, models, train, held_out
@@ -100,6 +111,10 @@ class _Run:
         self.checkpoints = self.out / "checkpoints"
         self.engine = build_student_engine(config, models.student)
         self.rank = rank_info()  # once the group exists
+        self.signals = StopSignals()
+        self.agreement = Agreement(self.signals, self.rank.rank, self.rank.world_size, host_group())
+        """Where every rank decides alike, once a micro-batch, whether to go on (``train.faults``)."""
+        guard_writes(self.engine)  # a failed checkpoint write stops every rank alike, never hangs one
         self.accumulation = int(self.engine.gradient_accumulation_steps())
         self.device = torch.device(self.engine.device)
         self.encoder = Encoder(models.tokenizer, max_prompt_tokens=models.max_prompt_tokens,
@@ -126,10 +141,13 @@ class _Run:
         """Roll out a whole optimizer step's micro-batches before their updates (the weights they sample from are
         the same until the step): each served teacher request is then in flight behind the next rollout."""
         self.global_step = 0
+        self.skipped_in_a_row = 0
+        """Optimizer steps skipped one after another up to now (a finite one sets it back to 0)."""
         if config.resume is not None:  # a LoRA run's checkpoints hold the adapters alone: the base is the student's
             _, client = self.engine.load_checkpoint(str(find_checkpoint(config.resume)),
                                                     load_module_strict=not config.lora.enabled)
-            self.global_step = int((client or {}).get("train_state", {}).get("step", 0))
+            state = (client or {}).get("train_state", {})
+            self.global_step, self.skipped_in_a_row = int(state.get("step", 0)), int(state.get("skipped_in_a_row", 0))
         self.log = MetricsLog(self.out / "metrics.jsonl", resume_step=self.global_step if config.resume else None)
         if self.rank.rank == 0:
             write_text_atomic(self.out / "train_config.json", json.dumps(config.to_dict(), indent=2))
@@ -146,6 +164,7 @@ class _Run:
 
     def sft_micro_batch(self, index: int) -> StepProfile:
         """Micro-batch ``index`` of SFT, done: cross-entropy on its references."""
+        self.agreement.check()  # a stop signal on any rank stops every rank here
         with seeded(_seed_of(self.config.seed, index), self.device):  # dropout's random numbers
             batch = self.encoder.with_references(self.examples(index), self.device)
             return sft_step(self.engine, batch, grad_norm=True)
@@ -168,28 +187,52 @@ class _Run:
         config = self.config
         on_policy = None if config.objective == "sft" else bool(
             np.random.default_rng(_seed_of(config.seed, number, 1)).random() < config.lmbda)
-        start = time.perf_counter()
+        start, skipped = time.perf_counter(), self.engine.skipped_steps
         first = (number - 1) * self.accumulation
         indices = range(first, first + self.accumulation)
+        agree = self.agreement.check  # every rank's teachers answered, and no stop signal: before each loss
         if config.objective == "sft":
             profiles = [self.sft_micro_batch(i) for i in indices]
         elif self.ahead:  # every rollout first, each teacher request in flight behind the next one's rollout
             try:
                 in_flight = [self.start_micro_batch(i, on_policy, slot=i - first) for i in indices]
-                profiles = [each.finish() for each in in_flight]
+                profiles = [each.finish(agree) for each in in_flight]
             except BaseException:  # the run stops: the answers still on their way are dropped
                 for server in self.servers:
                     server.close()
                 raise
         else:
-            profiles = [self.start_micro_batch(i, on_policy).finish() for i in indices]
+            profiles = [self.start_micro_batch(i, on_policy).finish(agree) for i in indices]
         step_ms = (time.perf_counter() - start) * 1e3
         divergence = "cross_entropy" if config.objective == "sft" else config.divergence.loss
         drawn = number * self.accumulation * config.prompts_per_micro_batch * self.rank.world_size  # every rank's
         teacher, context = described(config.teachers) if config.objective == "opsd" else (None, None)
-        return step_record(number, profiles, step_ms=step_ms, learning_rate=float(self.engine.get_lr()[0]),
-                           on_policy=on_policy, divergence=divergence, epoch=drawn / len(self.train), teacher=teacher,
-                           teacher_context=context)
+        record = step_record(number, profiles, step_ms=step_ms, learning_rate=float(self.engine.get_lr()[0]),
+                             on_policy=on_policy, divergence=divergence, epoch=drawn / len(self.train),
+                             teacher=teacher, teacher_context=context)
+        return self.count_skipped(record, profiles, self.engine.skipped_steps > skipped)
+
+    def count_skipped(self, record: dict[str, Any], profiles: list[StepProfile], skipped: bool) -> dict[str, Any]:
+        """The record with the run's skipped steps so far (``skipped_steps``: DeepSpeed's count, kept by its
+        checkpoints) and, for a step skipped (a non-finite loss or gradient on some rank: no weight moved), the part
+        that went non-finite first on any rank (``nonfinite``: one more agreement, on that step alone)."""
+        record["skipped_steps"] = int(self.engine.skipped_steps)
+        if not skipped:
+            self.skipped_in_a_row = 0
+            return record
+        self.skipped_in_a_row += 1
+        local = max((NONFINITE_PARTS.index(p.nonfinite) for p in profiles if p.nonfinite), default=0)
+        record["nonfinite"] = NONFINITE_PARTS[self.agreement.values([local])[0]]
+        return record
+
+    def check_skipped(self, record: dict[str, Any]) -> None:
+        """``TooManySkipped`` once ``max_skipped_steps`` steps in a row were skipped (alike on every rank)."""
+        limit = self.config.max_skipped_steps
+        if self.skipped_in_a_row >= limit:
+            good = self.global_step - self.skipped_in_a_row
+            raise TooManySkipped(f"{self.skipped_in_a_row} optimizer steps in a row skipped (--max-skipped-steps "
+                                 f"{limit}), the last for a non-finite {record['nonfinite']}: the weights are step "
+                                 f"{good}'s, the last good one")
 
     def evaluation(self, *, teacher: bool = False) -> dict[str, float]:
         """The held-out figures, the task evaluation's when there is one, and with ``teacher`` (step 0) the
@@ -265,12 +308,35 @@ class _Run:
         config = self.config.to_dict()
         config["optimization"].pop("deepspeed")  # the engine's own checkpoint holds what DeepSpeed ran with
         state = {"step": self.global_step, "seed": self.config.seed, "micro_batches": self.global_step * self.accumulation,
-                 "config": config}
-        self.engine.save_checkpoint(str(self.checkpoints), tag=f"step{self.global_step}", client_state={"train_state": state},
-                                    exclude_frozen_parameters=self.config.lora.enabled)
+                 "skipped_in_a_row": self.skipped_in_a_row, "config": config}
+        saved = save_published(self.engine, self.checkpoints, f"step{self.global_step}", {"train_state": state},
+                               rank=self.rank.rank, agree=self.agreement.values, first_text=self.agreement.first_text,
+                               exclude_frozen_parameters=self.config.lora.enabled)
         self.saved_at = self.global_step
         self.prune()
-        return self.checkpoints / f"step{self.global_step}"
+        return saved
+
+    def steps(self, result: TrainResult) -> None:
+        """The evaluation at step 0 (a new run), then the steps left, each recorded, evaluated and saved when due."""
+        config = self.config
+        progress = Progress(config.steps, self.global_step, enabled=config.progress)
+        if self.global_step == 0:
+            trainable, _ = trainable_parameters(self.engine.module)
+            self.record({"step": 0, "trainable_parameters": trainable, **self.evaluation(teacher=True)}, progress)
+        trained_s = next((r["time/steps_s"] for r in reversed(self.log.records) if "time/steps_s" in r), 0.0)
+        while self.global_step < config.steps:
+            record = self.train_step(self.global_step + 1)
+            self.global_step += 1
+            trained_s += record["time/step_ms"] / 1e3
+            record["time/steps_s"] = trained_s  # the optimizer steps' wall time so far, evaluations apart
+            try:
+                if self.global_step % config.eval_every == 0 or self.global_step == config.steps:
+                    record.update(self.evaluation())
+            finally:  # a step taken is a step recorded, even if Ctrl-C stops its evaluation
+                self.record(record, progress)
+            self.check_skipped(record)
+            if config.save_every and self.global_step % config.save_every == 0:
+                result.checkpoint = self.save()
 
     def prune(self) -> None:
         """With ``save_total_limit``: the oldest checkpoints removed past it, never the latest or the best's."""
@@ -281,41 +347,21 @@ class _Run:
     def run(self) -> TrainResult:
         config = self.config
         result = TrainResult(self.out, self.global_step)
-        progress = Progress(config.steps, self.global_step, enabled=config.progress)
-        try:
-            if self.global_step == 0:
-                trainable, _ = trainable_parameters(self.engine.module)
-                self.record({"step": 0, "trainable_parameters": trainable, **self.evaluation(teacher=True)},
-                            progress)
-            trained_s = next((r["time/steps_s"] for r in reversed(self.log.records) if "time/steps_s" in r), 0.0)
-            while self.global_step < config.steps:
-                record = self.train_step(self.global_step + 1)
-                self.global_step += 1
-                trained_s += record["time/step_ms"] / 1e3
-                record["time/steps_s"] = trained_s  # the optimizer steps' wall time so far, evaluations apart
-                try:
-                    if self.global_step % config.eval_every == 0 or self.global_step == config.steps:
-                        record.update(self.evaluation())
-                finally:  # a step taken is a step recorded, even if Ctrl-C stops its evaluation
-                    self.record(record, progress)
-                if config.save_every and self.global_step % config.save_every == 0:
-                    result.checkpoint = self.save()
-        except KeyboardInterrupt:
-            result.interrupted = True
-        except ConnectionError as error:  # a served teacher gone for longer than its timeout: keep what is done
-            result.stopped = str(error)
-        finally:
-            for server in self.servers:
-                server.close()
-        if self.saved_at != self.global_step:
-            result.checkpoint = self.save()
-        else:
-            result.checkpoint = self.checkpoints / f"step{self.global_step}"
-        result.steps, result.records, result.best = self.global_step, list(self.log.records), self.best
-        if not result.interrupted and result.stopped is None:
-            result.model_dir = save_model(self.engine, self.models.tokenizer, self.out / "model", self.rank)
-            if config.lora.merge and self.rank.rank == 0:
-                result.merged_dir = save_merged(result.model_dir, self.out / "merged")
+        with self.signals:  # a stop signal is a flag from here on: no step or checkpoint is cut short by one
+            try:
+                self.steps(result)
+            except BaseException as error:  # noqa: BLE001 - a stop every rank agreed on keeps what is done
+                if not stopped_by(error, result):
+                    raise
+            finally:
+                for server in self.servers:
+                    server.close()
+            self.last_checkpoint(result)
+            result.steps, result.records, result.best = self.global_step, list(self.log.records), self.best
+            if not result.interrupted and result.stopped is None:
+                result.model_dir = save_model(self.engine, self.models.tokenizer, self.out / "model", self.rank)
+                if config.lora.merge and self.rank.rank == 0:
+                    result.merged_dir = save_merged(result.model_dir, self.out / "merged")
         if self.rank.rank == 0:
             teacher = ", ".join(spec.name if config.several else spec.source if spec.served else model_label(spec.source)
                                 for spec in config.teachers)
@@ -323,6 +369,21 @@ class _Run:
                      else f"{model_label(config.student)} trained by SFT")
             result.plot = plot_eval(result.records, self.out / "eval.png", title)
         return result
+
+    def last_checkpoint(self, result: TrainResult) -> None:
+        """The checkpoint of the last completed step, saved unless it is already (or a checkpoint just failed:
+        ``result.checkpoint`` is then the latest one, the one before)."""
+        if result.fault == "checkpoint":
+            tag = latest_tag(self.out)
+            result.checkpoint = None if tag is None else self.checkpoints / tag
+        elif self.saved_at != self.global_step:
+            try:
+                result.checkpoint = self.save()
+            except CheckpointNotWritten as error:  # the last one not written: say so, keep the one before
+                stopped_by(error, result)
+                self.last_checkpoint(result)
+        else:
+            result.checkpoint = self.checkpoints / f"step{self.global_step}"
 
 
 def check_example_teachers(examples: list[Example], names: set[str]) -> None:
@@ -335,10 +396,12 @@ def check_example_teachers(examples: list[Example], names: set[str]) -> None:
 
 
 def train(config: TrainConfig) -> TrainResult:
-    """Run ``config``: every input checked before any model work, then the loop. Ctrl-C saves a checkpoint and
-    returns with ``interrupted`` set; a served teacher that stops answering for its ``timeout`` seconds saves one
-    at the last completed step and returns with ``stopped`` set. Quiet as the command line is, unless
-    ``config.verbose`` (``opsd_rollout.quiet``: DeepSpeed's CPU-fallback line, transformers' progress bars)."""
+    """Run ``config``: every input checked before any model work, then the loop. Ctrl-C or a stop signal (SIGTERM,
+    SIGUSR1) saves the checkpoint of the last completed step and returns with ``interrupted`` set; a served teacher
+    that stops answering, a checkpoint that cannot be written, or too many non-finite steps in a row return with
+    ``stopped`` and ``fault`` set, every rank alike (``train.faults``; docs/TRAINING.md, "Faults"). Quiet as the
+    command line is, unless ``config.verbose`` (``opsd_rollout.quiet``: DeepSpeed's CPU-fallback line,
+    transformers' progress bars)."""
     with quiet(config.verbose):
         return _checked_run(config)
 

@@ -25,10 +25,10 @@ def step_record(step: int, profiles: list[Any], *, step_ms: float, learning_rate
     token-weighted mean, memory the largest, the gradient norm the step's (the last micro-batch's: the one that
     stepped the optimizer)."""
     tokens = sum(p.response_tokens for p in profiles)
+    loss = sum(p.loss * p.response_tokens for p in profiles) / max(tokens, 1)
+    norm = next((p.grad_norm for p in reversed(profiles) if p.grad_norm is not None), None)
     record: dict[str, Any] = {
-        "step": step, "epoch": epoch, "loss": sum(p.loss * p.response_tokens for p in profiles) / max(tokens, 1),
-        **teacher_losses(profiles),
-        "grad_norm": next((p.grad_norm for p in reversed(profiles) if p.grad_norm is not None), None),
+        "step": step, "epoch": epoch, "loss": finite(loss), **teacher_losses(profiles), "grad_norm": finite(norm),
         "learning_rate": learning_rate, "divergence": divergence, "teacher": teacher,
         "teacher_context": teacher_context, "on_policy": on_policy,
         "micro_batches": len(profiles), "response_tokens": tokens,
@@ -51,6 +51,12 @@ def step_record(step: int, profiles: list[Any], *, step_ms: float, learning_rate
     return record
 
 
+def finite(value: float | None) -> float | None:
+    """``value``, or ``None`` when it is not a finite number (a skipped step's loss or gradient norm: ``null`` in
+    JSON, where NaN is not a number any reader takes)."""
+    return value if value is not None and math.isfinite(value) else None
+
+
 def teacher_losses(profiles: list[Any]) -> dict[str, float]:
     """With several teachers, each one's loss over the step (``loss/NAME``): token-weighted over the micro-batches
     that routed it tokens."""
@@ -60,7 +66,7 @@ def teacher_losses(profiles: list[Any]) -> dict[str, float]:
         for name, count in profile.teacher_tokens.items():
             tokens[name] = tokens.get(name, 0) + count
             sums[name] = sums.get(name, 0.0) + profile.teacher_losses[name] * count
-    return {f"loss/{name}": sums[name] / tokens[name] for name in tokens if tokens[name]}
+    return {f"loss/{name}": finite(sums[name] / tokens[name]) for name in tokens if tokens[name]}
 
 
 def read_records(path: Path) -> list[dict[str, Any]]:
@@ -127,9 +133,11 @@ class Progress:
         elapsed = time.perf_counter() - self.start
         left = (self.total - record["step"]) * elapsed / done if done > 0 else float("nan")
         rolled = record.get(TIME + "rollout_ms", 0) > 0  # SFT and the references' steps roll nothing out
-        text = (f"step {record['step']}/{self.total}  loss {record['loss']:.4f}  {record['tokens_per_second']:,.0f} "
-                f"tok/s  " + (f"rollout {record['time/rollout_share']:.0%}  " if rolled else "")
-                + f"ETA {_duration(left)}")
+        loss = f"loss {record['loss']:.4f}" if record["loss"] is not None else "loss -"
+        if "nonfinite" in record:
+            loss = f"skipped (non-finite {record['nonfinite']})"
+        text = (f"step {record['step']}/{self.total}  {loss}  {record['tokens_per_second']:,.0f} tok/s  "
+                + (f"rollout {record['time/rollout_share']:.0%}  " if rolled else "") + f"ETA {_duration(left)}")
         if "eval_reverse_kl" in record:
             text += f"  eval reverse KL {record['eval_reverse_kl']:.4f}"
         if "eval_accuracy" in record:

@@ -172,14 +172,15 @@ def check_same_tokens(student: str, tokenizer: Any, teacher: str, teacher_tokeni
 
 
 def served_teacher(spec: TeacherSpec, tokenizer: Any, vocab_size: int, *, student: str | None = None) -> ServedTeacher:
-    """The served teacher of ``spec``, checked before any step: it answers (retried up to its ``timeout``), serves
+    """The served teacher of ``spec``, checked before any step: it answers (retried up to its ``timeout``; one
+    request's limit ``request_timeout_s``, so a rank gives up within ``wait_bound_s``, the server gone or hung), serves
     ``spec.model`` (when named; a served self-teacher the ``student``'s starting weights), and has the student's
     tokenizer and vocabulary; each failure one line naming both sides."""
     flag = "--teacher-url" if spec.name == UNNAMED else f"--teacher-url {spec.name}="
     teacher = ServedTeacher(spec.source, model=student if spec.model == SELF else spec.model,
                             api_key=spec.api_key or os.environ.get(KEY_VARIABLE),
                             protocol=spec.protocol, tokenizer=tokenizer, retry_timeout_s=spec.timeout,
-                            overlap=overlaps(spec.overlap, spec.source))
+                            request_timeout_s=spec.request_timeout_s, overlap=overlaps(spec.overlap, spec.source))
     try:
         teacher.connect(vocab_size)
     except ConnectionError as error:
@@ -272,7 +273,7 @@ def build_student_engine(config: Any, student: torch.nn.Module) -> Any:
 
     from opsd_rollout.deepspeed_engine import init_distributed
 
-    init_distributed()
+    init_distributed(config.group_timeout_s)  # how soon the ranks left stop when one dies
     ds = deepspeed_config_of(config, check=False)  # load_models checked it (and warned once)
     params = [p for p in student.parameters() if p.requires_grad]
     optimization = config.optimization

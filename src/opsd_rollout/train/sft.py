@@ -4,11 +4,13 @@ made)."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from opsd_rollout.opsd.nonfinite import nonfinite_part
 from opsd_rollout.opsd.step import engine_step, student_logits, token_mean
 from opsd_rollout.opsd.step_profile import StepParts, StepProfile
 from opsd_rollout.opsd.targets import response_targets
@@ -38,9 +40,11 @@ def sft_step(student_engine: Any, batch: Any, *, grad_norm: bool = False) -> Ste
         parts.run("backward", student_engine.backward, loss)
         norm = parts.run("optimizer", engine_step, student_engine, grad_norm=grad_norm)
     ms, starts = parts.times()
+    value = float(reported)
     return StepProfile(
         rollout=None, eval_ms=0.0, train_ms=0.0, rollout_ms=0.0, teacher_forward_ms=0.0, cache_write_ms=0.0,
         student_forward_ms=ms["student_forward"], loss_ms=ms["loss"], backward_ms=ms["backward"],
         optimizer_ms=ms["optimizer"], total_ms=ms["total"], rollout_share=0.0, peak_memory_bytes=dict(parts.peaks),
-        part_start_ms=starts, response_tokens=targets.tokens, loss=float(reported),
+        part_start_ms=starts, response_tokens=targets.tokens, loss=value,
+        nonfinite=None if math.isfinite(value) else nonfinite_part([], logits, total),
         grad_norm=None if norm is None else float(norm))

@@ -40,6 +40,10 @@ problem in its own words, as the OPSD paper's teacher prompt has it)."""
 PLACEHOLDER = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)\}")
 
 
+SLOWEST_ANSWER_S = 30.0
+"""The shortest limit on one served request (``TeacherSpec.request_timeout_s``)."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class TeacherSpec:
     """One teacher of a run."""
@@ -106,6 +110,19 @@ class TeacherSpec:
             object.__setattr__(self, "context", DEFAULT_CONTEXT)
         if self.context is not None:
             check_context(self.context)
+
+    @property
+    def request_timeout_s(self) -> float:
+        """Served: one request's limit, its ``timeout`` but at least ``SLOWEST_ANSWER_S`` (a slow answer from a busy
+        server is not a gone one)."""
+        return max(self.timeout, SLOWEST_ANSWER_S)
+
+    @property
+    def wait_bound_s(self) -> float:
+        """Served: the longest a rank waits for it before it gives up: retried for ``timeout`` seconds, the last try
+        lasting up to ``request_timeout_s`` (a server that hangs with its connection open); a gone server (its port
+        refuses, its connections reset) is given up on after ``timeout``."""
+        return self.timeout + self.request_timeout_s
 
     @property
     def kind(self) -> str:
