@@ -100,7 +100,7 @@ def test_ctrl_c_prints_a_command_that_continues_the_run_as_printed(tmp_path, mon
             str(out), "--overwrite"]
     assert main(argv) == 130
     err = capsys.readouterr().err.strip().splitlines()
-    assert err[-2] == f"opsd-rollout: SIGINT: stopped at step 2; checkpoint {out / 'checkpoints' / 'step2'}; continue with:"
+    assert err[-2] == f"opsd-rollout: Ctrl-C: stopped at step 2; checkpoint {out / 'checkpoints' / 'step2'}; continue with:"
     command = shlex.split(err[-1])
     assert command[0] == "opsd-rollout" and "--overwrite" not in command and command[-2:] == ["--resume", str(out)]
     monkeypatch.setattr(OPSDStep, "start", start)
