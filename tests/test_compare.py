@@ -122,9 +122,9 @@ def test_exit_statuses_name_what_was_compared(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("version,said", [
-    (3, "is schema_version 3, from an older release; this release reads version 4: run the benchmark again with "
-        "this release (or read the file with the one that wrote it)"),
-    (5, "is schema_version 5, from another release; this release reads version 4"),
+    (3, "is schema_version 3, from an older release; this release reads versions 4 and 5: run the benchmark again "
+        "with this release (or read the file with the one that wrote it)"),
+    (6, "is schema_version 6, from another release; this release reads versions 4 and 5"),
     (None, "is not an opsd-rollout result (it has no schema_version)"),
 ])
 def test_a_result_file_of_another_version_is_refused_in_one_line(tmp_path, capsys, version, said):
