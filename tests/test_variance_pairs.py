@@ -102,7 +102,7 @@ def test_the_quick_mode_runs_both_kinds_end_to_end_and_keeps_its_runs(tmp_path):
         for judgement in (pair["same_code"], pair["planted"]):
             assert not judgement["by_processes"]  # 2 processes a side: judged over iterations, widened
             assert judgement["exit_status"] in (0, 1) and judgement["flaggable_pct"]
-    again = run_named("the quick measurement, again", command, timeout=300, env=clean_env())
+    again = run_named("the quick measurement, again", command, timeout=600, env=clean_env())
     assert again.returncode == 0, again.stderr[-3000:]
     assert all(run.get("reused") for kind in ("rollout", "step")  # no run made twice
                for run in json.loads(output.read_text())["kinds"][kind]["pairs"][0]["runs"])
