@@ -34,7 +34,7 @@ from typing import Any
 
 from opsd_rollout.bench.contenders import set_run_baselines
 from opsd_rollout.bench.matrix import Matrix, run_order
-from opsd_rollout.bench.report import SCHEMA_VERSION, ConfigResult, results_of
+from opsd_rollout.bench.report import ConfigResult, results_of, run_document
 from opsd_rollout.bench.stability import Interference, between_warning, merge_sequential
 from opsd_rollout.bench.stats import is_number, median
 from opsd_rollout.files import write_json_atomic
@@ -163,10 +163,7 @@ class ProcessRunner:
         return sum(self._missing(c) for c in self.configs)
 
     def document(self) -> dict[str, Any]:
-        return {"schema_version": SCHEMA_VERSION, "kind": self.kind, "environment": self.environment,
-                "matrix": self.matrix.to_dict(), "settings": vars(self.settings).copy(),
-                "run_order": [c.key for c in run_order(self.configs)],
-                "results": [self.results[c.key].to_dict() for c in self.configs]}
+        return run_document(self, run_order(self.configs))
 
     def _save(self) -> None:
         if self.output is not None:

@@ -163,4 +163,13 @@ def results_of(document: dict[str, Any], config_type: type) -> list[ConfigResult
     return [ConfigResult.from_dict(result, config_type) for result in document.get("results", [])]
 
 
+def run_document(runner: Any, order: list[Any]) -> dict[str, Any]:
+    """A run's result file as it stands: ``runner`` (one process's ``BenchRunner`` or the ``ProcessRunner`` over
+    several) gives the kind, environment, matrix, settings, configs and their results; ``order`` is the configs in
+    the order they run."""
+    return {"schema_version": SCHEMA_VERSION, "kind": runner.kind, "environment": runner.environment,
+            "matrix": runner.matrix.to_dict(), "settings": vars(runner.settings).copy(),
+            "run_order": [c.key for c in order], "results": [runner.results[c.key].to_dict() for c in runner.configs]}
+
+
 # ---- tables for people -------------------------------------------------------------------------------------

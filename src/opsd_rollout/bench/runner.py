@@ -16,7 +16,7 @@ from opsd_rollout.bench.engines import EnginePool
 from opsd_rollout.bench.environment import environment_block, measure_ceilings
 from opsd_rollout.bench.matrix import Matrix, run_order
 from opsd_rollout.bench.ranks import merge_iterations, stage_skew
-from opsd_rollout.bench.report import SCHEMA_VERSION, ConfigResult
+from opsd_rollout.bench.report import ConfigResult, run_document
 from opsd_rollout.bench.scenarios.base import Measurement
 from opsd_rollout.bench.stability import (Interference, InterferenceMonitor, Warmup, merge_interference,
                                           spread_warning, warm_up)
@@ -107,10 +107,7 @@ class BenchRunner:
         return True
 
     def document(self) -> dict[str, Any]:
-        return {"schema_version": SCHEMA_VERSION, "kind": self.kind, "environment": self.environment,
-                "matrix": self.matrix.to_dict(), "settings": vars(self.settings).copy(),
-                "run_order": [c.key for c in run_order(self.configs)],
-                "results": [self.results[c.key].to_dict() for c in self.configs]}
+        return run_document(self, run_order(self.configs))
 
     def _save(self) -> None:
         if self.output is not None and self.ranks.is_main:  # only rank 0 writes
