@@ -63,9 +63,9 @@ bench: install
 	$(PY) -m opsd_rollout bench --output bench-results/rollout.json --plot bench-results \
 		--trace bench-results/trace.json
 
-# The regression guard (not a test, not in CI): the kernels and the smoke bench against the committed baselines in
-# benchmarks/perf/, through compare; prints what regressed beyond noise. Run it on a quiet machine before landing a
-# change to the engine, the loss or the step.
+# The regression guard (not a test, not in CI): the kernels and the smoke bench, each config in 6 fresh processes,
+# against the committed baselines in benchmarks/perf/, through compare's interval over the processes; one verdict, its
+# last line. Run it on a quiet machine before landing a change to the engine, the loss or the step.
 perf: install
 	$(PY) scripts/perf.py
 

@@ -24,21 +24,38 @@ from opsd_rollout.bench.scenarios import RolloutConfig
 from opsd_rollout.cli import main
 
 
-def document(results: dict[str, list[float]], kind: str = "rollout") -> dict:
-    """A minimal result file: one config per key (batch size), ``total_ms`` per iteration."""
+def document(results: dict[str, list], kind: str = "rollout") -> dict:
+    """A minimal result file: one config per key (batch size), ``total_ms`` per iteration; a list of lists is one
+    list per process (a version-5 config measured in several), a flat list one process."""
     def config(batch: int) -> dict:
         return {"batch_size": batch, "samples_per_prompt": 1, "prompt_length": 8, "response_length": 4,
                 "dtype": "fp32", "decoding": "greedy", "zero_stage": 0, "strategy": "static",
                 "cache_policy": "retain", "forward_timing": True}
 
+    def iterations(times: list[float]) -> list[dict]:
+        return [{"total_ms": t, "peak_memory_bytes": 2**30} for t in times]
+
     rows = []
     for batch, times in results.items():
         c = config(int(batch))
         key = (f"B{c['batch_size']}-n1-P8-R4-fp32-greedy-zero0-static-retain-fwdon")
+        several = bool(times) and isinstance(times[0], list)
+        processes = [{"pid": None, "iterations": iterations(p), "warmup": None, "interference": None, "derived": {},
+                      "warnings": []} for p in times] if several else None
         rows.append({"key": key, "config": c, "status": "ok", "error": None, "derived": {}, "warnings": [],
-                     "iterations": [{"total_ms": t, "peak_memory_bytes": 2**30} for t in times]})
+                     "iterations": iterations([t for p in times for t in p] if several else times),
+                     "processes": processes})
     return {"schema_version": SCHEMA_VERSION, "kind": kind, "environment": {}, "matrix": {}, "settings": {},
             "run_order": [], "results": rows}
+
+
+def processes(rng: np.random.Generator, count: int, *, between: float, within: float = 0.01, iterations: int = 3,
+              scale: float = 1.0) -> list[list[float]]:
+    """``count`` processes of ``iterations`` times (ms): each process's level lognormal around 100 ms (sigma
+    ``between``: what a fresh process's memory layout and clock state do), its iterations lognormal around that
+    (sigma ``within``), all times ``scale``."""
+    return [list(100 * scale * level * rng.lognormal(0, within, iterations))
+            for level in rng.lognormal(0, between, count)]
 
 
 # ---- the test itself -----------------------------------------------------------------------------------------
@@ -93,12 +110,84 @@ def test_same_code_runs_do_not_read_as_regressions():
 
 
 def test_a_real_slowdown_is_a_regression_and_a_small_one_is_not():
+    """One process a side: the interval over the iterations is widened by 20% each way, so a 1.5x slowdown is a
+    regression and a 1.25x one (which those iterations alone would bound beyond 5%) is not claimed."""
     rng = np.random.default_rng(2)
     base = {str(b): list(100 * b * rng.lognormal(0, 0.03, 9)) for b in (1, 2)}
-    slower = {k: [t * 1.25 for t in v] for k, v in base.items()}
+    slower = {k: [t * 1.5 for t in v] for k, v in base.items()}
     assert len(compare_documents(document(base), document(slower)).regressions) == 2
+    slow = compare_documents(document(base), document({k: [t * 1.25 for t in v] for k, v in base.items()}))
+    totals = [c for c in slow.changes if c.metric == "total_ms"]
+    assert not slow.regressions and all(c.ratio == pytest.approx(1.25) and c.low < 1.05 for c in totals)
+    assert all(ratio_interval(v, [t * 1.25 for t in v], 0.95)[1] > 1.05 for v in base.values())  # unwidened: flagged
     slightly = {k: [t * 1.02 for t in v] for k, v in base.items()}  # within the 5% threshold
     assert not compare_documents(document(base), document(slightly)).regressions
+
+
+# ---- processes as the units (issue 52) -------------------------------------------------------------------------
+
+def test_a_planted_1_15x_slowdown_of_the_processes_is_flagged_and_same_code_processes_are_not():
+    """Eight processes a side, 3% apart, three iterations each: in 20 planted pairs the 1.15x slowdown is a
+    regression at least 19 times, and the same distribution on both sides never is."""
+    rng = np.random.default_rng(52)
+    flagged = same_flagged = 0
+    for _ in range(20):
+        before = document({"1": processes(rng, 8, between=0.03)})
+        same = document({"1": processes(rng, 8, between=0.03)})
+        slowed = document({"1": processes(rng, 8, between=0.03, scale=1.15)})
+        changes = compare_documents(before, slowed).changes
+        assert all(c.by_processes and c.processes == (8, 8) for c in changes)
+        flagged += bool(compare_documents(before, slowed).regressions)
+        same_flagged += bool(compare_documents(before, same).regressions)
+    assert flagged >= 19 and same_flagged == 0
+
+
+def test_the_spread_between_processes_is_judged_where_iterations_alone_would_flag_same_code():
+    """The fault of issue 52: fresh processes of the same code 8% apart, each one's iterations within 1%. With one
+    process a side, its iterations taken as the noise (as compare did before), some same-code pairs read as
+    regressions beyond 5%; with six a side judged by processes, none does, and the comparison reports both spreads."""
+    rng = np.random.default_rng(7)
+    pooled = judged = 0
+    spreads = []
+    for _ in range(20):
+        before, after = processes(rng, 6, between=0.08, iterations=6), processes(rng, 6, between=0.08, iterations=6)
+        pooled += ratio_interval(before[0], after[0], 0.95)[1] > 1.05  # each side's first process alone
+        comparison = compare_documents(document({"1": before}), document({"1": after}))
+        judged += bool(comparison.regressions)
+        change = comparison.changes[0]
+        assert change.by_processes
+        spreads.append((change.within[0], change.between[0]))
+    assert pooled >= 2 and judged == 0
+    within, between = np.median(spreads, axis=0)
+    assert within < 0.02 < 0.05 < between
+
+
+def test_one_process_a_side_says_the_spread_between_processes_is_unknown_and_widens(tmp_path, capsys, monkeypatch):
+    """Two single processes 12% apart, each within 1%: the iterations alone bound the ratio beyond 5%, but they
+    cannot show how far apart fresh processes are. compare widens the interval, says why, and claims nothing."""
+    rng = np.random.default_rng(3)
+    before = processes(rng, 1, between=0.0, iterations=6)[0]
+    after = processes(rng, 1, between=0.0, iterations=6, scale=1.12)[0]
+    assert ratio_interval(before, after, 0.95)[1] > 1.05  # what compare said before issue 52: a regression
+    comparison = compare_documents(document({"1": before}), document({"1": after}))
+    change = comparison.changes[0]
+    assert not comparison.regressions and not change.by_processes and change.between == (None, None)
+    assert change.low == pytest.approx(ratio_interval(before, after, 0.95)[1] / 1.2)
+    assert "the spread between processes is unknown" in comparison.notes[0]
+    assert "widened by 20% each way" in comparison.notes[0] and "--processes 4 or more" in comparison.notes[0]
+    mixed = compare_documents(document({"1": before}), document({"1": processes(rng, 6, between=0.02)}))
+    assert not mixed.changes[0].by_processes and "BEFORE 1 process and AFTER 6 processes" in mixed.notes[0]
+    few = compare_documents(document({"1": processes(rng, 3, between=0.02)}),
+                            document({"1": processes(rng, 3, between=0.02)}))
+    assert "too little known to bound an interval over processes at 95%" in few.notes[0]
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(json.dumps(document({"1": before})))
+    b.write_text(json.dumps(document({"1": after})))
+    monkeypatch.setenv("COLUMNS", "200")
+    assert main(["compare", str(a), str(b)]) == 0
+    out = capsys.readouterr().out
+    assert "spread between processes is unknown" in out and "judged over iterations, widened" in out
+    assert "?/?" in table_rows(out)[0]
 
 
 def test_exit_statuses_name_what_was_compared(tmp_path, capsys):
@@ -122,9 +211,9 @@ def test_exit_statuses_name_what_was_compared(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("version,said", [
-    (3, "is schema_version 3, from an older release; this release reads version 4: run the benchmark again with "
-        "this release (or read the file with the one that wrote it)"),
-    (5, "is schema_version 5, from another release; this release reads version 4"),
+    (3, "is schema_version 3, from an older release; this release reads versions 4 and 5: run the benchmark again "
+        "with this release (or read the file with the one that wrote it)"),
+    (6, "is schema_version 6, from another release; this release reads versions 4 and 5"),
     (None, "is not an opsd-rollout result (it has no schema_version)"),
 ])
 def test_a_result_file_of_another_version_is_refused_in_one_line(tmp_path, capsys, version, said):
@@ -167,25 +256,39 @@ def real_document(tmp_path_factory):
 
 
 def plant(document: dict, *, seed: int, scale: float = 1.0, iterations: int = 6, spread: float = 0.03,
-          disturbed: str = "") -> dict:
+          disturbed: str = "", processes: int = 1, between: float = 0.0) -> dict:
     """``document`` with planted iterations: each config's first real iteration, its times set so its total is
     ``TOTAL_MS``, repeated ``iterations`` times, every time of an iteration scaled by one lognormal factor
     (``spread``: its sigma) times ``scale`` (and its throughputs divided by it); its configs ``QUIET``, or
-    ``BUSY`` where their key contains ``disturbed`` (``"-"``: every one)."""
+    ``BUSY`` where their key contains ``disturbed`` (``"-"``: every one). With ``processes`` over 1, each config
+    is measured in that many processes of ``iterations`` each, each process's times scaled by one more lognormal
+    factor (``between``: its sigma), merged as a run merges them."""
+    from opsd_rollout.bench.processes import merge_processes
+
     document = copy.deepcopy(document)
     rng = np.random.default_rng(seed)
-    document["settings"]["iterations"] = iterations
+    document["settings"].update(iterations=iterations, processes=processes)
     for result in document["results"]:
         profile = result["iterations"][0]
         to_total = TOTAL_MS / profile["total_ms"]
-        result["iterations"] = []
-        for factor in rng.lognormal(0.0, spread, iterations) * scale:
-            it = {k: v * to_total * factor if k.endswith("_ms") and v is not None else v for k, v in profile.items()}
-            it.update({k: profile[k] / to_total / factor for k in profile if k.endswith("tokens_per_second")})
-            result["iterations"].append(it)
-        result["summary"] = {name: stats.to_dict() for name, stats in
-                             ConfigResult.from_dict(result, RolloutConfig).summary().items()}
-        result["interference"] = dict(BUSY if disturbed and disturbed in result["key"] else QUIET)
+        interference = dict(BUSY if disturbed and disturbed in result["key"] else QUIET)
+        records = []
+        for level in rng.lognormal(0.0, between, processes):
+            planted = []
+            for factor in rng.lognormal(0.0, spread, iterations) * scale * level:
+                it = {k: v * to_total * factor if k.endswith("_ms") and v is not None else v
+                      for k, v in profile.items()}
+                it.update({k: profile[k] / to_total / factor for k in profile if k.endswith("tokens_per_second")})
+                planted.append(it)
+            records.append({"pid": None, "iterations": planted, "warmup": result.get("warmup"),
+                            "interference": interference, "derived": result["derived"], "warnings": []})
+        measured = ConfigResult.from_dict(result, RolloutConfig)
+        if processes == 1:
+            measured.iterations, measured.interference = records[0]["iterations"], interference
+        else:
+            measured.processes = records
+            merge_processes(measured)
+        result.update({k: v for k, v in measured.to_dict().items() if k not in ("key", "config")})
     return document
 
 
@@ -207,6 +310,12 @@ def header(out: str) -> str:
 
 
 def test_planted_documents_are_valid_result_documents(real_document):
+    several = plant(real_document, seed=1, iterations=3, processes=4, between=0.05, disturbed="B2-")
+    jsonschema.validate(several, load_schema())
+    result = several["results"][1]
+    assert [len(p["iterations"]) for p in result["processes"]] == [3] * 4 and len(result["iterations"]) == 12
+    assert result["interference"]["reasons"] == [f"process {k}: other processes kept 1.3 of 2 cores busy"
+                                                 for k in range(1, 5)]
     planted = plant(real_document, seed=1, disturbed="B1-")
     jsonschema.validate(planted, load_schema())
     totals = [it["total_ms"] for it in planted["results"][0]["iterations"]]
@@ -265,11 +374,16 @@ def test_a_disturbed_config_is_flagged_and_not_judged_unless_asked(real_document
     assert {c.label for c in allowed.regressions} == {"B1 n2 P8 R4", "B2 n2 P8 R4"}
 
 
-@pytest.mark.parametrize("iterations,spread", [(5, 0.03), (10, 0.03), (5, 0.08)])
-def test_a_planted_1_5x_slowdown_is_a_regression(real_document, tmp_path, capsys, iterations, spread):
-    before = write(tmp_path, "before.json", plant(real_document, seed=1, iterations=iterations, spread=spread))
-    after = write(tmp_path, "after.json", plant(real_document, seed=2, iterations=iterations, spread=spread,
-                                                scale=1.5))
+PLANTED_RUNS = [(5, 0.03, 1), (10, 0.03, 1), (3, 0.08, 5), (3, 0.03, 6)]
+"""(iterations, spread inside a process, processes): one process a side judged over widened iterations, several
+judged by processes (3% apart)."""
+
+
+@pytest.mark.parametrize("iterations,spread,processes", PLANTED_RUNS)
+def test_a_planted_1_5x_slowdown_is_a_regression(real_document, tmp_path, capsys, iterations, spread, processes):
+    planted = {"iterations": iterations, "spread": spread, "processes": processes, "between": 0.03}
+    before = write(tmp_path, "before.json", plant(real_document, seed=1, **planted))
+    after = write(tmp_path, "after.json", plant(real_document, seed=2, scale=1.5, **planted))
     assert main(["compare", before, after, "--markdown", str(tmp_path / "cmp.md")]) == EXIT_REGRESSION
     assert "REGRESSION" in capsys.readouterr().out
     comparison = compare_documents(json.loads(open(before).read()), json.loads(open(after).read()))
@@ -278,11 +392,12 @@ def test_a_planted_1_5x_slowdown_is_a_regression(real_document, tmp_path, capsys
     assert "| total ms |" in (tmp_path / "cmp.md").read_text()
 
 
-@pytest.mark.parametrize("iterations,spread", [(5, 0.03), (10, 0.03), (5, 0.08)])
-def test_same_code_with_the_same_spread_is_no_regression(real_document, iterations, spread):
-    comparison = compare_documents(plant(real_document, seed=1, iterations=iterations, spread=spread),
-                                   plant(real_document, seed=2, iterations=iterations, spread=spread))
+@pytest.mark.parametrize("iterations,spread,processes", PLANTED_RUNS)
+def test_same_code_with_the_same_spread_is_no_regression(real_document, iterations, spread, processes):
+    planted = {"iterations": iterations, "spread": spread, "processes": processes, "between": 0.03}
+    comparison = compare_documents(plant(real_document, seed=1, **planted), plant(real_document, seed=2, **planted))
     assert comparison.matched == 2 and not comparison.regressions and comparison.exit_status() == 0
+    assert all(c.by_processes == (processes > 1) for c in comparison.changes)
 
 
 def test_compare_fits_80_columns(real_document, tmp_path, capsys, monkeypatch):

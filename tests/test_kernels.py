@@ -239,7 +239,8 @@ def test_compare_flags_a_planted_slowdown_of_one_kernel_only(document, tmp_path,
     comparison = compare_documents(before, slowed)
     assert comparison.matched == len(KERNELS)
     flagged = {(c.key.split("-")[0], c.metric) for c in comparison.regressions}
-    assert flagged == {("fused_loss", "kernel_ms"), ("fused_loss", "speedup"), ("fused_loss", "total_ms")}
+    # both sides' total, 1.17x, is within what one process a side can claim (compare widens its interval by 20%)
+    assert flagged == {("fused_loss", "kernel_ms"), ("fused_loss", "speedup")}
     paths = []
     for name, planted in (("before", before), ("after", slowed)):
         paths.append(tmp_path / f"{name}.json")

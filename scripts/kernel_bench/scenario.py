@@ -16,7 +16,7 @@ from kernel_bench import DEFAULT_KERNELS, KERNELS, LONG, POSTPROCESS_STRATEGIES
 from opsd_rollout import checks
 from opsd_rollout.bench.axes import DTYPES, Axis, axis_defaults, choice_axis, positive_int, shape_axis, teacher_cache
 from opsd_rollout.bench.report import ConfigResult
-from opsd_rollout.bench.scenarios.base import MeasuringSettings, Scenario, threads_phrase
+from opsd_rollout.bench.scenarios.base import MeasuringSettings, Scenario, in_processes, threads_phrase
 from opsd_rollout.bench.tables import config_table, fmt, mib, roofline_table, stability_table
 from opsd_rollout.checks import integer, number, rule, text
 from opsd_rollout.presets import DEFAULT_MODEL
@@ -227,8 +227,8 @@ class KernelsScenario(Scenario):
     def title(self, environment: dict[str, Any], world_size: int) -> str:
         s = self.settings
         return (f"kernels on {environment['device_name']} ({threads_phrase(environment, world_size)}), "
-                f"{s.iterations} rounds after {self.warmup_phrase('round')}; each round both sides, their order "
-                f"alternating; the model kernels on {s.model}")
+                f"{s.iterations} rounds{in_processes(s)} after {self.warmup_phrase('round')}; each round both sides, "
+                f"their order alternating; the model kernels on {s.model}")
 
     def tables(self, results: list[ConfigResult]) -> list[Table]:
         """Both sides and their ratio, with each kernel's own figures; who the sides are; warm-up and noise."""

@@ -1,5 +1,14 @@
 """``opsd-rollout compare BEFORE.json AFTER.json``: per config and metric, how much AFTER differs from BEFORE
-(the Hodges-Lehmann ratio with its 95% interval from the raw iterations: ``bench/ratio_test.py``) and a verdict.
+(the Hodges-Lehmann ratio with its 95% interval: ``bench/ratio_test.py``) and a verdict.
+
+What the interval is over: two fresh processes of the same code differ by 5-20% (memory layout, thread placement,
+clock state), far more than the iterations inside one, so an interval over the iterations of one process a side
+measures the wrong noise and flags same-code reruns. Where both files measured a config in at least
+``fewest_iterations`` processes (``--processes``, 4 at 95%), the units are the processes: each process's median
+of the metric, the ratio and its interval over those. Where a side has fewer, the spread between processes is
+unknown (one process) or too little known to bound an interval (2-3): the interval over the iterations is widened
+by ``UNKNOWN_PROCESS_SPREAD`` each way, so a verdict never rests on more certainty than the files hold, and a note
+says so.
 
 What may be compared: both files must have measured the same work, or a faster AFTER only means less work. So
 the kind, every setting that changes the work (the model, the teacher, the prompts, sampling, the seed: all but
@@ -28,15 +37,23 @@ from opsd_rollout.bench.contenders import CONFIDENCE
 from opsd_rollout.bench.ratio_test import fewest_iterations, ratio_interval
 from opsd_rollout.bench.report import ConfigResult, RecordedConfig, config_values, results_of
 from opsd_rollout.bench.scenarios import SCENARIOS
+from opsd_rollout.bench.stats import median
 from opsd_rollout.bench.tables import display_labels
-from opsd_rollout.bench.stats import Stats
 from opsd_rollout.metrics import METRICS
 
 COMPARED = tuple(name for name, m in METRICS.items() if m.compared)
 """The metrics ``compare`` judges (those the registry marks ``compared``)."""
 TEST_NAME = (f"Hodges-Lehmann ratio (after / before: the median over every pair of a before and an after "
-             f"iteration) with its {CONFIDENCE:.0%} distribution-free confidence interval (Moses: Mann-Whitney "
-             "ranks of the log ratios)")
+             f"unit) with its {CONFIDENCE:.0%} distribution-free confidence interval (Moses: Mann-Whitney ranks of "
+             "the log ratios)")
+FEWEST_PROCESSES = fewest_iterations(CONFIDENCE)
+"""Processes a side (and a config) from which the processes are the units: the fewest that bound the interval."""
+UNKNOWN_PROCESS_SPREAD = 0.20
+"""How far apart two fresh processes of the same code may be, for an interval whose files do not say: each bound
+of an interval over iterations moves this much further from the ratio (low / 1.2, high x 1.2). The smoke matrix's
+same-code reruns differed by 5-20% between processes (issue 52; ``benchmarks/variance/``), its short stages the
+most: with it, a planted 1.5x slowdown over a few percent of noise is still a regression and a same-code rerun
+never is."""
 MIN_ABSOLUTE = {"ms": 1.0, "bytes": 2**20}
 """Smallest absolute change that can count as a regression, per unit: sub-millisecond stages and a few
 hundred kB of RSS move on a shared machine without any code change."""
@@ -44,8 +61,8 @@ hundred kB of RSS move on a shared machine without any code change."""
 EXIT_REGRESSION, EXIT_BAD_INPUT, EXIT_NOTHING_COMPARED, EXIT_PARTIAL, EXIT_DISTURBED = 1, 2, 3, 4, 5
 """Exit statuses of ``opsd-rollout compare`` (0: compared, no regression); see the module docstring."""
 
-PROCEDURE = ("warmup", "warmup_max_iterations", "warmup_max_seconds", "steady_tolerance", "iterations", "interleave",
-             "baseline")
+PROCEDURE = ("warmup", "warmup_max_iterations", "warmup_max_seconds", "steady_tolerance", "iterations", "processes",
+             "interleave", "baseline")
 """Settings that change how a config is measured (or which contender its ratio is against), not the work measured:
 the files may differ in them. Every
 other setting, one added later included, must agree."""
@@ -77,6 +94,15 @@ class MetricChange:
     """``before``, ``after`` or ``both`` when the runner flagged the config disturbed there; empty otherwise."""
     judged: bool = True
     """False: disturbed and not judged (its verdict is ``disturbed``, never a regression)."""
+    by_processes: bool = False
+    """Whether the units were the processes' medians; ``False``: the iterations, the interval widened by
+    ``UNKNOWN_PROCESS_SPREAD`` each way."""
+    processes: tuple[int, int] = (1, 1)
+    """Processes BEFORE and AFTER measured the config in."""
+    within: tuple[float | None, float | None] = (None, None)
+    """BEFORE's and AFTER's spread (IQR/median) of the iterations inside a process (the median over processes)."""
+    between: tuple[float | None, float | None] = (None, None)
+    """BEFORE's and AFTER's spread (IQR/median) of the processes' medians; ``None``: one process, unknown."""
 
     @property
     def change_pct(self) -> float:
@@ -99,16 +125,47 @@ class MetricChange:
         return "better" if (self.ratio < 1) == METRICS[self.metric].lower_is_better else "worse"
 
 
-def judge(key: str, label: str, metric: str, a: Stats, b: Stats, threshold_pct: float, *, disturbed: str = "",
-          judged: bool = True) -> MetricChange:
-    """One metric of one config: ``a`` BEFORE's iterations, ``b`` AFTER's (positive values)."""
-    ratio, low, high = ratio_interval(list(a.values), list(b.values), CONFIDENCE)
+def flaggable_pct(change: MetricChange, threshold_pct: float) -> float | None:
+    """The smallest change for the worse, in percent, that an interval as wide as ``change``'s around its ratio
+    would have flagged at ``threshold_pct`` (a slowdown for a time, a drop for a throughput); ``None`` when the
+    interval is unbounded or the metric has no worse side."""
+    lower_is_better = METRICS[change.metric].lower_is_better
+    if not change.bounded or lower_is_better is None or change.low <= 0:
+        return None
+    if lower_is_better:
+        return 100 * ((1 + threshold_pct / 100) * change.ratio / change.low - 1)
+    return 100 * (1 - (1 - threshold_pct / 100) * change.ratio / change.high)
+
+
+def units(old: ConfigResult, new: ConfigResult, metric: str) -> tuple[list[float], list[float], bool]:
+    """What ``metric`` is judged over: BEFORE's and AFTER's processes' medians when both have at least
+    ``FEWEST_PROCESSES`` (and ``True``), else their iterations (and ``False``)."""
+    a, b = old.process_medians(metric), new.process_medians(metric)
+    if min(len(a), len(b)) >= FEWEST_PROCESSES:
+        return a, b, True
+    a, b = old.metric(metric), new.metric(metric)
+    return list(a.values) if a else [], list(b.values) if b else [], False
+
+
+def judge(key: str, label: str, metric: str, old: ConfigResult, new: ConfigResult, threshold_pct: float, *,
+          disturbed: str = "", judged: bool = True) -> MetricChange | None:
+    """One metric of one config, over the units ``units`` gives (positive values); ``None`` when a side lacks it."""
+    a, b, by_processes = units(old, new, metric)
+    if not a or not b:
+        return None
+    ratio, low, high = ratio_interval(a, b, CONFIDENCE)
+    if not by_processes and high != float("inf"):  # the spread between processes is not in these iterations
+        low, high = low / (1 + UNKNOWN_PROCESS_SPREAD), high * (1 + UNKNOWN_PROCESS_SPREAD)
     significant = judged and (low > 1.0 or high < 1.0)
     lower_is_better = METRICS[metric].lower_is_better
     beyond = low > 1 + threshold_pct / 100 if lower_is_better else high < 1 - threshold_pct / 100
-    large = abs(b.p50 - a.p50) >= MIN_ABSOLUTE.get(METRICS[metric].unit, 0.0)
-    return MetricChange(key, label, metric, a.p50, b.p50, ratio, low, high, significant,
-                        significant and beyond and large, disturbed, judged)
+    before, after = median(a), median(b)
+    large = abs(after - before) >= MIN_ABSOLUTE.get(METRICS[metric].unit, 0.0)
+    return MetricChange(key, label, metric, before, after, ratio, low, high, significant,
+                        significant and beyond and large, disturbed, judged, by_processes,
+                        (old.process_count, new.process_count),
+                        (old.within_spread(metric), new.within_spread(metric)),
+                        (old.between_spread(metric), new.between_spread(metric)))
 
 
 @dataclass
@@ -226,8 +283,9 @@ def _compare_config(out: Comparison, key: str, label: str, old: ConfigResult, ne
         if min(a.values) <= 0 or min(b.values) <= 0:
             out.notes.append(f"{label}: {metric} has a value <= 0, not judged (a ratio needs positive values)")
             continue
-        changes.append(judge(key, label, metric, a, b, threshold_pct, disturbed=side,
-                             judged=allow_disturbed or not side))
+        change = judge(key, label, metric, old, new, threshold_pct, disturbed=side, judged=allow_disturbed or not side)
+        if change is not None:
+            changes.append(change)
     if any(not change.bounded for change in changes):
         out.notes.append(_iterations_note(label, old, new))
     out.changes += changes
@@ -279,4 +337,23 @@ def compare_documents(before: dict[str, Any], after: dict[str, Any], *, threshol
     out.only_before = [result.config.key for key, result in old.items() if key not in new]
     if out.only_before or out.only_after:
         out.notes += matrix_notes(before, after, matrix_axes, ignored_axes)
+    note = widened_note(out.changes)
+    if note:
+        out.notes.insert(0, note)
     return out
+
+
+def widened_note(changes: list[MetricChange]) -> str | None:
+    """Why some configs were judged over iterations with a widened interval: how many processes each side has."""
+    widened = {change.key: change.processes for change in changes if not change.by_processes}
+    if not widened:
+        return None
+    counts = sorted(set(widened.values()))
+    sides = "; ".join(f"BEFORE {b} process{'es' * (b != 1)} and AFTER {a} process{'es' * (a != 1)} a config"
+                      for b, a in counts)
+    unknown = ("unknown" if any(1 in pair for pair in counts) else
+               f"too little known to bound an interval over processes at {CONFIDENCE:.0%}")
+    some = "every config" if len(widened) == len({c.key for c in changes}) else f"{len(widened)} config(s)"
+    return (f"{some}: {sides}: the spread between processes is {unknown}, so the interval over the iterations is "
+            f"widened by {UNKNOWN_PROCESS_SPREAD:.0%} each way (fresh processes of the same code differ by up to "
+            f"that); measure both files with --processes {FEWEST_PROCESSES} or more to judge by processes")

@@ -8,13 +8,14 @@ import io
 from rich.console import Console
 from rich.table import Table
 
-from opsd_rollout.bench.compare import CONFIDENCE, MIN_ABSOLUTE, TEST_NAME, Comparison, MetricChange
+from opsd_rollout.bench.compare import (CONFIDENCE, FEWEST_PROCESSES, MIN_ABSOLUTE, TEST_NAME, UNKNOWN_PROCESS_SPREAD,
+                                        Comparison, MetricChange)
 from opsd_rollout.bench.tables import CompactTable, fmt, mib
 from opsd_rollout.metrics import METRICS
 
-DROPPED_FIRST = (("before", "after"), ("95% CI",))
-"""The columns a narrow terminal loses, in this order: the medians are in the Markdown report, and the verdict
-(with the change) says what the interval decided."""
+DROPPED_FIRST = (("within %", "between %"), ("before", "after"), ("95% CI",))
+"""The columns a narrow terminal loses, in this order: the spreads and the medians are in the Markdown report, and
+the verdict (with the change) says what the interval decided."""
 
 
 def _value(metric: str, value: float, digits: int | None = None) -> str:
@@ -37,10 +38,16 @@ def _interval(change: MetricChange, digits: int) -> str:
     return f"{change.low:.{digits}f}-{change.high:.{digits}f}" if change.bounded else "-"
 
 
+def _spreads(pair: tuple[float | None, float | None]) -> str:
+    """BEFORE's and AFTER's spread in percent, ``2/3``; ``?`` for a side that cannot say (one process)."""
+    return "/".join("?" if value is None else f"{100 * value:.0f}" for value in pair)
+
+
 def _cells(change: MetricChange) -> dict[str, str]:
     return {"config": change.label, "metric": _name(change.metric), "before": _value(change.metric, change.before),
             "after": _value(change.metric, change.after), "change": f"{change.change_pct:+.1f}%",
-            "95% CI": _interval(change, 2), "verdict": change.verdict, "disturbed": change.disturbed}
+            "95% CI": _interval(change, 2), "verdict": change.verdict, "disturbed": change.disturbed,
+            "within %": _spreads(change.within), "between %": _spreads(change.between)}
 
 
 def _style(change: MetricChange) -> str | None:
@@ -70,7 +77,7 @@ def _table(comparison: Comparison, columns: list[str]) -> Table:
             cells["config"] = ""
         previous = change.key
         rows.append(([cells[column] for column in columns], _style(change)))
-    table = CompactTable("before -> after (medians; change: Hodges-Lehmann ratio)", columns, rows)
+    table = CompactTable("before -> after (medians; change: Hodges-Lehmann ratio; spreads before/after)", columns, rows)
     table.columns[0].min_width = _label_widths(comparison)[1]
     return table
 
@@ -88,7 +95,7 @@ def comparison_table(comparison: Comparison, width: int = 160) -> Table:
     """The comparison, one row per config and metric, in ``width`` columns: the config label folds, and where
     that is not enough the columns of ``DROPPED_FIRST`` go, in that order. ``disturbed`` (which file a config
     was disturbed in) appears when any was."""
-    columns = ["config", "metric", "before", "after", "change", "95% CI", "verdict"]
+    columns = ["config", "metric", "before", "after", "change", "95% CI", "within %", "between %", "verdict"]
     if comparison.disturbed:
         columns.append("disturbed")
     for dropped in ((), *DROPPED_FIRST):
@@ -100,22 +107,29 @@ def comparison_table(comparison: Comparison, width: int = 160) -> Table:
 
 
 def footnote(threshold_pct: float) -> str:
-    """The line under the table: the test, and what makes a change significant and a regression."""
-    return (f"test: {TEST_NAME}. Significant: the interval excludes 1; a regression: the whole interval is worse "
-            f"than {threshold_pct:g}% and the medians move at least {MIN_ABSOLUTE['ms']:g} ms (times) or 1 MiB "
-            "(memory); disturbed configs are not judged unless --allow-disturbed.")
+    """The line under the table: the test, its units, and what makes a change significant and a regression."""
+    return (f"test: {TEST_NAME}; the units are the processes' medians where both files measured the config in "
+            f"{FEWEST_PROCESSES} or more processes, else the iterations, the interval then widened by "
+            f"{UNKNOWN_PROCESS_SPREAD:.0%} each way (the spread between processes unknown). Significant: the interval "
+            f"excludes 1; a regression: the whole interval is worse than {threshold_pct:g}% and the medians move at "
+            f"least {MIN_ABSOLUTE['ms']:g} ms (times) or 1 MiB (memory); disturbed configs are not judged unless "
+            "--allow-disturbed. Spreads (IQR/median, before/after): within a process, and between the processes' "
+            "medians (? with one process).")
 
 
 def comparison_markdown(comparison: Comparison, threshold_pct: float) -> str:
     disturbed = bool(comparison.disturbed)
     header = ["config", "metric", "before (p50)", "after (p50)", "change", f"{CONFIDENCE:.0%} CI of the ratio",
-              "verdict"] + (["disturbed"] if disturbed else [])
+              "verdict", "units", "spread within %", "spread between %"] + (["disturbed"] if disturbed else [])
     lines = [footnote(threshold_pct), "", "| " + " | ".join(header) + " |",
-             "|---|---|---:|---:|---:|---:|---|" + ("---|" if disturbed else "")]
+             "|---|---|---:|---:|---:|---:|---|---|---:|---:|" + ("---|" if disturbed else "")]
     for c in comparison.changes:
         cells = _cells(c)
+        basis = (f"processes ({c.processes[0]}/{c.processes[1]})" if c.by_processes else
+                 f"iterations, widened ({c.processes[0]}/{c.processes[1]} processes)")
         row = [cells["config"], cells["metric"], _value(c.metric, c.before, 2), _value(c.metric, c.after, 2),
-               cells["change"], _interval(c, 3), cells["verdict"]] + ([cells["disturbed"]] if disturbed else [])
+               cells["change"], _interval(c, 3), cells["verdict"], basis, cells["within %"],
+               cells["between %"]] + ([cells["disturbed"]] if disturbed else [])
         lines.append("| " + " | ".join(row) + " |")
     notes = comparison_notes(comparison)
     if notes:

@@ -75,6 +75,11 @@ def measure_ceilings(device: torch.device, *, copy_mib: int = 256, matmul_n: int
     }
 
 
+def command_line() -> str:
+    """This process's command line as a result file records it: the program's name, then its arguments."""
+    return " ".join([Path(sys.argv[0]).name, *sys.argv[1:]])
+
+
 def environment_block(device: torch.device, ceilings: dict[str, Any] | None, threads: Threads) -> dict[str, Any]:
     """The run's environment; ``threads`` is what ``share_cores()`` decided for this rank."""
     ranks = rank_info()
@@ -95,6 +100,6 @@ def environment_block(device: torch.device, ceilings: dict[str, Any] | None, thr
         "local_ranks": threads.local_ranks,
         "world_size": ranks.world_size,
         "platform": platform.platform(),
-        "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+        "command": command_line(),
         "ceilings": ceilings,
     }

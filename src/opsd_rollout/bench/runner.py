@@ -5,18 +5,18 @@ from __future__ import annotations
 
 import os
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from opsd_rollout.bench.contenders import has_contenders, set_baselines, workload_groups
+from opsd_rollout.bench.contenders import set_run_baselines, workload_groups
 from opsd_rollout.bench.engines import EnginePool
 from opsd_rollout.bench.environment import environment_block, measure_ceilings
 from opsd_rollout.bench.matrix import Matrix, run_order
 from opsd_rollout.bench.ranks import merge_iterations, stage_skew
-from opsd_rollout.bench.report import SCHEMA_VERSION, ConfigResult
+from opsd_rollout.bench.report import ConfigResult, run_document
 from opsd_rollout.bench.scenarios.base import Measurement
 from opsd_rollout.bench.stability import (Interference, InterferenceMonitor, Warmup, merge_interference,
                                           spread_warning, warm_up)
@@ -58,11 +58,13 @@ class BenchRunner:
 
     def __init__(self, matrix: Matrix, settings: Any, *, output: str | Path | None,
                  device: torch.device | None = None, measure_machine: bool = True,
-                 existing: dict[str, Any] | None = None, collective_timeout_s: float | None = None):
+                 existing: dict[str, Any] | None = None, collective_timeout_s: float | None = None,
+                 only: Collection[str] | None = None):
+        """``only``: the keys of the configs to measure (a worker of ``bench/processes.py``); ``None``: all."""
         self.matrix, self.settings, self.output = matrix, settings, output
         self.scenario = matrix.scenario(settings)
         self.device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        self.configs = matrix.expand()
+        self.configs = [c for c in matrix.expand() if only is None or c.key in only]
         config_type = matrix.scenario.config_type
         previous = {r["key"]: ConfigResult.from_dict(r, config_type) for r in (existing or {}).get("results", [])}
         self.results = {c.key: previous.get(c.key) or ConfigResult(config=c) for c in self.configs}
@@ -91,11 +93,21 @@ class BenchRunner:
     def pending(self) -> list[Any]:
         return [c for c in run_order(self.configs) if self.results[c.key].status == "pending"]
 
+    @property
+    def runs_pending(self) -> int:
+        """Config measurements still to make: one per pending config (in this process)."""
+        return len(self.pending)
+
+    def write_trace(self, path: str | Path) -> bool:
+        """A Chrome/Perfetto trace of one measured iteration per config; whether there was one to write."""
+        from opsd_rollout.profiling.trace import chrome_trace
+
+        timelines = [(c.key, self.timelines[c.key]) for c in self.configs if c.key in self.timelines]
+        write_json_atomic(Path(path), chrome_trace(timelines))
+        return True
+
     def document(self) -> dict[str, Any]:
-        return {"schema_version": SCHEMA_VERSION, "kind": self.kind, "environment": self.environment,
-                "matrix": self.matrix.to_dict(), "settings": vars(self.settings).copy(),
-                "run_order": [c.key for c in run_order(self.configs)],
-                "results": [self.results[c.key].to_dict() for c in self.configs]}
+        return run_document(self, run_order(self.configs))
 
     def _save(self) -> None:
         if self.output is not None and self.ranks.is_main:  # only rank 0 writes
@@ -122,18 +134,12 @@ class BenchRunner:
                 for config in batch:
                     if self.ranks.world_size > 1:
                         self._merge_ranks(self.results[config.key])
-                self._set_baselines()
+                set_run_baselines([self.results[c.key] for c in self.configs], self.matrix, self.settings)
                 self._save()
         finally:
             pool.shutdown()
         progress("done", None, 0)
         return [self.results[c.key] for c in self.configs]
-
-    def _set_baselines(self) -> None:
-        if not has_contenders(self.matrix):  # a scenario without contenders (the kernels: each config its own)
-            return
-        baseline = getattr(self.settings, "baseline", None) or self.matrix["strategies"][0]
-        set_baselines([self.results[c.key] for c in self.configs], self.matrix.scenario.axes, baseline)
 
     def _run_batch(self, pool: EnginePool, batch: list[Any], progress: Progress) -> None:
         """Warm up each config of ``batch``, then measure them round by round: one iteration of each per round,

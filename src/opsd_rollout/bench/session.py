@@ -7,7 +7,7 @@ DeepSpeed) loads when a run starts.
 
 from __future__ import annotations
 
-from pathlib import Path
+from collections.abc import Sequence
 from typing import Any
 
 from rich.console import Console
@@ -18,8 +18,8 @@ from opsd_rollout.bench.contenders import knob_notes
 from opsd_rollout.bench.matrix import Matrix, run_order
 from opsd_rollout.bench.plots import write_plots
 from opsd_rollout.bench.report import ConfigResult, results_of
+from opsd_rollout.bench.scenarios.base import in_processes
 from opsd_rollout.bench.tables import CompactTable, PhraseText, display_labels, fmt
-from opsd_rollout.files import write_json_atomic
 
 MEASURING = "measuring the machine's ceilings"
 """Before the first config of a new result file: a large copy and a large matmul, for utilisation figures."""
@@ -34,12 +34,14 @@ class ProgressLine:
     """The run's two progress bars (configs, and the current config's iterations) and what the current
     config is doing before its first measured iteration. The runner reports through ``__call__(event,
     config, iteration)``: ``config`` (a config starts), ``first_call`` (its engine is built; its first call
-    starts), ``warmup`` (warm-up call ``iteration`` done), ``iteration``; ``status(text)`` names any other
-    long step."""
+    starts), ``warmup`` (warm-up call ``iteration`` done), ``iteration``, and with several processes ``process``
+    (process ``iteration`` starts); ``status(text)`` names any other long step. ``configs``: the measurements to
+    make, one a config in each process."""
 
     def __init__(self, bar: Progress, settings: Any, configs: int, *, first_status: str = "starting"):
         self.bar, self.settings = bar, settings
-        self.configs = bar.add_task("configs", total=configs)
+        self.unit = "configs" if settings.processes == 1 else "configs x processes"
+        self.configs = bar.add_task(self.unit, total=configs)
         self.iterations = bar.add_task(first_status, total=settings.iterations)
         self.engine_key: Any = None
 
@@ -48,8 +50,11 @@ class ProgressLine:
         self.bar.update(self.iterations, description=text)
 
     def __call__(self, event: str, config: Any, iteration: int) -> None:
-        if event == "config":
-            self.bar.update(self.configs, description=f"configs ({config.label})")
+        if event == "process":
+            self.engine_key = None  # a fresh process builds its engines again
+            self.status(f"starting process {iteration} of {self.settings.processes}")
+        elif event == "config":
+            self.bar.update(self.configs, description=f"{self.unit} ({config.label})")
             self.bar.reset(self.iterations, total=self.settings.iterations)
             new_engine = getattr(config, "engine_key", None) != self.engine_key
             self.engine_key = getattr(config, "engine_key", None)
@@ -74,23 +79,31 @@ def note(kind: str, style: str, label: str, message: str) -> Text:
 
 def run_bench_session(matrix: Matrix, settings: Any, *, output: str | None, plot_dir: str | None,
                       trace: str | None, existing: dict[str, Any] | None, console: Console,
-                      collective_timeout_s: float | None = None) -> int:
+                      collective_timeout_s: float | None = None, worker: Sequence[str] = ()) -> int:
     """Runs the matrix; returns the exit status (1 when a config failed). Under a launcher every rank runs
-    it and only rank 0 prints and writes files."""
-    from opsd_rollout.bench.runner import BenchRunner  # heavy: see the module docstring
+    it and only rank 0 prints and writes files. With ``settings.processes`` over 1 the configs are measured by
+    fresh processes, each started as ``worker`` (``bench/processes.py``)."""
+    if settings.processes > 1:
+        from opsd_rollout.bench.processes import ProcessRunner, subprocess_launcher
 
-    runner = BenchRunner(matrix, settings, output=output, existing=existing,
-                         collective_timeout_s=collective_timeout_s)
+        runner = ProcessRunner(matrix, settings, output=output, existing=existing, trace=trace,
+                               launcher=subprocess_launcher(worker))
+    else:
+        from opsd_rollout.bench.runner import BenchRunner  # heavy: see the module docstring
+
+        runner = BenchRunner(matrix, settings, output=output, existing=existing,
+                             collective_timeout_s=collective_timeout_s)
     if not runner.ranks.is_main:
         console.quiet = True
     for line in knob_notes(matrix):
         console.print(f"note: {line}", markup=False, highlight=False)
     with Progress(TextColumn("{task.description}"), BarColumn(bar_width=20), MofNCompleteColumn(),
                   TimeElapsedColumn(), console=console, transient=True, disable=not runner.ranks.is_main) as bar:
-        progress = ProgressLine(bar, settings, len(runner.pending),
+        progress = ProgressLine(bar, settings, runner.runs_pending,
                                 first_status=MEASURING if runner.environment is None else "starting")
         if existing is not None:
-            console.print(f"resuming {output}: {len(runner.pending)} of {len(runner.configs)} configs to run")
+            each = f" ({runner.runs_pending} processes)" if settings.processes > 1 else ""
+            console.print(f"resuming {output}: {len(runner.pending)} of {len(runner.configs)} configs to run{each}")
         results = runner.run(progress)
 
     console.print(PhraseText(runner.scenario.title(runner.environment, runner.ranks.world_size)))
@@ -104,12 +117,7 @@ def run_bench_session(matrix: Matrix, settings: Any, *, output: str | None, plot
     if plot_dir:
         for path in write_plots(results, plot_dir, runner.scenario):
             console.print(f"plot: {path}")
-    if trace:
-        from opsd_rollout.profiling.trace import chrome_trace  # torch: see the module docstring
-
-        timelines = [(r.config.key, runner.timelines[r.config.key]) for r in results
-                     if r.config.key in runner.timelines]
-        write_json_atomic(Path(trace), chrome_trace(timelines))
+    if trace and runner.write_trace(trace):
         console.print(f"trace: {trace} (open in ui.perfetto.dev)")
     failed = [r for r in results if r.status == "failed"]
     if failed:
@@ -135,7 +143,7 @@ def _print_notes(results: list[ConfigResult], console: Console) -> None:
 
 def estimate_seconds(result: ConfigResult | None, settings: Any) -> float | None:
     """How long a config takes again, from a previous result of it: its warm-up (as warmed up then, or the
-    fixed count at its first call's time) plus the iterations at its median."""
+    fixed count at its first call's time) plus the iterations at its median, in each process."""
     if result is None or result.status != "ok" or not result.iterations:
         return None
     per_call_s = result.p50("total_ms") / 1e3
@@ -145,7 +153,7 @@ def estimate_seconds(result: ConfigResult | None, settings: Any) -> float | None
     else:
         first_s = (warmup.get("first_call_ms") or result.p50("total_ms")) / 1e3
         warmup_s = first_s + max(settings.warmup - 1, 0) * per_call_s if settings.warmup else 0.0
-    return warmup_s + settings.iterations * per_call_s
+    return (warmup_s + settings.iterations * per_call_s) * settings.processes
 
 
 def print_dry_run(matrix: Matrix, settings: Any, previous: dict[str, Any] | None, console: Console,
@@ -160,17 +168,20 @@ def print_dry_run(matrix: Matrix, settings: Any, previous: dict[str, Any] | None
               f"{settings.warmup_max_seconds:g} s)" if settings.warmup is None else f"{settings.warmup} warm-up calls")
     rows = [([c.key, str(i), str(order[c.key]), fmt(estimates[c.key]) if estimates[c.key] is not None else "-"], None)
             for i, c in enumerate(configs, start=1)]
+    each = in_processes(settings) or " each"
     console.print(CompactTable(f"{len(configs)} configs on {settings.model}: {warmup}, then {settings.iterations} "
-                               "iterations each ('run': the order they run in)", ["config", "#", "run", "est. s"], rows))
+                               f"iterations{each} ('run': the order they run in)", ["config", "#", "run", "est. s"],
+                               rows))
     for line in knob_notes(matrix):
         console.print(f"note: {line}", markup=False, highlight=False)
     known = [v for v in estimates.values() if v is not None]
     origin = f" (from {source})" if source else ""
+    starting = f"starting {settings.processes} processes, each " if settings.processes > 1 else ""
     if known:
         missing = len(configs) - len(known)
         console.print(f"estimated duration: {_duration(sum(known))} for {len(known)} of {len(configs)} configs"
                       + (f" ({missing} without a previous result)" if missing else "")
-                      + f", plus loading models and building engines{origin}", markup=False)
+                      + f", plus {starting}loading models and building engines{origin}", markup=False)
     elif source:
         console.print(f"estimated duration: unknown: {source} has no finished result of these configs "
                       "(--estimate-from FILE)", markup=False)

@@ -165,6 +165,38 @@ def merge_interference(views: list[Interference]) -> Interference:
     return merged.judge()
 
 
+def merge_sequential(views: list[Interference]) -> Interference:
+    """One config's processes, one after another: their times add up, the load is the first's at its start and the
+    last's at its end, and the config is disturbed when any process was (``process k:`` before each reason), however
+    quiet the others kept the totals."""
+    first, last = views[0], views[-1]
+
+    def total(name: str) -> float | None:
+        values = [getattr(view, name) for view in views]
+        return None if any(v is None for v in values) else sum(values)
+
+    load = (first.load_average[0], last.load_average[1]) if first.load_average and last.load_average else None
+    merged = Interference(host=first.host, load_average=load, cpu_count=first.cpu_count,
+                          wall_seconds=total("wall_seconds"), process_cpu_seconds=total("process_cpu_seconds"),
+                          machine_busy_seconds=total("machine_busy_seconds"), machine_seconds=total("machine_seconds"),
+                          steal_seconds=total("steal_seconds"),
+                          gpu_other_processes=[p for view in views for p in view.gpu_other_processes or []] or None)
+    merged.judge()
+    merged.reasons = [f"process {index}: {reason}" for index, view in enumerate(views, start=1)
+                      for reason in view.reasons]
+    return merged
+
+
+def between_warning(medians: list[float]) -> str | None:
+    """When the medians of a config's processes spread (IQR/median over 10%): what that means and what helps."""
+    between = Stats.from_values(medians)
+    if between is None or not between.noisy:
+        return None
+    return (f"total_ms spread between processes (IQR/median of their medians) is {100 * between.spread:.0f}%, over "
+            "10%: fresh processes of the same code differ (memory layout, thread placement, clock state); compare "
+            "judges by processes, and more --processes narrow its interval")
+
+
 def run_cpu_seconds() -> float:
     """CPU time of this process and of the processes it started that are still running (a served teacher's
     server, compile workers): the run's own work, not interference."""

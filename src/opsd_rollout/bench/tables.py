@@ -19,6 +19,7 @@ from rich.text import Text
 from opsd_rollout.bench.axes import VARIANT_AXES
 from opsd_rollout.bench.contenders import CONFIDENCE
 from opsd_rollout.bench.report import ConfigResult
+from opsd_rollout.bench.stats import median
 
 
 def display_labels(configs: Sequence[Any]) -> dict[str, str]:
@@ -183,19 +184,35 @@ def config_table(results: list[ConfigResult], title: str, columns: Sequence[str]
     return CompactTable(title, ["config", *columns], rows, caption)
 
 
+def _warmups(result: ConfigResult) -> list[dict[str, Any]]:
+    return [p["warmup"] or {} for p in result.processes] if result.processes else [result.warmup or {}]
+
+
 def stability_table(results: list[ConfigResult]) -> Table:
-    """Per config: how it was warmed up, its first call, how much its measured iterations spread and whether
-    anything disturbed them."""
+    """Per config: how it was warmed up (in each process), its first call, how much its measured iterations spread
+    inside a process and, measured in several, between processes, and whether anything disturbed them."""
+    several = any(r.process_count > 1 for r in results if r.status == "ok")
 
     def row(result: ConfigResult) -> list[str]:
-        warmup, total = result.warmup or {}, result.metric("total_ms")
-        steady = {True: "", False: " (not steady)", None: ""}[warmup.get("steady")]
-        return [f"{warmup.get('iterations', '-')}{steady}", fmt(warmup.get("first_call_ms")),
-                f"{100 * total.spread:.0f}{result.spread_flag}", "yes" if result.disturbed else "no"]
+        warmups = _warmups(result)
+        calls = sorted({w.get("iterations", "-") for w in warmups}, key=str)
+        steady = " (not steady)" if any(w.get("steady") is False for w in warmups) else ""
+        between = result.between_spread("total_ms")
+        spreads = [f"{100 * result.within_spread('total_ms'):.0f}{result.spread_flag}"]
+        if several:
+            spreads.append(f"{100 * between:.0f}" if between is not None else "-")
+        first = [w["first_call_ms"] for w in warmups if w.get("first_call_ms") is not None]
+        return ["-".join(map(str, calls)) + steady, fmt(median(first) if first else None), *spreads,
+                "yes" if result.disturbed else "no"]
 
     flagged = any(r.spread_flag for r in results if r.status == "ok")
-    return config_table(results, "warm-up and noise", ["warm-up calls", "1st call ms", "spread %", "disturbed"], row,
-                        caption="* spread (IQR/median) over 10%: see its warning below" if flagged else None)
+    columns = ["warm-up calls", "1st call ms", "spread %", *(["between processes %"] if several else []), "disturbed"]
+    caption = "* spread (IQR/median) over 10%: see its warning below" if flagged else None
+    if several:
+        caption = ("spread: of the iterations inside a process (the median over the processes); between: of the "
+                   "processes' medians (IQR/median)" + (f"; {caption}" if caption else ""))
+    title = "warm-up and noise" + (" (warm-up calls: in each process)" if several else "")
+    return config_table(results, title, columns, row, caption=caption)
 
 
 def _ratio_cells(baseline: dict[str, Any], metric: str) -> list[str]:

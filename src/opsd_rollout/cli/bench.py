@@ -139,7 +139,12 @@ def _add_measuring_flags(runs: argparse._ArgumentGroup, defaults: Any) -> None:
                       f"--warmup auto (default {defaults.warmup_max_iterations})")
     runs.add_argument("--warmup-max-seconds", type=float, metavar="S", help="most seconds of warm-up per config "
                       f"with --warmup auto (default {defaults.warmup_max_seconds:g})")
-    runs.add_argument("--iterations", type=int, help=f"measured iterations per config (default {defaults.iterations})")
+    runs.add_argument("--iterations", type=int, help=f"measured iterations per config, in each process (default "
+                      f"{defaults.iterations})")
+    runs.add_argument("--processes", type=int, metavar="K", help="measure every config in K fresh processes, one "
+                      "after the other, each warming up and measuring --iterations, so the spread between processes "
+                      "is measured and compare can judge by it (4 or more a side; default "
+                      f"{defaults.processes}: this process alone)")
     runs.add_argument("--seed", type=int, help=f"seed for prompts and sampling (default {defaults.seed})")
 
 
@@ -168,6 +173,7 @@ def _add_output_flags(bench: argparse.ArgumentParser, scenario: type[Scenario]) 
     out.add_argument("--resume-results", metavar="FILE", help="finish an interrupted run from its result FILE: runs "
                      "only the configs FILE lacks (or that failed), with FILE's own matrix and settings, and writes "
                      "back to FILE")
+    out.add_argument("--worker-job", metavar="FILE", help=argparse.SUPPRESS)  # a worker of --processes
     out.add_argument("--dry-run", action="store_true", help="print the expanded matrix, its run order, the warm-up "
                      "and iterations, and an estimated duration; run nothing")
     out.add_argument("--estimate-from", metavar="FILE", help="with --dry-run: a previous result of these configs, "
@@ -241,6 +247,10 @@ def _estimate_source(args: argparse.Namespace, existing: dict[str, Any] | None,
 def run_matrix(args: argparse.Namespace, command: BenchCommand) -> int:
     checks.integer("--nproc", args.nproc, optional=True)
     scenario, out = command.scenario, console()
+    if args.worker_job:  # one of the fresh processes of a --processes run: the job file says what to measure
+        from opsd_rollout.bench.processes import run_worker
+
+        return run_worker(args.worker_job, scenario)
     existing = None
     if args.resume_results:
         existing = load_document(args.resume_results)
@@ -252,6 +262,7 @@ def run_matrix(args: argparse.Namespace, command: BenchCommand) -> int:
         args.output = args.resume_results
     else:
         matrix, settings = _bench_inputs(args, scenario)
+    from opsd_rollout.bench.processes import worker_command
     from opsd_rollout.bench.session import print_dry_run, run_bench_session
     from opsd_rollout.models import max_positions
 
@@ -260,13 +271,18 @@ def run_matrix(args: argparse.Namespace, command: BenchCommand) -> int:
         previous, source = _estimate_source(args, existing, scenario)
         print_dry_run(matrix, settings, previous, out, source)
         return 0
+    ranks = args.nproc if args.nproc is not None else int(os.environ.get("WORLD_SIZE", "1"))
+    if settings.processes > 1 and ranks > 1:
+        raise ValueError(f"--processes {settings.processes} on {ranks} ranks: several processes a config run on one "
+                         "rank; drop --processes (each rank's iterations are one process's) or run on one rank")
     if args.nproc is not None and args.nproc > 1 and int(os.environ.get("WORLD_SIZE", "1")) == 1:
         return _relaunch(command.launch, _relaunch_argv(args.argv), args.nproc)  # not already under a launcher
     from opsd_rollout.bench.runner import RankFailure  # heavy: see the module docstring
 
     try:
         return run_bench_session(matrix, settings, output=args.output, plot_dir=args.plot, trace=args.trace,
-                                 existing=existing, console=out, collective_timeout_s=args.collective_timeout)
+                                 existing=existing, console=out, collective_timeout_s=args.collective_timeout,
+                                 worker=worker_command(command.launch, args.argv))
     except RankFailure as error:  # one rank failed: say which and why; the launcher stops the others
         print(f"opsd-rollout: error: {error}", file=sys.stderr)
         return 1

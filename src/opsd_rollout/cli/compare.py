@@ -38,29 +38,34 @@ def compare_summary(comparison: Any, status: int, threshold: float) -> str:
     from opsd_rollout.bench.compare import EXIT_DISTURBED, EXIT_NOTHING_COMPARED, EXIT_PARTIAL, EXIT_REGRESSION
 
     disturbed = len(comparison.disturbed)
+    widened = len({c.key for c in comparison.changes if not c.by_processes})
+    how = (f" (judged over iterations, widened: {widened} config(s) with too few processes a side, see the first "
+           "note)") if widened else ""
     if status == EXIT_NOTHING_COMPARED:
         return ("[bold red]nothing compared: no config is measured in both files[/] (match across an axis with "
                 "--ignore-axes)")
     if status == EXIT_REGRESSION:
-        return f"[bold red]{len(comparison.regressions)} regression(s) beyond {threshold:g}%[/]"
+        return f"[bold red]{len(comparison.regressions)} regression(s) beyond {threshold:g}%[/]{how}"
     if status == EXIT_DISTURBED:
         judged = comparison.matched - disturbed
         return (f"[bold yellow]disturbed: {disturbed} of {comparison.matched} compared config(s) were disturbed and "
                 "are not judged[/] (rerun on a quiet machine, or --allow-disturbed judges them)"
-                + (f"; no regression beyond {threshold:g}% in the {judged} judged" if judged else ""))
+                + (f"; no regression beyond {threshold:g}% in the {judged} judged{how}" if judged else ""))
     judged = f" ({disturbed} disturbed, judged anyway)" if disturbed else ""
     if status == EXIT_PARTIAL:
         return (f"[bold red]partial: {len(comparison.only_before)} config(s) only in BEFORE, "
                 f"{len(comparison.only_after)} only in AFTER[/] (--allow-partial accepts that); "
-                f"no regression beyond {threshold:g}% in the {comparison.matched} compared{judged}")
-    return f"{comparison.matched} config(s) compared: no regression beyond {threshold:g}%{judged}"
+                f"no regression beyond {threshold:g}% in the {comparison.matched} compared{judged}{how}")
+    return f"{comparison.matched} config(s) compared: no regression beyond {threshold:g}%{judged}{how}"
 
 
 def add_compare_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     compare = sub.add_parser(
         "compare", parents=[common], help="compare two result files; exit 1 on a regression",
         description="Compare two result files config by config: each metric's Hodges-Lehmann ratio (after / "
-        "before) with its 95% distribution-free confidence interval over the raw iterations. The files must "
+        "before) with its 95% distribution-free confidence interval over the processes' medians where both files "
+        "measured the config in 4 or more processes (--processes), else over the raw iterations, widened by 20% each "
+        "way for the spread between processes they cannot show. The files must "
         "have measured the same work (model, settings other than warm-up and iterations, ranks); configs match "
         "on every axis. A config disturbed on either side (the run's interference record) is not judged. Exit "
         "status, the first that applies: 2 bad input (also: files of different work, naming what differs); 3 "

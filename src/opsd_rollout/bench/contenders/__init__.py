@@ -118,6 +118,13 @@ def set_baselines(results: Sequence[ConfigResult], axes: Sequence[Any], baseline
                                "metrics": ratio_figures(result, base)}
 
 
+def set_run_baselines(results: Sequence[ConfigResult], matrix: Any, settings: Any) -> None:
+    """``set_baselines`` for a run's results (in the user's order), against its ``--baseline`` (default: the first
+    of its ``strategies``); nothing for a scenario without contenders (the kernels: each config its own)."""
+    if has_contenders(matrix):
+        set_baselines(results, matrix.scenario.axes, getattr(settings, "baseline", None) or matrix["strategies"][0])
+
+
 def has_contenders(matrix: Any) -> bool:
     """Whether the matrix's scenario puts contenders side by side (a ``strategies`` axis)."""
     return any(axis.name == "strategies" for axis in matrix.scenario.axes)

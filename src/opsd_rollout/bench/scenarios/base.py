@@ -39,6 +39,11 @@ def threads_phrase(environment: dict[str, Any], world_size: int) -> str:
     return phrase
 
 
+def in_processes(settings: Any) -> str:
+    """`` in each of 6 fresh processes`` for a title, when the run measures each config in several; else empty."""
+    return f" in each of {settings.processes} fresh processes" if settings.processes > 1 else ""
+
+
 class Settings:
     """Base of a scenario's settings dataclass: ``rules`` (field -> a check of ``opsd_rollout.checks``, the same
     the configs use) are checked together when it is built, every failure listed in one ``ValueError``."""
@@ -69,7 +74,12 @@ class MeasuringSettings(Settings):
     steady_tolerance: float = 0.05
     """Two consecutive warm-up iterations within this relative difference: the config is steady."""
     iterations: int = 5
-    """Measured iterations per config."""
+    """Measured iterations per config (in each process, with ``processes`` over 1)."""
+    processes: int = 1
+    """Fresh processes each config is measured in (``bench/processes.py``), one after the other, each warming the
+    config up and measuring its ``iterations``; 1: this process alone. Between processes of the same code the times
+    differ more than within one (memory layout, thread placement, clock state), and ``compare`` judges by processes
+    when both files have enough of them."""
     seed: int = 0
     """Seeds the prompts and random tensors and, before each config, torch's RNG (sampling)."""
 
@@ -77,7 +87,8 @@ class MeasuringSettings(Settings):
         "warmup": checks.rule(checks.integer, minimum=0, optional=True),
         "warmup_max_iterations": checks.rule(checks.integer, minimum=2),
         "warmup_max_seconds": checks.rule(checks.number, at_least=0, hint="seconds"),
-        "steady_tolerance": checks.rule(checks.number, above=0, below=1), "iterations": checks.rule(checks.integer)}
+        "steady_tolerance": checks.rule(checks.number, above=0, below=1), "iterations": checks.rule(checks.integer),
+        "processes": checks.rule(checks.integer)}
 
     def __post_init__(self) -> None:
         if isinstance(self.warmup, str) and self.warmup.strip().lower() == "auto":  # the flag's spelling of None
@@ -159,7 +170,7 @@ class Scenario:
         """The line above the tables: model, device, threads, iterations."""
         s = self.settings
         title = (f"{s.model} on {environment['device_name']} ({threads_phrase(environment, world_size)}), "
-                 f"{s.iterations} iterations after {self.warmup_phrase()}")
+                 f"{s.iterations} iterations{in_processes(s)} after {self.warmup_phrase()}")
         if getattr(s, "interleave", False):
             title += "; contenders interleaved round by round"
         if world_size > 1:

@@ -1,0 +1,73 @@
+"""``make perf`` (``scripts/perf.py``) gives one verdict a run (issue 52, part 4): a regression beyond the spread
+between processes, no regression with the smallest slowdown it could have flagged, or no verdict when configs were
+disturbed or a suite could not run; judged on planted baselines and results (no benchmark runs here)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+import perf
+from test_compare import BUSY, document, processes
+
+
+def suite(rng: np.random.Generator, *, scale: float = 1.0, count: int = 6, disturbed: bool = False) -> dict:
+    """A planted smoke result: two configs, ``count`` processes 3% apart of 3 iterations, times ``scale``."""
+    planted = document({b: processes(rng, count, between=0.03, scale=scale) for b in ("1", "4")})
+    if disturbed:
+        planted["results"][0]["interference"] = dict(BUSY)
+    return planted
+
+
+@pytest.fixture
+def baseline(tmp_path, monkeypatch):
+    """``benchmarks/perf/bench.json`` planted in a directory of its own; returns where results go."""
+    monkeypatch.setattr(perf, "BASELINES", tmp_path / "baselines")
+    perf.BASELINES.mkdir()
+    (perf.BASELINES / "bench.json").write_text(json.dumps(suite(np.random.default_rng(0))))
+    out = tmp_path / "out"
+    out.mkdir()
+    return out
+
+
+def judge(out, result: dict) -> tuple[int, object]:
+    (out / "bench.json").write_text(json.dumps(result))
+    return perf.judge("bench", out, 5.0)
+
+
+def test_a_planted_1_15x_slowdown_is_one_regression_verdict(baseline, capsys):
+    status, comparison = judge(baseline, suite(np.random.default_rng(1), scale=1.15))
+    out = capsys.readouterr().out
+    assert status == 1 and comparison.regressions and "perf: bench: REGRESSED" in out
+    assert "B1 n1 P8 R4: total_ms" in out and (baseline / "bench.md").is_file()
+    code, line = perf.verdict({"kernels": 0, "bench": status}, 300.0, 0.2)
+    assert code == 1 and line == ("perf: REGRESSION (bench): beyond the threshold over the spread between processes "
+                                  "(5.0 min, load 0.2 at the start)")
+
+
+def test_the_same_code_is_no_regression_and_says_what_it_could_have_flagged(baseline, capsys):
+    status, comparison = judge(baseline, suite(np.random.default_rng(2)))
+    out = capsys.readouterr().out
+    assert status == 0 and all(c.by_processes for c in comparison.changes)
+    could = float(out.split("could flag a slowdown of ")[1].split("%")[0])
+    assert 5 < could < 15  # the threshold plus the half-width 6 processes 3% apart leave
+    assert perf.verdict({"kernels": 0, "bench": 0}, 60.0, None) == (0, "perf: no regression (1.0 min)")
+
+
+def test_disturbed_configs_or_a_failed_suite_give_no_verdict(baseline, capsys):
+    status, _ = judge(baseline, suite(np.random.default_rng(3), disturbed=True))
+    assert status == 5 and "disturbed while they ran, not judged" in capsys.readouterr().out
+    code, line = perf.verdict({"kernels": 0, "bench": status}, 60.0, 3.2)
+    assert code == 3 and line.startswith("perf: NO VERDICT: configs were disturbed")
+    assert perf.verdict({"kernels": 2, "bench": 0}, 60.0, 0.1)[0] == 2
+    assert perf.verdict({"kernels": 2, "bench": 1}, 60.0, 0.1)[0] == 1  # a regression is news whatever else failed
+
+
+def test_a_one_process_baseline_is_judged_widened_and_says_so(baseline, capsys):
+    (perf.BASELINES / "bench.json").write_text(json.dumps(document({"1": processes(np.random.default_rng(4), 1,
+                                                                                          between=0, iterations=6)[0]})))
+    judge(baseline, document({"1": processes(np.random.default_rng(5), 6, between=0.03)}))
+    out = capsys.readouterr().out
+    assert "note: every config: BEFORE 1 process and AFTER 6 processes a config" in out and "widened by 20%" in out
