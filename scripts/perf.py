@@ -1,7 +1,8 @@
 """``make perf``: the regression guard. Not a test, and not run by CI: a check to run on a quiet machine before
 landing a change to the engine, the loss or the step, whose output goes in the change's closing note.
 
-It runs the kernel benchmarks (``scripts/kernels.py``) and the smoke bench (what ``make bench`` runs) into
+It runs the kernel benchmarks (``scripts/kernels.py``), the smoke bench (what ``make bench`` runs) and a bench of each
+workload file in ``benchmarks/perf/`` (``NAME.toml``: shapes and seed, ``opsd-rollout bench --config``) into
 ``perf-results/``, compares each with its committed baseline in ``benchmarks/perf/`` through ``opsd-rollout compare``
 (Hodges-Lehmann ratios with their confidence intervals over the raw iterations, a regression being a whole interval
 worse than the threshold), and prints, per suite, what regressed beyond noise, what it could not judge (configs
@@ -26,8 +27,10 @@ BASELINES = ROOT / "benchmarks" / "perf"
 SUITES = {
     "kernels": [str(ROOT / "scripts" / "kernels.py")],
     "bench": ["-m", "opsd_rollout", "bench"],
+    **{path.stem: ["-m", "opsd_rollout", "bench", "--config", str(path)] for path in sorted(BASELINES.glob("*.toml"))},
 }
-"""A suite's name -> what runs it after ``python`` (each at its defaults: the committed matrix)."""
+"""A suite's name -> what runs it after ``python``: the kernels and the smoke bench at their defaults, and a bench of
+each workload file in ``benchmarks/perf/`` (``NAME.toml``, compared with ``NAME.json``)."""
 VERDICTS = {0: "no regression", 1: "REGRESSED", 3: "nothing compared", 4: "configs differ",
             5: "no regression among the configs judged; some were disturbed and not judged"}
 
