@@ -19,7 +19,7 @@ SCRIPT = ROOT / "benchmarks" / "rollout-lead" / "measure.py"
 @pytest.mark.slow
 def test_the_quick_mode_measures_both_commits_on_the_same_work(tmp_path):
     done = run_named("the rollout-lead reproducer", [sys.executable, str(SCRIPT), "--quick", "--output-dir",
-                                                     str(tmp_path)], timeout=1800, env=clean_env())
+                                                     str(tmp_path)], timeout=3600, env=clean_env())
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["quick"] and summary["rounds"] == 1
