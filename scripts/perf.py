@@ -1,15 +1,16 @@
 """``make perf``: the regression guard. Not a test, and not run by CI: a check to run on a quiet machine before
 landing a change to the engine, the loss or the step, whose last line goes in the change's closing note.
 
-It runs the kernel benchmarks (``scripts/kernels.py``) and the smoke bench (what ``make bench`` runs), each config in
-``PROCESSES`` fresh processes of ``ITERATIONS`` iterations, into ``perf-results/``, and compares each with its
-committed baseline in ``benchmarks/perf/`` as ``opsd-rollout compare`` does: per config and metric the Hodges-Lehmann
-ratio over the processes' medians with its 95% interval, a regression being a whole interval worse than the
-threshold (``docs/BENCHMARKS.md``, "Comparing runs"). A same-code rerun differs between processes, not only between
+It runs the kernel benchmarks (``scripts/kernels.py``), the smoke bench (what ``make bench`` runs) and a bench of each
+seeded workload file in ``benchmarks/perf/`` (``NAME.toml``: shapes and seed, ``opsd-rollout bench --config``), each
+config in ``PROCESSES`` fresh processes of ``ITERATIONS`` iterations, into ``perf-results/``, and compares each with
+its committed baseline in ``benchmarks/perf/`` as ``opsd-rollout compare`` does: per config and metric the
+Hodges-Lehmann ratio over the processes' medians with its 95% interval, a regression being a whole interval worse than
+the threshold (``docs/BENCHMARKS.md``, "Comparing runs"). A same-code rerun differs between processes, not only between
 iterations, and the interval covers that, so a flag needs no second run to be believed. It prints what regressed,
 the smallest slowdown each suite could have flagged, and one verdict, its last line. Exit status: 0 no regression
-(every config judged), 1 a regression, 2 a suite that could not run or compare, 3 no verdict (configs disturbed while
-they ran: rerun on a quiet machine).
+(every config judged), 1 a regression, 2 a suite that could not run or compare (one without a baseline too), 3 no
+verdict (configs disturbed while they ran: rerun on a quiet machine).
 
 ``--update`` records this machine's results as the new baselines (do it on a quiet machine, and say so in the
 commit): a baseline belongs to the machine that made it, which ``benchmarks/perf/MACHINE.txt`` names.
@@ -38,10 +39,12 @@ median. The run's cost, about 9 minutes on 2 quiet cores, is in README.md ("make
 SUITES = {
     "kernels": [str(ROOT / "scripts" / "kernels.py"), "--warmup-max-seconds", "10"],
     "bench": ["-m", "opsd_rollout", "bench"],
+    **{path.stem: ["-m", "opsd_rollout", "bench", "--config", str(path)] for path in sorted(BASELINES.glob("*.toml"))},
 }
-"""A suite's name -> what runs it after ``python`` (each at its defaults: the committed matrix). The kernels' warm-up
-stops at 10 s a config (the attention and profiling kernels took 14 and 21 s of the 60 allowed, the second never
-steady), which keeps the run under 10 minutes with its 6 processes."""
+"""A suite's name -> what runs it after ``python``: the kernels and the smoke bench at their defaults (the committed
+matrix), and a bench of each workload file in ``benchmarks/perf/`` (``NAME.toml``, compared with ``NAME.json``). The
+kernels' warm-up stops at 10 s a config (the attention and profiling kernels took 14 and 21 s of the 60 allowed, the
+second never steady), which keeps the kernels and the smoke bench under 10 minutes with their 6 processes."""
 BUSY_LOAD = 1.5
 """A 1-minute load average above this when perf starts: configs will likely be disturbed, and not judged."""
 

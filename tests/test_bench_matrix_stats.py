@@ -200,3 +200,30 @@ def test_a_step_matrix_measures_our_rollout_profiled_and_not():
     assert off.key == on.key + "-unprofiled" and on.key.endswith("-jsd0.5-full") and "unprofiled" in off.label
     assert (on.engine_fields["enable_profiling"], off.engine_fields["enable_profiling"]) == (True, False)
     assert "enable_profiling" not in theirs.engine_fields
+
+
+def test_the_perf_workload_files_are_the_seeded_shapes_and_suites_of_make_perf():
+    """``benchmarks/perf/*.toml``: issue 51's workloads, fixed by the seed (greedy tokens from seeded prompts), and
+    each a suite of ``scripts/perf.py`` (compared with the baseline of its name)."""
+    import importlib.util
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    files = {path.stem: path for path in (root / "benchmarks" / "perf").glob("*.toml")}
+    assert {"shared-prefix", "long-tail"} <= set(files)
+    configs = {}
+    for name, path in files.items():
+        axes, settings_ = split_config(read_config_file(path), RolloutScenario)
+        configs[name] = Matrix.parse(RolloutScenario, axes).expand()
+        assert RolloutSettings(**settings_).seed == 0 and all(c.decoding == "greedy" for c in configs[name])
+    assert {(c.batch_size, c.samples_per_prompt, c.prompt_length, c.response_length, c.lengths)
+            for c in configs["shared-prefix"]} == {(2, 8, p, 32, "fixed") for p in (128, 512, 1536)}
+    tail = configs["long-tail"]
+    assert {c.continuous_batch_size for c in tail} == {None, 8}
+    assert {(c.effective_batch_size, c.response_length, c.lengths) for c in tail} == {
+        (24, 384, "lognormal:median=27,sigma=1.5")}
+    spec = importlib.util.spec_from_file_location("perf_script", root / "scripts" / "perf.py")
+    perf = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(perf)
+    for name, path in files.items():
+        assert perf.SUITES[name] == ["-m", "opsd_rollout", "bench", "--config", str(path)]
