@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, cast
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Protocol, cast
 
 import torch
 from transformers.cache_utils import StaticCache, StaticLayer
@@ -39,6 +40,17 @@ def logit_transform(config: PreTrainedConfig) -> tuple[float, float | None]:
     if getattr(config, "logits_scaling", None):
         scale /= config.logits_scaling
     return scale, getattr(config, "final_logit_softcapping", None) or None
+
+
+class TokenizerLike(Protocol):
+    """What a rollout and a step read of a tokenizer: its pad and EOS ids (a transformers tokenizer has both; a model
+    whose ``generation_config`` names more EOS ids adds them)."""
+
+    @property
+    def pad_token_id(self) -> int | None: ...
+
+    @property
+    def eos_token_id(self) -> int | Sequence[int] | None: ...
 
 
 def model_config(model: torch.nn.Module) -> PreTrainedConfig:
