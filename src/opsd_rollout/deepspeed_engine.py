@@ -11,7 +11,7 @@ import io
 import logging
 import os
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import deepspeed
 import torch
@@ -20,6 +20,8 @@ import torch.distributed as dist
 from opsd_rollout.deepspeed_config import LEARNING_RATE
 from opsd_rollout.distributed import free_port
 
+if TYPE_CHECKING:
+    from deepspeed.runtime.engine import DeepSpeedEngine
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +75,8 @@ def deepspeed_config(zero_stage: int, *, dtype: torch.dtype = torch.float32, lr:
     }
 
 
-def build_inference_engine(model: torch.nn.Module, zero_stage: int = 3, *, param_persistence_threshold: int = 0):
+def build_inference_engine(model: torch.nn.Module, zero_stage: int = 3, *,
+                           param_persistence_threshold: int = 0) -> DeepSpeedEngine:
     """A frozen model (a teacher) as a DeepSpeed engine with no optimizer: at ZeRO-3 its parameters are partitioned
     across the ranks, each forward gathering them a module at a time, so a teacher larger than one device fits."""
     if zero_stage not in (0, 3):
@@ -87,11 +90,14 @@ def build_inference_engine(model: torch.nn.Module, zero_stage: int = 3, *, param
     return engine
 
 
-def build_engine(model: torch.nn.Module, zero_stage: int, **config_kwargs: Any):
-    """Wrap ``model`` in a DeepSpeed engine at ``zero_stage``; returns the engine."""
+def build_engine(model: torch.nn.Module, zero_stage: int, *, lr: float = LEARNING_RATE, micro_batch_size: int = 1,
+                 param_persistence_threshold: int = 0) -> DeepSpeedEngine:
+    """Wrap ``model`` in a DeepSpeed engine at ``zero_stage`` (the rest as ``deepspeed_config`` takes them, its dtype
+    the model's); returns the engine."""
     init_distributed()
     dtype = next(model.parameters()).dtype
-    config = deepspeed_config(zero_stage, dtype=dtype, **config_kwargs)
+    config = deepspeed_config(zero_stage, dtype=dtype, lr=lr, micro_batch_size=micro_batch_size,
+                              param_persistence_threshold=param_persistence_threshold)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters()
                                                                      if p.requires_grad], config=config)
     return engine

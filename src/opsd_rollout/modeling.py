@@ -10,22 +10,26 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass
-from typing import Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Protocol, cast
 
 import torch
 from transformers.cache_utils import StaticCache, StaticLayer
+
+if TYPE_CHECKING:
+    from transformers.configuration_utils import PreTrainedConfig
 
 CACHE_KEYWORDS = ("cache", "past_key_values")
 """How a model's ``forward`` takes its KV cache: ``cache`` from transformers 5.23 on, ``past_key_values``
 before. Passing the other name is no error in either: ``**kwargs`` swallows it and the model runs uncached."""
 
 
-def text_config(config: Any) -> Any:
+def text_config(config: PreTrainedConfig) -> PreTrainedConfig:
     """The decoder's config of a (possibly multimodal) model config."""
     return config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
 
 
-def logit_transform(config: Any) -> tuple[float, float | None]:
+def logit_transform(config: PreTrainedConfig) -> tuple[float, float | None]:
     """What a model's ``forward`` does to its LM head's output, as ``(scale, cap)``: logits times ``scale``, then
     ``cap * tanh(logits / cap)`` when ``cap`` is set. Cohere's ``logit_scale``, Granite's ``logits_scaling``,
     Gemma 2/3's ``final_logit_softcapping``; ``(1.0, None)`` for most models."""
@@ -38,14 +42,31 @@ def logit_transform(config: Any) -> tuple[float, float | None]:
     return scale, getattr(config, "final_logit_softcapping", None) or None
 
 
+class TokenizerLike(Protocol):
+    """What a rollout and a step read of a tokenizer: its pad and EOS ids (a transformers tokenizer has both; a model
+    whose ``generation_config`` names more EOS ids adds them)."""
+
+    @property
+    def pad_token_id(self) -> int | None: ...
+
+    @property
+    def eos_token_id(self) -> int | Sequence[int] | None: ...
+
+
+def model_config(model: torch.nn.Module) -> PreTrainedConfig:
+    """A transformers model's ``config`` (``nn.Module`` types an attribute it does not know as a tensor or a module)."""
+    return cast("PreTrainedConfig", model.config)
+
+
 def wrapped_modules(module: torch.nn.Module) -> list[torch.nn.Module]:
     """``module`` and what it wraps: ``.module`` of DeepSpeed engines, ``get_base_model()`` of PEFT."""
     chain = [module]
     while True:
         current = chain[-1]
         inner = getattr(current, "module", None)
-        if not isinstance(inner, torch.nn.Module) and callable(getattr(current, "get_base_model", None)):
-            inner = current.get_base_model()
+        base_model = getattr(current, "get_base_model", None)
+        if not isinstance(inner, torch.nn.Module) and callable(base_model):
+            inner = base_model()
         if not isinstance(inner, torch.nn.Module) or inner in chain:
             return chain
         chain.append(inner)
@@ -91,7 +112,7 @@ class KVShape:
     head_dim: int
 
     @classmethod
-    def of(cls, config: Any) -> "KVShape":
+    def of(cls, config: PreTrainedConfig) -> "KVShape":
         config = text_config(config)
         heads = getattr(config, "num_attention_heads", None) or getattr(config, "n_head")
         hidden = getattr(config, "hidden_size", None) or getattr(config, "n_embd")
@@ -104,7 +125,7 @@ class KVShape:
         return 2 * self.layers * self.kv_heads * self.head_dim * element_size
 
 
-def max_positions_of(config: Any) -> int | None:
+def max_positions_of(config: PreTrainedConfig) -> int | None:
     """The model's position limit from its config, or ``None`` when it has none."""
     config = text_config(config)
     return getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
@@ -136,7 +157,7 @@ NEUTRAL_GENERATION = {"repetition_penalty": (None, 1.0), "no_repeat_ngram_size":
 """``generation_config`` fields and the values that leave ``generate()``'s logits processors off."""
 
 
-def _static_cache_problem(model: torch.nn.Module, config: Any, attention: str | None,
+def _static_cache_problem(model: torch.nn.Module, config: PreTrainedConfig, attention: str | None,
                           keyword: str | None) -> str | None:
     if keyword is None:
         return f"{type(model).__name__}.forward takes no KV cache argument by name"
@@ -146,7 +167,7 @@ def _static_cache_problem(model: torch.nn.Module, config: Any, attention: str | 
             config, "qk_rope_head_dim", None):
         return "keys and values of different widths (multi-head latent attention)"
     try:
-        layers = StaticCache(config=model.config, max_cache_len=2).layers
+        layers = StaticCache(config=model_config(model), max_cache_len=2).layers
     except Exception as error:  # noqa: BLE001 - any failure means: no static cache for this model
         return f"cannot build a static cache for {type(model).__name__}: {error}"
     if any(type(layer) is not StaticLayer for layer in layers):
@@ -154,7 +175,7 @@ def _static_cache_problem(model: torch.nn.Module, config: Any, attention: str | 
     return None
 
 
-def _full_numel(param: torch.nn.Parameter) -> int:
+def _full_numel(param: torch.Tensor) -> int:
     """A parameter's full size, also when ZeRO-3 has partitioned it away (``ds_numel``)."""
     return int(getattr(param, "ds_numel", param.numel()))
 
@@ -163,7 +184,7 @@ def _full_numel(param: torch.nn.Parameter) -> int:
 class ModelSpec:
     """A transformers causal LM's facts, read once (``ModelSpec.of``) from the innermost model."""
 
-    config: Any
+    config: PreTrainedConfig
     """The decoder's config."""
     vocab_size: int | None
     max_positions: int | None
@@ -191,8 +212,8 @@ class ModelSpec:
     @classmethod
     def of(cls, model: torch.nn.Module) -> "ModelSpec":
         model = innermost_model(model)
-        config = text_config(model.config)
-        attention = base_attention(getattr(model.config, "_attn_implementation", None))
+        config = text_config(model_config(model))
+        attention = base_attention(getattr(model_config(model), "_attn_implementation", None))
         keyword = cache_keyword(model)
         try:
             kv = KVShape.of(config)
@@ -200,7 +221,8 @@ class ModelSpec:
             kv = None
         params = list(model.parameters())
         parameters = sum(_full_numel(p) for p in params)
-        output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        output_embeddings = getattr(model, "get_output_embeddings", None)
+        output = output_embeddings() if output_embeddings is not None else None
         lookups = [m for m in model.modules() if isinstance(m, torch.nn.Embedding)]
         untied = [m.weight for m in lookups if m.weight is not getattr(output, "weight", None)]
         generation = getattr(model, "generation_config", None)

@@ -17,6 +17,10 @@ from opsd_rollout.presets import (BOS_ID, BOS_TOKEN, BYTE_OFFSET, DEFAULT_MODEL,
 
 if TYPE_CHECKING:
     import torch
+    from tokenizers import Tokenizer
+    from transformers.configuration_utils import PreTrainedConfig
+    from transformers.modeling_utils import PreTrainedModel
+    from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 __all__ = ["ADAPTER_CONFIG", "BOS_ID", "DEFAULT_MODEL", "EOS_ID", "PAD_ID", "PRESETS", "VOCAB_SIZE", "ModelPreset",
            "adapter_base", "byte_tokenizer", "dtype_name", "load_model", "load_tokenizer", "max_positions",
@@ -43,7 +47,7 @@ def _byte_alphabet() -> dict[int, str]:
     return table
 
 
-def _byte_tokenizer_object():
+def _byte_tokenizer_object() -> Tokenizer:
     from tokenizers import Tokenizer, decoders, pre_tokenizers
     from tokenizers.models import BPE
 
@@ -55,7 +59,7 @@ def _byte_tokenizer_object():
     return tokenizer
 
 
-def byte_tokenizer():
+def byte_tokenizer() -> PreTrainedTokenizerBase:
     """A transformers fast tokenizer over bytes: pad 0, bos 1, eos 2, byte b is b + 3; pads on the left."""
     from transformers import PreTrainedTokenizerFast
 
@@ -81,7 +85,7 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def load_model(name_or_path: str, *, dtype: str | torch.dtype = "fp32", device: str | torch.device = "cpu",
-               seed: int | None = None):
+               seed: int | None = None) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Return ``(model, tokenizer)`` for a preset name or a local checkpoint directory.
 
     ``seed``: a preset's weights are drawn from it (``None``: the preset's own seed, the weights every result
@@ -144,7 +148,7 @@ def _refuse(name_or_path: str) -> ValueError:
         "(e.g. `huggingface-cli download <id> --local-dir DIR`) and pass the local path.")
 
 
-def model_config(name_or_path: str):
+def model_config(name_or_path: str) -> PreTrainedConfig:
     """The model's transformers config alone (no weights), for a preset or a local checkpoint directory (an adapter
     directory's base's)."""
     name_or_path = _config_source(name_or_path)
@@ -157,7 +161,7 @@ def model_config(name_or_path: str):
     raise _refuse(name_or_path)
 
 
-def load_tokenizer(name_or_path: str):
+def load_tokenizer(name_or_path: str) -> PreTrainedTokenizerBase | None:
     """The tokenizer alone (a preset's byte tokenizer, or a checkpoint directory's), set up as ``load_model``'s is;
     ``None`` for a directory that holds none (a model saved without its tokenizer)."""
     if name_or_path in PRESETS:
@@ -173,7 +177,7 @@ def load_tokenizer(name_or_path: str):
     return _prepared(tokenizer)
 
 
-def _prepared(tokenizer):
+def _prepared(tokenizer: PreTrainedTokenizerBase) -> PreTrainedTokenizerBase:
     """A checkpoint's tokenizer as rollouts take it: padding on the left, EOS as the pad when it has none."""
     if tokenizer.pad_token_id is None and tokenizer.eos_token_id is not None:
         tokenizer.pad_token = tokenizer.eos_token
@@ -181,7 +185,7 @@ def _prepared(tokenizer):
     return tokenizer
 
 
-def model_skeleton(name_or_path: str):
+def model_skeleton(name_or_path: str) -> PreTrainedModel:
     """The model built from its config on the meta device: its modules and shapes, no weights (what a check of its
     layers needs, in a fraction of loading it)."""
     import torch  # heavy: see the module docstring
@@ -244,7 +248,8 @@ def _text_config_file(path: str) -> dict:
     return text if isinstance(text, dict) else config
 
 
-def _load_local(path: str, dtype: torch.dtype, device: str | torch.device):
+def _load_local(path: str, dtype: torch.dtype,
+                device: str | torch.device) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)

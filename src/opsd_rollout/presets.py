@@ -13,7 +13,12 @@ them when it builds its model. ``opsd_rollout.models`` loads presets and local c
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+    from transformers.configuration_utils import PreTrainedConfig
+    from transformers.modeling_utils import PreTrainedModel
 
 PAD_TOKEN, BOS_TOKEN, EOS_TOKEN = "<pad>", "<s>", "</s>"
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
@@ -40,7 +45,7 @@ class ModelPreset:
     def vocab_size(self) -> int:
         return self.config_kwargs.get("vocab_size", VOCAB_SIZE)
 
-    def make_config(self):
+    def make_config(self) -> PreTrainedConfig:
         from transformers import AutoConfig  # heavy: see the module docstring
 
         common = dict(vocab_size=VOCAB_SIZE, pad_token_id=PAD_ID, bos_token_id=BOS_ID, eos_token_id=EOS_ID)
@@ -60,7 +65,8 @@ class ModelPreset:
             count = sum(p.numel() for p in self.build(device="meta").parameters())
         return count
 
-    def build(self, *, dtype: Any = None, device: Any = "cpu", seed: int | None = None):
+    def build(self, *, dtype: torch.dtype | None = None, device: str | torch.device = "cpu",
+              seed: int | None = None) -> PreTrainedModel:
         """Instantiate in eval mode with weights drawn from ``seed`` (global RNG state untouched); ``dtype``
         defaults to float32.
 
@@ -82,7 +88,7 @@ class ModelPreset:
         return model.to(device=device, dtype=dtype).eval()
 
 
-def _seed(seed: Any) -> int:
+def _seed(seed: object) -> int:
     """``seed`` checked: an int, as ``torch.manual_seed`` takes it (a float or a bool would be taken silently)."""
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise TypeError(f"seed must be an int (or None for the preset's own weights); got {seed!r}")

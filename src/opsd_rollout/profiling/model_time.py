@@ -16,7 +16,6 @@ CUDA graph, so the graph's replays cannot be seen and an empty list cannot mean 
 from __future__ import annotations
 
 import weakref
-from typing import Any
 
 import torch
 
@@ -87,7 +86,7 @@ class ModelTimeProfiler:
     def __enter__(self) -> "ModelTimeProfiler":
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.remove()
 
 

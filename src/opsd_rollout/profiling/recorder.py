@@ -10,7 +10,7 @@ import contextlib
 import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeAlias
 
 import torch
 
@@ -157,3 +157,6 @@ class _NullRecorder:
 
 
 NULL_RECORDER = _NullRecorder()
+
+Recorder: TypeAlias = "StageRecorder | _NullRecorder"
+"""What a profiled call records its stages on: a ``StageRecorder``, or ``NULL_RECORDER`` when it is not profiled."""

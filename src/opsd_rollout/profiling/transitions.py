@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import Any
 
 import torch
 
@@ -23,15 +22,15 @@ class ModeSwitchTimes:
         self._recorder = StageRecorder(clock, time_forwards=False)
         self._probes = PhaseProbes(clock)
         self._probes.watch_gc()
-        self._read: dict[str, Any] | None = None
+        self._read: dict[str, float | None] | None = None
 
-    def switch(self, engine: Any, method: str) -> None:
+    def switch(self, engine: torch.nn.Module, method: str) -> None:
         """``engine.<method>()`` (``eval`` or ``train``), timed."""
         with self._recorder.stage(method), self._recorder.probes(self._probes):
             getattr(engine, method)()
         self._read = None
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, float | None]:
         """``eval_ms``, ``train_ms`` (``None`` until ``engine.train()`` ran) and ``gc_ms``: the full garbage
         collections inside either switch."""
         if self._read is None:
@@ -50,11 +49,11 @@ class ModeSwitchTimes:
 
     @property
     def gc_ms(self) -> float:
-        return self.to_dict()["gc_ms"]
+        return self.to_dict()["gc_ms"] or 0.0
 
 
 @contextlib.contextmanager
-def timed_eval(engine: Any, device: torch.device | str | None = None, *,
+def timed_eval(engine: torch.nn.Module, device: torch.device | str | None = None, *,
                train_after: bool | None = None) -> Iterator[ModeSwitchTimes]:
     """``with timed_eval(engine) as times: rollout.generate(...)``: ``engine.eval()`` on entry and
     ``engine.train()`` on exit, both timed (on the device's clock, read when ``times`` is). ``train_after=None``

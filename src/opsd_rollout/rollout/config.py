@@ -7,11 +7,15 @@ holds the engine's finer knobs, each with the default measured to be the right o
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from opsd_rollout import checks
 from opsd_rollout.rollout.deepspeed_fields import NAMES as DEEPSPEED_NAMES
 from opsd_rollout.rollout.deepspeed_fields import DeepSpeedFields, ReadBack, contradiction, implied_fields
+
+if TYPE_CHECKING:
+    from deepspeed.runtime.rollout.base import RolloutConfig
+    from deepspeed.runtime.rollout.hybrid_engine_rollout import HybridEngineRolloutConfig as DeepSpeedRolloutConfig
 
 STRATEGIES = ("static", "generate")
 RESPONSE_WIDTHS = ("max_new_tokens", "longest")
@@ -190,7 +194,8 @@ class HybridEngineRolloutConfig(_ConfigFields):
         return cls(options=options, **values)
 
     @classmethod
-    def from_any(cls, cfg: Any) -> "HybridEngineRolloutConfig":
+    def from_any(cls, cfg: HybridEngineRolloutConfig | DeepSpeedRolloutConfig | RolloutConfig | None
+                 ) -> "HybridEngineRolloutConfig":
         """Ours as is; ``None`` gives the defaults; a DeepSpeed config object (``HybridEngineRolloutConfig``,
         ``RolloutConfig``) is read by field name: the names both configs have as they are, DeepSpeed's others as
         keywords (kept, and mapped onto ours as docs/MIGRATING.md says)."""

@@ -7,16 +7,18 @@ import dataclasses
 import functools
 import logging
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from deepspeed.runtime.rollout.base import RolloutBatch, RolloutEngine, RolloutRequest, SamplingConfig
 
 from opsd_rollout import checks
 from opsd_rollout.distributed import agree_max
+from opsd_rollout.modeling import TokenizerLike
 from opsd_rollout.models import dtype_name
 from opsd_rollout.profiling import NULL_RECORDER, Clock, PeakMemory, RolloutProfile, Span, StageRecorder
 from opsd_rollout.profiling.probes import PhaseProbes
+from opsd_rollout.profiling.recorder import Recorder
 from opsd_rollout.profiling.profile import build_profile
 from opsd_rollout.rollout import postprocess
 from opsd_rollout.rollout.config import HybridEngineRolloutConfig
@@ -26,9 +28,12 @@ from opsd_rollout.rollout.gather import GatherOnce
 from opsd_rollout.rollout.phases import add_rollout_probes, zero3_offload
 from opsd_rollout.rollout.processors import RowLogitsProcessor
 from opsd_rollout.rollout.strategies import TransformersGenerate, make_strategy
-from opsd_rollout.rollout.target import hybrid_engine_problem, merged_weights, resolve_target
+from opsd_rollout.rollout.target import EngineOrModel, hybrid_engine_problem, merged_weights, resolve_target
 from opsd_rollout.rollout.validation import RolloutPlan, plan_rollout, resolve_special_tokens
 
+if TYPE_CHECKING:
+    from deepspeed.runtime.rollout.base import RolloutConfig
+    from deepspeed.runtime.rollout.hybrid_engine_rollout import HybridEngineRolloutConfig as DeepSpeedRolloutConfig
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +54,8 @@ class HybridEngineRollout(RolloutEngine):
 
     name = "opsd_rollout"
 
-    def __init__(self, engine: Any, tokenizer: Any, cfg: Any = None):
+    def __init__(self, engine: EngineOrModel, tokenizer: TokenizerLike,
+                 cfg: HybridEngineRolloutConfig | DeepSpeedRolloutConfig | RolloutConfig | None = None):
         self.engine = engine
         self.tokenizer = tokenizer
         self.cfg = HybridEngineRolloutConfig.from_any(cfg)
@@ -115,7 +121,7 @@ class HybridEngineRollout(RolloutEngine):
         """Free inference workspaces kept between calls and the accelerator's cached blocks."""
         self._release(NULL_RECORDER)
 
-    def _release(self, recorder: Any) -> None:
+    def _release(self, recorder: Recorder) -> None:
         with recorder.phase("inference_cache"):
             self.strategy.release_workspace()
         with recorder.phase("empty_cache"):
@@ -169,7 +175,7 @@ class HybridEngineRollout(RolloutEngine):
                                     finish_forward=None if finish is None else self._clock.host_copy(finish))
         host_lengths = self._clock.host_copy(lengths)
         workspace = self.strategy.workspace
-        facts = dict(
+        facts: dict[str, Any] = dict(
             peak_memory=memory.stop(), effective_batch_size=plan.effective_batch_size,
             response_length=batch.seq_len - plan.prompt_length, batch_size=plan.batch_size,
             samples_per_prompt=plan.samples_per_prompt, prompt_length=plan.prompt_length,
@@ -203,7 +209,7 @@ class HybridEngineRollout(RolloutEngine):
             probes.add(obj, method, phase)
         return probes
 
-    def _params_gathered(self, recorder: Any) -> contextlib.AbstractContextManager:
+    def _params_gathered(self, recorder: Recorder) -> contextlib.AbstractContextManager:
         return self._gather_once(recorder) if self._gather_once is not None else contextlib.nullcontext()
 
     @contextlib.contextmanager
@@ -216,24 +222,26 @@ class HybridEngineRollout(RolloutEngine):
             yield
             return
         kept = [(weight, weight.detach().clone()) for weight in merged_weights(self.target.model)]
-        self.target.model.merge_adapter()
+        model = self.target.model  # a PEFT model: the config checked merge_adapter and unmerge_adapter are there
+        getattr(model, "merge_adapter")()
         try:
             yield
         finally:
-            self.target.model.unmerge_adapter()
+            getattr(model, "unmerge_adapter")()
             with torch.no_grad():
                 for weight, original in kept:
                     weight.copy_(original)
 
-    def _rollout(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, plan: RolloutPlan, recorder: Any,
+    def _rollout(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, plan: RolloutPlan, recorder: Recorder,
                  processor: RowLogitsProcessor | None, seed: int | None) -> tuple[RolloutBatch, torch.Tensor]:
         P = plan.prompt_length
         with recorder.stage("prompt_expansion"):  # the mask [N, P + max_new_tokens]: the batch's, allocated once
             ids, batch_mask = postprocess.expand_prompts(prompt_ids, prompt_mask, plan.samples_per_prompt,
                                                          plan.max_new_tokens)
             mask = batch_mask[:, :P]
-        probes = self._probes() if recorder.enabled else None  # the unprofiled path builds nothing
-        with recorder.stage("generation"), recorder.forwards(self.target.forward_module), recorder.probes(probes):
+        # the unprofiled path builds no probes
+        probes = recorder.probes(self._probes()) if recorder.enabled else contextlib.nullcontext()
+        with recorder.stage("generation"), recorder.forwards(self.target.forward_module), probes:
             with self._params_gathered(recorder) as gathered, self._adapters_merged(gathered):
                 # per-layer ZeRO-3 gathering makes every forward a collective: ranks must prefill together
                 layerwise = self.target.zero_stage == 3 and not gathered

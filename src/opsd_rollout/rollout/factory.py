@@ -10,17 +10,25 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from opsd_rollout.rollout.config import HybridEngineRolloutConfig
 from opsd_rollout.rollout.deepspeed_fields import NAMES as DEEPSPEED_NAMES
 from opsd_rollout.rollout.engine import HybridEngineRollout
 
+if TYPE_CHECKING:
+    from deepspeed.runtime.rollout.base import RolloutConfig
+    from deepspeed.runtime.rollout.hybrid_engine_rollout import HybridEngineRolloutConfig as DeepSpeedRolloutConfig
+
+    from opsd_rollout.modeling import TokenizerLike
+    from opsd_rollout.rollout.target import EngineOrModel
+
 ENGINES = ("hybrid_engine",)
 """The values of ``RolloutConfig.engine`` the factory builds (DeepSpeed's one name for this rollout)."""
 
 
-def build_rollout(rollout_cfg: Any, student_engine: Any = None, tokenizer: Any = None,
+def build_rollout(rollout_cfg: RolloutConfig | DeepSpeedRolloutConfig | HybridEngineRolloutConfig,
+                  student_engine: EngineOrModel | None = None, tokenizer: TokenizerLike | None = None,
                   **kwargs: Any) -> HybridEngineRollout:
     """Build the rollout ``rollout_cfg.engine`` names, as DeepSpeed's factory does.
 

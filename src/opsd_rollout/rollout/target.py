@@ -3,8 +3,9 @@ transformers causal LM, possibly wrapped by PEFT. Resolved once, when the rollou
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Protocol, TypeAlias, TypeGuard
 
 import deepspeed
 import torch
@@ -17,11 +18,24 @@ from opsd_rollout.distributed import partitioned, rank_info
 from opsd_rollout.modeling import ModelSpec, device_of, innermost_model
 
 
+class WrapsModule(Protocol):
+    """Anything whose ``.module`` is the model, as DeepSpeed's rollout reads an engine: a wrapper of DeepSpeed's
+    engine, a user's own."""
+
+    @property
+    def module(self) -> torch.nn.Module: ...
+
+
+EngineOrModel: TypeAlias = "torch.nn.Module | WrapsModule"
+"""What a rollout runs on: a DeepSpeed engine (a ``torch.nn.Module``, ZeRO 0-3, hybrid engine or not), a transformers
+causal LM (PEFT-wrapped or not), or a wrapper whose ``.module`` is one."""
+
+
 @dataclass(frozen=True)
 class RolloutTarget:
     """The pieces of an engine or model that generation needs."""
 
-    engine: Any
+    engine: EngineOrModel
     """What the user passed: a DeepSpeed engine or the model itself."""
     model: torch.nn.Module
     """The module generation is called on: ``engine.module`` for DeepSpeed, the model itself otherwise."""
@@ -72,7 +86,7 @@ class RolloutTarget:
         return rank_info().rank
 
 
-def hybrid_engine_problem(engine: Any) -> str | None:
+def hybrid_engine_problem(engine: EngineOrModel) -> str | None:
     """Why DeepSpeed's hybrid engine cannot generate with the installed transformers, or ``None``.
 
     In eval mode the hybrid engine swaps each decoder layer's forward for a DeepSpeed inference layer
@@ -94,7 +108,7 @@ def hybrid_engine_problem(engine: Any) -> str | None:
             "rollout, takes its place)")
 
 
-def _eos_ids(value: Any) -> tuple[int, ...]:
+def _eos_ids(value: int | Sequence[int] | torch.Tensor | None) -> tuple[int, ...]:
     if value is None:
         return ()
     if isinstance(value, int):
@@ -104,14 +118,15 @@ def _eos_ids(value: Any) -> tuple[int, ...]:
     return tuple(int(v) for v in value)
 
 
-def is_causal_lm(obj: Any) -> bool:
+def is_causal_lm(obj: object) -> TypeGuard[torch.nn.Module]:
     """A module that generates itself: a transformers causal LM, or a PEFT wrapper of one."""
     return isinstance(obj, torch.nn.Module) and callable(getattr(obj, "generate", None)) and \
         getattr(innermost_model(obj), "config", None) is not None
 
 
-def resolve_target(engine_or_model: Any) -> RolloutTarget:
+def resolve_target(engine_or_model: EngineOrModel) -> RolloutTarget:
     """Inspect ``engine_or_model`` once; raises ``TypeError`` for anything that cannot generate."""
+    generate_fn: Callable[..., torch.Tensor] | None
     if isinstance(engine_or_model, DeepSpeedEngine):
         model = engine_or_model.module
         zero_stage = int(engine_or_model.zero_optimization_stage())
@@ -120,11 +135,11 @@ def resolve_target(engine_or_model: Any) -> RolloutTarget:
         generate_fn = engine_or_model.generate if hybrid else model.generate
     elif is_causal_lm(engine_or_model):
         model, zero_stage, hybrid = engine_or_model, 0, False
-        device, generate_fn = device_of(model), model.generate
-    elif isinstance(getattr(engine_or_model, "module", None), torch.nn.Module):
+        device, generate_fn = device_of(model), getattr(model, "generate")
+    elif isinstance(inner := getattr(engine_or_model, "module", None), torch.nn.Module):
         # what DeepSpeed's rollout reads an engine as: anything whose ``.module`` is the model (a wrapper of
         # DeepSpeed's engine, a user's own, DDP)
-        model, hybrid = engine_or_model.module, False
+        model, hybrid = inner, False
         stage = getattr(engine_or_model, "zero_optimization_stage", None)
         zero_stage = int(stage()) if callable(stage) else 3 if partitioned(model) else 0
         device, generate_fn = device_of(model), getattr(model, "generate", None)
@@ -157,8 +172,9 @@ def merged_weights(model: torch.nn.Module) -> list[torch.Tensor]:
     (PEFT's tuner layers: modules with ``get_base_layer`` and ``merge``)."""
     found = []
     for module in model.modules():
-        if callable(getattr(module, "get_base_layer", None)) and callable(getattr(module, "merge", None)):
-            base = module.get_base_layer()
+        base_layer = getattr(module, "get_base_layer", None)
+        if callable(base_layer) and callable(getattr(module, "merge", None)):
+            base = base_layer()
             found += [t for t in (getattr(base, "weight", None), getattr(base, "bias", None))
                       if isinstance(t, torch.Tensor)]
     return found

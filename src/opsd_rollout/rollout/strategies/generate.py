@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers import GenerationConfig, LogitsProcessorList
@@ -13,6 +13,9 @@ from opsd_rollout.seeding import seeded
 from opsd_rollout.rollout.target import RolloutTarget
 from opsd_rollout.rollout.validation import RolloutPlan
 
+if TYPE_CHECKING:
+    from opsd_rollout.rollout.workspace import KVWorkspace
+
 
 class TransformersGenerate:
     """transformers' ``generate`` with the call's sampling knobs; rows stop at EOS and the batch stops when
@@ -20,7 +23,8 @@ class TransformersGenerate:
     forwards (a rank that is done keeps joining the parameter gathers) without padding its own output."""
 
     name = "generate"
-    workspace = None
+    workspace: KVWorkspace | None = None
+    """Always ``None``: generate keeps no workspace (typed as the strategies' interface names it)."""
 
     def __init__(self) -> None:
         self.last_stats = DecodeStats()
