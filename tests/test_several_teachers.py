@@ -90,6 +90,18 @@ def test_a_served_teacher_and_an_in_process_one_route_alike(tiny_models, tokeniz
     assert there.teacher_latency_ms > 0 and here.teacher_latency_ms == 0
 
 
+def test_a_served_teacher_routed_no_prompt_is_not_asked(tiny_models, tokenizer, teachers):
+    """Every prompt routed to the in-process teacher: the served one (a server that is never started, so a request
+    to it would fail) sits the step out, and the step is the in-process teacher's alone."""
+    served = ServedTeacher("http://127.0.0.1:9", tokenizer=tokenizer)  # the discard port: nothing answers
+    served.connect = lambda vocab: None  # the checks before any work would ask it for its model
+    cache = TeacherCacheConfig(mode="topk", top_k=8)
+    routed, _ = step(tiny_models["llama-tiny"], {"a": teachers["a"], "b": served}, tokenizer, range(4),
+                     routes=["a"] * 4, teacher_cache=cache)
+    alone, _ = step(tiny_models["llama-tiny"], teachers["a"], tokenizer, range(4), teacher_cache=cache)
+    assert set(routed.teacher_losses) == {"a"} and routed.loss == pytest.approx(alone.loss, rel=1e-5)
+
+
 class Untouchable:
     def generate(self, *args, **kwargs):
         raise AssertionError("the rollout ran")

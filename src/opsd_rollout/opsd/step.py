@@ -324,13 +324,14 @@ class OPSDStep:
     def _shares(self, targets: Any, routes: Sequence[str] | None, scored: Any) -> list[Share]:
         """Each teacher's rows and targets (and what it scores, ``scored``, when its prompts are not the student's):
         every row for one teacher; with several, each prompt's rows to the teacher its route names (a partitioned
-        teacher joins with no rows: its gathers need every rank)."""
+        teacher joins with no rows: its gathers need every rank; a served one routed no prompt is not asked)."""
         if not self.routed:
             return [Share(name=None, teacher=self.teacher, rows=None, targets=targets, scored=scored)]
         rows = route_rows(self.teacher, routes, self.sampling.n_samples_per_prompt, targets.input_ids.device)
         return [Share(name=name, teacher=each, rows=rows[name], targets=share_targets(targets, rows[name]),
                       scored=None if scored is None else share_targets(scored, rows[name]))
-                for name, each in self.teacher.items() if rows[name].numel() or partitioned(innermost_model(each))]
+                for name, each in self.teacher.items()
+                if rows[name].numel() or (not isinstance(each, ServedTeacher) and partitioned(innermost_model(each)))]
 
 
 @dataclass(kw_only=True, eq=False)
