@@ -592,10 +592,11 @@ def check_forward_timer(ctx: Context) -> Finding:
 
 
 def check_compiled_speed(ctx: Context) -> Finding:
-    """The ``compile`` kernel's per-token comparison (``opsd-rollout kernels --kernels compile``): eager vs compiled
-    (CUDA graphs) at B = 1, 4, 16, 32, equal tokens asserted (fp32), the speed-up, the bytes a step reads (weights +
-    KV) and each side's achieved bandwidth and share of the roofline (the device's copy bandwidth, measured here)."""
-    from opsd_rollout.bench.kernels.compile import compiled_speed
+    """The ``compile`` kernel's per-token comparison (``python scripts/kernels.py --kernels compile``): eager vs
+    compiled (CUDA graphs) at B = 1, 4, 16, 32, equal tokens asserted (fp32), the speed-up, the bytes a step reads
+    (weights + KV) and each side's achieved bandwidth and share of the roofline (the device's copy bandwidth, measured
+    here)."""
+    from kernel_bench.compile import compiled_speed  # beside this script
 
     model, tokenizer = load_model(ctx.name, dtype=ctx.dtype_name, device=ctx.device)  # a fresh model: no other check's
     rows = compiled_speed(model, tokenizer, ctx.gpu.size([1, 4, 16, 32], [1]), prompt_length=ctx.gpu.size(64, 8),

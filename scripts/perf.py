@@ -1,11 +1,11 @@
 """``make perf``: the regression guard. Not a test, and not run by CI: a check to run on a quiet machine before
 landing a change to the engine, the loss or the step, whose output goes in the change's closing note.
 
-It runs the kernels benchmark and the smoke bench (what ``make bench`` runs) into ``perf-results/``, compares each
-with its committed baseline in ``benchmarks/perf/`` through ``opsd-rollout compare`` (Hodges-Lehmann ratios with
-their confidence intervals over the raw iterations, a regression being a whole interval worse than the threshold),
-and prints, per suite, what regressed beyond noise, what it could not judge (configs disturbed while they ran) and
-where the full comparison is. Exit status: 0 no regression, 1 a regression, 2 a suite that could not run or compare.
+It runs the kernel benchmarks (``scripts/kernels.py``) and the smoke bench (what ``make bench`` runs) into
+``perf-results/``, compares each with its committed baseline in ``benchmarks/perf/`` through ``opsd-rollout compare``
+(Hodges-Lehmann ratios with their confidence intervals over the raw iterations, a regression being a whole interval
+worse than the threshold), and prints, per suite, what regressed beyond noise, what it could not judge (configs
+disturbed while they ran) and where the full comparison is. Exit status: 0 no regression, 1 a regression, 2 a suite that could not run or compare.
 
 ``--update`` records this machine's results as the new baselines (do it on a quiet machine, and say so in the
 commit): a baseline belongs to the machine that made it, which ``benchmarks/perf/MACHINE.txt`` names.
@@ -24,23 +24,23 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 BASELINES = ROOT / "benchmarks" / "perf"
 SUITES = {
-    "kernels": ["kernels"],
-    "bench": ["bench"],
+    "kernels": [str(ROOT / "scripts" / "kernels.py")],
+    "bench": ["-m", "opsd_rollout", "bench"],
 }
-"""A suite's name -> its ``opsd-rollout`` subcommand and flags (each at its defaults: the committed matrix)."""
+"""A suite's name -> what runs it after ``python`` (each at its defaults: the committed matrix)."""
 VERDICTS = {0: "no regression", 1: "REGRESSED", 3: "nothing compared", 4: "configs differ",
             5: "no regression among the configs judged; some were disturbed and not judged"}
 
 
-def opsd_rollout(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "opsd_rollout", *args], cwd=ROOT, text=True, capture_output=True)
+def python(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args], cwd=ROOT, text=True, capture_output=True)
 
 
 def run_suite(name: str, out: Path, threshold: float) -> int:
     """Run one suite and compare it with its baseline; the exit status ``compare`` gave (or 2)."""
     result = out / f"{name}.json"
     print(f"perf: {name}: running ({' '.join(SUITES[name])})", flush=True)
-    ran = opsd_rollout(*SUITES[name], "--output", str(result))
+    ran = python(*SUITES[name], "--output", str(result))
     if ran.returncode != 0:
         print(f"perf: {name}: the run failed (exit {ran.returncode}):\n{ran.stderr[-2000:]}", file=sys.stderr)
         return 2
@@ -48,8 +48,8 @@ def run_suite(name: str, out: Path, threshold: float) -> int:
     if not baseline.is_file():
         print(f"perf: {name}: no baseline at {baseline.relative_to(ROOT)}; record one with --update")
         return 2
-    compared = opsd_rollout("compare", str(baseline), str(result), "--threshold", str(threshold), "--allow-partial",
-                            "--markdown", str(out / f"{name}.md"))
+    compared = python("-m", "opsd_rollout", "compare", str(baseline), str(result), "--threshold", str(threshold),
+                      "--allow-partial", "--markdown", str(out / f"{name}.md"))
     if compared.returncode == 2:
         print(f"perf: {name}: compare refused the files: {compared.stderr.strip()}", file=sys.stderr)
         return 2
@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.update:
         for name in suites:
             print(f"perf: {name}: running ({' '.join(SUITES[name])})", flush=True)
-            ran = opsd_rollout(*SUITES[name], "--output", str(out / f"{name}.json"))
+            ran = python(*SUITES[name], "--output", str(out / f"{name}.json"))
             if ran.returncode != 0:
                 print(f"perf: {name}: the run failed:\n{ran.stderr[-2000:]}", file=sys.stderr)
                 return 2

@@ -26,8 +26,13 @@ Every arm runs as its own ``opsd-rollout train`` process with ``OMP_NUM_THREADS`
 ``--parallel`` (default 2) at once; an arm whose run directory already holds a finished run is read, not rerun
 (``--reuse ARM=DIR`` takes a run made elsewhere). The wall-time axis is the run's own ``time/steps_s`` (the optimizer
 steps' wall time, evaluations and start-up left out, the same for every arm) plus, for supervised KD, the
-generation's. Writes ``benchmarks/task/comparison.json`` (atomically) and ``benchmarks/task/comparison.png``
-(accuracy against the optimizer step and against wall time, the teacher's level drawn).
+generation's. Writes ``benchmarks/task/comparison.json`` (atomically; ``kind: task_comparison``, ``version``: the
+document ``scripts/task_comparison.schema.json`` describes) and ``benchmarks/task/comparison.png`` (accuracy against
+the optimizer step and against wall time, the teacher's level drawn). It is not a benchmark result for ``compare``: its
+figures are accuracies at evaluation steps of single runs, not repeated timings.
+
+Adding an arm: an ``Arm`` in ``ARMS`` (its label and ``train`` flags; whether it distils from the teacher, and whether it
+trains on the teacher's samples made once); the report and the plot take it as it comes.
 """
 
 from __future__ import annotations
@@ -41,23 +46,44 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "benchmarks" / "task"
 
-ARMS: dict[str, tuple[str, list[str]]] = {
-    "forward_kl": ("on-policy forward KL", ["--task", "arithmetic", "--loss", "forward_kl", "--lmbda", "1"]),
-    "jsd": ("on-policy JSD", ["--task", "arithmetic", "--loss", "jsd", "--lmbda", "1"]),
-    "reverse_kl_k1": ("on-policy sampled reverse KL, k1",
-                      ["--task", "arithmetic", "--loss", "sampled_reverse_kl", "--estimator", "k1", "--lmbda", "1"]),
-    "reverse_kl_k3": ("on-policy sampled reverse KL, k3",
-                      ["--task", "arithmetic", "--loss", "sampled_reverse_kl", "--estimator", "k3", "--lmbda", "1"]),
-    "supervised_kd": ("supervised KD on teacher samples made once", ["--lmbda", "0", "--loss", "forward_kl"]),
-    "sft": ("SFT on the references", ["--task", "arithmetic", "--objective", "sft"]),
+DOCUMENT = {"kind": "task_comparison", "version": 1}
+"""What the written document says it is (``scripts/task_comparison.schema.json`` describes this version)."""
+
+
+@dataclass(frozen=True)
+class Arm:
+    """One way of training the student, run as one ``opsd-rollout train``."""
+
+    label: str
+    flags: tuple[str, ...]
+    """Its ``train`` flags beside the common ones (``common_flags``)."""
+    teacher: bool = True
+    """It distils from the cached teacher (``--teacher``); SFT learns from the references alone."""
+    teacher_samples: bool = False
+    """It trains on the teacher's responses to the training prompts, sampled once beforehand (``generate``), whose
+    generation time counts in its wall time."""
+
+
+ON_POLICY = ("--task", "arithmetic", "--lmbda", "1")
+ARMS: dict[str, Arm] = {
+    "forward_kl": Arm("on-policy forward KL", (*ON_POLICY, "--loss", "forward_kl")),
+    "jsd": Arm("on-policy JSD", (*ON_POLICY, "--loss", "jsd")),
+    "reverse_kl_k1": Arm("on-policy sampled reverse KL, k1",
+                         (*ON_POLICY, "--loss", "sampled_reverse_kl", "--estimator", "k1")),
+    "reverse_kl_k3": Arm("on-policy sampled reverse KL, k3",
+                         (*ON_POLICY, "--loss", "sampled_reverse_kl", "--estimator", "k3")),
+    "supervised_kd": Arm("supervised KD on teacher samples made once", ("--lmbda", "0", "--loss", "forward_kl"),
+                         teacher_samples=True),
+    "sft": Arm("SFT on the references", ("--task", "arithmetic", "--objective", "sft"), teacher=False),
 }
-"""Each arm: its label and the flags that make it (beside the common ones, ``common_flags``)."""
+"""The arms, by name (``--arms``)."""
 
 GENERATION = dict(temperature=1.0, max_new_tokens=80, batch_size=128, seed=0)
 """Supervised KD's teacher samples: sampled at temperature 1, one a training prompt, from a fixed seed."""
@@ -189,18 +215,19 @@ def finished(run: Path, steps: int) -> bool:
 
 def run_arm(name: str, runs: Path, flags: list[str], threads: int, teacher: Path, eval_path: Path,
             samples: list[tuple[float, list[float]]]) -> None:
+    arm = ARMS[name]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
            "PYTHONPATH": str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", "")}
     out, log = runs / name, runs / f"{name}.log"
     info: dict[str, Any] = dict(threads=threads, load_start=load(), started=time.time())
     with open(log, "a") as handle:
-        if name == "supervised_kd":
+        if arm.teacher_samples:
             prompts = runs / "teacher_samples.jsonl"
             if not prompts.with_suffix(".json").is_file():
                 subprocess.run([sys.executable, __file__, "--generate", str(teacher), str(prompts)], env=env,
                                stdout=handle, stderr=subprocess.STDOUT, check=True)
             flags = [*flags, "--prompts", str(prompts), "--eval-data", str(eval_path), "--eval-scorer", "gsm8k"]
-        if name != "sft":
+        if arm.teacher:
             flags = [*flags, "--teacher", str(teacher)]
         command = [sys.executable, "-m", "opsd_rollout", "train", "--output-dir", str(out), *flags]
         handle.write(" ".join(command) + "\n")
@@ -232,7 +259,7 @@ def run_arms(names: list[str], runs: Path, settings: dict[str, Any], threads: in
     todo = [n for n in names if not finished(runs / n, settings["steps"])]
     print("to run:", todo or "none", flush=True)
     with ThreadPoolExecutor(max_workers=parallel) as pool:
-        for future in [pool.submit(run_arm, n, runs, [*ARMS[n][1], *common_flags(settings)], threads, teacher,
+        for future in [pool.submit(run_arm, n, runs, [*ARMS[n].flags, *common_flags(settings)], threads, teacher,
                                    eval_path, samples) for n in todo]:
             future.result()
     done.set()
@@ -268,12 +295,12 @@ def report(runs: Path, names: list[str], reuse: dict[str, Path], settings: dict[
         run = reuse.get(name, runs / name)
         extra = 0.0
         generation = runs / "teacher_samples.json"
-        if name == "supervised_kd" and generation.is_file():
+        if ARMS[name].teacher_samples and generation.is_file():
             extra = json.loads(generation.read_text())["seconds"]
         points, level = curve(run, extra)
         teacher_level = teacher_level if level is None else level
         info_path = run.parent / f"{name}.run.json"  # what run_arm recorded, where it ran the arm
-        arms[name] = dict(label=ARMS[name][0], run=str(run), points=points, generation_seconds=extra or None,
+        arms[name] = dict(label=ARMS[name].label, run=str(run), points=points, generation_seconds=extra or None,
                           process=json.loads(info_path.read_text()) if info_path.is_file() else None,
                           config=json.loads((run / "train_config.json").read_text()))
     equal_steps = min(a["points"][-1]["step"] for a in arms.values())
@@ -292,11 +319,11 @@ def report(runs: Path, names: list[str], reuse: dict[str, Path], settings: dict[
             half_teacher_wall_seconds=reached and reached["wall_seconds"],
             accuracy_at_each_arms_end={other: at_time(points, ends[other])["accuracy"] for other in arms})
     return dict(
-        task="arithmetic", teacher=str(teacher), teacher_eval_accuracy=teacher_level, eval_data=str(eval_path),
+        **DOCUMENT, task="arithmetic", teacher=str(teacher), teacher_eval_accuracy=teacher_level, eval_data=str(eval_path),
         eval_problems=sum(1 for _ in open(eval_path)), scorer="gsm8k", settings=settings, threads=threads,
         parallel=parallel, equal_steps=equal_steps, equal_wall_seconds=equal_time,
         wall_time_axis="the run's time/steps_s (optimizer steps' wall time; evaluations and start-up left out), "
-                       "plus the teacher samples' generation for supervised_kd",
+                       "plus the teacher samples' generation for the arms trained on them",
         generation={**GENERATION, "record": json.loads((runs / "teacher_samples.json").read_text())}
         if (runs / "teacher_samples.json").is_file() else None,
         machine=dict(cpus=os.cpu_count(), processor=platform.processor() or platform.machine(),

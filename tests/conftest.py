@@ -121,6 +121,17 @@ def assert_chi_square_fit(counts: torch.Tensor, probs: torch.Tensor) -> None:
     assert result.pvalue > 0.001, (result, int(big.sum()))
 
 
+def jsd_by_hand(p: torch.Tensor, q: torch.Tensor, beta: float) -> torch.Tensor:
+    """The generalized JSD of student ``p`` and teacher ``q`` (probabilities over the last dimension) by its formula:
+    forward KL(q || p) at ``beta`` 0, reverse KL(p || q) at 1, else each side's KL to ``beta q + (1 - beta) p``."""
+    if beta == 0.0:
+        return (q * (q.log() - p.log())).sum(-1)
+    if beta == 1.0:
+        return (p * (p.log() - q.log())).sum(-1)
+    m = beta * q + (1 - beta) * p
+    return beta * (q * (q.log() - m.log())).sum(-1) + (1 - beta) * (p * (p.log() - m.log())).sum(-1)
+
+
 def transition_model(table: list[int], *, eos_token_id=None, sharpness: float = 20.0):
     """A one-layer Llama whose greedy next token is ``table[current token]``.
 

@@ -11,10 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from opsd_rollout.bench.axes import ROLLOUT_AXES, engine_axes
+from kernel_bench.scenario import KernelsScenario
+from opsd_rollout.bench.axes import NOT_AXES, ROLLOUT_AXES, SPELLINGS, engine_axes
 from opsd_rollout.bench.matrix import Matrix
 from opsd_rollout.bench.report import load_document, results_of
-from opsd_rollout.bench.scenarios import RolloutScenario, scenario_class
+from opsd_rollout.bench.scenarios import SCENARIOS, RolloutScenario
 from opsd_rollout.cli import main
 from opsd_rollout.rollout import HybridEngineRolloutConfig
 from opsd_rollout.rollout.config import RolloutOptions
@@ -22,13 +23,15 @@ from opsd_rollout.rollout.config import RolloutOptions
 COMMITTED = sorted(path for path in Path(__file__).parents[1].joinpath("benchmarks").rglob("*.json")
                    if "schema_version" in json.loads(path.read_text()))
 """Every result file under benchmarks/ (its traces are JSON too, and no result)."""
+KINDS = {**SCENARIOS, KernelsScenario.kind: KernelsScenario}
+"""The package's scenarios and the developers' kernels (``scripts/kernel_bench``), which wrote the others."""
 
 
 def axis_fields(config_type) -> list[str]:
-    """Every field of the config and of the dataclasses it nests, but those its metadata says are no axis."""
+    """Every field of the config and of the dataclasses it nests, but those the bench says are no axis."""
     out = []
     for f in fields(config_type):
-        if f.metadata.get("axis", {}) is None:
+        if f.name in NOT_AXES:
             continue
         nested = f.default_factory if f.default_factory is not MISSING else None
         out += axis_fields(nested) if nested is not None and is_dataclass(nested) else [f.name]
@@ -44,6 +47,16 @@ def test_the_engine_axes_are_the_engine_configs_fields():
             owner = RolloutOptions() if axis.engine in {f.name for f in fields(RolloutOptions)} else \
                 HybridEngineRolloutConfig()
             assert axis.default == getattr(owner, axis.engine) == RolloutScenario.defaults[axis.name][0]
+
+
+def test_the_engines_config_knows_no_bench_and_the_bench_spells_only_its_fields():
+    """The axes' names, key fragments and strategies live in the bench (``SPELLINGS``, ``NOT_AXES``); an entry for a
+    field the engine no longer has would silently stop spelling it (and change committed keys)."""
+    engine = HybridEngineRolloutConfig()
+    assert not any(f.metadata for config in (engine, engine.options) for f in fields(config))
+    names = {f.name for config in (engine, engine.options) for f in fields(config)}
+    assert set(SPELLINGS) <= names and set(NOT_AXES) <= names
+    assert set(SPELLINGS).isdisjoint(NOT_AXES)
 
 
 @dataclass(kw_only=True)
@@ -79,17 +92,31 @@ def test_every_committed_result_reads_as_compare_reads_it_with_its_keys():
     assert COMMITTED, "benchmarks/ holds result files"
     for path in COMMITTED:
         document = load_document(str(path))
-        scenario = scenario_class(document["kind"])
+        scenario = KINDS[document["kind"]]
         Matrix.parse(scenario, document["matrix"])  # --resume-results reads it the same way
         stored = [r["key"] for r in json.loads(path.read_text())["results"]]
         assert [r.config.key for r in results_of(document, scenario.config_type)] == stored, path
 
 
-@pytest.mark.parametrize("path", COMMITTED[:1] + [p for p in COMMITTED if "contenders" in str(p)][:1],
-                         ids=lambda p: p.name)
+@pytest.mark.parametrize("path", COMMITTED[:1] + [p for p in COMMITTED if "contenders" in str(p)][:1]
+                         + [p for p in COMMITTED if p.parent.name == "kernels"][:1], ids=lambda p: p.name)
 def test_compare_reads_a_committed_result_against_itself(path, capsys):
     assert main(["compare", str(path), str(path), "--allow-disturbed", "--allow-partial"]) in (0, 3)
     assert "Traceback" not in capsys.readouterr().err
+
+
+def test_compare_reads_every_committed_kernels_result_from_the_document_alone():
+    """The kernels' scenario is not in the package: ``compare`` matches their configs by the keys the files hold."""
+    from opsd_rollout.bench.compare import compare_documents
+
+    kernels = [path for path in COMMITTED if json.loads(path.read_text())["kind"] == "kernels"]
+    assert len(kernels) >= 8, "benchmarks/kernels/ and benchmarks/perf/kernels.json hold kernels results"
+    for path in kernels:
+        document = load_document(str(path))
+        comparison = compare_documents(document, document, allow_disturbed=True)
+        ok = [r for r in document["results"] if r["status"] == "ok"]
+        assert comparison.matched == len(ok) and not comparison.regressions, path
+        assert {c.key for c in comparison.changes} == {r["key"] for r in ok}, path
 
 
 def test_every_engine_axis_reaches_the_engines_config():

@@ -41,7 +41,7 @@ def test_python_dash_m_help_works():
     assert result.returncode == 0 and "bench" in result.stdout and "models" in result.stdout
 
 
-@pytest.mark.parametrize("command", [[], ["bench"], ["step"], ["kernels"], ["train"], ["compare"], ["models"],
+@pytest.mark.parametrize("command", [[], ["bench"], ["step"], ["train"], ["compare"], ["models"],
                                      ["eval"]])
 def test_every_help_page_prints(command, capsys):
     """argparse formats help lazily: a stray ``%`` in a help text only fails when someone asks for --help."""
@@ -201,7 +201,6 @@ def test_train_flags_set_the_train_config_fields_of_their_names():
 
 
 @pytest.mark.parametrize("argv,prefix", [(["bench", "--resume", "r.json"], "--resume"),
-                                         (["kernels", "--top-k", "5,50"], "--top-k"),
                                          (["step", "--loss", "jsd"], "--loss")])
 def test_a_flag_is_taken_only_as_spelled_in_full(argv, prefix, capsys):
     """A unique prefix of a flag (``--resume`` of ``--resume-results``) is no spelling of it."""
@@ -212,7 +211,8 @@ def test_a_flag_is_taken_only_as_spelled_in_full(argv, prefix, capsys):
 
 def test_config_files_take_the_flags_names(tmp_path, capsys):
     from opsd_rollout.bench.configfile import read_config_file, split_config
-    from opsd_rollout.bench.scenarios import KernelsScenario, RolloutScenario, StepScenario
+    from kernel_bench.scenario import KernelsScenario
+    from opsd_rollout.bench.scenarios import RolloutScenario, StepScenario
 
     path = tmp_path / "bench.toml"
     path.write_text('prompt-kind = "variable"\n')

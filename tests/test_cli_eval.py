@@ -9,17 +9,8 @@ from pathlib import Path
 import pytest
 
 from opsd_rollout.cli import build_parser, main
-from opsd_rollout.models import byte_tokenizer
 from opsd_rollout.train.scorers import SCORERS
-from test_task_eval import known_model, problems_file, write_eval
-
-
-@pytest.fixture(scope="module")
-def known_checkpoint(tmp_path_factory) -> str:
-    directory = tmp_path_factory.mktemp("known") / "model"
-    known_model().save_pretrained(directory)
-    byte_tokenizer().save_pretrained(directory)
-    return str(directory)
+from test_task_eval import known_checkpoint, problems_file, write_eval  # noqa: F401 (a fixture)
 
 
 def test_eval_prints_the_table_and_writes_the_same_figures_as_json(tmp_path, known_checkpoint, capsys):

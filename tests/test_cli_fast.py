@@ -50,8 +50,7 @@ def assert_fits(lines: list[str], width: int = WIDTH) -> None:
 # ---- the structural property behind "answers within 2 s": what a light command imports --------------------------
 
 LIGHT_COMMANDS = [["--help"], ["bench", "--help"], ["step", "--help"], ["compare", "--help"], ["models", "--help"],
-                  ["train", "--help"], ["kernels", "--help"], ["models"], ["bench", "--model", "llama-tiny", "--dry-run"],
-                  ["step", "--dry-run"], ["kernels", "--model", "llama-tiny", "--dry-run"],
+                  ["train", "--help"], ["models"], ["bench", "--model", "llama-tiny", "--dry-run"], ["step", "--dry-run"],
                   ["bench", "--iterations", "0"], ["bench", "--batch-sizes", "0,x"], ["bench", "--model", "org/x"],
                   ["bench", "--warmup", "soon"], ["serve-teacher", "--help"], ["serve-teacher", "--model", "org/x"],
                   ["serve-teacher", "--model", "llama-tiny", "--port", "-1"], ["eval", "--help"],

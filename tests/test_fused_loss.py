@@ -21,6 +21,7 @@ from opsd_rollout import HybridEngineRollout, RolloutRequest, SamplingConfig
 from opsd_rollout.deepspeed_engine import deepspeed_config, init_distributed
 from opsd_rollout.opsd import DivergenceConfig, TeacherCacheConfig, chunked_divergence, opsd_step
 from opsd_rollout.opsd.fused import chunk_tokens, fused_divergence, fusion_problem, head_divergence
+from opsd_rollout.rollout.linears import forwards_replaced
 
 N, R, H, V = 3, 7, 8, 19
 
@@ -321,6 +322,23 @@ def test_head_divergence_uses_the_models_own_head_and_transform(tiny_models, cap
     torch.testing.assert_close(total, expected, rtol=1e-5, atol=1e-6)
     assert float(count) == 10
     assert "forward" not in model.lm_head.__dict__, "the head's own forward is back"
+
+
+def test_a_head_with_someone_elses_forward_still_gets_the_loss_and_its_forward_back(tiny_models):
+    """The fused loss needs its forward in the head's call, so it replaces an instance forward another library put
+    there (where the decode loop's swaps leave one alone), and puts that one back after."""
+    model = copy.deepcopy(tiny_models["qwen2-tiny"])
+    theirs = model.lm_head.forward  # a bound method set on the instance, as a wrapping library would
+    model.lm_head.forward = theirs
+    g = torch.Generator().manual_seed(19)
+    hidden, teacher, mask = torch.randn(1, 3, 64, generator=g), torch.randn(1, 3, 259, generator=g), torch.ones(1, 3)
+    total, _ = head_divergence(model, hidden, teacher, mask, DivergenceConfig(beta=0.5))
+    expected, _ = chunked_divergence(model.lm_head(hidden), lambda s, e: teacher[:, s:e], mask,
+                                     DivergenceConfig(beta=0.5))
+    torch.testing.assert_close(total, expected, rtol=1e-5, atol=1e-6)
+    assert model.lm_head.__dict__["forward"] is theirs
+    with forwards_replaced([(model.lm_head, lambda states: states)]):  # the decode loop's swap leaves it alone
+        assert model.lm_head.forward is theirs
 
 
 ALL = list(itertools.product([0.0, 0.5, 1.0], [None, 3]))

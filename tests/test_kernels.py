@@ -1,23 +1,30 @@
-"""``opsd-rollout kernels``: every kernel runs on tiny shapes into a schema-valid document whose figures hold
-together (the speed-up is the round's ratio, the sides produced the same output where they can), axes a kernel
-does not read add no configs, bad kernels and axes are refused by name before any work, ``compare`` reads a
-kernels document and flags a planted 1.5x slowdown of one kernel, and the command line's help and dry run."""
+"""The developers' kernel benchmarks (``scripts/kernels.py``, out of the installed package): every kernel runs on
+tiny shapes into a schema-valid document whose figures hold together (the speed-up is the round's ratio, the sides
+produced the same output where they can), axes a kernel does not read add no configs, bad kernels and axes are
+refused by name before any work, ``opsd-rollout compare`` reads a kernels document from the document alone and
+flags a planted 1.5x slowdown of one kernel, and the command line's help and dry run (light: no torch)."""
 
 from __future__ import annotations
 
 import copy
 import json
+import sys
+from pathlib import Path
 
 import jsonschema
 import numpy as np
 import pytest
 
+from conftest import run_named
+from kernel_bench import KERNELS
+from kernel_bench.cli import main as kernels
+from kernel_bench.scenario import KernelConfig, KernelSettings, KernelsScenario
 from opsd_rollout.bench.compare import EXIT_REGRESSION, compare_documents
-from opsd_rollout.bench.kernels import KERNELS
 from opsd_rollout.bench.matrix import Matrix
 from opsd_rollout.bench.report import ConfigResult, load_schema
-from opsd_rollout.bench.scenarios import KernelConfig, KernelSettings, KernelsScenario
 from opsd_rollout.cli import main
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "kernels.py"
 
 TINY = {"kernels": list(KERNELS), "rows": [4], "samples_per_prompt": [2], "prompt_lengths": [16],
         "response_lengths": [4], "vocab_sizes": [300], "top_ks": [20], "top_ps": [0.9]}
@@ -109,7 +116,7 @@ def test_post_processing_is_measured_at_either_width_on_the_same_tokens():
 
     import torch
 
-    from opsd_rollout.bench.kernels.postprocess import PostprocessContest
+    from kernel_bench.postprocess import PostprocessContest
 
     for width, key in (("max_new_tokens", "postprocess-rows8-n2-P6-R12"),
                        ("longest", "postprocess-rows8-n2-P6-R12-longest")):
@@ -130,7 +137,7 @@ def test_post_processing_after_our_decode_loop_takes_its_lengths(width):
 
     import torch
 
-    from opsd_rollout.bench.kernels.postprocess import PostprocessContest
+    from kernel_bench.postprocess import PostprocessContest
     from opsd_rollout.rollout import postprocess
 
     config = KernelsScenario.make_config(kernel="postprocess", rows=8, samples_per_prompt=2, prompt_length=6,
@@ -161,13 +168,13 @@ def test_bad_kernels_and_axes_are_refused_by_name_before_any_work(flags, named, 
     import opsd_rollout.bench.session as session
 
     monkeypatch.setattr(session, "run_bench_session", lambda *a, **k: pytest.fail("a refused matrix ran"))
-    assert main(["kernels", "--model", "llama-tiny", *flags]) == 2
+    assert kernels(["--model", "llama-tiny", *flags]) == 2
     assert named in capsys.readouterr().err
 
 
 def test_kernels_help_lists_every_kernel_and_its_axes(capsys):
     with pytest.raises(SystemExit) as exit_:
-        main(["kernels", "--help"])
+        kernels(["--help"])
     out = capsys.readouterr().out
     assert exit_.value.code == 0
     assert all(name in out for name in KERNELS)
@@ -179,12 +186,28 @@ def test_the_dry_run_lists_the_configs_and_runs_nothing(monkeypatch, capsys, tmp
 
     monkeypatch.setattr(session, "run_bench_session", lambda *a, **k: pytest.fail("the dry run ran"))
     monkeypatch.setenv("COLUMNS", "120")
-    assert main(["kernels", "--model", "llama-tiny", "--kernels", "sampling,weight_layout", "--vocab-sizes",
-                 "256,512", "--dry-run", "--output", str(tmp_path / "none.json")]) == 0
+    assert kernels(["--model", "llama-tiny", "--kernels", "sampling,weight_layout", "--vocab-sizes", "256,512",
+                    "--dry-run", "--output", str(tmp_path / "none.json")]) == 0
     out = capsys.readouterr().out
     assert "3 configs on llama-tiny" in out
     assert "sampling-fp32-rows16-V256-topk50-topp0.95" in out and "weight_layout-fp32-rows16-Wmodel" in out
     assert not (tmp_path / "none.json").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("argv", [["--help"], ["--model", "llama-tiny", "--dry-run"], ["--rows", "0"]], ids=" ".join)
+def test_light_kernels_commands_import_no_torch(argv):
+    """As ``opsd-rollout``'s light commands (``tests/test_cli_fast.py``): help, a dry run and bad input answer
+    without importing torch, transformers or DeepSpeed."""
+    child = ("import os, runpy, sys; sys.argv = sys.argv[1:]; sys.path.insert(0, os.path.dirname(sys.argv[0]))\n"
+             "try:\n    runpy.run_path(sys.argv[0], run_name='__main__')\n"
+             "except SystemExit:\n    pass\nsys.stderr.write('\\nMODULES ' + ' '.join(sorted(sys.modules)) + '\\n')")
+    result = run_named(f"scripts/kernels.py {' '.join(argv)} in a fresh interpreter",
+                       [sys.executable, "-c", child, str(SCRIPT), *argv], timeout=120)
+    modules = result.stderr.rsplit("MODULES ", 1)[-1].split()
+    assert "kernel_bench.cli" in modules, result.stderr[-2000:]
+    heavy = [m for m in modules if m.split(".")[0] in ("deepspeed", "torch", "transformers")]
+    assert not heavy, f"`scripts/kernels.py {' '.join(argv)}` imported {heavy[:8]}"
 
 
 # ---- compare on a kernels document ---------------------------------------------------------------------------

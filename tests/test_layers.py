@@ -14,7 +14,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "src" / "opsd_rollout"
 
 LAYERS = [
     {"metrics", "checks", "modeling", "presets", "models", "distributed", "deepspeed_engine", "deepspeed_config",
-     "files", "seeding", "cores", "compact_answer"},
+     "files", "seeding", "cores", "compact_answer", "lazy"},
     {"profiling"},
     {"rollout"},
     {"opsd"},

@@ -8,7 +8,7 @@ import copy
 import pytest
 import torch
 
-from conftest import chain_table, left_padded, make_tokenizer, transition_model
+from conftest import chain_table, jsd_by_hand, left_padded, make_tokenizer, transition_model
 from opsd_rollout import HybridEngineRollout, HybridEngineRolloutConfig, RolloutRequest, SamplingConfig
 from opsd_rollout.deepspeed_engine import build_engine
 from opsd_rollout.modeling import position_ids
@@ -20,14 +20,8 @@ from opsd_rollout.profiling import Clock, StageRecorder
 
 def reference(student_logits, teacher_logits, beta, temperature):
     """Plain float64 formulas, on probabilities."""
-    s = torch.softmax(student_logits.double() / temperature, -1)
-    t = torch.softmax(teacher_logits.double() / temperature, -1)
-    if beta == 0:
-        return (t * (t.log() - s.log())).sum(-1)
-    if beta == 1:
-        return (s * (s.log() - t.log())).sum(-1)
-    m = beta * t + (1 - beta) * s
-    return beta * (t * (t.log() - m.log())).sum(-1) + (1 - beta) * (s * (s.log() - m.log())).sum(-1)
+    return jsd_by_hand(torch.softmax(student_logits.double() / temperature, -1),
+                       torch.softmax(teacher_logits.double() / temperature, -1), beta)
 
 
 @pytest.mark.parametrize("loss,beta", [("forward_kl", 0.0), ("reverse_kl", 1.0), ("jsd", 0.3), ("jsd", 0.5),

@@ -1,7 +1,7 @@
 """Load on one teacher server (issue 35, part 7): 8 concurrent clients, the ranks of a run, send a bounded number of
 requests to ``opsd-rollout serve-teacher`` in its own process; every response equals the teacher computed locally,
 the latency percentiles and the server's memory are reported, and its memory is flat after warm-up
-(``scripts/serve_load.py --check``)."""
+(``benchmarks/serve/serve_load.py --check``, the reproducer of the committed load results)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 
 from conftest import clean_env, run_named
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "serve_load.py"
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "serve" / "serve_load.py"
 
 
 @pytest.mark.slow

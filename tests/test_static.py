@@ -250,6 +250,9 @@ def test_models_without_a_static_cache_fall_back_to_generate(tokenizer, caplog):
     with caplog.at_level("WARNING"):
         rollout = static(model, tokenizer)
     assert rollout.strategy.name == "generate" and "using 'generate'" in caplog.text
+    # DeepSpeed's name says what the rollout that runs does: generate prefills each row's prompt (the config, read
+    # alone, still says what it asked for)
+    assert rollout.use_shared_prefill is False and rollout.cfg.use_shared_prefill is True
     batch = rollout.generate(left_padded([[5, 6]], 0), SamplingConfig(max_new_tokens=3, temperature=0))
     assert_batch_contract(batch, left_padded([[5, 6]], 0), n=1, max_new_tokens=3, pad_token_id=0, eos_ids=[2])
 

@@ -1,20 +1,23 @@
 """scripts/task_comparison.py's report: accuracy at equal steps and at equal wall time, the step at which half the
-teacher's accuracy is reached, supervised KD's generation counted in its wall time (made-up runs, nothing trained)."""
+teacher's accuracy is reached, supervised KD's generation counted in its wall time (made-up runs, nothing trained);
+the document it writes, and the one committed, are what its schema (scripts/task_comparison.schema.json) says."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "task_comparison.py"
+import jsonschema
+
+ROOT = Path(__file__).resolve().parents[1]
+SCHEMA = json.loads((ROOT / "scripts" / "task_comparison.schema.json").read_text())
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("task_comparison", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """The script, imported as a module (pytest's pythonpath has scripts/)."""
+    import task_comparison
+
+    return task_comparison
 
 
 def _run(path: Path, points: list[tuple[int, float, float]], teacher: float | None = None) -> None:
@@ -51,6 +54,8 @@ def test_the_report_reads_equal_steps_equal_time_and_half_the_teacher(tmp_path):
     assert fkl["summary"]["half_teacher_step"] == 400 and kd["summary"]["half_teacher_step"] == 200
     assert kd["summary"]["half_teacher_wall_seconds"] == 170.0
     assert fkl["summary"]["accuracy_at_each_arms_end"] == {"forward_kl": 0.6, "supervised_kd": 0.1}
+    jsonschema.validate(result, SCHEMA)
+    assert result["kind"] == "task_comparison" and result["version"] == 1
     tc.plot(result, tmp_path / "out" / "comparison.png")
     assert (tmp_path / "out" / "comparison.png").stat().st_size > 0
 
@@ -75,3 +80,17 @@ def test_supervised_kds_samples_train_the_teachers_tokens_and_its_eos_where_it_e
     trained = [labels[mask].tolist() for labels, mask in zip(targets.labels, targets.mask)]
     assert trained == [tokenizer(s, add_special_tokens=False)["input_ids"] for s in samples]
     assert [row.count(EOS_ID) for row in trained] == [1, 0]
+
+
+def test_the_committed_comparison_is_a_document_of_its_schema():
+    document = json.loads((ROOT / "benchmarks" / "task" / "comparison.json").read_text())
+    jsonschema.validate(document, SCHEMA)
+    assert set(document["arms"]) <= set(_script().ARMS)
+
+
+def test_an_arm_says_where_its_teacher_comes_from():
+    """What run_arm and the report read of an arm (issue 49 adds arms): the teacher, its samples, its flags."""
+    arms = _script().ARMS
+    assert not arms["sft"].teacher and arms["supervised_kd"].teacher_samples
+    assert [name for name, arm in arms.items() if arm.teacher_samples] == ["supervised_kd"]
+    assert all("--loss" in arm.flags or "--objective" in arm.flags for arm in arms.values())

@@ -54,6 +54,16 @@ def known_model(*, coin: bool = False) -> torch.nn.Module:
     return model
 
 
+@pytest.fixture(scope="module")
+def known_checkpoint(tmp_path_factory) -> str:
+    """A checkpoint directory of ``known_model`` with the byte tokenizer, for what loads a model by its path (``eval
+    --model``, ``train --teacher``)."""
+    directory = tmp_path_factory.mktemp("known") / "model"
+    known_model().save_pretrained(directory)
+    byte_tokenizer().save_pretrained(directory)
+    return str(directory)
+
+
 def write_eval(path: Path, rows: list[dict]) -> Path:
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     return path
@@ -129,9 +139,9 @@ def test_chat_messages_are_rendered_and_a_long_prompt_refused(tmp_path):
     ([{"prompt": "a", "answer": None}], "line 1: 'answer' must be a non-empty string or a number"),
     ([{"messages": [], "answer": "1"}], "line 1: 'messages' must be a non-empty list"),
     ([{"prompt": "a", "answer": "#### 1"}, {"prompt": "b", "answer": "one"}],
-     "line 2: 'answer' 'one' holds no answer the gsm8k scorer can read \\(1 of 2 such lines"),
+     "line 2: 'answer' \"one\" holds no answer the gsm8k scorer can read \\(1 of 2 such lines"),
     ([{"prompt": "a", "answer": "one"}, {"prompt": "b", "answer": "two"}],
-     "no 'answer' holds one the gsm8k scorer can read \\(line 1: 'one'\\): pick the scorer of the answers' format "
+     "no 'answer' holds one the gsm8k scorer can read \\(line 1: \"one\"\\): pick the scorer of the answers' format "
      "\\(boxed, last-number, exact\\)"),
 ])
 def test_a_bad_eval_file_is_one_line_naming_it(tmp_path, rows, message):

@@ -10,8 +10,9 @@ import math
 import pytest
 import torch
 
-from opsd_rollout.opsd import DivergenceConfig, chunked_divergence, token_divergence
-from opsd_rollout.opsd.fused import fused_divergence
+from conftest import jsd_by_hand
+from opsd_rollout.opsd import DivergenceConfig, token_divergence
+from test_fused_loss import assert_same, run
 
 N, R, H, V = 3, 6, 8, 17
 
@@ -23,15 +24,6 @@ def buckets_by_hand(student_logits: torch.Tensor, teacher_logits: torch.Tensor, 
     idx = torch.topk(teacher_logits, k, dim=-1).indices
     pk, qk = p.gather(-1, idx), q.gather(-1, idx)
     return (torch.cat([pk, 1 - pk.sum(-1, keepdim=True)], -1), torch.cat([qk, 1 - qk.sum(-1, keepdim=True)], -1))
-
-
-def jsd_by_hand(p: torch.Tensor, q: torch.Tensor, beta: float) -> torch.Tensor:
-    if beta == 0.0:
-        return (q * (q.log() - p.log())).sum(-1)
-    if beta == 1.0:
-        return (p * (p.log() - q.log())).sum(-1)
-    m = beta * q + (1 - beta) * p
-    return beta * (q * (q.log() - m.log())).sum(-1) + (1 - beta) * (p * (p.log() - m.log())).sum(-1)
 
 
 def top_k_cache(teacher_logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -87,20 +79,8 @@ def test_fused_tail_loss_and_gradients_equal_the_reference(loss, beta, clip, sca
     mask = torch.rand(N, R, generator=g) > 0.25
     mask[1] = False
     config = DivergenceConfig(loss=loss, beta=beta, pointwise_clip=clip, top_k_rest="tail", fused_chunk_tokens=3)
-    results = []
-    for fused in (False, True):
-        h, w, b = (t.clone().requires_grad_() for t in (hidden, weight, bias))
-        if fused:
-            total, count = fused_divergence(h, w, b, cache, mask, config, logit_scale=scale, softcap=cap)
-        else:
-            logits = torch.nn.functional.linear(h, w, b) * scale
-            if cap:
-                logits = torch.tanh(logits / cap) * cap
-            total, count = chunked_divergence(logits, lambda s, e: (cache[0][:, s:e], cache[1][:, s:e]), mask, config)
-        (total / count).backward()
-        results.append((total.detach(), h.grad, w.grad, b.grad))
-    for reference, fused in zip(*results):
-        torch.testing.assert_close(fused, reference, rtol=1e-9, atol=1e-12)
+    assert_same(run(hidden, weight, bias, cache, mask, config, fused=False, scale=scale, cap=cap),
+                run(hidden, weight, bias, cache, mask, config, fused=True, scale=scale, cap=cap))
 
 
 def test_tail_bucket_refuses_a_temperature_other_than_one():

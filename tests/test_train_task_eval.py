@@ -13,29 +13,19 @@ import pytest
 
 from opsd_rollout.cli import main
 from opsd_rollout.metrics import training_metric
-from opsd_rollout.models import byte_tokenizer
 from opsd_rollout.train import TrainConfig, train
-from test_task_eval import known_model, problems_file
+from test_task_eval import known_checkpoint, problems_file  # noqa: F401 (a fixture)
 from test_train import write_prompts
 
 TINY = dict(student="llama-tiny", prompts_per_micro_batch=2, max_new_tokens=6, eval_prompts=2, eval_every=2,
             progress=False, lr=1e-3)
 
 
-@pytest.fixture(scope="module")
-def known_teacher(tmp_path_factory) -> str:
-    """A checkpoint directory of ``known_model``: greedy and sampled, "42" (right), "x" (no number), "5" (wrong)."""
-    directory = tmp_path_factory.mktemp("teacher") / "model"
-    known_model().save_pretrained(directory)
-    byte_tokenizer().save_pretrained(directory)
-    return str(directory)
-
-
-def test_task_figures_at_each_evaluation_and_the_teachers_at_step_0(tmp_path, known_teacher):
+def test_task_figures_at_each_evaluation_and_the_teachers_at_step_0(tmp_path, known_checkpoint):
     pytest.importorskip("matplotlib")
     from opsd_rollout.train.setup import deepspeed_config_of
 
-    config = dict(TINY, teacher=known_teacher, prompts=str(write_prompts(tmp_path / "p.jsonl")),
+    config = dict(TINY, teacher=known_checkpoint, prompts=str(write_prompts(tmp_path / "p.jsonl")),
                   eval_data=str(problems_file(tmp_path)), eval_scorer="last-number", eval_samples=4)
     ds = deepspeed_config_of(TrainConfig.from_flat(dict(config, output_dir="", steps=1)))
     ds["csv_monitor"] = {"enabled": True, "output_path": str(tmp_path / "csv"), "job_name": "run"}
@@ -118,7 +108,7 @@ def test_a_k_dependent_key_is_its_at_k_entry_under_its_own_names():
 
 
 @pytest.mark.slow
-def test_two_zero3_ranks_score_every_problem_in_lockstep(tmp_path, known_teacher):
+def test_two_zero3_ranks_score_every_problem_in_lockstep(tmp_path, known_checkpoint):
     """Under torchrun, student and teacher partitioned (ZeRO-3), 5 problems over 2 ranks at 2 prompts a rollout:
     rank 0 takes 3 problems (2 rollouts), rank 1 2 (1, and one more to keep step); no hang, and the figures are over
     all 5 problems (rank 0's alone would give the teacher 1/3)."""
@@ -134,7 +124,7 @@ def test_two_zero3_ranks_score_every_problem_in_lockstep(tmp_path, known_teacher
     out = tmp_path / "run"
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
                "--master_port", str(free_port()), "-m", "opsd_rollout", "train", "--student", "llama-tiny",
-               "--teacher", known_teacher, "--steps", "1", "--prompts-per-micro-batch", "2", "--max-new-tokens", "6",
+               "--teacher", known_checkpoint, "--steps", "1", "--prompts-per-micro-batch", "2", "--max-new-tokens", "6",
                "--eval-every", "1", "--eval-prompts", "4", "--zero-stage", "3", "--teacher-zero-stage", "3",
                "--temperature", "1.0", "--eval-data", str(data), "--eval-scorer", "last-number", "--eval-samples",
                "2", "--output-dir", str(out), "--quiet"]

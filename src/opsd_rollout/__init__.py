@@ -3,13 +3,14 @@
 A drop-in for ``deepspeed.runtime.rollout``: every name it exports is here. ``HybridEngineRollout``,
 ``build_rollout`` and ``generalized_jsd_loss`` are ours; the request, sampling, batch, config and OPSD target
 dataclasses are DeepSpeed's own, re-exported so one import serves both. The names load on first use (PEP
-562), so the command line's ``--help`` does not pay for importing torch and DeepSpeed.
+562, ``opsd_rollout.lazy``), so the command line's ``--help`` does not pay for importing torch and DeepSpeed.
 """
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from opsd_rollout.lazy import lazy_exports
 
 __version__ = "0.1.0"
 
@@ -42,10 +43,4 @@ if TYPE_CHECKING:
     from opsd_rollout.rollout.engine import HybridEngineRollout
     from opsd_rollout.rollout.factory import build_rollout
 
-
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'opsd_rollout' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_EXPORTS[name]), name)
-    globals()[name] = value  # later lookups skip this function
-    return value
+__getattr__ = lazy_exports(globals(), _EXPORTS)

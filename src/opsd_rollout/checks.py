@@ -4,12 +4,14 @@ rollout's input checks, the bench's settings and matrix axes, and the command li
 Each takes the argument's name and its value, returns the value, and raises ``ValueError`` (``TypeError`` for a
 flag that is not a bool) naming the argument, what was expected and what was given. ``rule`` turns a check into
 a settings rule, ``argument`` into an argparse type, ``from_text`` reads a number a flag or a file gave as text.
+``quoted`` shows a value read from a JSON file in a message, as JSON spells it and shortened.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import json
 import math
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
@@ -99,6 +101,13 @@ def from_text(value: Any, kind: type) -> Any:
         except ValueError:
             return value
     return value
+
+
+def quoted(value: Any, limit: int = 60) -> str:
+    """A value read from a JSON file (a config, a line of a data file) as a message quotes it: as JSON spells it
+    (``"three"``, ``true``, ``null``; other values by ``repr``), cut to ``limit`` characters."""
+    text = json.dumps(value) if isinstance(value, (str, bool)) or value is None else repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def rule(check: Callable[..., Any], **bounds: Any) -> Callable[[str, Any], Any]:

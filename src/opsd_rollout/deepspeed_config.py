@@ -6,6 +6,8 @@ word) and refuses a bad value in a pydantic section by a dump of several lines n
 line: the file, the key path, the value and what is allowed. What is known comes from the installed DeepSpeed: the
 keys ``DeepSpeedConfig`` reads (recorded as it reads) and those looked up by name outside that reading (found in
 the source). Sections are checked by DeepSpeed's own models, which refuse an unknown key (``extra="forbid"``).
+
+The configs the package builds itself share one default learning rate, ``LEARNING_RATE``.
 """
 
 from __future__ import annotations
@@ -23,7 +25,15 @@ import typing
 from collections.abc import Iterable, Iterator
 from typing import Any
 
+from opsd_rollout import checks
+
 logger = logging.getLogger(__name__)
+
+LEARNING_RATE = 1e-3
+"""The student's AdamW learning rate wherever the package builds its DeepSpeed config and none is given: ``train``'s
+built config (``OptimizationConfig.lr``, ``--lr``), the ``step`` bench's student (``--lr``) and
+``deepspeed_engine.build_engine``. One rate, ``train``'s: the one its recipes were measured at (docs/TRAINING.md), so
+the bench times the step ``train`` takes and the library's ``opsd_step`` on a built engine learns as ``train`` does."""
 
 
 def read_deepspeed_file(path: str) -> dict[str, Any]:
@@ -197,7 +207,7 @@ def _check_section(ds: dict[str, Any], path: str, model: Any, source: str) -> No
     if section is None or (path == "zero_optimization" and isinstance(section, bool)):  # bool: DeepSpeed's old form
         return
     if not isinstance(section, dict):
-        raise ValueError(f"{source}: {path}: {_short(section)} is not allowed; allowed: a JSON object")
+        raise ValueError(f"{source}: {path}: {checks.quoted(section)} is not allowed; allowed: a JSON object")
     try:
         model(**section)
     except ValidationError as error:
@@ -214,7 +224,7 @@ def _check_batch_sizes(ds: dict[str, Any], source: str) -> None:
                 constants.GRADIENT_ACCUMULATION_STEPS):
         value = ds.get(key)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise ValueError(f"{source}: {key}: {_short(value)} is not allowed; allowed: an int >= 1")
+            raise ValueError(f"{source}: {key}: {checks.quoted(value)} is not allowed; allowed: an int >= 1")
 
 
 def _describe(problems: list[dict[str, Any]], path: str, model: Any) -> str:
@@ -232,7 +242,7 @@ def _describe(problems: list[dict[str, Any]], path: str, model: Any) -> str:
         return f"{where}: {message}{more}" if where else message + more
     choices = _choices(_annotation(model, loc)) if problem["type"] in ("enum", "literal_error") else None
     allowed = f"allowed: {choices}" if choices else message[:1].lower() + message[1:]
-    return f"{where}: {_short(problem['input'])} is not allowed; {allowed}{more}"
+    return f"{where}: {checks.quoted(problem['input'])} is not allowed; {allowed}{more}"
 
 
 def _annotation(model: Any, loc: tuple[str, ...]) -> Any:
@@ -255,18 +265,13 @@ def _choices(annotation: Any) -> str | None:
     """The values of an enum (an ``Optional`` one too), as JSON writes them; pydantic's message lists a Literal's."""
     for candidate in (annotation, *typing.get_args(annotation)):
         if isinstance(candidate, type) and issubclass(candidate, enum.Enum):
-            return ", ".join(_short(member.value) for member in candidate)
+            return ", ".join(checks.quoted(member.value) for member in candidate)
     return None
 
 
 def _nearest(key: str, known: Iterable[str]) -> str:
     close = difflib.get_close_matches(key, sorted(known), n=1)
     return f" (did you mean {close[0]!r}?)" if close else ""
-
-
-def _short(value: Any) -> str:
-    text = json.dumps(value) if isinstance(value, (str, bool)) or value is None else repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _line(error: BaseException) -> str:

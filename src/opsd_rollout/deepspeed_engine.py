@@ -17,6 +17,7 @@ import deepspeed
 import torch
 import torch.distributed as dist
 
+from opsd_rollout.deepspeed_config import LEARNING_RATE
 from opsd_rollout.distributed import free_port
 
 
@@ -48,7 +49,7 @@ def init_distributed(timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S) -> None:
         logger.info("%s", line)
 
 
-def deepspeed_config(zero_stage: int, *, dtype: torch.dtype = torch.float32, lr: float = 1e-4,
+def deepspeed_config(zero_stage: int, *, dtype: torch.dtype = torch.float32, lr: float = LEARNING_RATE,
                      micro_batch_size: int = 1, param_persistence_threshold: int = 0) -> dict[str, Any]:
     """A minimal DeepSpeed config for ``zero_stage`` (0-3).
 
@@ -79,12 +80,9 @@ def build_inference_engine(model: torch.nn.Module, zero_stage: int = 3, *, param
         raise ValueError(f"an inference engine's ZeRO stage is 0 or 3 (stages 1 and 2 partition optimizer state and "
                          f"gradients, which a frozen teacher has none of); got {zero_stage!r}")
     init_distributed()
-    dtype = next(model.parameters()).dtype
-    zero: dict[str, Any] = {"stage": zero_stage}
-    if zero_stage == 3:
-        zero["stage3_param_persistence_threshold"] = param_persistence_threshold
-    config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": zero, "steps_per_print": 1 << 30,
-              "bf16": {"enabled": dtype == torch.bfloat16}, "fp16": {"enabled": dtype == torch.float16}}
+    config = deepspeed_config(zero_stage, dtype=next(model.parameters()).dtype,
+                              param_persistence_threshold=param_persistence_threshold)
+    del config["optimizer"]  # nothing to optimise
     engine, *_ = deepspeed.initialize(model=model.eval().requires_grad_(False), config=config)
     return engine
 

@@ -1,11 +1,30 @@
 """Files written whole or not at all: every result, metrics file and config this package writes goes through
-``write_text_atomic``, so an interrupted run never leaves half a file."""
+``write_text_atomic``, so an interrupted run never leaves half a file; JSON as strict readers take it
+(``json_safe``)."""
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import tempfile
 from pathlib import Path
+from typing import Any
+
+
+def json_safe(value: Any) -> Any:
+    """``value`` as any JSON encoder or scalar logger takes it: NaN and infinities as ``None`` (JSON has no spelling
+    for them; ``json.dumps`` would write ``NaN``, which strict readers refuse), a tensor or numpy scalar as a
+    Python number, dicts, lists and tuples element by element."""
+    if hasattr(value, "item"):  # a tensor or a numpy scalar (no Python number has .item)
+        value = value.item()
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {key: json_safe(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(item) for item in value]
+    return value
 
 
 def write_text_atomic(path: str | os.PathLike, text: str) -> None:
@@ -27,6 +46,11 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> None:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+
+
+def write_json_atomic(path: str | os.PathLike, document: dict[str, Any]) -> None:
+    """``document`` as JSON (``json_safe``: NaN and infinities as null), written atomically."""
+    write_text_atomic(path, json.dumps(json_safe(document), indent=1, allow_nan=False) + "\n")
 
 
 def save_figure_atomic(figure, path: str | os.PathLike, **savefig: object) -> Path:

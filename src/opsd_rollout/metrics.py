@@ -6,9 +6,13 @@ A training run's record (``metrics.jsonl``, one line an optimizer step) and the 
 monitors are named here too (``TRAINING``): TRL's and HF Trainer's names where they have one (``loss``,
 ``grad_norm``, ``learning_rate``, ``epoch``, ``eval_*``), every time under ``time/``.
 
-A kernel (``opsd-rollout kernels``) times two implementations of one piece of work in every iteration: ours
-(``kernel_ms``) and a baseline (``baseline_ms``: the code we replaced or upstream's), and their ratio (``speedup``:
-baseline / ours, per iteration); the baseline is not judged by ``compare`` (its speed is not this package's).
+A kernel (the developers' ``scripts/kernels.py``, out of the package) times two implementations of one piece of
+work in every iteration: ours (``kernel_ms``) and a baseline (``baseline_ms``: the code we replaced or upstream's),
+and their ratio (``speedup``: baseline / ours, per iteration); they are named here so that ``compare`` judges a
+kernels result as any other; the baseline is not judged (its speed is not this package's).
+
+Sizes in bytes are written and read here too: ``bytes_text`` for people (messages, summaries), ``size_text`` and
+``parse_size`` for flags and result keys (``8MiB``, read back exactly).
 
 Three words, three meanings: an **attributed phase** is work probed inside a rollout (a ZeRO-3 gather,
 LoRA fuse, ``gc.collect``); a **forward kind** is ``prefill`` or ``decode``; a **step part** is one part of an
@@ -129,7 +133,7 @@ METRICS: dict[str, Metric] = {m.name: m for m in [
     Metric("teacher_cache_bytes", "cache", "bytes", lower_is_better=None, monitor="train/teacher_cache_bytes",
            meaning="the host teacher cache's size, the largest micro-batch's"),
     Metric("teacher_parameter_bytes", "teacher params", "bytes", merge="max", lower_is_better=None),
-    # kernels (``opsd-rollout kernels``): ours against a baseline implementation, both in every iteration
+    # kernels (``scripts/kernels.py``): ours against a baseline implementation, both in every iteration
     _ms("kernel_ms", "ours", compared=True),
     _ms("baseline_ms", "baseline"),
     Metric("speedup", "speed-up", "ratio", merge="mean", lower_is_better=False, compared=True),
@@ -343,3 +347,45 @@ def metric(name: str) -> Metric:
 
 def label(name: str) -> str:
     return metric(name).label
+
+
+BYTE_UNITS = (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10))
+"""The units a size in bytes is written in and read from, largest first."""
+
+
+def bytes_text(count: int | float | None) -> str:
+    """``count`` bytes for a person, rounded: in the largest unit that keeps it at 1 or more, one decimal (``1.5
+    GiB``, ``20.2 KiB``), ``512 bytes`` below a KiB, ``n/a`` for ``None``. For messages and summaries; a table's
+    memory column is in MiB (``bench.tables.mib``)."""
+    if count is None:
+        return "n/a"
+    for unit, size in BYTE_UNITS:
+        if count >= size:
+            return f"{count / size:,.1f} {unit}"
+    return f"{count:g} bytes"
+
+
+def size_text(count: int) -> str:
+    """``count`` bytes exactly, as a flag or a result's config key spells it and ``parse_size`` reads it back: in
+    the largest unit that divides it (``8388608`` -> ``8MiB``), else the number of bytes."""
+    for unit, size in BYTE_UNITS:
+        if count % size == 0:
+            return f"{count // size}{unit}"
+    return str(count)
+
+
+def parse_size(value: object) -> int:
+    """Bytes from a size a flag or a file gives: a number of bytes, or a number with KiB, MiB, GiB or TiB (``8GiB``,
+    ``1.5GiB``; any case); ``ValueError`` for anything else or under 1 byte."""
+    if isinstance(value, bool):
+        raise ValueError(f"a size must be bytes or a number with a unit; got {value!r}")
+    text = str(value).strip().lower()
+    number = text.rstrip("kmgtib")
+    units = {"": 1, "b": 1, **{unit.lower(): size for unit, size in BYTE_UNITS}}
+    try:
+        size = int(float(number) * units[text[len(number):]])
+    except (KeyError, ValueError, OverflowError):
+        raise ValueError(f"a size must be bytes or a number with KiB, MiB, GiB or TiB; got {value!r}") from None
+    if size < 1:
+        raise ValueError(f"a size must be at least 1 byte; got {value!r}")
+    return size

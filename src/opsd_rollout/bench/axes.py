@@ -2,9 +2,11 @@
 valid value is, and how it reads in a config's key. A scenario lists the axes it has; nothing else parses axis
 values.
 
-The engine's axes are not written here: ``engine_axes`` makes one of every field of ``HybridEngineRolloutConfig`` and
-its ``RolloutOptions`` (the name, flag, parser, default, key fragment and help from the field, its type, its
-docstring and its ``rollout.config.axis`` metadata), so a new engine option is an axis with no edit here. The
+The engine's axes are not written here one by one: ``engine_axes`` makes one of every field of
+``HybridEngineRolloutConfig`` and its ``RolloutOptions`` (the name, flag, parser, default and help from the field, its
+type, its values and its docstring), so a new engine option is an axis with no edit here. ``SPELLINGS`` holds only
+what a result file or a flag already spells otherwise (an axis's name, its key fragment, its word for ``None``, the
+strategies it acts on) and ``NOT_AXES`` the fields that are none; the engine's config knows nothing of either. The
 ``strategies`` axis names the contenders (``bench/contenders/``). An axis says which contenders it applies to
 (``Axis.applies_to``: the engine's, ours only); for the others its value is ``None`` (n/a) in the config, so its
 values do not multiply their configs (``for_contender``)."""
@@ -16,12 +18,15 @@ import inspect
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import MISSING, Field, dataclass, fields, is_dataclass
+from functools import cache
 from typing import Any
 
 from opsd_rollout import checks
 from opsd_rollout.bench.contenders import CONTENDERS, OURS
 from opsd_rollout.bench.lengths import KINDS, LengthModel
-from opsd_rollout.rollout.config import HybridEngineRolloutConfig
+from opsd_rollout.metrics import parse_size, size_text
+from opsd_rollout.rollout.config import CHOICES, HybridEngineRolloutConfig
+
 DTYPES = ("fp32", "fp16", "bf16")
 DECODINGS = ("greedy", "sampling")
 ZERO_STAGES = ("none", 0, 1, 2, 3)
@@ -74,29 +79,6 @@ def split_specs(text: str) -> list[str]:
     return items
 
 
-_UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-
-
-def byte_size(value: Any) -> int:
-    """Bytes, or a number with KiB, MiB, GiB or TiB (``8GiB``, ``1.5GiB``), at least 1."""
-    if isinstance(value, bool):
-        raise ValueError
-    text = str(value).strip().lower()
-    number = text.rstrip("kmgtib")
-    size = int(float(number) * _UNITS[text[len(number):]]) if text[len(number):] in _UNITS else 0
-    if size < 1:
-        raise ValueError
-    return size
-
-
-def size_text(size: int) -> str:
-    """``8388608`` -> ``8MiB``: the largest unit that divides it exactly."""
-    for unit, factor in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if size % factor == 0:
-            return f"{size // factor}{unit}"
-    return str(size)
-
-
 def or_none(parse: Callable[[Any], Any], *words: str) -> Callable[[Any], Any]:
     """``parse``, or ``None`` for null (a result file's) or one of ``words`` (``none``, ``auto``)."""
     def parse_or_none(value: Any) -> Any:
@@ -120,8 +102,8 @@ class Axis:
     parse: Callable[[Any], Any]
     expected: str
     """What a valid value is, for error messages."""
-    help: str
-    """The flag's help."""
+    about: str | Callable[[], str]
+    """The flag's help, or what makes it when it is first asked for (an engine axis's reads the field's docstring)."""
     split: Callable[[str], list[str]] = lambda text: text.split(",")
     """How a flag's comma list splits into values."""
     applies_to: tuple[str, ...] = tuple(CONTENDERS)
@@ -142,6 +124,11 @@ class Axis:
     @property
     def flag(self) -> str:
         return "--" + self.name.replace("_", "-")
+
+    @property
+    def help(self) -> str:
+        """The flag's help."""
+        return self.about() if callable(self.about) else self.about
 
     def text(self, value: Any) -> str:
         if value is None:
@@ -168,11 +155,57 @@ def choice_axis(name: str, field: str, options: Sequence[Any], help: str, defaul
                 **kwargs)
 
 
+@dataclass(frozen=True)
+class Spelling:
+    """How the bench spells an engine field that a result file or a flag already spells otherwise than the field's
+    name and the defaults below say."""
+
+    name: str | None = None
+    """The axis and its flag (``--kv-budgets``); ``None``: the field's name."""
+    key: str | None = None
+    """Its fragment of a config's key (``{}``: the value's text), there only away from the default unless
+    ``always``; ``None``: ``field=value``."""
+    always: bool = False
+    none: str = "none"
+    """The word for ``None``."""
+    config: str | None = None
+    """Its name in result files' configs; ``None``: the field's."""
+    applies_to: tuple[str, ...] = OURS
+    """The strategies it acts on (DeepSpeed's rollout has none of our knobs)."""
+
+
+STATIC = ("static",)
+SPELLINGS: dict[str, Spelling] = {
+    "compile_decode": Spelling(key="compiled", applies_to=STATIC),
+    "shared_prefill": Spelling(applies_to=STATIC),
+    "kv_budget_bytes": Spelling("kv_budgets", key="kv{}", applies_to=STATIC),
+    "compact_rows": Spelling("compaction", key="nocompact", applies_to=STATIC),
+    "continuous_cache_capacity": Spelling(applies_to=STATIC),
+    "cache_policy": Spelling("cache_policies", key="{}", always=True),
+    "shared_prefix": Spelling(key="noshared", applies_to=STATIC),
+    "shared_prefix_min_prompt": Spelling(applies_to=STATIC),
+    "stop_check_interval": Spelling("stop_check_intervals", key="stop{}", none="auto", applies_to=STATIC),
+    "cpu_transposed_weights": Spelling("weight_copies", key="wcopies", applies_to=STATIC),
+    "cpu_row_kernel": Spelling("row_kernel", key="rowkernel", applies_to=STATIC),
+    "profile_forwards": Spelling("forward_timing", key="fwd{}", always=True, config="forward_timing"),
+}
+"""By engine field (of ``HybridEngineRolloutConfig`` or its ``RolloutOptions``): its spelling, where it is not the
+default ``Spelling()``. The key fragments are those of every committed result (``tests/test_bench_axes.py``
+recomputes them), so a name here changes only with a conversion of those files."""
+NOT_AXES = {
+    "enable_profiling": "the rollout bench profiles every call; the step bench has its own rollout_profiling axis",
+    "strategy": "the contenders axis, strategies",
+    "seed": "--seed seeds every call",
+    "deepspeed": "DeepSpeed's own names, mapped onto the fields that are axes",
+}
+"""Engine fields that are no axis, and why."""
+
+
 def engine_fields(config_type: type) -> Iterator[tuple[str, Field]]:
-    """(where, field) of every field of ``config_type`` that is an axis, a field holding a dataclass
-    (``options``) giving its own fields', in order."""
+    """(where, field) of every field of ``config_type`` that is an axis (not in ``NOT_AXES``), a field holding a
+    dataclass (``options``) giving its own fields', in order."""
     for f in fields(config_type):
-        if "axis" in f.metadata and f.metadata["axis"] is None:
+        if f.name in NOT_AXES:
             continue
         if f.default_factory is not MISSING and is_dataclass(f.default_factory):
             yield from ((f"{f.name}.{where}", g) for where, g in engine_fields(f.default_factory))
@@ -180,9 +213,11 @@ def engine_fields(config_type: type) -> Iterator[tuple[str, Field]]:
             yield f.name, f
 
 
+@cache
 def field_docs(config_type: type) -> dict[str, str]:
     """The docstring under each field of ``config_type``, its bases' and its nested dataclasses', from their modules'
-    source (none where the source cannot be read)."""
+    source (none where the source cannot be read). Python keeps no attribute docstrings, so the source is where
+    they are; read once, when a flag's help is first asked for, not at import."""
     classes = [*config_type.__mro__, *(f.default_factory for f in fields(config_type)
                                        if f.default_factory is not MISSING and is_dataclass(f.default_factory))]
     docs: dict[str, str] = {}
@@ -201,36 +236,38 @@ def field_docs(config_type: type) -> dict[str, str]:
     return docs
 
 
-def engine_axis(where: str, f: Field, doc: str) -> Axis:
+def field_help(config_type: type, where: str, name: str, applies_to: tuple[str, ...]) -> str:
+    """An engine flag's help: the first sentence of the field's docstring, the field and the strategies."""
+    doc = field_docs(config_type).get(name, "")
+    sentence = (doc.split(". ")[0].rstrip(".") if doc else name).replace("``", "").replace("%", "%%")
+    return f"{sentence} ({where}; {', '.join(applies_to)})"
+
+
+def engine_axis(config_type: type, where: str, f: Field) -> Axis:
     """The axis of one engine field: parsed by its type (``bool`` on/off, ``int`` >= 1 or a size for ``*_bytes``,
-    ``str`` one of its ``choices``, ``| None`` also its ``none`` word), described by its docstring's first
-    sentence."""
-    spec = {"name": None, "key": None, "always": False, "none": "none", "choices": (), "strategies": OURS,
-            "config": None, **(f.metadata.get("axis") or {})}
+    ``str`` one of the engine's ``CHOICES`` for it, ``| None`` also its ``none`` word), spelled by ``SPELLINGS``."""
+    spelling = SPELLINGS.get(f.name, Spelling())
     kind = str(f.type).split("|")[0].strip()
     if kind == "bool":
         parse, expected = on_off, "on or off"
     elif kind == "int":
-        parse, expected = ((byte_size, "a size such as 64MiB") if f.name.endswith("_bytes")
+        parse, expected = ((parse_size, "a size such as 64MiB") if f.name.endswith("_bytes")
                            else (positive_int, "an integer >= 1"))
     else:
-        options = spec["choices"]
+        options = CHOICES.get(f.name, ())
         parse, expected = (choice(options), f"one of {', '.join(options)}") if options else (str, "text")
     if "None" in str(f.type):
-        parse, expected = or_none(parse, spec["none"], "none", "off"), f"{spec['none']} or {expected}"
+        parse, expected = or_none(parse, spelling.none, "none", "off"), f"{spelling.none} or {expected}"
     default = f.default_factory() if f.default_factory is not MISSING else f.default
-    sentence = (doc.split(". ")[0].rstrip(".") if doc else f.name).replace("``", "").replace("%", "%%")
-    name = spec["name"] or f.name
-    return Axis(name, spec["config"] or f.name, parse, expected,
-                f"{sentence} ({where}; {', '.join(spec['strategies'])})", applies_to=tuple(spec["strategies"]),
-                default=default, key=spec["key"] or f"{f.name}={{}}", always=spec["always"], none=spec["none"],
-                engine=f.name)
+    return Axis(spelling.name or f.name, spelling.config or f.name, parse, expected,
+                lambda: field_help(config_type, where, f.name, spelling.applies_to),
+                applies_to=spelling.applies_to, default=default, key=spelling.key or f"{f.name}={{}}",
+                always=spelling.always, none=spelling.none, engine=f.name)
 
 
 def engine_axes(config_type: type = HybridEngineRolloutConfig) -> tuple[Axis, ...]:
     """One axis per engine field (``engine_fields``), in the config's order."""
-    docs = field_docs(config_type)
-    return tuple(engine_axis(where, f, docs.get(f.name, "")) for where, f in engine_fields(config_type))
+    return tuple(engine_axis(config_type, where, f) for where, f in engine_fields(config_type))
 
 
 SHAPE_AXES = (
@@ -302,3 +339,16 @@ STEP_AXES = ROLLOUT_AXES + (ROLLOUT_PROFILING,) + (
          "full (every logit), top<k> (e.g. top64) or sampled (each sampled token's log-probability, the cache "
          "sampled_reverse_kl reads): the host teacher cache", default="full"),
 )
+TEACHER_SERVINGS = ("in-process", "json", "compact")
+TEACHER_SERVING = choice_axis(
+    "teacher_serving", "teacher_serving", TEACHER_SERVINGS, "in-process (default): the teacher runs in this process; "
+    "json or compact: the teacher served by opsd-rollout serve-teacher, started on loopback in its own process "
+    "(--split-cores gives it a core of its own), answering vLLM's JSON or the compact answer; a served teacher needs a "
+    "top<k> or sampled teacher cache (static, generate)", "in-process", applies_to=OURS, key="served{}")
+"""Where an OPSD step's teacher runs (a knob of our step: DeepSpeed's pieces score with the teacher in process)."""
+TEACHER_OVERLAP = Axis(
+    "teacher_overlaps", "teacher_overlap", on_off, "on or off", "a served teacher's request in flight while the "
+    "student's forward runs (on, default: ServedTeacher(overlap=True)) or waited for before it (off); served "
+    "teachers only", applies_to=OURS, default=True, key="waited")
+"""Whether a served teacher's answer is awaited or overlapped (``None`` for a teacher in process)."""
+STEP_AXES += (TEACHER_SERVING, TEACHER_OVERLAP)

@@ -21,14 +21,14 @@ compared config was disturbed on either side and not judged, also when every one
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from opsd_rollout.bench.contenders import CONFIDENCE
 from opsd_rollout.bench.ratio_test import fewest_iterations, ratio_interval
-from opsd_rollout.bench.report import ConfigResult, results_of
+from opsd_rollout.bench.report import ConfigResult, RecordedConfig, config_values, results_of
+from opsd_rollout.bench.scenarios import SCENARIOS
 from opsd_rollout.bench.tables import display_labels
-from opsd_rollout.bench.scenarios import scenario_class
 from opsd_rollout.bench.stats import Stats
 from opsd_rollout.metrics import METRICS
 
@@ -147,16 +147,16 @@ class Comparison:
         return 0
 
 
-def work_of(document: dict[str, Any], settings_type: type) -> dict[str, Any]:
+def work_of(document: dict[str, Any], settings_type: type | None) -> dict[str, Any]:
     """What a file measured besides its configs' axes: the settings that change the work (those it lacks at
-    their defaults, as ``--resume`` reads them) and the number of ranks."""
-    settings = {**vars(settings_type()), **(document.get("settings") or {})}
+    their defaults, as ``--resume`` reads them; ``settings_type`` ``None``: as written) and the number of ranks."""
+    settings = {**(vars(settings_type()) if settings_type else {}), **(document.get("settings") or {})}
     work = {name: value for name, value in settings.items() if name not in PROCEDURE}
     work["world_size"] = (document.get("environment") or {}).get("world_size", 1)
     return work
 
 
-def check_same_work(before: dict[str, Any], after: dict[str, Any], settings_type: type,
+def check_same_work(before: dict[str, Any], after: dict[str, Any], settings_type: type | None,
                     ignore: tuple[str, ...]) -> list[str]:
     """Refuse files that measured different work (``MismatchError`` naming every setting, or the rank count, they
     disagree on); the differences ``ignore`` lets through come back as notes."""
@@ -171,17 +171,19 @@ def check_same_work(before: dict[str, Any], after: dict[str, Any], settings_type
     return [f"{text}: compared anyway (--ignore-axes)" for name, text in differences.items() if name in ignore]
 
 
-def matrix_notes(before: dict[str, Any], after: dict[str, Any], axes: tuple, ignore: tuple[str, ...]) -> list[str]:
-    """The axes whose values the two files' matrices disagree on: why configs are only in one of them."""
+def matrix_notes(before: dict[str, Any], after: dict[str, Any], axes: list[tuple[str, str]],
+                 ignore: tuple[str, ...]) -> list[str]:
+    """The axes (each its matrix name and config field) whose values the two files' matrices disagree on: why
+    configs are only in one of them."""
     old, new = before.get("matrix") or {}, after.get("matrix") or {}
-    return [f"matrix: {axis.name} {old.get(axis.name)} in BEFORE, {new.get(axis.name)} in AFTER"
-            for axis in axes if axis.field not in ignore and old.get(axis.name) != new.get(axis.name)]
+    return [f"matrix: {name} {old.get(name)} in BEFORE, {new.get(name)} in AFTER"
+            for name, field_name in axes if field_name not in ignore and old.get(name) != new.get(name)]
 
 
 def _match_key(result: ConfigResult, ignore: tuple[str, ...]) -> str:
     if not ignore:
         return result.config.key
-    config = {k: v for k, v in asdict(result.config).items() if k not in ignore}
+    config = {k: v for k, v in config_values(result.config).items() if k not in ignore}
     return "|".join(f"{k}={v}" for k, v in sorted(config.items()) if v is not None)
 
 
@@ -235,22 +237,31 @@ def compare_documents(before: dict[str, Any], after: dict[str, Any], *, threshol
                       ignore: tuple[str, ...] = (), allow_disturbed: bool = False) -> Comparison:
     """Every config present and ``ok`` in both files, judged metric by metric. ``ignore`` names config axes left
     out of the matching (e.g. ``strategy``, to compare two strategies) and settings allowed to differ (e.g.
-    ``model``); ``allow_disturbed`` judges configs that were disturbed too."""
+    ``model``); ``allow_disturbed`` judges configs that were disturbed too. A kind with no scenario in this package
+    (the developers' kernels) is read from the documents alone: the keys, configs and settings they hold."""
     kinds = {before.get("kind", "rollout"), after.get("kind", "rollout")}
     if len(kinds) > 1:
         raise ValueError(f"cannot compare a {before.get('kind')} benchmark with a {after.get('kind')} one")
-    scenario = scenario_class(kinds.pop())
-    axes = [f.name for f in fields(scenario.config_type)]
-    work = list(work_of(before, scenario.settings_type))
+    scenario = SCENARIOS.get(kinds.pop())
+    config_type = scenario.config_type if scenario else RecordedConfig
+    settings_type = scenario.settings_type if scenario else None
+    if scenario:
+        axes = [f.name for f in fields(config_type)]
+        matrix_axes = [(axis.name, axis.field) for axis in scenario.axes]
+    else:
+        axes = list(dict.fromkeys(name for document in (before, after) for result in document.get("results", [])
+                                  for name in result["config"]))
+        matrix_axes = [(name, name) for name in dict.fromkeys([*before.get("matrix", {}), *after.get("matrix", {})])]
+    work = list(work_of(before, settings_type))
     unknown = [name for name in ignore if name not in axes and name not in work]
     if unknown:
         raise ValueError(f"--ignore-axes: unknown axes {unknown}; axes are {axes}; settings are {work}")
     out = Comparison(judged_disturbed=allow_disturbed)
-    out.notes += check_same_work(before, after, scenario.settings_type, ignore)
+    out.notes += check_same_work(before, after, settings_type, ignore)
     ignored_axes = tuple(name for name in ignore if name in axes)
     old, new = {}, {}
     for side, document, table in (("BEFORE", before, old), ("AFTER", after, new)):
-        for result in results_of(document, scenario.config_type):
+        for result in results_of(document, config_type):
             key = _match_key(result, ignored_axes)
             if key in table:
                 out.notes.append(f"{side}: {result.config.key} and {table[key].config.key} match the same config "
@@ -267,5 +278,5 @@ def compare_documents(before: dict[str, Any], after: dict[str, Any], *, threshol
             _compare_config(out, key, names[result.config.key], old[key], result, threshold_pct, allow_disturbed)
     out.only_before = [result.config.key for key, result in old.items() if key not in new]
     if out.only_before or out.only_after:
-        out.notes += matrix_notes(before, after, scenario.axes, ignored_axes)
+        out.notes += matrix_notes(before, after, matrix_axes, ignored_axes)
     return out

@@ -9,7 +9,7 @@ from rich.console import Console
 from rich.table import Table
 
 from opsd_rollout.bench.compare import CONFIDENCE, MIN_ABSOLUTE, TEST_NAME, Comparison, MetricChange
-from opsd_rollout.bench.tables import CompactTable, fmt
+from opsd_rollout.bench.tables import CompactTable, fmt, mib
 from opsd_rollout.metrics import METRICS
 
 DROPPED_FIRST = (("before", "after"), ("95% CI",))
@@ -21,7 +21,7 @@ def _value(metric: str, value: float, digits: int | None = None) -> str:
     """Memory in MiB; other figures to ``digits`` decimals, or (``None``) to three or four significant ones,
     which is all a noisy median has and what keeps the terminal's columns narrow."""
     if METRICS[metric].unit == "bytes":
-        return fmt(value / 2**20, 0)
+        return mib(value)
     if digits is None:
         digits = 0 if abs(value) >= 100 else 1 if abs(value) >= 10 else 2
     return fmt(value, digits)

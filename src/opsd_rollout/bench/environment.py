@@ -91,6 +91,7 @@ def environment_block(device: torch.device, ceilings: dict[str, Any] | None, thr
         "cpu_count": os.cpu_count(),
         "threads": threads.per_rank,
         "threads_source": threads.source,
+        "kept_cores": list(threads.kept),
         "local_ranks": threads.local_ranks,
         "world_size": ranks.world_size,
         "platform": platform.platform(),

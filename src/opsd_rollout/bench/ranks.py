@@ -1,4 +1,4 @@
-"""Multi-rank benchmarks: every rank's iterations gathered to all ranks with DeepSpeed's communication,
+"""Multi-rank benchmarks: every rank's iterations (gathered to all ranks by ``distributed.gather_objects``)
 merged field by field by each metric's rule (``opsd_rollout.metrics``: latency the slowest rank's, throughput
 and token counts summed, memory the largest rank's, ratios and losses averaged), and the skew between ranks
 per stage."""
@@ -7,8 +7,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import deepspeed.comm as dist
-
 from opsd_rollout.bench.stats import is_number, median
 from opsd_rollout.metrics import metric
 
@@ -16,13 +14,6 @@ SKEW_THRESHOLD = 1.2
 """A stage whose slowest rank takes more than this times the median rank's time is flagged."""
 
 _MERGE = {"max": max, "sum": sum, "mean": lambda values: sum(values) / len(values)}
-
-
-def gather_from_ranks(payload: Any) -> list[Any]:
-    """Every rank's ``payload``, in rank order, on every rank (DeepSpeed's ``all_gather_object``)."""
-    gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, payload)
-    return gathered
 
 
 def merge_iterations(per_rank: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import copy
 import json
-import math
 import os
 from dataclasses import asdict, dataclass, field, fields
 from importlib import resources
@@ -13,10 +12,27 @@ from pathlib import Path
 from typing import Any
 
 from opsd_rollout.bench.stats import Stats, is_number
-from opsd_rollout.files import write_text_atomic
 
 SCHEMA_VERSION = 4
 """The version of the document ``bench/schema.json`` describes; a file of another version is refused, not read."""
+
+
+@dataclass(frozen=True)
+class RecordedConfig:
+    """A config as a result file holds it, for a kind of benchmark that has no scenario in this package (the
+    developers' kernels, ``scripts/kernel_bench``): its key and its fields, as written. ``compare`` needs no more."""
+
+    key: str
+    values: dict[str, Any]
+
+    @property
+    def label(self) -> str:
+        return self.key
+
+
+def config_values(config: Any) -> dict[str, Any]:
+    """A config's fields by name, a scenario's or a recorded one."""
+    return dict(config.values) if isinstance(config, RecordedConfig) else asdict(config)
 
 
 @dataclass(kw_only=True)
@@ -57,7 +73,8 @@ class ConfigResult:
         return stats.p50 if stats is not None else None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"key": self.config.key, "config": asdict(self.config), "status": self.status, "error": self.error,
+        return {"key": self.config.key, "config": config_values(self.config), "status": self.status,
+                "error": self.error,
                 "iterations": self.iterations,
                 "summary": {name: stats.to_dict() for name, stats in self.summary().items()},
                 "derived": self.derived, "warnings": self.warnings, "per_rank": self.per_rank, "skew": self.skew,
@@ -65,9 +82,12 @@ class ConfigResult:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], config_type: type) -> "ConfigResult":
-        """The result of ``data`` (``to_dict``'s), its lists and dicts copied: a resumed run appends to its own."""
+        """The result of ``data`` (``to_dict``'s), its lists and dicts copied: a resumed run appends to its own.
+        ``config_type`` ``RecordedConfig`` keeps the config as written, with its key."""
         given = {f.name: copy.copy(data[f.name]) for f in fields(cls) if f.name != "config" and f.name in data}
-        return cls(config=config_type(**data["config"]), **given)
+        config = (RecordedConfig(data["key"], dict(data["config"])) if config_type is RecordedConfig
+                  else config_type(**data["config"]))
+        return cls(config=config, **given)
 
     @property
     def disturbed(self) -> bool:
@@ -77,22 +97,6 @@ class ConfigResult:
     def spread_flag(self) -> str:
         """``*`` when a spread warning was given (the table marks it; the warning says why)."""
         return "*" if any(w.startswith("total_ms spread") for w in self.warnings) else ""
-
-
-def write_json_atomic(path: str | os.PathLike, document: dict[str, Any]) -> None:
-    """``document`` as JSON (NaN and infinities as null), written atomically."""
-    write_text_atomic(path, json.dumps(_finite(document), indent=1, allow_nan=False) + "\n")
-
-
-def _finite(value: Any) -> Any:
-    """NaN and infinities become null: JSON has no spelling for them."""
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_finite(v) for v in value]
-    return value
 
 
 def load_schema() -> dict[str, Any]:

@@ -15,14 +15,16 @@ from opsd_rollout.bench.contenders import has_contenders, set_baselines, workloa
 from opsd_rollout.bench.engines import EnginePool
 from opsd_rollout.bench.environment import environment_block, measure_ceilings
 from opsd_rollout.bench.matrix import Matrix, run_order
-from opsd_rollout.bench.ranks import gather_from_ranks, merge_iterations, stage_skew
-from opsd_rollout.bench.report import SCHEMA_VERSION, ConfigResult, write_json_atomic
+from opsd_rollout.bench.ranks import merge_iterations, stage_skew
+from opsd_rollout.bench.report import SCHEMA_VERSION, ConfigResult
 from opsd_rollout.bench.scenarios.base import Measurement
 from opsd_rollout.bench.stability import (Interference, InterferenceMonitor, Warmup, merge_interference,
                                           spread_warning, warm_up)
 from opsd_rollout.bench.threads import share_cores
+from opsd_rollout.deepspeed_config import LEARNING_RATE
 from opsd_rollout.deepspeed_engine import DEFAULT_COLLECTIVE_TIMEOUT_S, init_distributed
-from opsd_rollout.distributed import rank_info
+from opsd_rollout.distributed import agree_all, gather_objects, rank_info
+from opsd_rollout.files import write_json_atomic
 from opsd_rollout.modeling import ModelSpec
 from opsd_rollout.models import parse_dtype
 
@@ -71,7 +73,8 @@ class BenchRunner:
         self._measure_machine = measure_machine
         self.timelines: dict[str, list] = {}
         self._compile_ms: dict[str, float | None] = {}
-        self.threads = share_cores()  # under a launcher, the local ranks divide the cores
+        # under a launcher, the local ranks divide the cores; a served teacher may have some kept for its server
+        self.threads = share_cores(self.scenario.cores_to_keep())
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # under torchrun / the deepspeed launcher
             init_distributed(collective_timeout_s or DEFAULT_COLLECTIVE_TIMEOUT_S)
             if self.device.type == "cuda":
@@ -111,8 +114,8 @@ class BenchRunner:
             ceilings = measure_ceilings(self.device) if self._measure_machine else None
             self.environment = environment_block(self.device, ceilings, self.threads)
         self._save()
-        pool = EnginePool(self.settings.model, self.device, lr=getattr(self.settings, "lr", 1e-4),
-                          rank=self.ranks.rank)
+        pool = EnginePool(self.settings.model, self.device, lr=getattr(self.settings, "lr", LEARNING_RATE),
+                          rank=self.ranks.rank, kept_cores=self.threads.kept)
         try:
             for batch in self.batches():
                 self._run_batch(pool, batch, progress)
@@ -122,12 +125,12 @@ class BenchRunner:
                 self._set_baselines()
                 self._save()
         finally:
-            pool.close()
+            pool.shutdown()
         progress("done", None, 0)
         return [self.results[c.key] for c in self.configs]
 
     def _set_baselines(self) -> None:
-        if not has_contenders(self.matrix):  # kernels: each config is its own contest
+        if not has_contenders(self.matrix):  # a scenario without contenders (the kernels: each config its own)
             return
         baseline = getattr(self.settings, "baseline", None) or self.matrix["strategies"][0]
         set_baselines([self.results[c.key] for c in self.configs], self.matrix.scenario.axes, baseline)
@@ -207,11 +210,7 @@ class BenchRunner:
 
     def _all_ranks(self, done: bool) -> bool:
         """Whether every rank is done warming up (each rank's collectives must pair with the others')."""
-        if self.ranks.world_size == 1:
-            return done
-        flag = torch.tensor(int(done), device=self.device)
-        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN)
-        return bool(flag.item())
+        return agree_all(done, self.device)
 
     def _finish(self, result: ConfigResult) -> None:
         """Derived figures and the spread warning, from the config's final (for several ranks: merged)
@@ -233,7 +232,7 @@ class BenchRunner:
 
     def _merge_ranks(self, result: ConfigResult) -> None:
         """Gather every rank's outcome of this config; the result becomes the merged view plus ``per_rank``."""
-        gathered = gather_from_ranks({"rank": self.ranks.rank, "status": result.status, "error": result.error,
+        gathered = gather_objects({"rank": self.ranks.rank, "status": result.status, "error": result.error,
                                       "iterations": result.iterations, "interference": result.interference})
         result.per_rank = gathered
         if any(r["status"] != "ok" for r in gathered):

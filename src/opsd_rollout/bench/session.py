@@ -17,8 +17,9 @@ from rich.text import Text
 from opsd_rollout.bench.contenders import knob_notes
 from opsd_rollout.bench.matrix import Matrix, run_order
 from opsd_rollout.bench.plots import write_plots
-from opsd_rollout.bench.report import ConfigResult, results_of, write_json_atomic
+from opsd_rollout.bench.report import ConfigResult, results_of
 from opsd_rollout.bench.tables import CompactTable, PhraseText, display_labels, fmt
+from opsd_rollout.files import write_json_atomic
 
 MEASURING = "measuring the machine's ceilings"
 """Before the first config of a new result file: a large copy and a large matmul, for utilisation figures."""

@@ -5,8 +5,8 @@ its iterations still spread, say why (cold start, interference, or the work's ow
 pyperf's calibration and triton's ``do_bench`` warm up by measurement rather than by a fixed count. The
 first call's time (compilation, allocation, kernel JIT) is kept as its own figure.
 
-``Interference`` samples the machine around a config's measured calls: the load average, this process's CPU
-time against wall time, the CPU time every other process used (from ``/proc/stat``), the hypervisor's steal
+``Interference`` samples the machine around a config's measured calls: the load average, the CPU time of this
+process and of those it started (a served teacher's server is the run's own work) against wall time, the CPU time every other process used (from ``/proc/stat``), the hypervisor's steal
 time, and on CUDA the other processes on the device where they are visible.
 """
 
@@ -18,6 +18,8 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+import psutil
 
 from opsd_rollout.bench.stats import Stats, median
 
@@ -112,7 +114,8 @@ class Interference:
     cpu_count: int = 1
     wall_seconds: float = 0.0
     process_cpu_seconds: float = 0.0
-    """CPU time this run's processes used (all threads; all local ranks once merged)."""
+    """CPU time this run's processes used (all threads, and the processes it started; all local ranks once
+    merged)."""
     machine_busy_seconds: float | None = None
     """CPU time every process on the machine used (``/proc/stat``)."""
     machine_seconds: float | None = None
@@ -162,6 +165,19 @@ def merge_interference(views: list[Interference]) -> Interference:
     return merged.judge()
 
 
+def run_cpu_seconds() -> float:
+    """CPU time of this process and of the processes it started that are still running (a served teacher's
+    server, compile workers): the run's own work, not interference."""
+    total = time.process_time()
+    for child in psutil.Process().children(recursive=True):
+        try:
+            times = child.cpu_times()
+        except psutil.Error:  # it ended meanwhile
+            continue
+        total += times.user + times.system
+    return total
+
+
 class InterferenceMonitor:
     """``start()`` before a config's measured calls, ``stop()`` after: returns the ``Interference``. The readers
     are attributes so tests can plant a disturbance."""
@@ -169,7 +185,7 @@ class InterferenceMonitor:
     def __init__(self) -> None:
         self.read_stat: Callable[[], tuple[float, float, float] | None] = _proc_stat
         self.read_load: Callable[[], float | None] = lambda: os.getloadavg()[0] if hasattr(os, "getloadavg") else None
-        self.read_process_cpu: Callable[[], float] = time.process_time
+        self.read_process_cpu: Callable[[], float] = run_cpu_seconds
         self.read_gpu: Callable[[], list[str] | None] = _gpu_processes
         self.clock: Callable[[], float] = time.perf_counter
         self._start: tuple | None = None

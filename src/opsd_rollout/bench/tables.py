@@ -44,6 +44,7 @@ def fmt(value: float | None, digits: int = 1) -> str:
 
 
 def mib(value: float | None) -> str:
+    """Bytes in a table's memory column (its header says MiB), whole."""
     return fmt(value / 2**20 if value is not None else None, 0)
 
 

@@ -4,6 +4,9 @@ Under a launcher the ranks of one machine share its cores: unless ``OMP_NUM_THRE
 rank gets ``cores // local ranks`` threads. The DeepSpeed launcher leaves every rank torch's default (all the
 cores, so two ranks on two cores run two threads each); torchrun sets ``OMP_NUM_THREADS=1`` for its ranks
 when you did not set it, a launcher's default rather than a choice, so it is replaced the same way.
+
+A run may keep its last cores for another process (the step benchmark's served teacher, ``--split-cores``): the
+run then runs on the others, one thread a core, and the kept cores are the other process's alone.
 """
 
 from __future__ import annotations
@@ -26,7 +29,10 @@ class Threads:
     """The machine's logical cores (``os.cpu_count()``)."""
     source: str
     """``OMP_NUM_THREADS`` (set by you, or by a launcher on your behalf), ``shared`` (the cores divided among
-    the local ranks) or ``torch`` (torch's own default, one rank)."""
+    the local ranks), ``kept`` (the cores left after those kept for another process, divided among the local
+    ranks) or ``torch`` (torch's own default, one rank)."""
+    kept: tuple[int, ...] = ()
+    """The cores kept for another process (``share_cores(keep=...)``), which this one does not run on."""
 
 
 def local_ranks() -> int:
@@ -52,14 +58,32 @@ def torchrun_default_threads() -> bool:
     return parent is not None and not any(entry.startswith(b"OMP_NUM_THREADS=") for entry in parent.split(b"\0"))
 
 
-def share_cores() -> Threads:
-    """Give this rank its share of the machine's cores unless ``OMP_NUM_THREADS`` chose a count, and say which."""
+def share_cores(keep: int = 0) -> Threads:
+    """Give this rank its share of the machine's cores unless ``OMP_NUM_THREADS`` chose a count, and say which;
+    ``keep``: first take this process off its last ``keep`` cores (Linux), kept for another process."""
     cores, local = os.cpu_count() or 1, local_ranks()
+    kept = keep_cores(keep) if keep else ()
     if "OMP_NUM_THREADS" in os.environ and not torchrun_default_threads():
         source = "OMP_NUM_THREADS"
+    elif kept:
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // local))
+        source = "kept"
     elif local > 1:
         torch.set_num_threads(max(1, cores // local))
         source = "shared"
     else:
         source = "torch"
-    return Threads(per_rank=torch.get_num_threads(), local_ranks=local, cores=cores, source=source)
+    return Threads(per_rank=torch.get_num_threads(), local_ranks=local, cores=cores, source=source, kept=kept)
+
+
+def keep_cores(count: int) -> tuple[int, ...]:
+    """Take this process off the last ``count`` of the cores it may run on, and return them; a ``ValueError`` where
+    that would leave it none, or the platform cannot pin a process to cores."""
+    if not hasattr(os, "sched_setaffinity"):
+        raise ValueError("keeping cores for another process (--split-cores) needs Linux's CPU affinity")
+    mine = sorted(os.sched_getaffinity(0))
+    if len(mine) <= count:
+        raise ValueError(f"keeping {count} core(s) for another process (--split-cores) needs more than {count}: this "
+                         f"process may run on {len(mine)}")
+    os.sched_setaffinity(0, mine[:-count])
+    return tuple(mine[-count:])

@@ -1,6 +1,7 @@
 """Side-by-side timing on a shared machine: every contender runs once per round, the order alternating from
 round to round (so drift and a busy neighbour hit all alike), after unrecorded warm-up rounds; medians
-compare. The kernels scenario (``bench/kernels/contest.py``) times its rounds with the same two pieces."""
+compare. The developers' kernel benchmarks (``scripts/kernel_bench/contest.py``) time their rounds with the same two
+pieces."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Command line: ``opsd-rollout <subcommand>``; flags map onto the library's dataclasses, nothing else parses.
-One module a subcommand (``models``, ``bench`` with ``step`` and ``kernels``, ``compare``, ``train``, ``eval``,
+One module a subcommand (``models``, ``bench`` with ``step``, ``compare``, ``train``, ``eval``,
 ``serve-teacher``), each adding its parser and the function that runs it; ``main`` parses, runs, and turns bad
 input and Ctrl-C into a line and an exit status.
 
@@ -58,11 +58,13 @@ def shares_cores(command: str, modules: Any) -> bool:
     return command == "train" and "torch" not in modules
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, parser: argparse.ArgumentParser | None = None) -> int:
+    """Parse ``argv`` with ``parser`` (default: ``opsd-rollout``'s; a developer tool passes its own, whose defaults
+    name its ``command`` and ``func``) and run the command."""
     # torch deprecations raised from inside DeepSpeed are not the user's to act on
     warnings.filterwarnings("ignore", category=FutureWarning, module="torch")
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(argv)
+    args = (parser or build_parser()).parse_args(argv)
     args.argv, args.verbose = argv, getattr(args, "verbose", False)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s")
     show_accelerator_fallback(args.verbose)

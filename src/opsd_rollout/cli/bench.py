@@ -1,6 +1,7 @@
-"""The benchmark subcommands (``bench``, ``step``, ``kernels``): one flag per matrix axis, then the scenario's
-settings, mapped onto the scenario's dataclasses; a run on one rank or relaunched on several, a dry run, a resumed
-run. Light: no torch at import; the runner loads when a run starts."""
+"""The benchmark subcommands (``bench``, ``step``): one flag per matrix axis, then the scenario's settings, mapped
+onto the scenario's dataclasses; a run on one rank or relaunched on several, a dry run, a resumed run. A benchmark
+command is a ``BenchCommand``: the developers' kernel benchmarks (``scripts/kernels.py``) are one too, built from the
+same pieces outside the package. Light: no torch at import; the runner loads when a run starts."""
 
 from __future__ import annotations
 
@@ -8,45 +9,85 @@ import argparse
 import os
 import subprocess
 import sys
-from collections.abc import Sequence
-from dataclasses import fields
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, fields
 from functools import partial
 from typing import Any
 
 from opsd_rollout import checks
-from opsd_rollout.bench.axes import byte_size
 from opsd_rollout.bench.configfile import read_config_file, split_config
 from opsd_rollout.bench.matrix import Matrix
 from opsd_rollout.bench.report import load_document
-from opsd_rollout.bench.scenarios import KernelsScenario, RolloutScenario, Scenario, StepScenario
+from opsd_rollout.bench.scenarios import RolloutScenario, Scenario, StepScenario
 from opsd_rollout.bench.scenarios.rollout import PROMPT_KINDS
 from opsd_rollout.bench.scenarios.step import OVER_BUDGET
 from opsd_rollout.cli.common import LOCAL_RANK_FLAGS, console
+from opsd_rollout.metrics import parse_size
 
-PARSERS: tuple[tuple[str, type[Scenario], str, str], ...] = (
-    ("bench", RolloutScenario, "benchmark rollouts over a matrix of shapes", "Benchmark rollouts over a matrix of "
-     "shapes. With no flags: a smoke matrix (batch 1,4 x samples 1,4 x prompt 128 x response 32, greedy, "
-     "llama-small)."),
-    ("step", StepScenario, "benchmark whole OPSD steps (rollout, teacher, student update)", "Benchmark whole "
-     "on-policy distillation steps on DeepSpeed: rollout, teacher forward into a host logit cache, student forward, "
-     "divergence, backward, optimizer step. Default: student llama-tiny, teacher llama-small, B 2 x n 2 x prompt 32 "
-     "x response 32, jsd(0.5), ZeRO 0 and 3."),
-    ("kernels", KernelsScenario, "benchmark kernels: ours against a baseline, side by side (sampling, "
-     "post-processing, attention layouts, fused loss, weight layout, ...)", "Benchmark the pieces that are neither "
-     "a rollout nor a step, each ours against a baseline (the code it replaced, or upstream's), both in every "
-     "iteration, their order alternating. Default: every kernel but compile at 16 rows, vocabulary 32,000, prompt "
-     "128, response 32, 4 samples per prompt, on llama-small."),
+
+@dataclass(frozen=True)
+class BenchCommand:
+    """A benchmark command: the scenario it runs and the flags of the settings only it has."""
+
+    name: str
+    scenario: type[Scenario]
+    help: str
+    description: str
+    settings_flags: Callable[[argparse._ArgumentGroup, Any], None]
+    """Adds the flags of the scenario's own settings (the group, the settings' defaults)."""
+    workload_flags: bool = True
+    """Whether it takes the prompts', sampling's and contenders' flags (a scenario that makes no prompts does not)."""
+    launch: tuple[str, ...] = ("-m", "opsd_rollout")
+    """What ``--nproc`` runs on each rank, before the command's own arguments."""
+
+
+def add_model_flag(runs: argparse._ArgumentGroup, defaults: Any) -> None:
+    runs.add_argument("--model", help="preset name (see `opsd-rollout models`) or a local checkpoint directory "
+                      f"(default {defaults.model})")
+
+
+def add_step_flags(runs: argparse._ArgumentGroup, defaults: Any) -> None:
+    runs.add_argument("--student", dest="model", help=f"student: preset name or local checkpoint (default "
+                      f"{defaults.model})")
+    runs.add_argument("--teacher", help=f"teacher of the same vocabulary (default {defaults.teacher})")
+    runs.add_argument("--lr", type=float, help=f"student AdamW learning rate (default {defaults.lr:g})")
+    runs.add_argument("--fused-loss", dest="fused_loss", type=_on_off, metavar="on|off", help="on (default): "
+                      "the student's LM head computed inside the loss, a chunk of tokens at a time, its logits "
+                      "never whole; off: the model's logits [N, R, V], then the chunked divergence")
+    runs.add_argument("--teacher-zero-stage", dest="teacher_zero_stage", type=int, choices=(0, 3),
+                      help="0 (default): the teacher whole on every rank; 3: a DeepSpeed ZeRO-3 inference "
+                      "engine, its parameters partitioned across the ranks")
+    runs.add_argument("--estimator", choices=("k1", "k3"), help="sampled_reverse_kl's per-token estimate: k1 "
+                      "(default), or k3 (verl's low-variance estimator)")
+    runs.add_argument("--teacher-cache-budget", dest="teacher_cache_budget_bytes", type=_bytes, metavar="SIZE",
+                      help="host memory the teacher cache may take, e.g. 8GiB (default: half of the memory "
+                      "available when it is built); checked before the teacher runs")
+    runs.add_argument("--teacher-cache-over-budget", dest="teacher_cache_over_budget", choices=OVER_BUDGET,
+                      help="a teacher cache over its budget: error (default: refuse, naming the fixes) or topk "
+                      "(cache the top-k logits instead)")
+    runs.add_argument("--split-cores", dest="split_cores", action="store_true", default=None, help="with "
+                      "--teacher-serving json or compact: the teacher's server on the last core (one thread), this "
+                      "run on the others, one thread a core: the teacher off the student's cores, as on a machine of "
+                      "its own (default: both on every core)")
+
+
+COMMANDS: tuple[BenchCommand, ...] = (
+    BenchCommand("bench", RolloutScenario, "benchmark rollouts over a matrix of shapes", "Benchmark rollouts over a "
+                 "matrix of shapes. With no flags: a smoke matrix (batch 1,4 x samples 1,4 x prompt 128 x response "
+                 "32, greedy, llama-small).", add_model_flag),
+    BenchCommand("step", StepScenario, "benchmark whole OPSD steps (rollout, teacher, student update)", "Benchmark "
+                 "whole on-policy distillation steps on DeepSpeed: rollout, teacher forward into a host logit cache, "
+                 "student forward, divergence, backward, optimizer step. Default: student llama-tiny, teacher "
+                 "llama-small, B 2 x n 2 x prompt 32 x response 32, jsd(0.5), ZeRO 0 and 3.", add_step_flags),
 )
-"""(subcommand, the scenario it runs, its help, its description)."""
-SUBCOMMANDS = {scenario.kind: name for name, scenario, _help, _description in PARSERS}
-"""The subcommand of each benchmark kind."""
+"""The benchmark subcommands of ``opsd-rollout``."""
 
 
 def add_bench_parsers(sub: Any, common: argparse.ArgumentParser) -> None:
-    for name, scenario, help_, description in PARSERS:
-        parser = sub.add_parser(name, parents=[common], help=help_, description=description)
-        add_bench_flags(parser, scenario)
-        parser.set_defaults(func=partial(run_matrix, scenario=scenario))
+    for command in COMMANDS:
+        parser = sub.add_parser(command.name, parents=[common], help=command.help, description=command.description)
+        add_bench_flags(parser, command)
+        parser.set_defaults(func=partial(run_matrix, command=command))
 
 
 def _warmup(text: str) -> int | str:
@@ -66,13 +107,14 @@ _on_off = checks.argument(checks.on_off, str)
 def _bytes(text: str) -> int:
     """argparse type of sizes: bytes, or a number with KiB, MiB, GiB or TiB (``8GiB``, ``1.5GiB``)."""
     try:
-        return byte_size(text)
+        return parse_size(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a size of at least 1 byte such as 8GiB, 512MiB or 1000000 "
                                          f"(bytes), got {text!r}") from None
 
 
-def add_bench_flags(bench: argparse.ArgumentParser, scenario: type[Scenario]) -> None:
+def add_bench_flags(bench: argparse.ArgumentParser, command: BenchCommand) -> None:
+    scenario = command.scenario
     axes = bench.add_argument_group("matrix axes (comma lists; override --config)")
     for axis in scenario.axes:
         default = ",".join(map(axis.text, scenario.defaults[axis.name]))
@@ -82,46 +124,11 @@ def add_bench_flags(bench: argparse.ArgumentParser, scenario: type[Scenario]) ->
     defaults = scenario.settings_type()
     runs = bench.add_argument_group("settings (override --config)")
     runs.add_argument("--config", metavar="FILE", help="TOML, JSON or YAML file with axes and settings")
-    if scenario is StepScenario:
-        runs.add_argument("--student", dest="model", help=f"student: preset name or local checkpoint (default "
-                          f"{defaults.model})")
-        runs.add_argument("--teacher", help=f"teacher of the same vocabulary (default {defaults.teacher})")
-        runs.add_argument("--lr", type=float, help=f"student AdamW learning rate (default {defaults.lr:g})")
-        runs.add_argument("--fused-loss", dest="fused_loss", type=_on_off, metavar="on|off", help="on (default): "
-                          "the student's LM head computed inside the loss, a chunk of tokens at a time, its logits "
-                          "never whole; off: the model's logits [N, R, V], then the chunked divergence")
-        runs.add_argument("--teacher-zero-stage", dest="teacher_zero_stage", type=int, choices=(0, 3),
-                          help="0 (default): the teacher whole on every rank; 3: a DeepSpeed ZeRO-3 inference "
-                          "engine, its parameters partitioned across the ranks")
-        runs.add_argument("--estimator", choices=("k1", "k3"), help="sampled_reverse_kl's per-token estimate: k1 "
-                          "(default), or k3 (verl's low-variance estimator)")
-        runs.add_argument("--teacher-cache-budget", dest="teacher_cache_budget_bytes", type=_bytes, metavar="SIZE",
-                          help="host memory the teacher cache may take, e.g. 8GiB (default: half of the memory "
-                          "available when it is built); checked before the teacher runs")
-        runs.add_argument("--teacher-cache-over-budget", dest="teacher_cache_over_budget", choices=OVER_BUDGET,
-                          help="a teacher cache over its budget: error (default: refuse, naming the fixes) or topk "
-                          "(cache the top-k logits instead)")
-    elif scenario is KernelsScenario:
-        _add_kernel_settings(runs, defaults)
-    else:
-        runs.add_argument("--model", help="preset name (see `opsd-rollout models`) or a local checkpoint "
-                          f"directory (default {defaults.model})")
+    command.settings_flags(runs, defaults)
     _add_measuring_flags(runs, defaults)
-    if scenario is not KernelsScenario:  # its sampling knobs are axes; it makes no prompts
+    if command.workload_flags:
         _add_workload_flags(runs, defaults)
     _add_output_flags(bench, scenario)
-
-
-def _add_kernel_settings(runs: argparse._ArgumentGroup, defaults: Any) -> None:
-    runs.add_argument("--model", help="the model of the attention, weight_layout, compile and profiling kernels: "
-                      f"preset name or local checkpoint directory (default {defaults.model})")
-    runs.add_argument("--temperature", type=float, help=f"the sampling kernel's temperature (default "
-                      f"{defaults.temperature})")
-    runs.add_argument("--repeats", type=int, metavar="N", help="calls of each side per timed sample in the sampling "
-                      f"and weight_layout kernels, for calls too short to time alone (default {defaults.repeats})")
-    runs.add_argument("--hidden-size", dest="hidden_size", type=int, metavar="H", help="the fused_loss student's "
-                      f"hidden size: its LM head is [vocab, H] (default {defaults.hidden_size})")
-    runs.add_argument("--beta", type=float, help=f"the fused_loss generalized JSD's beta (default {defaults.beta})")
 
 
 def _add_measuring_flags(runs: argparse._ArgumentGroup, defaults: Any) -> None:
@@ -186,12 +193,13 @@ def _bench_inputs(args: argparse.Namespace, scenario: type[Scenario]) -> tuple[M
     return matrix, scenario.settings_type(**{**file_settings, **flag_settings})
 
 
-def _relaunch(argv: Sequence[str], nproc: int) -> int:
-    """Run this same command on ``nproc`` local ranks under torchrun (free port, gloo on CPU)."""
+def _relaunch(launch: Sequence[str], argv: Sequence[str], nproc: int) -> int:
+    """Run this same command (``launch``, then ``argv``) on ``nproc`` local ranks under torchrun (free port, gloo on
+    CPU)."""
     from opsd_rollout.distributed import environment_without_ranks, free_port  # heavy: see the module docstring
 
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr",
-               "127.0.0.1", "--master_port", str(free_port()), "-m", "opsd_rollout", *argv]
+               "127.0.0.1", "--master_port", str(free_port()), *launch, *argv]
     # a one-process group of this process (if any) must not leak into the ranks' environment; the ranks share
     # the machine's cores (torchrun would give each one thread)
     env = environment_without_ranks()
@@ -230,15 +238,15 @@ def _estimate_source(args: argparse.Namespace, existing: dict[str, Any] | None,
     return (document, args.output) if document.get("kind") == scenario.kind else (None, None)
 
 
-def run_matrix(args: argparse.Namespace, scenario: type[Scenario]) -> int:
+def run_matrix(args: argparse.Namespace, command: BenchCommand) -> int:
     checks.integer("--nproc", args.nproc, optional=True)
-    out = console()
+    scenario, out = command.scenario, console()
     existing = None
     if args.resume_results:
         existing = load_document(args.resume_results)
         if existing["kind"] != scenario.kind:
-            raise ValueError(f"--resume-results {args.resume_results!r} holds a {existing['kind']} benchmark; "
-                             f"resume it with `opsd-rollout {SUBCOMMANDS.get(existing['kind'], 'bench')}`")
+            raise ValueError(f"--resume-results {args.resume_results!r} holds a {existing['kind']} benchmark; resume "
+                             f"it with the command that wrote it: {existing['environment']['command']}")
         matrix = Matrix.parse(scenario, existing["matrix"])
         settings = scenario.settings_type(**existing["settings"])
         args.output = args.resume_results
@@ -253,7 +261,7 @@ def run_matrix(args: argparse.Namespace, scenario: type[Scenario]) -> int:
         print_dry_run(matrix, settings, previous, out, source)
         return 0
     if args.nproc is not None and args.nproc > 1 and int(os.environ.get("WORLD_SIZE", "1")) == 1:
-        return _relaunch(_relaunch_argv(args.argv), args.nproc)  # not already under a launcher
+        return _relaunch(command.launch, _relaunch_argv(args.argv), args.nproc)  # not already under a launcher
     from opsd_rollout.bench.runner import RankFailure  # heavy: see the module docstring
 
     try:

@@ -1,6 +1,6 @@
 """``opsd-rollout train``: its flags, each mapped onto a ``TrainConfig`` field by its name (the sections' fields
-through ``opsd_rollout.train.config.FLAT``). A light module (argparse only), so ``--help`` answers without importing
-torch."""
+through ``opsd_rollout.train.config.FLAT``). A light module (argparse and the standard library), so ``--help``
+answers without importing torch."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import shlex
 import sys
 from typing import Any
 
+from opsd_rollout.deepspeed_config import LEARNING_RATE
 from opsd_rollout.train.tasks import TASKS
 
 TASK_NAMES = tuple(TASKS)
@@ -58,7 +59,7 @@ FLAGS: list[tuple[str, str, dict[str, Any]]] = [  # (flag, TrainConfig's flat na
                                       "default: one built from the flags below")),
     ("--zero-stage", "zero_stage", dict(type=int, choices=(0, 1, 2, 3), help="ZeRO stage of the built config "
                                         "(default 0)")),
-    ("--lr", "lr", dict(type=float, help="AdamW learning rate of the built config (default 1e-3)")),
+    ("--lr", "lr", dict(type=float, help=f"AdamW learning rate of the built config (default {LEARNING_RATE:g})")),
     ("--gradient-accumulation-steps", "gradient_accumulation_steps", dict(
         type=int, metavar="N", help="micro-batches per optimizer step, each with its own rollout, in the built "
         "config (default 1)")),

@@ -29,8 +29,7 @@ then through ``log_softmax``: ``g_s = g - p * sum(g)``, and through the temperat
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -39,6 +38,7 @@ import torch.nn.functional as F
 from opsd_rollout.modeling import logit_transform
 from opsd_rollout.opsd.divergence import DivergenceConfig, student_tail_logp, tail_logp
 from opsd_rollout.opsd.head_chunks import HeadGrads, HeadOptions, rows_on
+from opsd_rollout.rollout.linears import forwards_replaced
 
 CHUNK_BYTES = 32 << 20
 """Default size of one float32 intermediate of a chunk (see ``DivergenceConfig.fused_chunk_tokens``)."""
@@ -247,21 +247,6 @@ def fusion_problem(model: torch.nn.Module) -> str | None:
     return None if takes else f"{type(model).__name__}.forward takes no logits_to_keep"
 
 
-@contextmanager
-def _forward_replaced(module: torch.nn.Module, forward: Callable[..., Any]) -> Iterator[None]:
-    """Calls of ``module`` run ``forward`` instead, inside every hook the module has: ZeRO-3's gather its
-    parameters before the call and again before its backward, and release them after each."""
-    own = module.__dict__.get("forward")
-    module.forward = forward
-    try:
-        yield
-    finally:
-        if own is None:
-            del module.forward
-        else:
-            module.forward = own
-
-
 def through_head(model: torch.nn.Module, hidden: torch.Tensor, mask: torch.Tensor,
                  loss: Callable[..., torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """``loss(states, weight, bias, scale, cap)`` with ``model``'s own LM head (weight, bias, logit transform),
@@ -273,7 +258,8 @@ def through_head(model: torch.nn.Module, hidden: torch.Tensor, mask: torch.Tenso
         raise ValueError(f"the fused loss cannot use this model: {problem}; use DivergenceConfig(fused=False)")
     head = model.get_output_embeddings()
     scale, cap = logit_transform(model.config)
-    with _forward_replaced(head, lambda states: loss(states, head.weight, head.bias, scale, cap)):
+    # the head's hooks run around the loss: ZeRO-3 gathers its weight before the call and again before its backward
+    with forwards_replaced([(head, lambda states: loss(states, head.weight, head.bias, scale, cap))], over_others=True):
         total = head(hidden)
     return total, mask.to(device=total.device, dtype=total.dtype).sum()
 

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from opsd_rollout.distributed import partitioned
+from opsd_rollout.distributed import partitioned, several_ranks
 from opsd_rollout.modeling import innermost_model, position_ids, text_config
 from opsd_rollout.opsd.divergence import DivergenceConfig, chunked_divergence
 from opsd_rollout.opsd.fused import fusion_problem, head_divergence
@@ -160,7 +160,7 @@ def token_mean(total: torch.Tensor, count: torch.Tensor) -> tuple[torch.Tensor, 
     DeepSpeed averages gradients over ranks, so each rank scales its sum by ``world_size / global count``;
     dividing by its own count would weight ranks with fewer valid tokens too much.
     """
-    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+    if not several_ranks():
         return total / count.clamp(min=1), total.detach() / count.clamp(min=1)
     both = torch.stack([total.detach().float(), count.float()]).to(total.device)
     dist.all_reduce(both)
@@ -417,7 +417,7 @@ def per_teacher(names: list[str], sums: dict[str, tuple[torch.Tensor, torch.Tens
     zero = torch.zeros(())
     stacked = torch.stack([torch.stack([t.detach().float().reshape(()).cpu(), c.float().reshape(()).cpu()])
                            for t, c in (sums.get(name, (zero, zero)) for name in names)])  # [T, 2]
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+    if several_ranks():
         stacked = stacked.to(device)  # the student's: where the step's other collectives run
         dist.all_reduce(stacked)
     return {name: (total / count, int(count)) for name, (total, count) in zip(names, stacked.tolist()) if count}

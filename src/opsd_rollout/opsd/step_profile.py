@@ -9,9 +9,9 @@ from typing import Any
 
 import torch
 
-from opsd_rollout.metrics import STEP_PARTS, STEP_STAGES, hidden_share, label
+from opsd_rollout.files import json_safe
+from opsd_rollout.metrics import STEP_PARTS, STEP_STAGES, bytes_text, hidden_share, label
 from opsd_rollout.profiling import PeakMemory, RolloutProfile, StageRecorder
-from opsd_rollout.profiling.profile import byte_size, json_safe
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -98,11 +98,11 @@ class StepProfile:
     def __str__(self) -> str:
         """A few lines for a person: loss, the parts in ms, throughput and memory, then the rollout's first line."""
         parts = ", ".join(f"{label(name)} {getattr(self, name):.1f}" for name in STEP_STAGES)
-        peak = byte_size(max(self.peak_memory_bytes.values(), default=0))
+        peak = bytes_text(max(self.peak_memory_bytes.values(), default=0))
         lines = [f"StepProfile: loss {self.loss:.4f}, {self.total_ms:.1f} ms, rollout share {self.rollout_share:.0%}",
                  f"  parts ms: {parts}",
                  f"  {self.response_tokens} response tokens, {self.tokens_per_second:.1f} tok/s; peak memory {peak}; "
-                 f"teacher cache {self.teacher_cache_mode} {byte_size(self.teacher_cache_bytes)}; "
+                 f"teacher cache {self.teacher_cache_mode} {bytes_text(self.teacher_cache_bytes)}; "
                  f"fused loss {'on' if self.fused_loss else 'off'}"]
         if self.rollout is not None:
             lines.append("  rollout: " + str(self.rollout).splitlines()[0].removeprefix("RolloutProfile: "))

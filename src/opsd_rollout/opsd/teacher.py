@@ -21,6 +21,7 @@ import torch
 
 from opsd_rollout import checks
 from opsd_rollout.distributed import agree_max, partitioned
+from opsd_rollout.metrics import bytes_text
 from opsd_rollout.modeling import innermost_model, logit_transform, position_ids, text_config
 from opsd_rollout.opsd.self_teacher import scoring
 from opsd_rollout.opsd.targets import response_targets
@@ -155,13 +156,6 @@ def cache_bytes(rows: int, window: int, width: int, dtype: torch.dtype, topk: bo
     return rows * window * width * (dtype.itemsize + 4 * topk)
 
 
-def _size(nbytes: int) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if nbytes >= scale:
-            return f"{nbytes / scale:.{2 if unit == 'GiB' else 1}f} {unit}"
-    return f"{nbytes} bytes"
-
-
 def plan_mode(config: TeacherCacheConfig, rows: int, window: int, vocab: int, dtype: torch.dtype,
               budget: int) -> str:
     """The mode the cache is built in: ``config.mode`` if it fits ``budget`` bytes; ``topk`` for a full cache
@@ -172,30 +166,32 @@ def plan_mode(config: TeacherCacheConfig, rows: int, window: int, vocab: int, dt
     if needed <= budget:
         return config.mode
     if config.mode == "sampled":
-        raise ValueError(f"the sampled teacher cache needs {_size(needed)} of host memory ({rows} rows x {window} "
-                         f"response positions x 4 bytes) but its budget is {_size(budget)}")
+        raise ValueError(f"the sampled teacher cache needs {bytes_text(needed)} of host memory ({rows} rows x {window} "
+                         f"response positions x 4 bytes) but its budget is {bytes_text(budget)}")
     what = "full" if full else f"top-{top_k}"
     if full and config.over_budget == "topk":
         switched = cache_bytes(rows, window, top_k, dtype, True)
         if switched <= budget:
-            warnings.warn(f"the full teacher cache ({_size(needed)}) is over its host-memory budget "
-                          f"({_size(budget)}): caching the teacher's top-{top_k} logits instead "
-                          f"({_size(switched)})", stacklevel=3)
+            warnings.warn(f"the full teacher cache ({bytes_text(needed)}) is over its host-memory budget "
+                          f"({bytes_text(budget)}): caching the teacher's top-{top_k} logits instead "
+                          f"({bytes_text(switched)})", stacklevel=3)
             return "topk"
-        full, needed, what = False, switched, f"top-{top_k} (over_budget='topk': the full one needs {_size(needed)})"
+        what = f"top-{top_k} (over_budget='topk': the full one needs {bytes_text(needed)})"
+        full, needed = False, switched
     width = vocab if full else top_k
     fixes = [f"cache the teacher's top-k (TeacherCacheConfig(mode='topk', top_k={top_k}): "
-             f"{_size(cache_bytes(rows, window, top_k, dtype, True))} here; over_budget='topk' switches when needed)"
+             f"{bytes_text(cache_bytes(rows, window, top_k, dtype, True))} here; over_budget='topk' switches when "
+             "needed)"
              if full else "a smaller top_k"]
     if dtype.itemsize > 2:
         fixes.append(f"store it in bfloat16 (dtype=torch.bfloat16: "
-                     f"{_size(cache_bytes(rows, window, width, torch.bfloat16, not full))})")
+                     f"{bytes_text(cache_bytes(rows, window, width, torch.bfloat16, not full))})")
     fixes.append("train on fewer rows or shorter responses per step (the cache grows with rows x response length)")
     source = ("host_budget_bytes" if config.host_budget_bytes is not None
               else f"{config.host_budget_fraction:.0%} of the host memory available")
     entries = f"{vocab} logits" if full else f"{top_k} (value, index) pairs"
-    raise ValueError(f"the {what} teacher cache needs {_size(needed)} of host memory ({rows} rows x {window} "
-                     f"response positions x {entries}, {dtype}) but its budget is {_size(budget)} ({source}; "
+    raise ValueError(f"the {what} teacher cache needs {bytes_text(needed)} of host memory ({rows} rows x {window} "
+                     f"response positions x {entries}, {dtype}) but its budget is {bytes_text(budget)} ({source}; "
                      f"TeacherCacheConfig.host_budget_bytes / host_budget_fraction). Fixes: " + "; or ".join(fixes)
                      + ".")
 

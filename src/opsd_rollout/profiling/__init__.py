@@ -1,29 +1,28 @@
 """Opt-in profiling: one clock abstraction, stage recording, forward-pass timing, phase probes, peak memory,
 train/eval switch timing and trace export.
 
-The names load on first use (PEP 562): importing one submodule (``profiling.clock``) does not import the others
-(the forward timer and the phase probes import torch's compiler).
+The names load on first use (PEP 562, ``opsd_rollout.lazy``): importing one submodule (``profiling.clock``) does
+not import the others (the forward timer and the phase probes import torch's compiler).
 """
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from opsd_rollout.lazy import lazy_exports
 
 _EXPORTS = {
-    "Clock": "clock", "synchronize": "clock",
-    "ForwardTime": "forward", "ForwardTimer": "forward",
-    "PeakMemory": "memory",
-    "HiddenForwardsError": "model_time", "ModelTimeProfiler": "model_time", "profile_model_time": "model_time",
-    "PhaseProbes": "probes", "PhaseTotal": "probes",
-    "DEEPSPEED_ALIASES": "profile", "RolloutProfile": "profile",
-    "NULL_RECORDER": "recorder", "Span": "recorder", "StageRecorder": "recorder",
-    "ModeSwitchTimes": "transitions", "timed_eval": "transitions",
+    "Clock": ".clock", "synchronize": ".clock",
+    "ForwardTime": ".forward", "ForwardTimer": ".forward",
+    "PeakMemory": ".memory",
+    "HiddenForwardsError": ".model_time", "ModelTimeProfiler": ".model_time", "profile_model_time": ".model_time",
+    "PhaseProbes": ".probes", "PhaseTotal": ".probes",
+    "DEEPSPEED_ALIASES": ".profile", "RolloutProfile": ".profile",
+    "NULL_RECORDER": ".recorder", "Span": ".recorder", "StageRecorder": ".recorder",
+    "ModeSwitchTimes": ".transitions", "timed_eval": ".transitions",
 }
 
-__all__ = ["Clock", "DEEPSPEED_ALIASES", "ForwardTime", "ForwardTimer", "HiddenForwardsError", "ModeSwitchTimes",
-           "ModelTimeProfiler", "NULL_RECORDER", "PeakMemory", "PhaseProbes", "PhaseTotal", "RolloutProfile", "Span",
-           "StageRecorder", "profile_model_time", "synchronize", "timed_eval"]
+__all__ = sorted(_EXPORTS)
 
 if TYPE_CHECKING:
     from opsd_rollout.profiling.clock import Clock, synchronize
@@ -35,10 +34,4 @@ if TYPE_CHECKING:
     from opsd_rollout.profiling.recorder import NULL_RECORDER, Span, StageRecorder
     from opsd_rollout.profiling.transitions import ModeSwitchTimes, timed_eval
 
-
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'opsd_rollout.profiling' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"opsd_rollout.profiling.{_EXPORTS[name]}"), name)
-    globals()[name] = value  # later lookups skip this function
-    return value
+__getattr__ = lazy_exports(globals(), _EXPORTS)

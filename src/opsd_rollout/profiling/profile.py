@@ -9,8 +9,6 @@ reads back as a profile; ``str()`` is a few lines for a person.
 from __future__ import annotations
 
 import dataclasses
-import math
-import numbers
 import statistics
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -18,36 +16,12 @@ from typing import Any
 
 import torch
 
-from opsd_rollout.metrics import ATTRIBUTED_PHASES, DEEPSPEED_ALIASES, ROLLOUT_STAGES, label
+from opsd_rollout.files import json_safe
+from opsd_rollout.metrics import ATTRIBUTED_PHASES, DEEPSPEED_ALIASES, ROLLOUT_STAGES, bytes_text, label
 DERIVED_KEYS = ("generation_overhead_ms", "cache_management_ms")
 CACHE_MANAGEMENT_PHASES = ("workspace_alloc_ms", "compaction_ms", "kv_placement_ms")
 """The attributed phases that manage the key/value cache (DeepSpeed's ``cache_management_overhead_ms``)."""
 ATTRIBUTED_FIELDS = tuple(f"{phase}_ms" for phase in ATTRIBUTED_PHASES)
-
-
-def json_safe(record: dict[str, Any]) -> dict[str, Any]:
-    """``record`` with values any JSON encoder or scalar logger takes as they are: a tensor or numpy scalar as a
-    Python number, NaN and infinities as ``None`` (JSON has no spelling for them; ``json.dumps`` would write
-    ``NaN``, which strict readers refuse)."""
-    return {key: _plain(value) for key, value in record.items()}
-
-
-def _plain(value: Any) -> Any:
-    if isinstance(value, torch.Tensor) or (isinstance(value, numbers.Number) and not isinstance(value, (int, float))):
-        value = value.item()
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    return value
-
-
-def byte_size(count: int | None) -> str:
-    """``count`` bytes for a person: GiB, MiB or KiB, the largest that keeps the figure at 1 or more."""
-    if count is None:
-        return "n/a"
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20)):
-        if count >= size:
-            return f"{count / size:,.1f} {unit}"
-    return f"{count / 2**10:,.1f} KiB"
 
 
 @dataclass(frozen=True, kw_only=True, eq=True)
@@ -253,7 +227,7 @@ class RolloutProfile(_ProfileFields, Mapping):
             f"{name} {value:.1f}{unit}" for name, value, unit in (
                 ("decode", self.decode_tokens_per_second, " tok/s"), ("TTFT", self.ttft_ms, " ms"),
                 ("TPOT", self.tpot_ms, " ms")) if value is not None]
-        kv = f", KV workspace {byte_size(self.kv_workspace_bytes)} ({self.kv_layout})" if self.kv_layout else ""
+        kv = f", KV workspace {bytes_text(self.kv_workspace_bytes)} ({self.kv_layout})" if self.kv_layout else ""
         return "\n".join([
             f"RolloutProfile: {self.batch_size} prompts x {self.samples_per_prompt} samples, prompt "
             f"{self.prompt_length}, response {self.response_length} of {self.max_new_tokens} tokens, {self.decoding}, "
@@ -261,7 +235,7 @@ class RolloutProfile(_ProfileFields, Mapping):
             f"{self.world_size}",
             f"  stages ms: total {self.total_ms:.1f} = {stages}",
             f"  {self.generated_tokens} tokens ({self.padded_tokens} padding), {', '.join(speed)}",
-            f"  peak memory {byte_size(self.peak_memory_bytes)} ({self.peak_memory_source}){kv}, timer {self.timer}"])
+            f"  peak memory {bytes_text(self.peak_memory_bytes)} ({self.peak_memory_source}){kv}, timer {self.timer}"])
 
     def stage_shares(self) -> dict[str, float]:
         """Each top-level stage and attributed phase as a fraction of ``total_ms``."""

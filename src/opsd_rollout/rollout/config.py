@@ -11,7 +11,7 @@ from typing import Any
 
 from opsd_rollout import checks
 from opsd_rollout.rollout.deepspeed_fields import NAMES as DEEPSPEED_NAMES
-from opsd_rollout.rollout.deepspeed_fields import DeepSpeedFields, contradiction, implied_fields
+from opsd_rollout.rollout.deepspeed_fields import DeepSpeedFields, ReadBack, contradiction, implied_fields
 
 STRATEGIES = ("static", "generate")
 RESPONSE_WIDTHS = ("max_new_tokens", "longest")
@@ -20,28 +20,16 @@ CACHE_POLICIES = ("retain", "release")
 SHARED_PREFIX_MIN_PROMPT = 128
 """The shortest prompt (columns, padding included) for which ``shared_prefix`` is used by default: measured on
 ``llama-small`` (benchmarks/RESULTS.md, "Shared-prefix attention")."""
-STATIC = ("static",)
-
-
-def axis(name: str | None = None, *, key: str | None = None, always: bool = False, none: str = "none",
-         choices: tuple[Any, ...] = (), strategies: tuple[str, ...] = STRATEGIES, config: str | None = None) -> dict:
-    """A field's metadata for ``opsd-rollout bench``, which sweeps every field of these configs as a matrix axis
-    (``bench/axes.py``; ``NOT_AN_AXIS`` opts one out): ``name`` the axis and its flag (default: the field's name),
-    ``key`` its fragment of a result's config key (``{}`` the value; only away from the default unless
-    ``always``; default ``name=value``), ``none`` the word for ``None``, ``choices`` a text field's values,
-    ``strategies`` the strategies it acts on, ``config`` its name in result files (default: the field's)."""
-    return {"axis": {"name": name, "key": key, "always": always, "none": none, "choices": choices,
-                     "strategies": strategies, "config": config}}
-
-
-NOT_AN_AXIS = {"axis": None}
+CHOICES = {"strategy": STRATEGIES, "zero3_gather": ZERO3_GATHER, "cache_policy": CACHE_POLICIES,
+           "response_width": RESPONSE_WIDTHS}
+"""The text fields of ``HybridEngineRolloutConfig`` and the values each takes."""
 
 
 @dataclass(kw_only=True)
 class RolloutOptions:
     """The engine's finer knobs (``HybridEngineRolloutConfig.options``); the defaults are the measured choices."""
 
-    shared_prefix: bool = field(default=True, metadata=axis(key="noshared", strategies=STATIC))
+    shared_prefix: bool = True
     """``static``, with ``n_samples_per_prompt > 1`` and ``shared_prefill``: store each prompt's keys/values once for
     its n samples and attend to them once per step for all n (shared-prefix attention: the prompt part and each
     row's own response part merged exactly by their log-sum-exps), when the prompt is at least
@@ -49,21 +37,19 @@ class RolloutOptions:
     ``sdpa``/``eager``: each row's slot holds a copy of its prompt's keys/values. The tokens are the same either
     way (up to the dtype's rounding); the profile's ``kv_layout`` says which ran. On, the model's attention
     implementation is its shared-prefix twin (``opsd_shared_prefix:sdpa``: SDPA itself in every other forward)."""
-    shared_prefix_min_prompt: int = field(default=SHARED_PREFIX_MIN_PROMPT, metadata=axis(strategies=STATIC))
+    shared_prefix_min_prompt: int = SHARED_PREFIX_MIN_PROMPT
     """The shortest prompt (columns of the prompt batch, padding included) that uses ``shared_prefix``; below it
     the copied layout is as fast. 1 uses it for every prompt."""
-    stop_check_interval: int | None = field(
-        default=None, metadata=axis("stop_check_intervals", key="stop{}", none="auto", strategies=STATIC))
+    stop_check_interval: int | None = None
     """``static``: check for finished rows every k decode steps (one host read; an all-reduce under ZeRO-3 with
     several ranks). ``None``: every step on CPU, every 8 on CUDA."""
-    cpu_transposed_weights: bool = field(default=False,
-                                         metadata=axis("weight_copies", key="wcopies", strategies=STATIC))
+    cpu_transposed_weights: bool = False
     """``static``, opt-in, a float32 model on the CPU, at least 16 decode rows, at most 256 MiB of linear weights:
     multiply each plain ``nn.Linear`` by an ``[in, out]`` copy of its weight, written at each call's start. Some
     CPUs' oneMKL multiplies small matrices in the model's ``[out, in]`` layout several times slower at a few dozen
     rows; elsewhere (GPUs, bfloat16, other BLAS) it gains nothing. Costs the linear weights' bytes once more and a
     copy per call (``weight_layout_ms``); the profile's ``weight_layout`` says which ran."""
-    cpu_row_kernel: bool = field(default=False, metadata=axis("row_kernel", key="rowkernel", strategies=STATIC))
+    cpu_row_kernel: bool = False
     """``static``, opt-in, a float32 or bfloat16 model on the CPU: every one-row product (a decode step at batch 1)
     by our own kernel, which streams each weight row once and splits the rows across the cores
     (``rollout/row_kernel.py``; built on first use with a C++ compiler and ninja, cached by torch, skipped with a
@@ -73,8 +59,7 @@ class RolloutOptions:
     """Most bytes the one-time ZeRO-3 gather may materialize; ``None``: 80% of the device's free memory plus
     what torch's caching allocator holds unused (CUDA), or of available RAM (CPU). Above it, per-layer
     gathering is used, with a warning."""
-    profile_forwards: bool = field(
-        default=True, metadata=axis("forward_timing", key="fwd{}", always=True, config="forward_timing"))
+    profile_forwards: bool = True
     """With profiling on, also time every forward (the prefill/decode split). Off leaves the model unhooked
     and the forward-derived profile fields ``None``."""
 
@@ -91,50 +76,49 @@ class _ConfigFields:
     """The fields of ``HybridEngineRolloutConfig``, apart so that the dataclass's generated ``__init__`` lives here
     and ``HybridEngineRolloutConfig``'s own can take DeepSpeed's field names too."""
 
-    enable_profiling: bool = field(default=False, metadata=NOT_AN_AXIS)
+    enable_profiling: bool = False
     """Record a ``RolloutProfile`` per call (``get_last_profile()``). Off: no synchronization, no hooks."""
-    strategy: str = field(default="static", metadata=NOT_AN_AXIS)
+    strategy: str = "static"
     """``static`` (default): our decode loop over a preallocated, reusable KV cache; models it cannot run fall back
     to ``generate`` with a logged reason. ``generate``: transformers' ``generate`` (through the hybrid engine's
     patched ``generate`` when the engine has one)."""
-    seed: int | None = field(default=None, metadata=NOT_AN_AXIS)
+    seed: int | None = None
     """``static`` sampling: seed of the rollout's random numbers (same seed, same tokens, whatever the schedule).
     ``None`` draws each call's seed from torch's global RNG, so ``torch.manual_seed`` makes runs repeatable."""
-    compile_decode: bool = field(default=False, metadata=axis(key="compiled", strategies=STATIC))
+    compile_decode: bool = False
     """``static``: compile the one-token decode step with ``torch.compile``: inductor with CUDA graphs on CUDA,
     inductor's C++ kernels on CPU (a C++ compiler is needed). Cache lengths round up to powers of two (at least 64)
     and the batch moves through compaction's size buckets, so a training run compiles a few graphs, each once per
     process (its time is the profile's ``compile_ms``, never in ``decode_ms``). Greedy tokens and seeded samples
     equal the eager loop's. Under ZeRO-3 with per-layer gathering the step stays eager. DeepSpeed's
     ``use_graph_capture`` maps here."""
-    shared_prefill: bool = field(default=True, metadata=axis(strategies=STATIC))
+    shared_prefill: bool = True
     """``static``: with ``n_samples_per_prompt > 1``, prefill each prompt once for its n samples, instead of
     prefilling B*n identical rows. DeepSpeed's ``use_shared_prefill`` maps here."""
-    kv_budget_bytes: int | None = field(default=None, metadata=axis("kv_budgets", key="kv{}", strategies=STATIC))
+    kv_budget_bytes: int | None = None
     """``static``: most bytes the decode batch's key/value cache may take; the number of rows decoding at once
     (the slots) is chosen from it, so a long prompt or a large batch runs as continuous batching within the
     budget instead of running out of memory. ``None``: one slot per row (or ``continuous_batch_size``)."""
-    compact_rows: bool = field(default=True, metadata=axis("compaction", key="nocompact", strategies=STATIC))
+    compact_rows: bool = True
     """``static``: rows that finished leave the decode batch; at a check, when no prompt waits and the live rows
     fit a smaller batch size (1, 2, 3, 4, 6, 8, 12, 16, ...), they move to the front and the batch shrinks, so a
     step costs what its live rows cost. Off: every row is computed until the last one finishes. DeepSpeed's
     ``enable_cache_trimming`` maps here."""
-    continuous_cache_capacity: int | None = field(default=None, metadata=axis(strategies=STATIC))
+    continuous_cache_capacity: int | None = None
     """``static``: most key/value columns one slot may hold (DeepSpeed's field of the same name); a rollout whose
     prompt length plus ``max_new_tokens`` exceeds it is refused. ``None``: no limit."""
-    zero3_gather: str = field(default="once", metadata=axis(choices=ZERO3_GATHER))
+    zero3_gather: str = "once"
     """ZeRO-3 without the hybrid engine: ``once`` gathers every parameter once for the whole rollout (when
     it fits ``options.gather_memory_budget_bytes``), ``per_layer`` leaves DeepSpeed gathering layer by layer at
     every forward."""
-    cache_policy: str = field(default="retain",
-                              metadata=axis("cache_policies", key="{}", always=True, choices=CACHE_POLICIES))
+    cache_policy: str = "retain"
     """``retain`` keeps inference workspaces and the accelerator's cached memory between calls; ``release``
     frees them at the end of every call (``release_workspace()``), timed as ``inference_cache_ms`` (the workspaces)
     and ``empty_cache_ms`` (the accelerator's cached blocks)."""
     merge_adapters: bool = False
     """For a PEFT model: merge the LoRA adapters into the base weights for generation and unmerge them
     after (timed as ``lora_fuse_ms``/``lora_unfuse_ms``)."""
-    response_width: str = field(default="max_new_tokens", metadata=axis(choices=RESPONSE_WIDTHS))
+    response_width: str = "max_new_tokens"
     """The batch's response columns: ``max_new_tokens`` (DeepSpeed's width: ``P + max_new_tokens`` columns whatever
     the rows did, so batches stack across steps and gather across ranks) or ``longest`` (the longest response;
     under ZeRO-3 with several ranks, the longest on any rank, so every rank's batch has the same width). Columns
@@ -143,7 +127,7 @@ class _ConfigFields:
     options: RolloutOptions = field(default_factory=RolloutOptions)
     """The engine's finer knobs: shared-prefix attention, stop-check interval, CPU weight copies, ZeRO-3 gather
     budget, forward timing."""
-    deepspeed: DeepSpeedFields = field(default_factory=DeepSpeedFields, metadata=NOT_AN_AXIS)
+    deepspeed: DeepSpeedFields = field(default_factory=DeepSpeedFields)
     """DeepSpeed's own field names (``use_graph_capture``, ``use_shared_prefill``, ``align_decode_fronts``,
     ``enable_cache_trimming``) as they were given, as keywords of this config or by ``from_any``; each maps onto
     the fields above (docs/MIGRATING.md) and reads back as given."""
@@ -151,10 +135,8 @@ class _ConfigFields:
     def __post_init__(self) -> None:
         for name in ("enable_profiling", "compile_decode", "shared_prefill", "compact_rows", "merge_adapters"):
             checks.boolean(name, getattr(self, name))
-        checks.choice("strategy", self.strategy, STRATEGIES)
-        checks.choice("zero3_gather", self.zero3_gather, ZERO3_GATHER)
-        checks.choice("cache_policy", self.cache_policy, CACHE_POLICIES)
-        checks.choice("response_width", self.response_width, RESPONSE_WIDTHS)
+        for name, choices in CHOICES.items():
+            checks.choice(name, getattr(self, name), choices)
         for name in ("kv_budget_bytes", "continuous_cache_capacity"):
             checks.integer(name, getattr(self, name), optional=True)
         if not isinstance(self.options, RolloutOptions):
@@ -193,29 +175,11 @@ class HybridEngineRolloutConfig(_ConfigFields):
         values.update(changes, **implied_fields(given, changes))
         return type(self)(**values, deepspeed=DeepSpeedFields(**{**self.deepspeed.given(), **given}))
 
-    # DeepSpeed's names, read back as given (or, not given, as what this config does)
-    @property
-    def use_graph_capture(self) -> bool:
-        """DeepSpeed's CUDA-graph decode: ``compile_decode``."""
-        return self.compile_decode
-
-    @property
-    def use_shared_prefill(self) -> bool:
-        """As given; else whether prompts are prefilled once for their n samples (``shared_prefill``, static)."""
-        given = self.deepspeed.use_shared_prefill
-        return given if given is not None else self.shared_prefill and self.strategy == "static"
-
-    @property
-    def align_decode_fronts(self) -> bool:
-        """As given; else ``True``: each slot decodes from its own column, right after its own prompt."""
-        given = self.deepspeed.align_decode_fronts
-        return given if given is not None else True
-
-    @property
-    def enable_cache_trimming(self) -> bool:
-        """As given; else ``compact_rows`` (finished rows leave the decode batch and free their memory)."""
-        given = self.deepspeed.enable_cache_trimming
-        return given if given is not None else self.compact_rows
+    # DeepSpeed's names, read back as given (or, not given, as what this config does: deepspeed_fields.read_back)
+    use_graph_capture = ReadBack()
+    use_shared_prefill = ReadBack()
+    align_decode_fronts = ReadBack()
+    enable_cache_trimming = ReadBack()
 
     @classmethod
     def from_flat(cls, **values: Any) -> "HybridEngineRolloutConfig":

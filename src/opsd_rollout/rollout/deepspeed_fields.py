@@ -1,5 +1,6 @@
 """DeepSpeed's ``HybridEngineRolloutConfig`` field names on ours: each read back as given, each mapped onto the
-field of ours that does its work, a contradiction refused.
+field of ours that does its work, a contradiction refused. Our config and our rollout both answer to the names as
+attributes, as DeepSpeed's config and rollout do (``ReadBack``): as given, else as what ours does.
 
 DeepSpeed's config has six fields. Two are ours by the same name (``enable_profiling``,
 ``continuous_cache_capacity``); the other four (``DeepSpeedFields``) are kept as given and map like this:
@@ -53,6 +54,43 @@ class DeepSpeedFields:
 
 
 NAMES = tuple(f.name for f in fields(DeepSpeedFields))
+
+
+def read_back(name: str, config: Any, strategy: str) -> Any:
+    """DeepSpeed's field ``name`` on our ``config``: as given; else what ours does, ``strategy`` being the strategy
+    that runs (``enable_profiling`` and ``continuous_cache_capacity`` are ours by the same name)."""
+    given = getattr(config.deepspeed, name, None)
+    if given is not None:
+        return given
+    if name == "use_graph_capture":  # DeepSpeed's CUDA-graph decode: our compiled one-token step
+        return config.compile_decode
+    if name == "use_shared_prefill":  # whether prompts are prefilled once for their n samples
+        return config.shared_prefill and strategy == "static"
+    if name == "align_decode_fronts":  # each slot decodes from its own column, right after its own prompt
+        return True
+    if name == "enable_cache_trimming":  # finished rows leave the decode batch and free their memory
+        return config.compact_rows
+    return getattr(config, name)
+
+
+class ReadBack:
+    """An attribute under DeepSpeed's field name (the attribute's own), as DeepSpeed's config and rollout have one:
+    ``read_back`` from our config with its strategy, or on our rollout (``on_rollout``) from the rollout's config with
+    the strategy that runs (a model the static strategy cannot run falls back to ``generate``)."""
+
+    def __init__(self, *, on_rollout: bool = False):
+        self.on_rollout = on_rollout
+        self.name = ""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, owner: Any, kind: type | None = None) -> Any:
+        if owner is None:
+            return self
+        if self.on_rollout:
+            return read_back(self.name, owner.cfg, owner.strategy.name)
+        return read_back(self.name, owner, owner.strategy)
 
 
 def implied_fields(given: dict[str, Any], ours: dict[str, Any]) -> dict[str, Any]:

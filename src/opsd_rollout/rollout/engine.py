@@ -21,6 +21,7 @@ from opsd_rollout.profiling.profile import build_profile
 from opsd_rollout.rollout import postprocess
 from opsd_rollout.rollout.config import HybridEngineRolloutConfig
 from opsd_rollout.rollout.continuous_stats import continuous_stats
+from opsd_rollout.rollout.deepspeed_fields import ReadBack
 from opsd_rollout.rollout.gather import GatherOnce
 from opsd_rollout.rollout.phases import add_rollout_probes, zero3_offload
 from opsd_rollout.rollout.processors import RowLogitsProcessor
@@ -78,36 +79,14 @@ class HybridEngineRollout(RolloutEngine):
         self._closed = False
         self._warned_slots = False
 
-    # DeepSpeed's rollout exposes its config's six fields as attributes; these read ours under its names
-    @property
-    def enable_profiling(self) -> bool:
-        return self.cfg.enable_profiling
-
-    @property
-    def use_graph_capture(self) -> bool:
-        """DeepSpeed's CUDA-graph decode: here ``compile_decode``."""
-        return self.cfg.use_graph_capture
-
-    @property
-    def use_shared_prefill(self) -> bool:
-        """As given; else whether prompts are prefilled once for their n samples (``shared_prefill``, with the
-        static strategy, the one that ran: a model it cannot run falls back to ``generate``)."""
-        given = self.cfg.deepspeed.use_shared_prefill
-        return given if given is not None else self.cfg.shared_prefill and self.strategy.name == "static"
-
-    @property
-    def align_decode_fronts(self) -> bool:
-        """As given; else ``True``: each slot decodes from its own column, right after its own prompt."""
-        return self.cfg.align_decode_fronts
-
-    @property
-    def enable_cache_trimming(self) -> bool:
-        """As given; else ``compact_rows``: finished rows leave the decode batch."""
-        return self.cfg.enable_cache_trimming
-
-    @property
-    def continuous_cache_capacity(self) -> int | None:
-        return self.cfg.continuous_cache_capacity
+    # DeepSpeed's rollout exposes its config's six fields as attributes; ours reads them on its config, with the
+    # strategy that runs (deepspeed_fields.read_back)
+    enable_profiling = ReadBack(on_rollout=True)
+    use_graph_capture = ReadBack(on_rollout=True)
+    use_shared_prefill = ReadBack(on_rollout=True)
+    align_decode_fronts = ReadBack(on_rollout=True)
+    enable_cache_trimming = ReadBack(on_rollout=True)
+    continuous_cache_capacity = ReadBack(on_rollout=True)
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:

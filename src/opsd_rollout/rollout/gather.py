@@ -13,6 +13,8 @@ import torch
 from deepspeed.runtime.zero import parameter_offload
 from deepspeed.runtime.zero.partition_parameters import GatheredParameters
 
+from opsd_rollout.distributed import agree_all
+from opsd_rollout.metrics import bytes_text
 from opsd_rollout.rollout.phases import partitioned_bytes
 
 logger = logging.getLogger(__name__)
@@ -51,15 +53,10 @@ class GatherOnce:
     def fits(self) -> bool:
         """Whether the full parameters fit the budget on every rank (ranks must agree: a gather is collective)."""
         budget = self.budget_bytes if self.budget_bytes is not None else default_budget_bytes(self.device)
-        fits = self.full_bytes <= budget
-        if torch.distributed.is_available() and torch.distributed.is_initialized() and \
-                torch.distributed.get_world_size() > 1:
-            flag = torch.tensor(int(fits), device=self.device)
-            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN)
-            fits = bool(flag.item())
+        fits = agree_all(self.full_bytes <= budget, self.device)
         if not fits:
-            reason = (f"the full parameters ({self.full_bytes / 2**20:.0f} MiB) exceed the gather budget "
-                      f"({budget / 2**20:.0f} MiB here) on at least one rank")
+            reason = (f"the full parameters ({bytes_text(self.full_bytes)}) exceed the gather budget "
+                      f"({bytes_text(budget)} here) on at least one rank")
             if reason != self.last_reason:
                 logger.warning("ZeRO-3 rollout gathers per layer (slower: the whole model once per token): %s; "
                                "raise gather_memory_budget_bytes if it fits", reason)

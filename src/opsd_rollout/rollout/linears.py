@@ -1,10 +1,12 @@
-"""A model's plain linear layers, and their forwards swapped during a rollout's decode loop: what the CPU's weight
-layout (``weight_layout.py``) and the one-row kernel (``row_kernel.py``) both do to a layer."""
+"""A model's plain linear layers, and modules' forwards swapped for a block: what the CPU's weight layout
+(``weight_layout.py``) and the one-row kernel (``row_kernel.py``) both do to a layer during a rollout's decode loop,
+and what the fused loss does to the LM head for one call (``opsd/fused.py``)."""
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 import torch
 
@@ -22,18 +24,24 @@ def plain_linear(module: torch.nn.Module, dtypes: tuple[torch.dtype, ...]) -> bo
 
 
 @contextlib.contextmanager
-def forwards_replaced(forwards: Iterable[tuple[torch.nn.Module, Callable[..., torch.Tensor]]]) -> Iterator[None]:
-    """Within the block each module's forward is the one given (only the instance's ``forward``: hooks run as
-    before), except a module that has an instance forward already (someone else's: left alone); on leaving, every
-    module has its own forward back."""
-    replaced = []
+def forwards_replaced(forwards: Iterable[tuple[torch.nn.Module, Callable[..., torch.Tensor]]], *,
+                      over_others: bool = False) -> Iterator[None]:
+    """Within the block each module's forward is the one given (only the instance's ``forward``: calls of the module
+    run it inside every hook it has, ZeRO-3's gathers included). A module that has an instance forward already
+    (someone else's) is left alone, or with ``over_others`` (where the block's result needs the given forward)
+    replaced too; on leaving, every module has the forward it had back."""
+    replaced: list[tuple[torch.nn.Module, Callable[..., Any] | None]] = []
     try:
         for module, forward in forwards:
-            if "forward" in module.__dict__:
+            own = module.__dict__.get("forward")
+            if own is not None and not over_others:
                 continue
             module.forward = forward
-            replaced.append(module)
+            replaced.append((module, own))
         yield
     finally:
-        for module in replaced:
-            del module.forward
+        for module, own in reversed(replaced):
+            if own is None:
+                del module.forward
+            else:
+                module.forward = own

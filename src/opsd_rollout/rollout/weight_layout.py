@@ -25,6 +25,7 @@ import logging
 import torch
 import torch.nn.functional as F
 
+from opsd_rollout.metrics import bytes_text
 from opsd_rollout.rollout.gather import available_bytes
 from opsd_rollout.rollout.linears import forwards_replaced, plain_linear
 
@@ -93,7 +94,7 @@ class TransposedLinears:
             if not self._warned:
                 self._warned = True
                 logger.warning("decoding with the model's own weight layout: transposed copies of its linear weights "
-                               "(%d MiB) would take more than half the available RAM", needed >> 20)
+                               "(%s) would take more than half the available RAM", bytes_text(needed))
             return False
         return True
 

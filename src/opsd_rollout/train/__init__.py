@@ -1,21 +1,27 @@
 """Training with the OPSD step: ``train(TrainConfig(...))`` (``opsd-rollout train``), a loop from a prompt file
 to a checkpoint, with held-out evaluation, metrics where users look and exact resume.
 
-Light at import (the names load when used), so the command line checks a run's arguments and files
-(``train.preflight``) before torch, transformers and DeepSpeed load."""
+Light at import (the names load when used: PEP 562, ``opsd_rollout.lazy``), so the command line checks a run's
+arguments and files (``train.preflight``) before torch, transformers and DeepSpeed load."""
 
-__all__ = ["Example", "OptimizationConfig", "TeacherSpec", "TrainConfig", "TrainResult", "load_train_config",
-           "read_examples", "sft_step", "train"]
+from __future__ import annotations
 
-_HOMES = {"Example": "data", "read_examples": "data", "TrainConfig": "config", "load_train_config": "config",
-          "TrainResult": "loop", "train": "loop", "OptimizationConfig": "setup", "sft_step": "sft",
-          "TeacherSpec": "teacher_spec"}
-"""Each public name -> the module of ``opsd_rollout.train`` that defines it."""
+from typing import TYPE_CHECKING
 
+from opsd_rollout.lazy import lazy_exports
 
-def __getattr__(name: str):
-    if name not in _HOMES:
-        raise AttributeError(name)
-    import importlib
+_EXPORTS = {"Example": ".data", "read_examples": ".data", "TrainConfig": ".config", "load_train_config": ".config",
+            "TrainResult": ".loop", "train": ".loop", "OptimizationConfig": ".setup", "sft_step": ".sft",
+            "TeacherSpec": ".teacher_spec"}
 
-    return getattr(importlib.import_module(f"opsd_rollout.train.{_HOMES[name]}"), name)
+__all__ = sorted(_EXPORTS)
+
+if TYPE_CHECKING:
+    from opsd_rollout.train.config import TrainConfig, load_train_config
+    from opsd_rollout.train.data import Example, read_examples
+    from opsd_rollout.train.loop import TrainResult, train
+    from opsd_rollout.train.setup import OptimizationConfig
+    from opsd_rollout.train.sft import sft_step
+    from opsd_rollout.train.teacher_spec import TeacherSpec
+
+__getattr__ = lazy_exports(globals(), _EXPORTS)

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from opsd_rollout import checks
+from opsd_rollout.train.records import check_messages, numbered_lines
 from opsd_rollout.train.scorers import SCORERS, check_scorer, reference_answer
 
 
@@ -83,11 +84,8 @@ def _record(path: Path, number: int, text: str, scorer: str) -> tuple[EvalRecord
     prompt, messages = record.get("prompt"), record.get("messages")
     if messages is None and (not isinstance(prompt, str) or not prompt):
         raise ValueError(f"{_where(path, number)}: 'prompt' must be a non-empty string; got {prompt!r}")
-    if messages is not None and (not isinstance(messages, list) or not messages or not all(
-            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-            for m in messages)):
-        raise ValueError(f"{_where(path, number)}: 'messages' must be a non-empty list of {{'role': ..., "
-                         "'content': ...}} objects")
+    if messages is not None:
+        messages = list(check_messages(messages, _where(path, number)))
     if "answer" not in record:
         raise ValueError(f"{_where(path, number)}: no 'answer'")
     reference = record["answer"]
@@ -106,12 +104,7 @@ def read_eval_file(path: str | Path, scorer: str) -> list[EvalRecord]:
     missing file, a line that is not JSON, no prompt, no ``answer``, or an answer ``scorer`` cannot read."""
     check_scorer(scorer)
     path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"{_where(path)} does not exist (or is not a file)")
-    lines = [(number, line) for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
-             if line.strip()]
-    if not lines:
-        raise ValueError(f"{_where(path)} holds no problem")
+    lines = numbered_lines(path, "--eval-data", "problem")
     records, unreadable = [], []
     for number, line in lines:
         record, reference = _record(path, number, line, scorer)
@@ -123,14 +116,9 @@ def read_eval_file(path: str | Path, scorer: str) -> list[EvalRecord]:
         number, reference = unreadable[0]
         others = ", ".join(s for s in SCORERS if s != scorer)
         raise ValueError(f"{_where(path)}: no 'answer' holds one the {scorer} scorer can read (line {number}: "
-                         f"{_short(reference)}): pick the scorer of the answers' format ({others})")
+                         f"{checks.quoted(reference)}): pick the scorer of the answers' format ({others})")
     if unreadable:
         number, reference = unreadable[0]
-        raise ValueError(f"{_where(path, number)}: 'answer' {_short(reference)} holds no answer the {scorer} scorer "
-                         f"can read ({len(unreadable)} of {len(lines)} such lines; it would only count wrong)")
+        raise ValueError(f"{_where(path, number)}: 'answer' {checks.quoted(reference)} holds no answer the {scorer} "
+                         f"scorer can read ({len(unreadable)} of {len(lines)} such lines; it would only count wrong)")
     return records
-
-
-def _short(text: Any, limit: int = 60) -> str:
-    text = repr(text)
-    return text if len(text) <= limit else text[:limit - 4] + "...'"

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from opsd_rollout.distributed import agree_max, partitioned
+from opsd_rollout.distributed import agree_max, partitioned, several_ranks
 from opsd_rollout.modeling import position_ids, text_config
 from opsd_rollout.opsd.divergence import DivergenceConfig, token_divergence
 from opsd_rollout.opsd.served import ServedTeacher
@@ -44,8 +44,8 @@ def _row_chunks(targets: Any, vocab: int, *models: torch.nn.Module) -> list[slic
     """Rows per forward within ``LOGITS_BUDGET``; where a model is ZeRO-3 partitioned, every rank runs as many
     forwards (the extra ones over row 0, their result unused) so that the gathers meet."""
     per_row = max(1, targets.labels.shape[1] * vocab * 4)
-    step = max(1, LOGITS_BUDGET // per_row)
-    chunks = [slice(i, i + step) for i in range(0, targets.labels.shape[0], step)]
+    rows = max(1, LOGITS_BUDGET // per_row)
+    chunks = [slice(i, i + rows) for i in range(0, targets.labels.shape[0], rows)]
     if any(partitioned(m) for m in models):
         (count,) = agree_max([len(chunks)], targets.input_ids.device)
         chunks += [slice(0, 0)] * (count - len(chunks))  # an empty slice: a forward of no rows, counted apart
@@ -148,7 +148,7 @@ def evaluate(engine: Any, teacher: Any, rollout: Any, encoder: Encoder, examples
     finally:
         if was_training:
             engine.train()
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:  # every rank's tokens
+    if several_ranks():  # every rank's tokens
         both = torch.tensor([value for pair in sums.values() for value in pair], dtype=torch.float64, device=device)
         dist.all_reduce(both)
         sums = {name: both[2 * i:2 * i + 2].tolist() for i, name in enumerate(sums)}

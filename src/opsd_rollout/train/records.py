@@ -54,15 +54,22 @@ def read_records(path: str | Path) -> list[Record]:
     not ``{"role", "content"}``, or a chat record whose last turn is neither the user's (or a tool's) nor an
     assistant prefix to continue."""
     path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"--prompts {str(path)!r} does not exist (or is not a file)")
-    lines = [(number, line) for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
-             if line.strip()]
-    if not lines:
-        raise ValueError(f"--prompts {str(path)!r} holds no prompt")
+    lines = numbered_lines(path, "--prompts", "prompt")
     if path.suffix not in (".jsonl", ".json") and not lines[0][1].lstrip().startswith("{"):
         return [Record(number, prompt=line) for number, line in lines]
     return [_record(f"--prompts {str(path)!r} line {number}", number, line) for number, line in lines]
+
+
+def numbered_lines(path: Path, flag: str, what: str) -> list[tuple[int, str]]:
+    """A data file's non-blank lines, each with its number (1-based, blank lines counted); a ``ValueError`` naming
+    ``flag`` and the file when it is missing or holds no line (no ``what``: a prompt, a problem)."""
+    if not path.is_file():
+        raise ValueError(f"{flag} {str(path)!r} does not exist (or is not a file)")
+    lines = [(number, line) for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
+             if line.strip()]
+    if not lines:
+        raise ValueError(f"{flag} {str(path)!r} holds no {what}")
+    return lines
 
 
 def _record(where: str, number: int, line: str) -> Record:

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from opsd_rollout import checks
-from opsd_rollout.deepspeed_config import check_deepspeed_config, read_deepspeed_file, refusal
+from opsd_rollout.deepspeed_config import LEARNING_RATE, check_deepspeed_config, read_deepspeed_file, refusal
 from opsd_rollout.modeling import max_positions_of, text_config
 from opsd_rollout.models import load_model, load_tokenizer, model_config, model_skeleton
 from opsd_rollout.opsd.self_teacher import SelfTeacher
@@ -36,7 +36,7 @@ class OptimizationConfig:
     ``gradient_accumulation_steps``, bf16, monitors); ``None``: one built from the fields below."""
     zero_stage: int = 0
     """ZeRO stage of the built config."""
-    lr: float = 1e-3
+    lr: float = LEARNING_RATE
     """AdamW learning rate of the built config (or when the user's config has no optimizer)."""
     gradient_accumulation_steps: int = 1
     """Micro-batches per optimizer step in the built config; the user's config's own wins."""

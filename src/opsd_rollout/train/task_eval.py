@@ -21,9 +21,8 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
-from opsd_rollout.distributed import agree_max, rank_info
+from opsd_rollout.distributed import agree_max, gather_objects, rank_info
 from opsd_rollout.modeling import max_positions_of, text_config
 from opsd_rollout.seeding import seeded
 from opsd_rollout.train.data import Encoder, Example, render_messages
@@ -176,9 +175,9 @@ def evaluate_task(model: Any, rollout: Any, tokenizer: Any, problems: list[Probl
     greedy = replace(sampling, max_new_tokens=max_new_tokens, n_samples_per_prompt=1, temperature=0.0)
     sampled = replace(sampling, max_new_tokens=max_new_tokens, n_samples_per_prompt=config.samples)
     chunks = [shard[i:i + batch_size] for i in range(0, len(shard), batch_size)]
-    if rank.world_size > 1:  # every rank as many rollouts as the rank with the most (ZeRO-3's gathers, the width)
-        (count,) = agree_max([len(chunks)], device)
-        chunks += [shard[:batch_size]] * (count - len(chunks))
+    # every rank as many rollouts as the rank with the most (ZeRO-3's gathers, the width); one rank, its own
+    (count,) = agree_max([len(chunks)], device)
+    chunks += [shard[:batch_size]] * (count - len(chunks))
     was_training = module.training
     model.eval()
     scores, tokens, start = [], 0, time.perf_counter()
@@ -218,8 +217,5 @@ def _score(problem: Problem, completion: str, samples: list[str], config: TaskEv
 
 def _gathered(scores: list[ProblemScore], tokens: int, seconds: float) -> tuple[list[ProblemScore], int, float]:
     """Every rank's problems, tokens summed, the slowest rank's time (as given with one rank)."""
-    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
-        return scores, tokens, seconds
-    every: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(every, (scores, tokens, seconds))
+    every = gather_objects((scores, tokens, seconds))
     return [s for part in every for s in part[0]], sum(p[1] for p in every), max(p[2] for p in every)

@@ -31,6 +31,9 @@ def threads_phrase(environment: dict[str, Any], world_size: int) -> str:
     source, local = environment.get("threads_source"), environment.get("local_ranks") or 1
     if source == "shared":
         return f"{phrase}: {environment['cpu_count']} cores / {local} local ranks"
+    if source == "kept":
+        kept = len(environment.get("kept_cores") or ())
+        return f"{phrase}: {environment['cpu_count'] - kept} cores, {kept} kept for the served teacher"
     if source == "OMP_NUM_THREADS":
         return f"{phrase} from OMP_NUM_THREADS" + (f", {local} local ranks" if local > 1 else "")
     return phrase
@@ -51,7 +54,7 @@ class Settings:
 @dataclass(kw_only=True)
 class MeasuringSettings(Settings):
     """What every kind of benchmark has: the model, how a config is warmed up and measured, the seed. An
-    iteration is one call (``bench``, ``step``) or one round of both sides (``kernels``)."""
+    iteration is one call (``bench``, ``step``) or one round of both sides (the developers' kernels)."""
 
     model: str = DEFAULT_MODEL
     """Preset name or local checkpoint directory."""
@@ -125,6 +128,10 @@ class Scenario:
         ``max_positions(name)`` reads a model's position limit without building it."""
         check_contenders(matrix, self.settings.baseline)
         matrix.check_positions(max_positions(self.settings.model))
+
+    def cores_to_keep(self) -> int:
+        """Cores the run keeps off for another process (the step's served teacher, ``--split-cores``): 0, none."""
+        return 0
 
     def skip_reason(self, config: Any) -> str | None:
         """Why ``config`` cannot be measured (its contender lacks what it asks for), or ``None``; such a config is

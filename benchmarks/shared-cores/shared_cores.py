@@ -1,7 +1,9 @@
-"""The built-in teacher's SFT step alone and beside another 2-thread torch process, with OpenMP's active and passive
-waits (benchmarks/RESULTS.md "Sharing the cores"):
+"""One-off reproducer of RESULTS.md "Sharing the cores" (issue 36, part 1).
 
-    python scripts/shared_cores.py            # four runs: {alone, beside a matmul loop} x {active, passive}
+The built-in teacher's SFT step alone and beside another 2-thread torch process, with OpenMP's active and passive
+waits:
+
+    python benchmarks/shared-cores/shared_cores.py   # four runs: {alone, beside a matmul loop} x {active, passive}
 
 Each run is a fresh process (OpenMP reads OMP_WAIT_POLICY once): ``train`` on the built-in teacher's recipe for 14
 steps, the median step time of steps 4-14. ``--step`` runs one measurement in this process; ``--burn`` is the other

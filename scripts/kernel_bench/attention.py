@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from opsd_rollout.bench.kernels.contest import Contest, rollout_inputs, Timed
+from kernel_bench.contest import Contest, rollout_inputs, Timed
 
 
 class AttentionContest(Contest):

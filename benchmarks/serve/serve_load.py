@@ -1,9 +1,13 @@
-"""Load on one teacher server: ``--clients`` concurrent clients (the ranks of a run) each send ``--requests``
+"""One-off reproducer of load-llama-tiny.json and load-llama-small.json beside it (RESULTS.md, "A served teacher
+under load", issue 35 part 7; ``tests/test_serve_load.py`` runs it with ``--check``).
+
+Load on one teacher server: ``--clients`` concurrent clients (the ranks of a run) each send ``--requests``
 requests to ``opsd-rollout serve-teacher`` (started here, in its own process, on loopback), every response checked
 against the same teacher computed here; reports the latency percentiles, the throughput and the server's resident
 memory over time (flat after warm-up, or this exits 1 with ``--check``).
 
-    python scripts/serve_load.py --model llama-small --clients 8 --requests 25 --output benchmarks/serve/load.json
+    python benchmarks/serve/serve_load.py --model llama-small --clients 8 --requests 25 \\
+        --output benchmarks/serve/load.json
 
 Each request is ``--rows`` rows of ``--tokens`` tokens (random ids from a seed) with ``prompt_logprobs=--top-k``,
 read with the served teacher's own client code (``opsd.served_wire``: every field checked); its given-token and
@@ -186,7 +190,8 @@ def main(argv: list[str] | None = None) -> int:
     records = [r for rs in results for r in rs]
     warm_s = max(marks.get("warm", [0.0]))
     summary = summarize(records, sampler.samples, warm_s, args)
-    document = {"command": "python scripts/serve_load.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+    given = argv if argv is not None else sys.argv[1:]
+    document = {"command": "python benchmarks/serve/serve_load.py " + " ".join(given),
                 "environment": {"python": platform.python_version(), "torch": torch.__version__,
                                 "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
                                 "torch_threads": torch.get_num_threads(),

@@ -13,8 +13,8 @@ from typing import Any
 import torch
 
 from opsd_rollout.bench.facts import decode_bytes_per_step, roofline
-from opsd_rollout.bench.kernels import LONG, SHORT
-from opsd_rollout.bench.kernels.contest import Contest, Timed
+from kernel_bench import LONG, SHORT
+from kernel_bench.contest import Contest, Timed
 from opsd_rollout.bench.timing import timed
 
 

@@ -1,9 +1,13 @@
-"""Post-processing inside a real rollout of strategy ``static``, the decode loop's lengths handed over against the
+"""One-off reproducer of RESULTS.md's "inside a real rollout" figures of the post-processing hand-off (issue 38),
+beside the kernel runs of the same section (postprocess-handoff-*.json).
+
+Post-processing inside a real rollout of strategy ``static``, the decode loop's lengths handed over against the
 EOS search they replace (the hand-off switched off for the other side), alternating calls in one process.
 
 ``llama-tiny`` (random weights), 1,024 rows = 256 prompts x 4 samples, prompt 512, up to 64 new tokens sampled at
 T = 1 with geometric lengths (mean 32) ending at EOS (the bench's workload hook). Prints each side's median
-``post_processing_ms`` over the calls after two warm-ups. Usage: ``python scripts/postprocess_handoff.py [CALLS]``.
+``post_processing_ms`` over the calls after two warm-ups. Usage: ``python
+benchmarks/deepspeed-width/postprocess_handoff.py [CALLS]``.
 """
 
 from __future__ import annotations

@@ -1,8 +1,11 @@
-"""Bytes on the wire per response token, and the client's time to read them, for each way a served teacher is asked:
+"""One-off reproducer of wire-bytes.json beside it (RESULTS.md, "The compact answer on the wire and in a step",
+issue 51 part 1).
+
+Bytes on the wire per response token, and the client's time to read them, for each way a served teacher is asked:
 one training micro-batch's teacher request and response against our server (in this process, on loopback), as vLLM's
 JSON and as the compact answer, beside the host cache the answer fills.
 
-    python scripts/serve_wire_bytes.py --models qwen2-tiny,qwen2-0.5b --top-ks 0,64 \\
+    python benchmarks/serve/serve_wire_bytes.py --models qwen2-tiny,qwen2-0.5b --top-ks 0,64 \\
         --output benchmarks/serve/wire-bytes.json
 
 Each request is ``--rows`` rows of a ``--prompt``-token prompt and a ``--response``-token response (random ids
@@ -146,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
         del model
     if args.output:
         write_text_atomic(Path(args.output), json.dumps({
-            "command": " ".join(["python", "scripts/serve_wire_bytes.py", *(argv or sys.argv[1:])]),
+            "command": " ".join(["python", "benchmarks/serve/serve_wire_bytes.py", *(argv or sys.argv[1:])]),
             "machine": f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}",
             "load_average_1min": {"min": min(load), "max": max(load)}, "rows": args.rows, "prompt": args.prompt,
             "response": args.response, "repeats": args.repeats, "when": time.strftime("%Y-%m-%d %H:%M"),

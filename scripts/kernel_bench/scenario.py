@@ -1,7 +1,8 @@
-"""``opsd-rollout kernels``: the pieces that are neither a whole rollout nor a whole step (token selection,
+"""The kernels scenario: the pieces that are neither a whole rollout nor a whole step (token selection,
 post-processing, attention layouts, the fused loss, the CPU weight layout, the compiled step, profiling's cost),
-each ours against a baseline, both in every iteration (``bench/kernels/``), under the same runner, statistics,
-schema and ``compare`` as ``bench`` and ``step``."""
+each ours against a baseline, both in every iteration (this package's modules), under the same runner, statistics,
+schema and ``compare`` as ``bench`` and ``step``. Its results carry ``kind: kernels``; ``opsd-rollout compare``
+reads them from the document alone (it has no scenario of that kind), this module recomputes their keys."""
 
 from __future__ import annotations
 
@@ -10,12 +11,13 @@ from typing import Any, ClassVar
 
 from rich.table import Table
 
-from opsd_rollout.bench.axes import DTYPES, Axis, axis_defaults, choice_axis, positive_int, shape_axis, teacher_cache
-from opsd_rollout.bench.kernels import DEFAULT_KERNELS, KERNELS, LONG, POSTPROCESS_STRATEGIES
-from opsd_rollout.bench.report import ConfigResult
-from opsd_rollout.bench.tables import config_table, fmt, mib, roofline_table, stability_table
-from opsd_rollout.bench.scenarios.base import MeasuringSettings, Scenario, threads_phrase
+import kernel_bench
+from kernel_bench import DEFAULT_KERNELS, KERNELS, LONG, POSTPROCESS_STRATEGIES
 from opsd_rollout import checks
+from opsd_rollout.bench.axes import DTYPES, Axis, axis_defaults, choice_axis, positive_int, shape_axis, teacher_cache
+from opsd_rollout.bench.report import ConfigResult
+from opsd_rollout.bench.scenarios.base import MeasuringSettings, Scenario, threads_phrase
+from opsd_rollout.bench.tables import config_table, fmt, mib, roofline_table, stability_table
 from opsd_rollout.checks import integer, number, rule, text
 from opsd_rollout.presets import DEFAULT_MODEL
 from opsd_rollout.rollout.config import RESPONSE_WIDTHS
@@ -205,9 +207,7 @@ class KernelsScenario(Scenario):
                              + "; ".join(sorted(bad)))
 
     def prepare(self, pool: Any, config: KernelConfig) -> Any:
-        from opsd_rollout.bench.kernels import prepare  # heavy: see scenarios/base.py
-
-        return prepare(config, self.settings, pool.get(config), pool.device)
+        return kernel_bench.prepare(config, self.settings, pool.get(config), pool.device)
 
     def derive(self, result: ConfigResult, spec: Any, ceilings: dict[str, Any] | None,
                world_size: int) -> dict[str, Any]:
@@ -218,7 +218,7 @@ class KernelsScenario(Scenario):
         out["outputs_equal"] = all(equal) if equal else None
         c, positive = result.config, min(out["kernel_ms"] or 0, out["baseline_ms"] or 0) > 0
         if c.kernel == "compile" and spec is not None and positive:
-            from opsd_rollout.bench.kernels.compile import step_roofline
+            from kernel_bench.compile import step_roofline
 
             out.update(step_roofline(spec, c.rows, c.prompt_length,
                                      {side: out[f"{side}_ms"] for side in ("kernel", "baseline")}, ceilings))

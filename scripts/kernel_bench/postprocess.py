@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from opsd_rollout.bench.kernels.contest import Contest, Timed
+from kernel_bench.contest import Contest, Timed
 from opsd_rollout.rollout.decode.stats import DecodeStats
 from opsd_rollout.rollout.postprocess import response_lengths
 

@@ -1,8 +1,10 @@
-"""A LoRA student's rollout with its adapters merged into the weights for generation, against the adapters run
-unmerged, on a DeepSpeed engine (benchmarks/RESULTS.md "LoRA students"):
+"""One-off reproducer of RESULTS.md "LoRA students" (issue 37, part 1), its merged-or-unmerged rollout table.
 
-    python scripts/lora_rollout.py                      # llama-tiny and llama-small, ZeRO 0 and 3
-    python scripts/lora_rollout.py --models llama-tiny --zero-stages 0 --iterations 10
+A LoRA student's rollout with its adapters merged into the weights for generation, against the adapters run
+unmerged, on a DeepSpeed engine:
+
+    python benchmarks/lora/lora_rollout.py                      # llama-tiny and llama-small, ZeRO 0 and 3
+    python benchmarks/lora/lora_rollout.py --models llama-tiny --zero-stages 0 --iterations 10
 
 The built-in run's rollout shape (8 prompts of 48 tokens, 32 sampled tokens, all-linear adapters of rank 8); the
 two modes alternate call by call (ABAB...) after a warm-up of each, so load on the machine falls on both alike; the

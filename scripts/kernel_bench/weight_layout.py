@@ -11,7 +11,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from opsd_rollout.bench.kernels.contest import Contest
+from kernel_bench.contest import Contest
 from opsd_rollout.models import parse_dtype
 
 

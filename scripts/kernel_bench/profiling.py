@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from opsd_rollout.bench.kernels.contest import Contest, rollout_inputs
+from kernel_bench.contest import Contest, rollout_inputs
 
 
 class ProfilingContest(Contest):

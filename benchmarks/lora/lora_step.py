@@ -1,8 +1,9 @@
-"""The built-in run's OPSD step with a LoRA student against the whole student, alternating in one process
-(benchmarks/RESULTS.md "LoRA students"):
+"""One-off reproducer of RESULTS.md "LoRA students" (issue 37, part 1), its OPSD step table.
 
-    python scripts/lora_step.py                           # llama-tiny from llama-mini, rank 8, 20 steps each
-    python scripts/lora_step.py --iterations 10 --ranks 8,32
+The built-in run's OPSD step with a LoRA student against the whole student, alternating in one process:
+
+    python benchmarks/lora/lora_step.py                           # llama-tiny from llama-mini, rank 8, 20 steps each
+    python benchmarks/lora/lora_step.py --iterations 10 --ranks 8,32
 
 The built-in run's shapes (8 prompts of the corpus, 32 sampled tokens, generalized JSD, ZeRO-0, AdamW at 3e-3), its
 student and teacher presets (random weights: the time does not depend on them); the variants step in turn (ABAB...)

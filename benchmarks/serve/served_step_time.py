@@ -1,4 +1,8 @@
-"""A training step with a served teacher against the same teacher in process, runs alternating in one process:
+"""One-off reproducer of the step-time*.json files beside it (RESULTS.md, issues 35 and 51): ``train``'s steps, whose
+overlap reaches across micro-batches; the step bench's ``opsd-rollout step --teacher-serving in-process,json,compact
+--teacher-overlaps on,off --split-cores`` is the measurement to rerun (one step at a time, the bench's statistics).
+
+A training step with a served teacher against the same teacher in process, runs alternating in one process:
 ``train`` on the built-in corpus (student ``llama-tiny``, teacher ``--teacher``, a top-k cache with the tail
 bucket on both sides, so all sides train the same loss), the served sides against our server on loopback (a thread
 of this process, or with ``--server process`` its own ``opsd-rollout serve-teacher`` process), answering vLLM's JSON
@@ -6,7 +10,7 @@ of this process, or with ``--server process`` its own ``opsd-rollout serve-teach
 (``--no-teacher-overlap``) or in flight behind the student's work (``--overlaps``). Reports, over every round, the
 median step time of each side, its teacher latency and wait, and the share of the latency hidden.
 
-    python scripts/served_step_time.py --rounds 2 --steps 8 --accumulation 2 --server process \\
+    python benchmarks/serve/served_step_time.py --rounds 2 --steps 8 --accumulation 2 --server process \\
         [--split-cores] [--answers json,compact] [--overlaps waited,overlapped] --output benchmarks/serve/step-time.json
 """
 
@@ -140,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     print("over in-process step time: " + ", ".join(f"{side} {ratio:.2f}" for side, ratio in ratios.items()))
     if args.output:
         write_text_atomic(Path(args.output), json.dumps({
-            "command": " ".join(["python", "scripts/served_step_time.py", *(argv or sys.argv[1:])]),
+            "command": " ".join(["python", "benchmarks/serve/served_step_time.py", *(argv or sys.argv[1:])]),
             "machine": f"{platform.machine()}, {psutil.cpu_count()} cores, Python {platform.python_version()}",
             "load_average_1min": {"min": min(load), "max": max(load)}, "config": vars(args),
             "medians": summary, "over_in_process": ratios, "raw": times,

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from opsd_rollout.bench.kernels.contest import Contest
+from kernel_bench.contest import Contest
 from opsd_rollout.models import parse_dtype
 from opsd_rollout.rollout.sampling import precise_dtype, sample
 

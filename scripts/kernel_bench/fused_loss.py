@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from opsd_rollout.bench.kernels.contest import Contest
+from kernel_bench.contest import Contest
 from opsd_rollout.models import parse_dtype
 
 

@@ -1,8 +1,9 @@
-"""The built-in run's student trained with LoRA adapters against full fine-tuning (benchmarks/RESULTS.md "LoRA
-students"):
+"""One-off reproducer of RESULTS.md "LoRA students" (issue 37, part 1), its built-in run table.
 
-    python scripts/lora_builtin.py runs/lora                    # every variant below, one after another
-    python scripts/lora_builtin.py runs/lora --variants full,r8-lr3e-2
+The built-in run's student trained with LoRA adapters against full fine-tuning:
+
+    python benchmarks/lora/lora_builtin.py runs/lora                    # every variant below, one after another
+    python benchmarks/lora/lora_builtin.py runs/lora --variants full,r8-lr3e-2
 
 Each variant is the built-in run's distillation (``train.default.STUDENT``, the cached teacher; it is trained first
 when absent, as ``opsd-rollout train`` does) with its changes; the table gives the trainable parameters, the peak

@@ -1,8 +1,12 @@
-"""The pieces ``opsd-rollout kernels`` measures that are neither a whole rollout nor a whole OPSD step: each one
-ours against a baseline (the code it replaced, or upstream's), both in every iteration (``contest.Contest``).
+"""The developers' kernel benchmarks (``python scripts/kernels.py``, run by ``make perf``): the pieces that are
+neither a whole rollout nor a whole OPSD step, each ours against a baseline (the code it replaced, or upstream's),
+both in every iteration (``contest.Contest``), under the package's bench machinery (runner, statistics, result
+schema, ``opsd-rollout compare``). They live beside the scripts, out of the installed package: a user runs
+``bench``, ``step`` and ``compare``; these measure the pieces behind them, against baselines a user never calls.
 
-One module a kernel, each with ``build(config, settings, built, device) -> Contest``. This module is light (the
-command line reads ``KERNELS`` for its help); ``prepare`` imports a kernel's module when it runs."""
+One module a kernel, each with ``build(config, settings, built, device) -> Contest``; the scenario is
+``scenario.py``, the command line ``cli.py``. This module is light (the command line reads ``KERNELS`` for its
+help); ``prepare`` imports a kernel's module when it runs."""
 
 from __future__ import annotations
 
@@ -30,7 +34,7 @@ SHORT, LONG = 8, 40
 time per token); a prompt of that kernel must leave room for ``LONG`` of them."""
 
 POSTPROCESS_STRATEGIES = ("generate", "static")
-"""The generations the postprocess kernel replays for our side (``bench/kernels/postprocess.py``)."""
+"""The generations the postprocess kernel replays for our side (``postprocess.py``)."""
 
 ROLLOUT_SHAPE = ("dtype", "rows", "samples_per_prompt", "prompt_length", "response_length")
 
@@ -74,5 +78,5 @@ config on a CPU, and a C++ compiler)."""
 
 def prepare(config: Any, settings: Any, built: Any, device: Any) -> Any:
     """The ``Contest`` of ``config``: its kernel's module, imported now (torch and what it measures)."""
-    module = importlib.import_module(f"opsd_rollout.bench.kernels.{config.kernel}")
+    module = importlib.import_module(f"kernel_bench.{config.kernel}")
     return module.build(config, settings, built, device)
