@@ -85,13 +85,28 @@ def task_flags(cache_dir: str | None, task: str) -> dict[str, Any]:
     return {"max_new_tokens": response_tokens(task), **task_eval_flags(cache_dir, task)}
 
 
+def changed(values: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any]:
+    """What of ``values`` differs from ``defaults``, nested sections compared field by field."""
+    out = {}
+    for name, value in values.items():
+        default = defaults.get(name, changed)  # a name the defaults lack: kept
+        if isinstance(value, dict) and isinstance(default, dict):
+            inner = changed(value, default)
+            if inner:
+                out[name] = inner
+        elif value != default:
+            out[name] = value
+    return out
+
+
 def teacher_dir(cache_dir: str | None, config: TrainConfig = TEACHER) -> Path:
-    """Where the teacher of ``config`` is kept: named by a hash of everything that makes it."""
+    """Where the teacher of ``config`` is kept: named by a hash of everything that makes it, its fields away from
+    their defaults (a field added to the config at its default leaves every cached teacher's name as it was)."""
     import opsd_rollout
 
-    recipe = {k: v for k, v in config.to_dict().items() if k not in ("output_dir", "progress", "save_every", "resume")}
-    if recipe["task"] is None:
-        del recipe["task"]  # the corpus teacher's name as it was before tasks
+    unnamed = {"output_dir", "progress", "save_every", "resume"}
+    defaults = TrainConfig(output_dir="", objective=config.objective, teachers=config.teachers).to_dict()
+    recipe = {k: v for k, v in changed(config.to_dict(), defaults).items() if k not in unnamed}
     recipe.update(version=opsd_rollout.__version__, corpus=data_hash(config.task))
     key = hashlib.sha256(json.dumps(recipe, sort_keys=True, default=str).encode()).hexdigest()[:12]
     return cache_root(cache_dir) / "teachers" / f"{config.student}-{key}"

@@ -386,8 +386,8 @@ def train(config: TrainConfig) -> TrainResult:
     warn_if_cold(config)
     models.check_prompts(train_examples + held_out, config)
     references = all(e.reference is not None for e in train_examples)
-    if config.objective == "sft" and not references:
-        raise ValueError("objective sft trains on references: every example needs a 'reference'")
+    if config.objective == "sft" and not any(e.reference is not None for e in train_examples):
+        raise ValueError("objective sft trains on references, and no example has a 'reference'")
     if config.off_policy == "references" and not references:
         raise ValueError("off_policy references trains on references: every example needs a 'reference'")
     teacher_samples = config.off_policy == "teacher" or (config.off_policy == "auto" and not references)
