@@ -91,7 +91,7 @@ def test_an_unknown_task_is_refused(tmp_path, capsys):
     with pytest.raises(SystemExit) as exited:
         main(["train", "--task", "unknown", "--output-dir", str(tmp_path / "run")])
     assert exited.value.code == 2
-    assert "argument --task: invalid choice: 'unknown' (choose from 'arithmetic')" in capsys.readouterr().err
+    assert "argument --task: invalid choice: 'unknown' (choose from 'arithmetic', 'arithmetic-5d')" in capsys.readouterr().err
     with pytest.raises(ValueError, match=r"task must be one of \['arithmetic'\]; got 'unknown'"):
         default.default_run(str(tmp_path / "run"), cache_dir=str(tmp_path), overrides={"task": "unknown"})
     with pytest.raises(ValueError, match=r"task must be one of \['arithmetic'\]; got 'unknown'"):

@@ -87,7 +87,7 @@ class TrainConfig:
     task: str | None = None
     """A built-in task's examples instead of ``prompts``: ``arithmetic`` (addition word problems made from a seed,
     worked solutions ending in ``#### N`` as references, its own held-out problems; ``opsd_rollout.train.tasks``),
-    or a harder setting of it (``arithmetic-5d``: five-digit terms; ``arithmetic-3x4d``: three four-digit terms)."""
+    or its harder setting ``arithmetic-5d`` (five-digit terms: six lines of work, where an early slip compounds)."""
     task_labelled: int | None = None
     """With ``task``: how many of its training problems keep their worked solution (the labelled set: what a warm
     start and SFT train on); the others are prompts alone, as in practice references are scarce and prompts

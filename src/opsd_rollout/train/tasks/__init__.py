@@ -16,8 +16,7 @@ from opsd_rollout.train.tasks.arithmetic import ArithmeticTask, Problem
 if TYPE_CHECKING:
     from opsd_rollout.train.data import Example
 
-TASKS = {"arithmetic": ArithmeticTask(), "arithmetic-5d": ArithmeticTask(digits=5),
-         "arithmetic-3x4d": ArithmeticTask(digits=4, terms=3)}
+TASKS = {"arithmetic": ArithmeticTask(), "arithmetic-5d": ArithmeticTask(digits=5)}
 """The built-in tasks by name, each at its recipe."""
 SCORERS = {name: "gsm8k" for name in TASKS}
 """The scorer that reads each task's answers (``scorers.SCORERS``)."""
