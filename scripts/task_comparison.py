@@ -113,14 +113,15 @@ GENERATION = dict(temperature=1.0, max_new_tokens=80, batch_size=128, seed=0)
 """Supervised KD's teacher samples: sampled at temperature 1, one a training prompt, from a fixed seed."""
 
 
-def student_settings(steps: int, task: str = "arithmetic", lr: float | None = None,
-                     eval_every: int | None = None) -> dict[str, Any]:
+def student_settings(steps: int, task: str = "arithmetic", lr: float | None = None, eval_every: int | None = None,
+                     prompts_per_micro_batch: int | None = None, eval_prompts: int | None = None) -> dict[str, Any]:
     from opsd_rollout.train.default import ARITHMETIC_STUDENT
     from opsd_rollout.train.tasks import response_tokens
 
     s = ARITHMETIC_STUDENT
-    return dict(student=s["student"], steps=steps, prompts_per_micro_batch=s["prompts_per_micro_batch"],
-                lr=lr or s["lr"], eval_every=eval_every or s["eval_every"], eval_prompts=s["eval_prompts"],
+    return dict(student=s["student"], steps=steps,
+                prompts_per_micro_batch=prompts_per_micro_batch or s["prompts_per_micro_batch"], lr=lr or s["lr"],
+                eval_every=eval_every or s["eval_every"], eval_prompts=eval_prompts or s["eval_prompts"],
                 max_new_tokens=max(s["max_new_tokens"], response_tokens(task)), seed=0)
 
 
@@ -562,6 +563,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=1200)
     parser.add_argument("--lr", type=float, help="the arms' learning rate (default the built-in student's)")
     parser.add_argument("--eval-every", type=int, help="steps between evaluations (default the built-in student's)")
+    parser.add_argument("--prompts-per-micro-batch", type=int,
+                        help="prompts a step of every arm and the warm start (default the built-in student's)")
+    parser.add_argument("--eval-prompts", type=int, help="held-out problems an evaluation (default the built-in student's)")
     parser.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of every arm (default 1)")
     parser.add_argument("--parallel", type=int, default=2, help="arms at once (default 2)")
     parser.add_argument("--report-only", action="store_true", help="read the runs, run nothing")
@@ -583,7 +587,8 @@ def main() -> None:
         parser.error(f"unknown arms {unknown}: choose from {list(ARMS)}")
     seeds = [int(s) for s in args.seeds.split(",")]
     reuse = {k: Path(v) for k, v in (r.split("=", 1) for r in args.reuse)}
-    settings = student_settings(args.steps, args.task, args.lr, args.eval_every)
+    settings = student_settings(args.steps, args.task, args.lr, args.eval_every, args.prompts_per_micro_batch,
+                                args.eval_prompts)
     teacher, eval_path = cached_teacher(args.cache_dir, args.task), eval_file(args.cache_dir, args.task)
     args.runs.mkdir(parents=True, exist_ok=True)
     if recipe.warm_steps:
