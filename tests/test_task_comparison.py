@@ -94,3 +94,57 @@ def test_an_arm_says_where_its_teacher_comes_from():
     assert not arms["sft"].teacher and arms["supervised_kd"].teacher_samples
     assert [name for name, arm in arms.items() if arm.teacher_samples] == ["supervised_kd"]
     assert all("--loss" in arm.flags or "--objective" in arm.flags for arm in arms.values())
+
+
+def test_the_recipes_report_reads_each_seeds_arms_from_its_warm_start(tmp_path):
+    """Version 2: each seed's warm start and its arms (every arm's step 0 the warm start's accuracy), a table of every
+    arm's accuracy at equal steps and equal time on every seed, the document of its schema, and its plot."""
+    tc = _script()
+    runs = tmp_path / "runs"
+    for seed, (warm, fast, slow) in {0: (0.3, 0.8, 0.6), 1: (0.25, 0.7, 0.65)}.items():
+        _run(runs / f"seed{seed}" / "warm_start", [(0, 0.0, 0), (300, warm, 50.0)])
+        _run(runs / f"seed{seed}" / "reverse_kl_topk", [(0, warm, 0), (100, fast, 120.0)], teacher=0.95)
+        _run(runs / f"seed{seed}" / "sft", [(0, warm, 0), (100, slow, 20.0)])
+    eval_file = tmp_path / "eval.jsonl"
+    eval_file.write_text('{"prompt": "1+1\\n", "answer": "2"}\n')
+    recipe = tc.Recipe("arithmetic", labelled=300, warm_steps=300)
+    result = tc.recipe_report(runs, ["reverse_kl_topk", "sft"], [0, 1], tc.student_settings(100), 1, 2,
+                              tmp_path / "teacher", eval_file, recipe)
+    jsonschema.validate(result, SCHEMA)
+    assert result["version"] == 2 and result["teacher_eval_accuracy"] == 0.95
+    assert result["warm_starts"]["1"] == {"accuracy": 0.25, "train_seconds": 50.0, "steps": 300}
+    assert result["table"]["reverse_kl_topk"]["0"] == {"at_equal_steps": 0.8, "at_equal_time": 0.3, "final": 0.8}
+    assert result["table"]["sft"]["1"]["at_equal_time"] == 0.65  # SFT's 100 steps end first: equal time is its end
+    tc.recipe_plot(result, tmp_path / "recipe.png")
+    assert (tmp_path / "recipe.png").stat().st_size > 0
+
+
+def test_the_recipes_arms_start_from_the_warm_start_on_the_split_task(tmp_path):
+    tc = _script()
+    recipe = tc.Recipe("arithmetic-5d", labelled=300, warm_steps=300)
+    settings = dict(student="llama-tiny", steps=100, prompts_per_micro_batch=32, lr=3e-4, eval_every=50,
+                    eval_prompts=64, max_new_tokens=120, seed=1)
+    flags = {name: tc.arm_flags(name, settings, recipe, Path("T"), Path("S.jsonl"), Path("E.jsonl"), Path("W/model"))
+             for name in ("sft", "supervised_kd", "self_distillation", "reverse_kl_topk")}
+    for name, arm in flags.items():
+        assert arm[arm.index("--student") + 1] == "W/model", name
+    assert flags["sft"][:4] == ["--task", "arithmetic-5d", "--objective", "sft"] and "--task-labelled" in flags["sft"]
+    assert "--teacher" not in flags["sft"]
+    assert flags["supervised_kd"][flags["supervised_kd"].index("--prompts") + 1] == "S.jsonl"
+    assert flags["self_distillation"][-2:] == ["--teacher", "self"]
+    assert flags["reverse_kl_topk"][-2:] == ["--teacher", "T"] and "300" in flags["reverse_kl_topk"]
+
+
+def test_the_warm_start_file_holds_each_labelled_problem_twice_and_the_held_out_lines(tmp_path):
+    from opsd_rollout.train.tasks import TASKS
+    from opsd_rollout.train.teacher_spec import DEFAULT_CONTEXT, fill
+
+    tc = _script()
+    path = tmp_path / "warm.jsonl"
+    tc.write_warm_start_file(path, "arithmetic", 9)
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    train, held_out = TASKS["arithmetic"].problems()
+    trained = [line for i, line in enumerate(lines) if i % 10 != 9]
+    assert len(trained) == 18 and [line["prompt"] for line in lines[9::10]] == [held_out[0].prompt]
+    assert trained[9] == {"prompt": fill(DEFAULT_CONTEXT, prompt=train[0].prompt, reference=train[0].reference),
+                          "reference": train[0].reference}

@@ -91,10 +91,10 @@ def test_an_unknown_task_is_refused(tmp_path, capsys):
     with pytest.raises(SystemExit) as exited:
         main(["train", "--task", "unknown", "--output-dir", str(tmp_path / "run")])
     assert exited.value.code == 2
-    assert "argument --task: invalid choice: 'unknown' (choose from 'arithmetic')" in capsys.readouterr().err
-    with pytest.raises(ValueError, match=r"task must be one of \['arithmetic'\]; got 'unknown'"):
+    assert "argument --task: invalid choice: 'unknown' (choose from 'arithmetic', 'arithmetic-5d')" in capsys.readouterr().err
+    with pytest.raises(ValueError, match=r"task must be one of \['arithmetic', 'arithmetic-5d'\]; got 'unknown'"):
         default.default_run(str(tmp_path / "run"), cache_dir=str(tmp_path), overrides={"task": "unknown"})
-    with pytest.raises(ValueError, match=r"task must be one of \['arithmetic'\]; got 'unknown'"):
+    with pytest.raises(ValueError, match=r"task must be one of \['arithmetic', 'arithmetic-5d'\]; got 'unknown'"):
         TrainConfig(output_dir="o", teachers=["llama-tiny"], task="unknown")
     with pytest.raises(ValueError, match="task 'arithmetic' brings its own examples; prompts 'p.jsonl'"):
         TrainConfig(output_dir="o", teachers=["llama-tiny"], task="arithmetic", prompts="p.jsonl")

@@ -135,9 +135,13 @@ def test_the_flag_checks_refuse_what_train_config_refuses():
     for name in RULES:
         kind = "int" if name in ("steps", "prompts_per_micro_batch", "samples_per_prompt", "max_new_tokens",
                                  "max_prompt_tokens", "eval_every", "eval_prompts", "save_every", "teacher_top_k",
-                                 "gradient_accumulation_steps", "lora_rank", "top_k", "save_total_limit") else "float"
+                                 "gradient_accumulation_steps", "lora_rank", "top_k", "save_total_limit",
+                                 "warmup_sft_steps", "task_labelled", "task_unlabelled") else "float"
         for value in probes[kind]:
             values = {"teacher": "qwen2-tiny", name: value, **({"lora_rank": 4} if name == "lora_alpha" else {}),
+                      **({"warmup_sft_steps": 1} if name == "warmup_sft_lr" else {}),
+                      **({"task": "arithmetic", "max_new_tokens": 100} if name.startswith("task_") else {}),
+                      **({"task_labelled": 10} if name == "task_unlabelled" else {}),
                       **({"teacher_url": "http://127.0.0.1:1"} if name == "teacher_timeout" else {})}
             light_ok = _accepts(lambda: preflight(values))
             config_ok = _accepts(lambda: TrainConfig.from_flat({"output_dir": "o", **values}))

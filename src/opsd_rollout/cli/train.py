@@ -14,7 +14,9 @@ from opsd_rollout.cli.common import LOCAL_RANK_FLAGS
 from opsd_rollout.deepspeed_config import LEARNING_RATE
 from opsd_rollout.placement import DTYPES, device_flag
 from opsd_rollout.train.teacher_spec import DEFAULTS, KEY_VARIABLE
+from opsd_rollout.train.tasks import TASKS
 
+TASK_NAMES = tuple(TASKS)
 LOSSES = ("forward_kl", "reverse_kl", "jsd", "sampled_reverse_kl")
 FLAGS: list[tuple[str, str, dict[str, Any]]] = [  # (flag, TrainConfig's flat name, argparse keywords)
     ("--student", "student", dict(help="preset or local checkpoint directory (default llama-tiny; with no model or "
@@ -39,10 +41,20 @@ FLAGS: list[tuple[str, str, dict[str, Any]]] = [  # (flag, TrainConfig's flat na
                                   "assistant turn after a last user or tool turn, a last assistant turn continued) "
                                   "and an optional 'reference', or one prompt a line (default: the built-in corpus, "
                                   "the Python documentation's topics)")),
-    ("--task", "task", dict(choices=("arithmetic",), help="a built-in task's examples instead of --prompts: "
+    ("--task", "task", dict(choices=TASK_NAMES, help="a built-in task's examples instead of --prompts: "
                             "arithmetic (addition word problems made from a seed, worked solutions ending in "
                             "'#### N'); with no --student, --teacher or --teacher-url: its built-in run, a teacher "
                             "trained on it by SFT (cached) distilled into a smaller student")),
+    ("--task-labelled", "task_labelled", dict(type=int, metavar="N", help="with --task: the first N training problems "
+                                              "keep their worked solution (the labelled set a warm start and SFT "
+                                              "train on), the rest are prompts alone (default: every one labelled)")),
+    ("--task-unlabelled", "task_unlabelled", dict(type=int, metavar="N", help="with --task-labelled: how many prompts "
+                                                  "without a solution follow the labelled set (default: the rest)")),
+    ("--warmup-sft-steps", "warmup_sft_steps", dict(type=int, metavar="N", help="a warm start: the first N optimizer "
+                                                    "steps (of --steps) are SFT on the examples with a reference, "
+                                                    "then the run distils (default 0)")),
+    ("--warmup-sft-lr", "warmup_sft_lr", dict(type=float, metavar="LR", help="the warm start's learning rate (default: "
+                                              "--lr)")),
     ("--objective", "objective", dict(choices=("opsd", "sft"), help="opsd (default): distil the teacher on-policy; "
                                       "sft: cross-entropy on the references")),
     ("--deepspeed", "deepspeed", dict(metavar="JSON", help="the student's DeepSpeed config (ZeRO stage, optimizer, "

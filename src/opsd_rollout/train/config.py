@@ -90,7 +90,23 @@ class TrainConfig:
     built-in corpus (the Python documentation's topics, with references)."""
     task: str | None = None
     """A built-in task's examples instead of ``prompts``: ``arithmetic`` (addition word problems made from a seed,
-    worked solutions ending in ``#### N`` as references, its own held-out problems; ``opsd_rollout.train.tasks``)."""
+    worked solutions ending in ``#### N`` as references, its own held-out problems; ``opsd_rollout.train.tasks``),
+    or its harder setting ``arithmetic-5d`` (five-digit terms: six lines of work, where an early slip compounds)."""
+    task_labelled: int | None = None
+    """With ``task``: how many of its training problems keep their worked solution (the labelled set: what a warm
+    start and SFT train on); the others are prompts alone, as in practice references are scarce and prompts
+    plentiful. ``None``: every one keeps its solution."""
+    task_unlabelled: int | None = None
+    """With ``task``: how many prompts without a solution follow the labelled set (``None``: the rest of the task's
+    training problems)."""
+    warmup_sft_steps: int = 0
+    """A warm start: the first this many optimizer steps are SFT on the examples that have a reference (the
+    labelled set), then the run distils (``objective="opsd"``): the recipe practitioners run, a student that starts
+    competent. The steps count in ``steps``; the record's ``divergence`` says ``cross_entropy`` during the warm
+    start."""
+    warmup_sft_lr: float | None = None
+    """The warm start's learning rate (``None``: ``optimization.lr``), set on the built config's optimizer at each
+    phase; a DeepSpeed config with its own scheduler keeps its schedule."""
     prompts_per_micro_batch: int = 8
     """Prompts of one micro-batch (each rank's, with several ranks); DeepSpeed's micro-batch is this x
     ``sampling.n_samples_per_prompt`` rows."""
@@ -204,10 +220,18 @@ class TrainConfig:
                 raise TypeError(f"{name} must be a {kind.__name__}; got {type(value).__name__}")
         for name in ("steps", "prompts_per_micro_batch", "eval_every", "eval_prompts"):
             checks.integer(name, getattr(self, name))
-        for name in ("save_every", "max_prompt_tokens", "save_total_limit"):
+        for name in ("save_every", "max_prompt_tokens", "save_total_limit", "task_labelled"):
             checks.integer(name, getattr(self, name), optional=True)
         checks.integer("max_skipped_steps", self.max_skipped_steps)
         _check_collective_timeout(self)
+        checks.integer("task_unlabelled", self.task_unlabelled, minimum=0, optional=True)
+        checks.integer("warmup_sft_steps", self.warmup_sft_steps, minimum=0)
+        checks.number("warmup_sft_lr", self.warmup_sft_lr, above=0, optional=True)
+        _check_warm_start(self)
+        if self.task is None:
+            from opsd_rollout.train.tasks import check_split
+
+            check_split(None, self.task_labelled, self.task_unlabelled)
         for name in ("max_new_tokens", "n_samples_per_prompt"):
             checks.integer(f"sampling.{name}", getattr(self.sampling, name))
         check_sampling(self.sampling)
@@ -349,6 +373,9 @@ def _check_task(config: TrainConfig) -> None:
     if config.prompts is not None:
         raise ValueError(f"task {config.task!r} brings its own examples; prompts {config.prompts!r} would be another "
                          "set: give one of them")
+    from opsd_rollout.train.tasks import check_split
+
+    check_split(config.task, config.task_labelled, config.task_unlabelled)
     needed = response_tokens(config.task)
     if config.sampling.max_new_tokens < needed:
         raise ValueError(f"max_new_tokens {config.sampling.max_new_tokens} cuts task {config.task!r}'s worked "
@@ -381,6 +408,18 @@ def _check_collective_timeout(config: TrainConfig) -> None:
         raise ValueError(f"--collective-timeout {timeout:g} s is shorter than the ranks may wait for a served teacher "
                          f"({bound:g} s: --teacher-timeout and one request's limit, + {COLLECTIVE_MARGIN_S:g} s): give "
                          f"at least {bound + COLLECTIVE_MARGIN_S:g}, or a shorter --teacher-timeout")
+
+
+def _check_warm_start(config: TrainConfig) -> None:
+    """A warm start belongs to a distillation, shorter than the run; the task's split to a task."""
+    if config.warmup_sft_steps and config.objective != "opsd":
+        raise ValueError(f"--warmup-sft-steps {config.warmup_sft_steps} warm-starts a distillation by SFT; objective "
+                         f"{config.objective} is SFT all along: drop --warmup-sft-steps")
+    if config.warmup_sft_steps >= config.steps:
+        raise ValueError(f"--warmup-sft-steps {config.warmup_sft_steps} leaves no step of the {config.steps} "
+                         "(--steps counts both phases) to distil: raise --steps")
+    if config.warmup_sft_lr is not None and not config.warmup_sft_steps:
+        raise ValueError("--warmup-sft-lr is the warm start's learning rate: give --warmup-sft-steps too")
 
 
 def _check_served(config: TrainConfig) -> None:

@@ -106,6 +106,8 @@ class _Run:
         from opsd_rollout.rollout import HybridEngineRollout
 
         self.config, self.models, self.train, self.held_out = config, models, train, held_out
+        self.labelled = [e for e in train if e.reference is not None]
+        """What SFT trains on (a warm start's labelled set)."""
         self.problems = problems
         self.out = Path(config.output_dir)
         self.checkpoints = self.out / "checkpoints"
@@ -156,18 +158,33 @@ class _Run:
 
     # ---- one optimizer step --------------------------------------------------------------------------------
 
-    def examples(self, index: int) -> list[Example]:
-        """Micro-batch ``index``'s examples (this rank's share of it)."""
-        picked = batch_indices(len(self.train), self.config.prompts_per_micro_batch, self.config.seed,
+    def examples(self, index: int, pool: list[Example] | None = None) -> list[Example]:
+        """Micro-batch ``index``'s examples of ``pool`` (default: the training examples), this rank's share."""
+        pool = self.train if pool is None else pool
+        picked = batch_indices(len(pool), self.config.prompts_per_micro_batch, self.config.seed,
                                index * self.rank.world_size + self.rank.rank)
-        return [self.train[i] for i in picked]
+        return [pool[i] for i in picked]
 
     def sft_micro_batch(self, index: int) -> StepProfile:
-        """Micro-batch ``index`` of SFT, done: cross-entropy on its references."""
+        """Micro-batch ``index`` of SFT, done: cross-entropy on its references (a warm start's: the labelled
+        examples')."""
         self.agreement.check()  # a stop signal on any rank stops every rank here
         with seeded(_seed_of(self.config.seed, index), self.device):  # dropout's random numbers
-            batch = self.encoder.with_references(self.examples(index), self.device)
+            batch = self.encoder.with_references(self.examples(index, self.labelled), self.device)
             return sft_step(self.engine, batch, grad_norm=True)
+
+    def warming(self, number: int) -> bool:
+        """Whether optimizer step ``number`` is SFT: every step of ``objective="sft"``, a warm start's first ones."""
+        return self.config.objective == "sft" or number <= self.config.warmup_sft_steps
+
+    def set_phase_lr(self, number: int) -> None:
+        """The phase's learning rate on the built config's optimizer (``warmup_sft_lr`` during a warm start)."""
+        config = self.config
+        if config.warmup_sft_lr is None or self.engine.lr_scheduler is not None:
+            return
+        lr = config.warmup_sft_lr if self.warming(number) else config.optimization.lr
+        for group in self.engine.optimizer.param_groups:
+            group["lr"] = lr
 
     def start_micro_batch(self, index: int, on_policy: bool, slot: int = 0) -> StepInFlight:
         """Micro-batch ``index`` of distillation, begun: its samples (the student's own, or off-policy the
@@ -184,14 +201,15 @@ class _Run:
 
     def train_step(self, number: int) -> dict[str, Any]:
         """Optimizer step ``number`` (counted from 1): its micro-batches, and its record."""
-        config = self.config
-        on_policy = None if config.objective == "sft" else bool(
+        config, warming = self.config, self.warming(number)
+        on_policy = None if warming else bool(
             np.random.default_rng(_seed_of(config.seed, number, 1)).random() < config.lmbda)
+        self.set_phase_lr(number)
         start, skipped = time.perf_counter(), self.engine.skipped_steps
         first = (number - 1) * self.accumulation
         indices = range(first, first + self.accumulation)
         agree = self.agreement.check  # every rank's teachers answered, and no stop signal: before each loss
-        if config.objective == "sft":
+        if warming:
             profiles = [self.sft_micro_batch(i) for i in indices]
         elif self.ahead:  # every rollout first, each teacher request in flight behind the next one's rollout
             try:
@@ -204,9 +222,9 @@ class _Run:
         else:
             profiles = [self.start_micro_batch(i, on_policy).finish(agree) for i in indices]
         step_ms = (time.perf_counter() - start) * 1e3
-        divergence = "cross_entropy" if config.objective == "sft" else config.divergence.loss
+        divergence = "cross_entropy" if warming else config.divergence.loss
         drawn = number * self.accumulation * config.prompts_per_micro_batch * self.rank.world_size  # every rank's
-        teacher, context = described(config.teachers) if config.objective == "opsd" else (None, None)
+        teacher, context = described(config.teachers) if not warming else (None, None)
         record = step_record(number, profiles, step_ms=step_ms, learning_rate=float(self.engine.get_lr()[0]),
                              on_policy=on_policy, divergence=divergence, epoch=drawn / len(self.train),
                              teacher=teacher, teacher_context=context)
@@ -386,6 +404,25 @@ class _Run:
             result.checkpoint = self.checkpoints / f"step{self.global_step}"
 
 
+COLD_LOSSES = ("jsd", "sampled_reverse_kl")
+"""The losses measured at 0% task accuracy from a random student (benchmarks/RESULTS.md, "A student judged by
+accuracy"): their signal lands on tokens the teacher never allows."""
+
+
+def warn_if_cold(config: TrainConfig) -> None:
+    """Once, before any work: a built-in preset (random weights) distilled with a loss measured to stay at 0% task
+    accuracy from a random start, with no warm start, in a run judged by a task (the corpus run, judged by its
+    held-out KL, which these losses do lower, is not warned of)."""
+    from opsd_rollout.presets import PRESETS
+
+    if (config.objective == "opsd" and not config.warmup_sft_steps and config.student in PRESETS
+            and config.divergence.loss in COLD_LOSSES and config.task_eval is not None):
+        logger.warning("the student %s has random weights, and %s from a random student stayed at 0%% task accuracy "
+                       "where we measured it: warm-start it on the references (--warmup-sft-steps N), or use "
+                       "forward_kl (docs/TRAINING.md, \"When does on-policy distillation pay off\")",
+                       config.student, config.divergence.loss)
+
+
 def check_example_teachers(examples: list[Example], names: set[str]) -> None:
     """Every example's ``teacher`` is one of the run's (a library caller's data; the command line's file is checked
     by line before torch loads)."""
@@ -426,11 +463,19 @@ def _checked_run(config: TrainConfig) -> TrainResult:
     examples = read_examples(config.prompts, models.tokenizer, contexts) if config.prompts else None
     train_examples, held_out = split_examples(config, examples)
     if contexts is not None and examples is None:  # a built-in task's or the corpus's: text examples
-        train_examples, held_out = in_context(train_examples, contexts), in_context(held_out, contexts)
+        shown = [e for e in train_examples if e.reference is not None or contexts(e.teacher) is None]
+        if len(shown) < len(train_examples):  # a task's prompts without a solution: nothing to show its teacher
+            logger.warning("the teacher is shown each example's reference: its %d prompts without one are left out "
+                           "(it trains on the %d labelled)", len(train_examples) - len(shown), len(shown))
+        train_examples, held_out = in_context(shown, contexts), in_context(held_out, contexts)
+    if config.warmup_sft_steps and not any(e.reference is not None for e in train_examples):
+        raise ValueError(f"--warmup-sft-steps {config.warmup_sft_steps} trains on the examples with a 'reference', "
+                         "and none has one")
+    warn_if_cold(config)
     models.check_prompts(train_examples + held_out, config)
     references = all(e.reference is not None for e in train_examples)
-    if config.objective == "sft" and not references:
-        raise ValueError("objective sft trains on references: every example needs a 'reference'")
+    if config.objective == "sft" and not any(e.reference is not None for e in train_examples):
+        raise ValueError("objective sft trains on references, and no example has a 'reference'")
     if config.off_policy == "references" and not references:
         raise ValueError("off_policy references trains on references: every example needs a 'reference'")
     teacher_samples = config.off_policy == "teacher" or (config.off_policy == "auto" and not references)

@@ -22,6 +22,7 @@ from opsd_rollout.train.lora import AdapterConfig
 from opsd_rollout.train.precision import run_dtype
 from opsd_rollout.train.records import read_records
 from opsd_rollout.train.run_dir import check_output_dir, check_resumed_run
+from opsd_rollout.train.tasks import check_split
 from opsd_rollout.train.teacher_spec import (TeacherSpec, check_self, check_specs, context_of, routed,
                                              specs_from_flags)
 
@@ -37,6 +38,8 @@ RULES = {
                                                                                     at_most=1),
     "top_p": checks.rule(checks.number, above=0, at_most=1), "temperature": checks.rule(checks.number),
     "teacher_timeout": checks.rule(checks.number, at_least=0), "lora_alpha": checks.rule(checks.number, above=0),
+    "warmup_sft_steps": checks.rule(checks.integer, minimum=0), "warmup_sft_lr": checks.rule(checks.number, above=0),
+    "task_labelled": COUNT, "task_unlabelled": checks.rule(checks.integer, minimum=0),
 }
 """The flags' values as ``TrainConfig`` and its sections check them, by their flat names (a test checks that
 ``TrainConfig`` refuses each value these refuse)."""
@@ -51,6 +54,7 @@ def preflight(values: dict[str, Any], *, builtin: bool = False) -> None:
     if values.get("task") is not None and values.get("prompts") is not None:
         raise ValueError(f"--task {values['task']} brings its own examples and --prompts {values['prompts']!r} "
                          "another set: give one of them")
+    check_split(values.get("task"), values.get("task_labelled"), values.get("task_unlabelled"))
     if values.get("resume") is not None:
         find_checkpoint(values["resume"])
     if values.get("output_dir") is not None:

@@ -204,6 +204,10 @@ def plot_eval(records: list[dict[str, Any]], path: Path, title: str) -> Path | N
             if teacher is not None:
                 axis.axhline(teacher, color=line.get_color(), linestyle="--", linewidth=1,
                              label=f"teacher {name.removeprefix('eval_')}")
+        warm = [r["step"] for r in records if r.get("divergence") == "cross_entropy"]
+        distilled = [r["step"] for r in records if r.get("divergence") not in (None, "cross_entropy")]
+        if warm and distilled:  # a warm start, then the distillation: both phases on one axis
+            axis.axvspan(0, max(warm), color="0.9", zorder=0, label="warm start (SFT)" if panel == TASK_PANEL else None)
         axis.set_title(titles[panel], fontsize=10)
         axis.set_xlabel("optimizer step")
         axis.set_ylabel("fraction of problems" if panel == TASK_PANEL else "nats / token")

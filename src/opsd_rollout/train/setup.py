@@ -209,7 +209,7 @@ def split_examples(config: Any, examples: list[Example] | None) -> tuple[list[Ex
     if config.task is not None:
         from opsd_rollout.train.tasks import task_examples
 
-        return task_examples(config.task)
+        return task_examples(config.task, config.task_labelled, config.task_unlabelled)
     if examples is None:
         from opsd_rollout.train.corpus import corpus_examples
 
