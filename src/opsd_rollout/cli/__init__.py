@@ -88,4 +88,15 @@ def main(argv: Sequence[str] | None = None, parser: argparse.ArgumentParser | No
             args.command, "finished configs are in the result file (finish with --resume-results)")
         print("opsd-rollout: interrupted; " + (str(interrupted) or said), file=sys.stderr)
         return 130
+    finally:
+        leave_process_group()
+
+
+def leave_process_group() -> None:
+    """The process group this command joined (train and bench under a launcher), destroyed before the interpreter
+    exits, as torch asks: left to the exit, a gloo group's threads outlived their owner and one rank aborted
+    (``terminate called without an active exception``, SIGABRT) after its run had finished."""
+    distributed = sys.modules.get("torch.distributed")  # never imported here: a light command stays light
+    if distributed is not None and distributed.is_available() and distributed.is_initialized():
+        distributed.destroy_process_group()
 
