@@ -1,5 +1,3 @@
-import sys
+from opsd_rollout.cli import run
 
-from opsd_rollout.cli import main
-
-sys.exit(main())
+run()

@@ -88,15 +88,17 @@ def main(argv: Sequence[str] | None = None, parser: argparse.ArgumentParser | No
             args.command, "finished configs are in the result file (finish with --resume-results)")
         print("opsd-rollout: interrupted; " + (str(interrupted) or said), file=sys.stderr)
         return 130
-    finally:
-        leave_process_group()
 
 
-def leave_process_group() -> None:
-    """The process group this command joined (train and bench under a launcher), destroyed before the interpreter
-    exits, as torch asks: left to the exit, a gloo group's threads outlived their owner and one rank aborted
-    (``terminate called without an active exception``, SIGABRT) after its run had finished."""
+def run() -> None:
+    """The program (``opsd-rollout``, ``python -m opsd_rollout``): ``main``, then the process group the command
+    joined (train and bench under a launcher) destroyed before the interpreter exits, as torch asks: left to the
+    exit, a gloo group's threads outlived their owner and one rank aborted (``terminate called without an active
+    exception``, SIGABRT) after its run had finished. ``main`` keeps it: a caller that runs commands in one
+    process (DeepSpeed keeps the group it made for the next) may go on using it."""
+    status = main()
     distributed = sys.modules.get("torch.distributed")  # never imported here: a light command stays light
     if distributed is not None and distributed.is_available() and distributed.is_initialized():
         distributed.destroy_process_group()
+    sys.exit(status)
 
