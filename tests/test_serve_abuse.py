@@ -60,7 +60,10 @@ def answer(sock: socket.socket) -> tuple[int, dict, bool]:
     length = int(next(line.split(b":")[1] for line in top.split(b"\r\n") if line.lower().startswith(b"content-length")))
     while len(rest) < length:
         rest += sock.recv(65536)
-    closed = sock.recv(1) == b""
+    try:
+        closed = sock.recv(1) == b""
+    except ConnectionResetError:  # closed with the client's unread bytes still in its buffer: a reset, closed too
+        closed = True
     return status, json.loads(rest[:length]), closed
 
 
