@@ -151,3 +151,14 @@ def test_the_flags_choices_are_the_built_in_tasks():
 
     (choices,) = [kwargs["choices"] for flag, _dest, kwargs in FLAGS if flag == "--task"]
     assert tuple(choices) == tuple(TASKS) == tuple(name for name in default.RUNS if name is not None)
+
+
+def test_the_harder_settings_student_is_the_recipe_measured():
+    """``--task arithmetic-5d``'s built-in student: a warm start on 300 labelled problems, then on-policy reverse KL
+    over the teacher's top 64 (docs/TRAINING.md, "When does on-policy distillation pay off")."""
+    from opsd_rollout.train import TrainConfig
+
+    config = TrainConfig.from_flat({**default.ARITHMETIC_5D_STUDENT, "output_dir": "o", "teacher": "llama-micro"})
+    assert config.task == "arithmetic-5d" and config.task_labelled == 300
+    assert config.warmup_sft_steps == 600 < config.steps == 800 and config.warmup_sft_lr == 3e-3
+    assert config.divergence.loss == "reverse_kl" and config.teacher_cache.mode == "topk" and config.lmbda == 1.0
