@@ -136,7 +136,7 @@ def test_the_flag_checks_refuse_what_train_config_refuses():
         kind = "int" if name in ("steps", "prompts_per_micro_batch", "samples_per_prompt", "max_new_tokens",
                                  "max_prompt_tokens", "eval_every", "eval_prompts", "save_every", "teacher_top_k",
                                  "gradient_accumulation_steps", "lora_rank", "top_k", "save_total_limit",
-                                 "warmup_sft_steps", "task_labelled", "task_unlabelled") else "float"
+                                 "warmup_sft_steps", "task_labelled", "task_unlabelled", "max_skipped_steps") else "float"
         for value in probes[kind]:
             values = {"teacher": "qwen2-tiny", name: value, **({"lora_rank": 4} if name == "lora_alpha" else {}),
                       **({"warmup_sft_steps": 1} if name == "warmup_sft_lr" else {}),

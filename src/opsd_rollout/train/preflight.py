@@ -40,6 +40,7 @@ RULES = {
     "teacher_timeout": checks.rule(checks.number, at_least=0), "lora_alpha": checks.rule(checks.number, above=0),
     "warmup_sft_steps": checks.rule(checks.integer, minimum=0), "warmup_sft_lr": checks.rule(checks.number, above=0),
     "task_labelled": COUNT, "task_unlabelled": checks.rule(checks.integer, minimum=0),
+    "max_skipped_steps": COUNT, "collective_timeout": checks.rule(checks.number, above=0),
 }
 """The flags' values as ``TrainConfig`` and its sections check them, by their flat names (a test checks that
 ``TrainConfig`` refuses each value these refuse)."""
