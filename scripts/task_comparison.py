@@ -44,9 +44,13 @@ filled into the self-teacher's context (``--teacher-context``'s default), so tha
 that form; every arm starts from this one warm start. ``--seeds 0,1`` repeats it all per seed. Writes
 ``recipe_comparison.json`` (``version`` 2: each seed's arms as version 1 has them) and ``recipe_comparison.png``::
 
-    python scripts/task_comparison.py --task arithmetic-5d --labelled 300 --warm-steps 300 --steps 300 --lr 3e-4 \
-        --seeds 0,1 --arms sft,supervised_kd,reverse_kl_topk,jsd,forward_kl,reverse_kl_k1,self_distillation \
-        --cache-dir CACHE --runs RUNS
+    python scripts/task_comparison.py --task arithmetic --labelled 300 --warm-steps 600 --warm-lr 3e-3 --steps 200 \
+        --lr 3e-4 --eval-every 50 --prompts-per-micro-batch 16 --eval-prompts 200 --seeds 0,1 \
+        --arms sft,supervised_kd,reverse_kl_topk,jsd,forward_kl,reverse_kl_k1,self_distillation \
+        --cache-dir CACHE --runs RUNS --out OUT
+
+(what made benchmarks/task/recipe-arithmetic/ and, with ``--task arithmetic-5d``, recipe-arithmetic-5d/; RESULTS,
+"The recipe from a warm start").
 """
 
 from __future__ import annotations
