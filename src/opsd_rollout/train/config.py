@@ -228,10 +228,9 @@ class TrainConfig:
         checks.integer("warmup_sft_steps", self.warmup_sft_steps, minimum=0)
         checks.number("warmup_sft_lr", self.warmup_sft_lr, above=0, optional=True)
         _check_warm_start(self)
-        if self.task is None:
-            from opsd_rollout.train.tasks import check_split
+        from opsd_rollout.train.tasks import check_split  # light
 
-            check_split(None, self.task_labelled, self.task_unlabelled)
+        check_split(self.task, self.task_labelled, self.task_unlabelled)
         for name in ("max_new_tokens", "n_samples_per_prompt"):
             checks.integer(f"sampling.{name}", getattr(self.sampling, name))
         check_sampling(self.sampling)
@@ -373,9 +372,6 @@ def _check_task(config: TrainConfig) -> None:
     if config.prompts is not None:
         raise ValueError(f"task {config.task!r} brings its own examples; prompts {config.prompts!r} would be another "
                          "set: give one of them")
-    from opsd_rollout.train.tasks import check_split
-
-    check_split(config.task, config.task_labelled, config.task_unlabelled)
     needed = response_tokens(config.task)
     if config.sampling.max_new_tokens < needed:
         raise ValueError(f"max_new_tokens {config.sampling.max_new_tokens} cuts task {config.task!r}'s worked "
