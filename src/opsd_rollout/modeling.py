@@ -58,6 +58,19 @@ def model_config(model: torch.nn.Module) -> PreTrainedConfig:
     return cast("PreTrainedConfig", model.config)
 
 
+def lm_head(model: torch.nn.Module) -> torch.nn.Module:
+    """A transformers causal LM's head (``get_output_embeddings()``: hidden states to logits)."""
+    head = model.get_output_embeddings()  # type: ignore[operator]  # nn.Module types unknown attributes as tensors
+    if not isinstance(head, torch.nn.Module):
+        raise TypeError(f"{type(model).__name__} has no LM head (get_output_embeddings() gave {head!r})")
+    return head
+
+
+def lm_body(model: torch.nn.Module) -> torch.nn.Module:
+    """A transformers causal LM's body (``base_model``: the final hidden states, without the head)."""
+    return cast(torch.nn.Module, model.base_model)
+
+
 def wrapped_modules(module: torch.nn.Module) -> list[torch.nn.Module]:
     """``module`` and what it wraps: ``.module`` of DeepSpeed engines, ``get_base_model()`` of PEFT."""
     chain = [module]

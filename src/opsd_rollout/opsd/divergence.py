@@ -18,7 +18,9 @@ float32 at least (DeepSpeed computes in the logits' dtype).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeAlias
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +28,11 @@ from deepspeed.runtime.rollout.opsd import JSDLossOutput
 from torch.utils.checkpoint import checkpoint
 
 from opsd_rollout import checks
+
+TeacherLogits: TypeAlias = "torch.Tensor | tuple[torch.Tensor, torch.Tensor]"
+"""The teacher's side of a divergence: logits [..., V], or a top-k pair (values [..., k], indices [..., k])."""
+TeacherChunk: TypeAlias = "Callable[[int, int], TeacherLogits]"
+"""``teacher_chunk(start, stop)``: the teacher's cache for window positions ``start:stop``."""
 
 LOSSES = ("forward_kl", "reverse_kl", "jsd", "sampled_reverse_kl")
 ESTIMATORS = ("k1", "k3")
@@ -151,7 +158,7 @@ def top_k_buckets(student: torch.Tensor, values: torch.Tensor, indices: torch.Te
     return torch.cat([top, tail], dim=-1), torch.cat([values, tail_logp(values)], dim=-1)
 
 
-def token_divergence(student_logits: torch.Tensor, teacher: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+def token_divergence(student_logits: torch.Tensor, teacher: TeacherLogits,
                      config: DivergenceConfig) -> torch.Tensor:
     """student_logits: [..., V]; teacher: logits [..., V] or a top-k pair (values [..., k], indices [..., k]: logits
     or log-probabilities with ``top_k_rest="renormalize"``, log-probabilities with ``"tail"``).
@@ -168,14 +175,14 @@ def token_divergence(student_logits: torch.Tensor, teacher: torch.Tensor | tuple
     return generalized_jsd(student_logp, teacher_logp, config.effective_beta, config.pointwise_clip)
 
 
-def _chunk_sum(student_logits: torch.Tensor, mask: torch.Tensor, teacher_chunk, start: int, stop: int,
+def _chunk_sum(student_logits: torch.Tensor, mask: torch.Tensor, teacher_chunk: TeacherChunk, start: int, stop: int,
                config: DivergenceConfig) -> torch.Tensor:
     # the teacher's chunk is fetched here, inside the checkpointed function: backward fetches it again
     # instead of activation checkpointing keeping every chunk's device copy alive until backward
     return (token_divergence(student_logits, teacher_chunk(start, stop), config) * mask).sum()
 
 
-def chunked_divergence(student_logits: torch.Tensor, teacher_chunk, mask: torch.Tensor,
+def chunked_divergence(student_logits: torch.Tensor, teacher_chunk: TeacherChunk, mask: torch.Tensor,
                        config: DivergenceConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """Sum and count of the divergence over valid positions, computed ``config.chunk_size`` positions at a time.
 
@@ -222,14 +229,13 @@ def generalized_jsd_loss(student_logits: torch.Tensor, teacher_logits: torch.Ten
         raise ValueError(f"teacher_top_k must be positive when specified; got {teacher_top_k!r}")
     if teacher_top_k is not None and teacher_top_k > vocab:
         raise ValueError(f"teacher_top_k must not exceed the vocabulary size {vocab}; got {teacher_top_k!r}")
-    if teacher_top_k is None:
-        def teacher_chunk(start: int, stop: int) -> torch.Tensor:
-            return teacher_logits[:, start:stop]
-    else:
-        top = torch.topk(teacher_logits, teacher_top_k, dim=-1)  # the order temperature scaling keeps
+    # the top k before temperature scaling: the order it keeps
+    top = None if teacher_top_k is None else torch.topk(teacher_logits, teacher_top_k, dim=-1)
 
-        def teacher_chunk(start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
-            return top.values[:, start:stop], top.indices[:, start:stop]
+    def teacher_chunk(start: int, stop: int) -> TeacherLogits:
+        if top is None:
+            return teacher_logits[:, start:stop]
+        return top.values[:, start:stop], top.indices[:, start:stop]
     # the mask is used as given, as DeepSpeed does: a 0/1 mask selects tokens, other values weigh them
     loss_sum, count = chunked_divergence(student_logits, teacher_chunk, response_mask, config)
     valid_token_count = count.to(torch.long)

@@ -35,8 +35,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from opsd_rollout.modeling import logit_transform
-from opsd_rollout.opsd.divergence import DivergenceConfig, student_tail_logp, tail_logp
+from opsd_rollout.modeling import lm_head, logit_transform, model_config
+from opsd_rollout.opsd.divergence import DivergenceConfig, TeacherLogits, student_tail_logp, tail_logp
 from opsd_rollout.opsd.head_chunks import HeadGrads, HeadOptions, rows_on
 from opsd_rollout.rollout.linears import forwards_replaced
 
@@ -127,6 +127,7 @@ def _chunk(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     else:
         student = logits
     if tail:  # temperature 1 (DivergenceConfig checks it)
+        assert indices is not None
         per_token, grad = _tail_chunk(student, teacher.to(options.dtype), indices, options)
         if not need_grad:
             return per_token, None, None
@@ -170,17 +171,18 @@ class FusedHeadDivergence(torch.autograd.Function):
             per_token, grad, rows = _chunk(states, weight, bias, teacher, indices, options, need_grad)
             coef = token_weights.index_select(0, tokens).to(dtype)  # each token's weight
             total += per_token @ coef
-            if need_grad:
+            if grad is not None:
                 coef = coef * (options.scale / options.temperature)  # and the temperature's 1/T, the scale
                 if rows is None:
                     grads.add_full(tokens, states, grad, coef, weight)
                 else:
+                    assert indices is not None  # rows are gathered for a top-k teacher only
                     grads.add_top_k(tokens, states, grad, coef, indices, rows)
         grads.save(ctx, weight, bias)
         return total
 
     @staticmethod
-    def backward(ctx: Any, grad_total: torch.Tensor):
+    def backward(ctx: Any, grad_total: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         return *HeadGrads.scaled(ctx, grad_total), None, None, None, None
 
 
@@ -192,7 +194,7 @@ def chunk_tokens(config: DivergenceConfig, vocab: int, hidden_size: int, top_k: 
     return max(1, CHUNK_BYTES // per_token)
 
 
-def fused_divergence(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, teacher: Any,
+def fused_divergence(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, teacher: TeacherLogits,
                      mask: torch.Tensor, config: DivergenceConfig, *, logit_scale: float = 1.0,
                      softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Sum and count of the divergence over the response tokens, the student's logits computed here.
@@ -235,7 +237,8 @@ def fused_divergence(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
 def fusion_problem(model: torch.nn.Module) -> str | None:
     """Why the fused loss cannot run on ``model`` (a transformers causal LM), or ``None``: it needs the final
     hidden states without the logits (``logits_to_keep``) and an LM head that is a plain ``nn.Linear``."""
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    get_head = getattr(model, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
     if type(head) is not torch.nn.Linear:  # a subclass (LoRA, quantized) computes something else
         kind = type(head)  # qualified: PEFT's LoRA layer is also called Linear
         return (f"its LM head is {kind.__module__}.{kind.__qualname__}, not a plain torch.nn.Linear (a LoRA adapter on "
@@ -256,15 +259,15 @@ def through_head(model: torch.nn.Module, hidden: torch.Tensor, mask: torch.Tenso
     problem = fusion_problem(model)
     if problem is not None:
         raise ValueError(f"the fused loss cannot use this model: {problem}; use DivergenceConfig(fused=False)")
-    head = model.get_output_embeddings()
-    scale, cap = logit_transform(model.config)
+    head = lm_head(model)
+    scale, cap = logit_transform(model_config(model))
     # the head's hooks run around the loss: ZeRO-3 gathers its weight before the call and again before its backward
     with forwards_replaced([(head, lambda states: loss(states, head.weight, head.bias, scale, cap))], over_others=True):
         total = head(hidden)
     return total, mask.to(device=total.device, dtype=total.dtype).sum()
 
 
-def head_divergence(model: torch.nn.Module, hidden: torch.Tensor, teacher: Any, mask: torch.Tensor,
+def head_divergence(model: torch.nn.Module, hidden: torch.Tensor, teacher: TeacherLogits, mask: torch.Tensor,
                     config: DivergenceConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """``fused_divergence`` with ``model``'s own LM head (``through_head``). ``model``: the transformers model
     (inside any DeepSpeed wrapper); the rest as for ``fused_divergence``."""

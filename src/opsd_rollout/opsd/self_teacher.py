@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import copy
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -83,7 +83,7 @@ class SelfTeacher(torch.nn.Module):
 
     def _adapters_off(self, inner: torch.nn.Module) -> Any:
         if self.weights == "initial" and not self.copied and is_adapted(inner):
-            return inner.disable_adapter()
+            return cast(Any, inner).disable_adapter()  # PEFT's context: adapters off inside it
         return contextlib.nullcontext()
 
     @property
@@ -99,7 +99,7 @@ class SelfTeacher(torch.nn.Module):
         return f"weights={self.weights}, copied={self.copied}"
 
 
-def scoring(teacher: Any) -> Any:
+def scoring(teacher: torch.nn.Module) -> contextlib.AbstractContextManager[torch.nn.Module]:
     """``teacher`` ready to score: a ``SelfTeacher``'s own context (``SelfTeacher.scoring``), anything else as it
     is."""
     if isinstance(teacher, SelfTeacher):

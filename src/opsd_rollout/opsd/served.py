@@ -19,15 +19,18 @@ import logging
 import math
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from opsd_rollout import checks, compact_answer
 from opsd_rollout.opsd.served_wire import PROTOCOLS, Wire, read_response, request_body
-from opsd_rollout.opsd.targets import response_targets
+from opsd_rollout.opsd.targets import ResponseTargets, TargetSource, response_targets
 from opsd_rollout.opsd.teacher import TeacherCache, TeacherCacheBuffers, TeacherCacheConfig, plan_mode
 from opsd_rollout.profiling import NULL_RECORDER
+
+if TYPE_CHECKING:
+    from opsd_rollout.profiling.recorder import Recorder
 
 logger = logging.getLogger(__name__)
 
@@ -135,7 +138,7 @@ class ServedTeacher:
             raise ValueError(f"the teacher's tokenizer ({self.url}) differs from the student's: {PROBE[:24]!r}... is "
                              f"{theirs[:8]}... ({len(theirs)} tokens) there and {ours[:8]}... ({len(ours)}) here")
 
-    def build_cache(self, targets: Any, config: TeacherCacheConfig, *, recorder: Any = NULL_RECORDER,
+    def build_cache(self, targets: TargetSource, config: TeacherCacheConfig, *, recorder: Recorder = NULL_RECORDER,
                     buffers: TeacherCacheBuffers | None = None, pin: bool = False) -> TeacherCache:
         """The teacher's cache over ``targets``' response window (``build_teacher_cache``'s, from the server):
         ``sampled`` [N, R] or ``topk`` ([N, R, k] log-probabilities, [N, R, k] int32 ids)."""
@@ -163,7 +166,7 @@ class ServedTeacher:
             fill_cache(values, indices, places, answers)
         return TeacherCache(values, indices, budget_bytes=budget)
 
-    def submit(self, targets: Any, config: TeacherCacheConfig, *, buffers: TeacherCacheBuffers | None = None,
+    def submit(self, targets: TargetSource, config: TeacherCacheConfig, *, buffers: TeacherCacheBuffers | None = None,
                pin: bool = False) -> "InFlight":
         """``build_cache`` in the background: the answer in flight while the caller works. Requests go out one
         step after another, in the order submitted; ``buffers`` must not be another pending answer's."""
@@ -247,11 +250,11 @@ def fill_cache(values: torch.Tensor, indices: torch.Tensor | None, places: list[
         first, last = int(columns[0]), int(columns[-1])
         if last - first + 1 == len(columns):
             values[row, first:last + 1].copy_(got)
-            if indices is not None:
+            if indices is not None and ids is not None:
                 indices[row, first:last + 1].copy_(ids)
         else:
             values[row, columns] = got.to(values.dtype)
-            if indices is not None:
+            if indices is not None and ids is not None:
                 indices[row, columns] = ids
 
 
@@ -265,7 +268,7 @@ def refuse_full_cache(config: TeacherCacheConfig) -> None:
                          "of its mass), or mode='sampled' for sampled_reverse_kl (--teacher-cache topk or sampled)")
 
 
-def rows_to_send(targets: Any) -> tuple[list[list[int]], list[list[int]], list[tuple[int, torch.Tensor]]]:
+def rows_to_send(targets: ResponseTargets) -> tuple[list[list[int]], list[list[int]], list[tuple[int, torch.Tensor]]]:
     """For each row with a response token to train on: the tokens to send (its real tokens, mask 1, up to its last
     trained one), the positions among them whose log-probabilities are wanted, and where those go in the cache
     (``(row, window columns)``). A position's log-probability is of its token given the real tokens before it, what

@@ -175,7 +175,7 @@ class RowLogprobs:
     """[n, k] float64: theirs."""
 
 
-def request_body(protocol: str, model: str, rows: list[list[int]], k: int, *, starts: list[int] | None = None,
+def request_body(protocol: str, model: str | None, rows: list[list[int]], k: int, *, starts: list[int] | None = None,
                  dtype: str | None = None) -> tuple[str, dict[str, Any]]:
     """``(path, body)`` asking for each row's log-probabilities at every position, with the top ``k``; with
     ``starts`` and ``dtype`` (our server's compact answer, ``protocol="vllm"`` only) from position ``starts[i]`` of

@@ -9,31 +9,47 @@ import weakref
 from collections.abc import Callable
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.distributed as dist
 
 from opsd_rollout.distributed import partitioned, several_ranks
-from opsd_rollout.modeling import innermost_model, position_ids, text_config
+from opsd_rollout.modeling import innermost_model, model_config, position_ids, text_config
 from opsd_rollout.opsd.divergence import DivergenceConfig, chunked_divergence
 from opsd_rollout.opsd.fused import fusion_problem, head_divergence
 from opsd_rollout.opsd.nonfinite import nonfinite_part, one_or_nan, plain_optimizer, plain_step_guard
 from opsd_rollout.opsd.sampled import head_sampled_divergence, sampled_divergence
 from opsd_rollout.opsd.served import ServedTeacher
 from opsd_rollout.opsd.self_teacher import SelfTeacher
-from opsd_rollout.opsd.targets import expanded_prompts, reprompted, response_targets
-from opsd_rollout.opsd.teachers import Share, check_routes, check_teacher, route_rows, share_targets
-from opsd_rollout.opsd.teacher import TeacherCacheBuffers, TeacherCacheConfig, build_teacher_cache
+from opsd_rollout.opsd.targets import ResponseTargets, expanded_prompts, reprompted, response_targets
+from opsd_rollout.opsd.teachers import Share, Teacher, Teachers, check_routes, check_teacher, route_rows, share_targets
+from opsd_rollout.opsd.teacher import TeacherCache, TeacherCacheBuffers, TeacherCacheConfig, build_teacher_cache
 from opsd_rollout.opsd.step_profile import StepParts, StepProfile
 from opsd_rollout.profiling import Clock, StageRecorder, timed_eval
+from opsd_rollout.profiling.transitions import ModeSwitchTimes
 from opsd_rollout.seeding import seeded
+
+if TYPE_CHECKING:
+    from deepspeed.runtime.engine import DeepSpeedEngine
+    from deepspeed.runtime.rollout import RolloutBatch, RolloutRequest, SamplingConfig
+
+    from opsd_rollout.profiling import RolloutProfile
 
 
 logger = logging.getLogger(__name__)
 
 
-def engine_step(engine: Any, *, grad_norm: bool = False) -> Any:
+class StepRollout(Protocol):
+    """What samples a step's responses: ours (``HybridEngineRollout``, whose ``generate`` also takes ``seed=``),
+    DeepSpeed's, or a source of batches made beforehand."""
+
+    def generate(self, request: RolloutRequest, sampling: SamplingConfig) -> RolloutBatch: ...
+
+    def get_last_profile(self) -> RolloutProfile | None: ...
+
+
+def engine_step(engine: DeepSpeedEngine, *, grad_norm: bool = False) -> Any:
     """``engine.step()``; with ``grad_norm``, at an accumulation boundary (the call that steps the optimizer), the
     2-norm of the gradient it stepped on, before clipping: DeepSpeed's own (ZeRO 1-3, bf16 and fp16 keep it), or at
     ZeRO-0 in float32, where DeepSpeed keeps none, taken here before the step from the gradients the backwards left
@@ -58,7 +74,7 @@ def engine_step(engine: Any, *, grad_norm: bool = False) -> Any:
     return ours if theirs is None else theirs
 
 
-def student_logits(engine: Any, targets) -> torch.Tensor:
+def student_logits(engine: torch.nn.Module, targets: ResponseTargets) -> torch.Tensor:
     """The student's logits over the response window [N, R, V]: its whole forward (an OPSD step's unfused loss and
     the SFT step's cross-entropy both read them), positions counted from each row's first real token."""
     out = engine(input_ids=targets.input_ids, attention_mask=targets.attention_mask,
@@ -66,7 +82,7 @@ def student_logits(engine: Any, targets) -> torch.Tensor:
     return out.logits[:, targets.window]  # [N, R, V]
 
 
-def _student_hidden(engine: Any, targets) -> torch.Tensor:
+def _student_hidden(engine: torch.nn.Module, targets: ResponseTargets) -> torch.Tensor:
     """The student's final hidden states over the response window [N, R, H]: its forward with the LM head run on
     one position only (the fused loss runs the head itself)."""
     out = engine(input_ids=targets.input_ids, attention_mask=targets.attention_mask,
@@ -106,15 +122,16 @@ def _same_weights(student: torch.nn.Module, teacher: torch.nn.Module) -> bool:
     different shapes (one side a ZeRO-3 partition, the other whole), dtypes or devices say nothing."""
     if student is teacher:
         return True
-    first = [next(m.parameters(), None) for m in (student, teacher)]
-    if first[0] is None or first[1] is None:
+    first, other = next(student.parameters(), None), next(teacher.parameters(), None)
+    if first is None or other is None:
         return False
-    a, b = (getattr(p, "ds_tensor", p) for p in first)  # a ZeRO-3 parameter's data is its rank's partition
+    a, b = (getattr(p, "ds_tensor", p) for p in (first, other))  # a ZeRO-3 parameter's data is its rank's partition
     return (a.shape == b.shape and a.dtype == b.dtype and a.device == b.device and a.numel() > 0
             and torch.equal(a, b))
 
 
-def _warn_if_teacher_is_student(student: torch.nn.Module, teacher: torch.nn.Module, state: StepState) -> None:
+def _warn_if_teacher_is_student(student: torch.nn.Module, teacher: torch.nn.Module | SelfTeacher,
+                                state: StepState) -> None:
     """Once per student and ``state``, at its first step (afterwards its weights have moved): a teacher equal to
     the student makes every divergence 0, so the step would train nothing and report ``loss 0.0000`` without a
     word."""
@@ -140,14 +157,15 @@ def _fuses(model: torch.nn.Module, divergence: DivergenceConfig, state: StepStat
     return problem is None
 
 
-def _student_forward(parts: "StepParts", engine: Any, targets, fused: bool) -> torch.Tensor:
+def _student_forward(parts: StepParts, engine: torch.nn.Module, targets: ResponseTargets, fused: bool) -> torch.Tensor:
     """The student's forward: its final hidden states over the response window [N, R, H] when the loss runs fused
     with the LM head, else its logits [N, R, V]."""
     return parts.run("student_forward", _student_hidden if fused else student_logits, engine, targets)
 
 
-def _student_loss(parts: "StepParts", engine: Any, out: torch.Tensor, targets, cache, divergence: DivergenceConfig,
-                  fused: bool, behaviour_logp: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def _student_loss(parts: StepParts, engine: torch.nn.Module, out: torch.Tensor, targets: ResponseTargets,
+                  cache: TeacherCache, divergence: DivergenceConfig, fused: bool,
+                  behaviour_logp: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The divergence's sum and count over ``out`` (``_student_forward``'s): fused with the LM head, or over
     whole logits."""
     if divergence.loss == "sampled_reverse_kl":
@@ -181,7 +199,7 @@ def token_mean(total: torch.Tensor, count: torch.Tensor) -> tuple[torch.Tensor, 
     return total * dist.get_world_size() / global_count * one_or_nan(both[0]), both[0] / global_count
 
 
-def resident_bytes(module: Any) -> int:
+def resident_bytes(module: torch.nn.Module) -> int:
     """Bytes of ``module``'s parameters held on this rank (a ZeRO-3 parameter's own partition); a ``SelfTeacher``'s
     own alone (the student's weights it scores with are the student's)."""
     params = module.parameters() if isinstance(module, SelfTeacher) else innermost_model(module).parameters()
@@ -203,11 +221,12 @@ def check_pairing(divergence: DivergenceConfig, teacher_cache: TeacherCacheConfi
                          f"{teacher_cache.mode!r})")
 
 
-def opsd_step(student_engine: Any, teacher: Any, rollout: Any, request: Any, sampling: Any, *,
+def opsd_step(student_engine: DeepSpeedEngine, teacher: Teachers, rollout: StepRollout, request: RolloutRequest,
+              sampling: SamplingConfig, *,
               divergence: DivergenceConfig | None = None, teacher_cache: TeacherCacheConfig | None = None,
               behaviour_logprobs: torch.Tensor | None = None, state: StepState | None = None,
               seed: int | None = None, grad_norm: bool = False, routes: Sequence[str] | None = None,
-              teacher_request: Any = None) -> StepProfile:
+              teacher_request: RolloutRequest | None = None) -> StepProfile:
     """One step on ``student_engine`` (a DeepSpeed engine, ZeRO 0-3), and its profile: the one-call convenience over
     ``OPSDStep`` (``OPSDStep(...)(request, ...)``; a caller running many steps builds the ``OPSDStep`` once).
 
@@ -231,13 +250,13 @@ class OPSDStep:
     configs and the host buffers (``state``). Calling it runs one step on what changes per step, the request and its
     seed (``step(request, seed=...)``), as torchtitan's ``train_step(batch)``; ``start`` runs its first half."""
 
-    engine: Any
+    engine: DeepSpeedEngine
     """The student's DeepSpeed engine (ZeRO 0-3)."""
-    teacher: Any
+    teacher: Teachers
     """A model run here, a ``ServedTeacher``, or several ``{name: teacher}`` (each call then routes its prompts)."""
-    rollout: Any
+    rollout: StepRollout
     """What samples the student's responses: ``rollout.generate(request, sampling[, seed=])``."""
-    sampling: Any
+    sampling: SamplingConfig
     """DeepSpeed's ``SamplingConfig``, for every step."""
     divergence: DivergenceConfig = field(default_factory=DivergenceConfig)
     teacher_cache: TeacherCacheConfig = field(default_factory=TeacherCacheConfig)
@@ -250,12 +269,19 @@ class OPSDStep:
 
     def __post_init__(self) -> None:
         check_pairing(self.divergence, self.teacher_cache)
+        self.named: dict[str, Teacher] = {}
+        """With several teachers, each by its name (empty with one)."""
+        self.teachers: dict[str | None, Teacher] = {}
+        if isinstance(self.teacher, Mapping):
+            self.named = dict(self.teacher)
+            self.teachers.update(self.named)
+        else:
+            self.teachers[None] = self.teacher
         self.routed = isinstance(self.teacher, Mapping)
-        self.teachers: dict[str | None, Any] = dict(self.teacher) if self.routed else {None: self.teacher}
         if self.routed and not self.teachers:
             raise ValueError("teacher: a model, a ServedTeacher, or a mapping {name: teacher} of at least one")
         student = innermost_model(self.engine)
-        vocab = text_config(student.config).vocab_size
+        vocab = text_config(model_config(student)).vocab_size
         for name, each in self.teachers.items():  # before any work
             check_teacher(each, vocab, self.teacher_cache, name)
             if not isinstance(each, ServedTeacher):
@@ -264,16 +290,16 @@ class OPSDStep:
         self.fused = _fuses(student, self.divergence, self.state)
         self.device = torch.device(self.engine.device)
 
-    def __call__(self, request: Any, *, seed: int | None = None, routes: Sequence[str] | None = None,
-                 behaviour_logprobs: torch.Tensor | None = None, rollout: Any = None,
-                 teacher_request: Any = None) -> StepProfile:
+    def __call__(self, request: RolloutRequest, *, seed: int | None = None, routes: Sequence[str] | None = None,
+                 behaviour_logprobs: torch.Tensor | None = None, rollout: StepRollout | None = None,
+                 teacher_request: RolloutRequest | None = None) -> StepProfile:
         """One whole step (``start(...).finish()``)."""
         return self.start(request, seed=seed, routes=routes, behaviour_logprobs=behaviour_logprobs,
                           rollout=rollout, teacher_request=teacher_request).finish()
 
-    def start(self, request: Any, *, seed: int | None = None, routes: Sequence[str] | None = None,
-              behaviour_logprobs: torch.Tensor | None = None, rollout: Any = None, teacher_request: Any = None,
-              slot: int = 0) -> "StepInFlight":
+    def start(self, request: RolloutRequest, *, seed: int | None = None, routes: Sequence[str] | None = None,
+              behaviour_logprobs: torch.Tensor | None = None, rollout: StepRollout | None = None,
+              teacher_request: RolloutRequest | None = None, slot: int = 0) -> StepInFlight:
         """The step's first half: the rollout, and each teacher's cache, built here by an in-process teacher or
         asked of a served one in the background (``overlap``) and left in flight. ``.finish()`` is the rest: the
         student's forward, the wait for a served teacher, the loss, backward and the optimizer.
@@ -293,7 +319,7 @@ class OPSDStep:
         its next micro-batches there, so each one's teacher request is in flight behind the next rollout. Steps in
         flight at once each take their own ``slot`` (0, 1, ...): the host buffers their caches are built in."""
         if self.routed:
-            check_routes(self.teacher, routes, int(request.prompt_ids.shape[0]))
+            check_routes(self.named, routes, int(request.prompt_ids.shape[0]))
         elif routes is not None:
             raise ValueError("routes name each prompt's teacher: give teacher as a mapping {name: teacher}")
         recorder = StageRecorder(Clock(self.device), time_forwards=False)
@@ -311,7 +337,7 @@ class OPSDStep:
                                      recorder=recorder, parts=parts, switch=switch, targets=targets, shares=shares)
             for share in sorted(shares, key=lambda share: not share.served):  # the servers' requests first
                 buffers = self.state.buffers_for(slot, share.name)
-                if share.served:
+                if isinstance(share.teacher, ServedTeacher):
                     share.pending = share.teacher.submit(share.teacher_targets, self.teacher_cache, buffers=buffers,
                                                          pin=self.device.type == "cuda")
                     if not share.teacher.overlap:
@@ -321,16 +347,17 @@ class OPSDStep:
                                             self.teacher_cache, recorder=recorder, buffers=buffers)
         return in_flight
 
-    def _shares(self, targets: Any, routes: Sequence[str] | None, scored: Any) -> list[Share]:
+    def _shares(self, targets: ResponseTargets, routes: Sequence[str] | None,
+                scored: ResponseTargets | None) -> list[Share]:
         """Each teacher's rows and targets (and what it scores, ``scored``, when its prompts are not the student's):
         every row for one teacher; with several, each prompt's rows to the teacher its route names (a partitioned
         teacher joins with no rows: its gathers need every rank; a served one routed no prompt is not asked)."""
-        if not self.routed:
-            return [Share(name=None, teacher=self.teacher, rows=None, targets=targets, scored=scored)]
-        rows = route_rows(self.teacher, routes, self.sampling.n_samples_per_prompt, targets.input_ids.device)
+        if not self.routed or routes is None:  # routes are checked in start
+            return [Share(name=None, teacher=self.teachers[None], rows=None, targets=targets, scored=scored)]
+        rows = route_rows(self.named, routes, self.sampling.n_samples_per_prompt, targets.input_ids.device)
         return [Share(name=name, teacher=each, rows=rows[name], targets=share_targets(targets, rows[name]),
                       scored=None if scored is None else share_targets(scored, rows[name]))
-                for name, each in self.teacher.items()
+                for name, each in self.named.items()
                 if rows[name].numel() or (not isinstance(each, ServedTeacher) and partitioned(innermost_model(each)))]
 
 
@@ -340,15 +367,15 @@ class StepInFlight:
     for."""
 
     step: OPSDStep
-    rollout: Any
+    rollout: StepRollout
     """What sampled this step's responses (its profile is the step's rollout's)."""
     seed: int | None
     behaviour_logprobs: torch.Tensor | None
     recorder: StageRecorder
     parts: StepParts
-    switch: Any
+    switch: ModeSwitchTimes
     """The eval/train switch around the rollout, timed."""
-    targets: Any
+    targets: ResponseTargets
     shares: list[Share]
     """Each teacher's rows and cache (one share, every row, with one teacher)."""
     failure: BaseException | None = None
@@ -360,6 +387,8 @@ class StepInFlight:
             self.parts.run("teacher", self._receive, share)
 
     def _receive(self, share: Share) -> None:
+        if share.pending is None:
+            raise RuntimeError(f"teacher {share.name!r} was asked for no cache")
         with self.recorder.stage("teacher_wait"):
             share.cache = share.pending.result()
 
@@ -397,7 +426,7 @@ class StepInFlight:
                 agree(failure)
             if failure is not None:
                 raise failure
-            sums = [_student_loss(parts, step.engine, share.pick(out), share.targets, share.cache, step.divergence,
+            sums = [_student_loss(parts, step.engine, share.pick(out), share.targets, share.built, step.divergence,
                                   step.fused, share.pick(self.behaviour_logprobs)) for share in self.shares]
             total, count = (sum(column) for column in zip(*sums))
             loss, reported = token_mean(total, count)
@@ -412,11 +441,12 @@ class StepInFlight:
     def _profile(self, reported: float, norm: Any, teachers: dict[str, tuple[float, int]],
                  nonfinite: str | None) -> StepProfile:
         ms, starts = self.parts.times()
-        switch, caches = self.switch, [share.cache for share in self.shares]
+        switch, caches = self.switch, [share.built for share in self.shares]
         served = [share.pending for share in self.shares if share.pending is not None]
-        producing = switch.eval_ms + ms["rollout"] + (switch.train_ms or 0.0)
+        eval_ms = switch.eval_ms or 0.0  # read once the step's marks are resolved: a number now
+        producing = eval_ms + ms["rollout"] + (switch.train_ms or 0.0)
         return StepProfile(
-            rollout=self.rollout.get_last_profile(), eval_ms=switch.eval_ms, train_ms=switch.train_ms or 0.0,
+            rollout=self.rollout.get_last_profile(), eval_ms=eval_ms, train_ms=switch.train_ms or 0.0,
             rollout_ms=ms["rollout"], teacher_forward_ms=ms.get("teacher_forward", 0.0),
             cache_write_ms=ms.get("cache_write", 0.0), teacher_wait_ms=ms.get("teacher_wait", 0.0),
             student_forward_ms=ms["student_forward"], loss_ms=ms["loss"], backward_ms=ms["backward"],
@@ -426,15 +456,16 @@ class StepInFlight:
             teacher_cache_bytes=sum(cache.nbytes for cache in caches),
             teacher_cache_budget_bytes=max(cache.budget_bytes for cache in caches),
             teacher_cache_mode=caches[0].mode, fused_loss=self.step.fused, loss=reported, nonfinite=nonfinite,
-            teacher_parameter_bytes=sum(resident_bytes(s.teacher) for s in self.shares if not s.served),
+            teacher_parameter_bytes=sum(resident_bytes(s.teacher) for s in self.shares
+                                        if not isinstance(s.teacher, ServedTeacher)),
             grad_norm=None if norm is None else float(norm),
             teacher_latency_ms=max((pending.latency_ms for pending in served), default=0.0),
             teacher_losses={name: value for name, (value, _) in teachers.items()},
             teacher_tokens={name: tokens for name, (_, tokens) in teachers.items()})
 
 
-def teacher_prompts(teacher_request: Any, request: Any, samples_per_prompt: int) -> tuple[torch.Tensor,
-                                                                                       torch.Tensor]:
+def teacher_prompts(teacher_request: RolloutRequest, request: RolloutRequest,
+                    samples_per_prompt: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The teachers' prompts ``[B * n, P']`` (ids and mask), one a response row, from ``teacher_request``'s one a
     prompt of ``request``."""
     ids, mask = teacher_request.prompt_ids, teacher_request.prompt_attention_mask

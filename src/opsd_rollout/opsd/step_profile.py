@@ -5,13 +5,17 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Callable
+from typing import Any, ParamSpec, TypeVar
 
 import torch
 
 from opsd_rollout.files import json_safe
 from opsd_rollout.metrics import STEP_PARTS, STEP_STAGES, bytes_text, hidden_share, label
 from opsd_rollout.profiling import PeakMemory, RolloutProfile, StageRecorder
+
+P = ParamSpec("P")
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -124,7 +128,7 @@ class StepParts:
         self.recorder, self.device = recorder, device
         self.peaks: dict[str, int] = {}
 
-    def run(self, name: str, fn, *args, **kwargs):
+    def run(self, name: str, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
         memory = PeakMemory(self.device)
         memory.start()
         with self.recorder.stage(name):

@@ -8,10 +8,13 @@ never response positions, so a loss over either is the same.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, TypeAlias
 
 import torch
 from deepspeed.runtime.rollout.opsd import ResponseTokenBatch
+
+if TYPE_CHECKING:
+    from deepspeed.runtime.rollout import RolloutBatch, RolloutRequest
 
 
 @dataclass(frozen=True)
@@ -66,7 +69,11 @@ class ResponseTargets:
                    batch.response_mask[:, first:].bool())
 
 
-def response_targets(batch: Any) -> ResponseTargets:
+TargetSource: TypeAlias = "RolloutBatch | ResponseTokenBatch | ResponseTargets"
+"""What a step's targets are read from: a rollout's batch, DeepSpeed's targets, or ours."""
+
+
+def response_targets(batch: TargetSource) -> ResponseTargets:
     """Targets from a ``RolloutBatch`` (all rows sharing ``response_start_idx``, as every rollout here returns),
     from DeepSpeed's ``ResponseTokenBatch`` (any starts), or ours as they are.
 
@@ -125,7 +132,7 @@ def reprompted(targets: ResponseTargets, prompt_ids: torch.Tensor, prompt_mask: 
     return ResponseTargets(input_ids, attention_mask, prompt_ids.shape[1], targets.labels, targets.mask)
 
 
-def expanded_prompts(request: Any, samples_per_prompt: int) -> tuple[torch.Tensor, torch.Tensor]:
+def expanded_prompts(request: RolloutRequest, samples_per_prompt: int) -> tuple[torch.Tensor, torch.Tensor]:
     """A ``RolloutRequest``'s prompts ``[B, P]`` as ``[B * n, P]`` ids and mask, row ``i`` prompt ``i // n`` (the
     rollout's row order), for ``reprompted``."""
     return (request.prompt_ids.repeat_interleave(samples_per_prompt, 0),

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import psutil
 import torch
@@ -22,10 +22,17 @@ import torch
 from opsd_rollout import checks
 from opsd_rollout.distributed import agree_max, partitioned
 from opsd_rollout.metrics import bytes_text
-from opsd_rollout.modeling import innermost_model, logit_transform, position_ids, text_config
+from opsd_rollout.modeling import (innermost_model, lm_body, lm_head, logit_transform, model_config, position_ids,
+                                   text_config)
+from opsd_rollout.opsd.divergence import TeacherLogits
 from opsd_rollout.opsd.self_teacher import scoring
-from opsd_rollout.opsd.targets import response_targets
+from opsd_rollout.opsd.targets import ResponseTargets, TargetSource, response_targets
 from opsd_rollout.profiling import NULL_RECORDER
+
+if TYPE_CHECKING:
+    from transformers.configuration_utils import PreTrainedConfig
+
+    from opsd_rollout.profiling.recorder import Recorder
 
 CACHE_MODES = ("full", "topk", "sampled")
 OVER_BUDGET = ("error", "topk")
@@ -98,7 +105,7 @@ class TeacherCache:
         sampled tokens' log-probabilities [N, R]."""
         return self.values if self.indices is None else (self.values, self.indices)
 
-    def chunk(self, start: int, stop: int, device: torch.device):
+    def chunk(self, start: int, stop: int, device: torch.device) -> TeacherLogits:
         """Window positions ``start:stop`` on ``device`` (logits, or a (values, indices) pair)."""
         non_blocking = device.type == "cuda"
         values = self.values[:, start:stop].to(device, non_blocking=non_blocking)
@@ -140,7 +147,7 @@ class TeacherCacheBuffers:
         self._buffers.clear()
 
 
-def finalize_logits(config: Any, logits: torch.Tensor) -> torch.Tensor:
+def finalize_logits(config: PreTrainedConfig, logits: torch.Tensor) -> torch.Tensor:
     """What some models' ``forward`` does after the LM head (``logit_transform``), applied here because the cache
     calls the LM head itself."""
     scale, cap = logit_transform(config)
@@ -197,8 +204,8 @@ def plan_mode(config: TeacherCacheConfig, rows: int, window: int, vocab: int, dt
 
 
 @torch.no_grad()
-def build_teacher_cache(teacher: Any, targets: Any, config: TeacherCacheConfig, *,
-                        recorder: Any = NULL_RECORDER, buffers: TeacherCacheBuffers | None = None) -> TeacherCache:
+def build_teacher_cache(teacher: torch.nn.Module, targets: TargetSource, config: TeacherCacheConfig, *,
+                        recorder: Recorder = NULL_RECORDER, buffers: TeacherCacheBuffers | None = None) -> TeacherCache:
     """Run the teacher over ``targets``' sequences and cache its logits for the response window on the host.
 
     ``targets``: our ``ResponseTargets``, DeepSpeed's ``ResponseTokenBatch`` (its window starts at the first
@@ -210,14 +217,14 @@ def build_teacher_cache(teacher: Any, targets: Any, config: TeacherCacheConfig, 
         return _build(running, response_targets(targets), config, recorder, buffers)
 
 
-def _build(teacher: Any, targets: Any, config: TeacherCacheConfig, recorder: Any,
+def _build(teacher: torch.nn.Module, targets: ResponseTargets, config: TeacherCacheConfig, recorder: Recorder,
            buffers: TeacherCacheBuffers | None) -> TeacherCache:
     model = innermost_model(teacher)  # inside DeepSpeed and PEFT wrappers
-    body, head = model.base_model, model.get_output_embeddings()
+    body, head = lm_body(model), lm_head(model)
     head_param = next(head.parameters(), None)
     device = head_param.device if head_param is not None else targets.input_ids.device
     rows, window = targets.labels.shape
-    vocab = text_config(model.config).vocab_size
+    vocab = text_config(model_config(model)).vocab_size
     dtype = config.dtype or next(model.parameters()).dtype
     pin = device.type == "cuda"
     buffers = buffers if buffers is not None else TeacherCacheBuffers()
@@ -249,18 +256,18 @@ def _build(teacher: Any, targets: Any, config: TeacherCacheConfig, recorder: Any
                     head(hidden[:1])
                 continue
             with recorder.stage("teacher_forward"):
-                logits = finalize_logits(model.config, head(hidden[start:stop]))  # [c, V]
+                logits = finalize_logits(model_config(model), head(hidden[start:stop]))  # [c, V]
                 chosen = None
                 if mode == "topk":  # log q = z - logsumexp(z) over the whole vocabulary, in float32: [c, k]
                     top, chosen = torch.topk(logits, width, dim=-1)
                     logits = top.float() - torch.logsumexp(logits.float(), dim=-1, keepdim=True)
-                elif sampled:  # log q(y) = z_y - logsumexp(z), in float32: [c, 1]
+                elif labels is not None:  # sampled: log q(y) = z_y - logsumexp(z), in float32: [c, 1]
                     token = labels[base + start:base + stop].to(device)
                     logits = logits.float()
                     logits = logits.gather(1, token) - torch.logsumexp(logits, dim=-1, keepdim=True)
             with recorder.stage("cache_write"):
                 values[base + start:base + stop].copy_(logits.to(values.dtype), non_blocking=pin)
-                if indices is not None:
+                if indices is not None and chosen is not None:
                     indices[base + start:base + stop].copy_(chosen.to(torch.int32), non_blocking=pin)
     if pin:  # the host copies must land before anyone reads the cache
         torch.cuda.current_stream(device).synchronize()

@@ -7,14 +7,20 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TypeAlias, overload
 
 import torch
 
-from opsd_rollout.modeling import innermost_model, text_config
+from opsd_rollout.modeling import innermost_model, model_config, text_config
 from opsd_rollout.opsd.served import InFlight, ServedTeacher, refuse_full_cache
 from opsd_rollout.opsd.targets import ResponseTargets
 from opsd_rollout.opsd.teacher import TeacherCache, TeacherCacheConfig
+
+Teacher: TypeAlias = "torch.nn.Module | ServedTeacher"
+"""A step's teacher: a model run here (plain, PEFT-wrapped or a DeepSpeed engine, ZeRO-3 partitioned or not; the
+student in its own context, ``SelfTeacher``, is one), or a ``ServedTeacher`` whose server sends the cache."""
+Teachers: TypeAlias = "Teacher | Mapping[str, Teacher]"
+"""One teacher, or several by name (each step then routes each prompt to one)."""
 
 
 @dataclass(eq=False, kw_only=True)
@@ -23,7 +29,7 @@ class Share:
 
     name: str | None
     """The teacher's name; ``None`` for a step's only teacher."""
-    teacher: Any
+    teacher: Teacher
     rows: torch.Tensor | None
     """[n] the batch rows it scores (int64, ascending); ``None``: every row."""
     targets: ResponseTargets
@@ -43,6 +49,19 @@ class Share:
     def served(self) -> bool:
         return isinstance(self.teacher, ServedTeacher)
 
+    @property
+    def built(self) -> TeacherCache:
+        """Its cache, once built here or received."""
+        if self.cache is None:
+            raise RuntimeError(f"teacher {self.name!r}'s cache is not in yet")
+        return self.cache
+
+    @overload
+    def pick(self, tensor: torch.Tensor) -> torch.Tensor: ...
+
+    @overload
+    def pick(self, tensor: None) -> None: ...
+
     def pick(self, tensor: torch.Tensor | None) -> torch.Tensor | None:
         """``tensor``'s rows of this share (``tensor`` [N, ...] over the whole batch)."""
         if tensor is None or self.rows is None:
@@ -50,7 +69,7 @@ class Share:
         return tensor.index_select(0, self.rows.to(tensor.device))
 
 
-def check_teacher(teacher: Any, student_vocab: int, cache: TeacherCacheConfig, name: str | None = None) -> None:
+def check_teacher(teacher: Teacher, student_vocab: int, cache: TeacherCacheConfig, name: str | None = None) -> None:
     """Before any work: a served teacher's cache mode, server, model, tokenizer and vocabulary; an in-process
     teacher's vocabulary against the student's."""
     called = f"teacher {name!r}" if name is not None else "the teacher"
@@ -58,13 +77,13 @@ def check_teacher(teacher: Any, student_vocab: int, cache: TeacherCacheConfig, n
         refuse_full_cache(cache)
         teacher.connect(student_vocab)
         return
-    teacher_vocab = text_config(innermost_model(teacher).config).vocab_size
+    teacher_vocab = text_config(model_config(innermost_model(teacher))).vocab_size
     if student_vocab != teacher_vocab:  # a partitioned teacher would fail inside its gathers
         raise ValueError(f"{called}'s vocabulary ({teacher_vocab:,} tokens) differs from the student's "
                          f"({student_vocab:,}): distillation compares their distributions token by token")
 
 
-def check_routes(teachers: Mapping[str, Any], routes: Sequence[str] | None, prompts: int) -> None:
+def check_routes(teachers: Mapping[str, Teacher], routes: Sequence[str] | None, prompts: int) -> None:
     """``routes``: one teacher name per prompt of the request, each a key of ``teachers``."""
     if not isinstance(routes, Sequence) or isinstance(routes, str) or len(routes) != prompts:
         raise ValueError(f"routes must name one teacher for each of the request's {prompts} prompts (several "
@@ -74,7 +93,7 @@ def check_routes(teachers: Mapping[str, Any], routes: Sequence[str] | None, prom
         raise ValueError(f"routes name teachers {unknown} the step was not given; its teachers are {sorted(teachers)}")
 
 
-def route_rows(teachers: Mapping[str, Any], routes: Sequence[str], samples_per_prompt: int,
+def route_rows(teachers: Mapping[str, Teacher], routes: Sequence[str], samples_per_prompt: int,
                device: torch.device) -> dict[str, torch.Tensor]:
     """Each teacher's batch rows (prompt ``i``'s samples are rows ``i*n .. i*n+n-1``), in ``teachers``' order; a
     teacher routed no prompt gets no rows."""

@@ -157,6 +157,9 @@ class _NullRecorder:
 
 
 NULL_RECORDER = _NullRecorder()
+"""A recorder that records nothing: what a function takes when its caller times no stage."""
+Recorder: TypeAlias = "StageRecorder | _NullRecorder"
+"""What a timed function takes: a ``StageRecorder``, or ``NULL_RECORDER``."""
 
 Recorder: TypeAlias = "StageRecorder | _NullRecorder"
 """What a profiled call records its stages on: a ``StageRecorder``, or ``NULL_RECORDER`` when it is not profiled."""
