@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from opsd_rollout.lazy import lazy_exports
 
 _EXPORTS = {"Example": ".data", "read_examples": ".data", "TrainConfig": ".config", "load_train_config": ".config",
-            "TrainResult": ".loop", "train": ".loop", "OptimizationConfig": ".setup", "sft_step": ".sft",
+            "TrainResult": ".loop", "train": ".loop", "OptimizationConfig": ".optimization", "sft_step": ".sft",
             "TeacherSpec": ".teacher_spec"}
 
 __all__ = sorted(_EXPORTS)
@@ -20,14 +20,14 @@ if TYPE_CHECKING:
     from opsd_rollout.train.config import TrainConfig, load_train_config
     from opsd_rollout.train.data import Example, read_examples
     from opsd_rollout.train.loop import TrainResult, train
-    from opsd_rollout.train.setup import OptimizationConfig
+    from opsd_rollout.train.optimization import OptimizationConfig
     from opsd_rollout.train.sft import sft_step
     from opsd_rollout.train.teacher_spec import TeacherSpec
 
 _load = lazy_exports(globals(), _EXPORTS)
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> object:
     from opsd_rollout.quiet import cpu_fallback_hidden
 
     with cpu_fallback_hidden():  # a library user's first import of DeepSpeed is often this one: quiet, as train()

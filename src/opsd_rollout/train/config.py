@@ -14,7 +14,8 @@ from __future__ import annotations
 import json
 from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any
+from collections.abc import Callable
+from typing import Any, cast
 
 from deepspeed.runtime.rollout.base import SamplingConfig
 
@@ -34,7 +35,7 @@ from opsd_rollout.train.run_dir import resumed_output_dir
 from opsd_rollout.train.teacher_spec import FLAGS as TEACHER_FLAGS
 from opsd_rollout.train.teacher_spec import (UNNAMED, TeacherSpec, as_specs, check_self, check_specs, routed,
                                              specs_from_flags)
-from opsd_rollout.train.setup import OptimizationConfig
+from opsd_rollout.train.optimization import OptimizationConfig
 
 OBJECTIVES = ("opsd", "sft")
 OFF_POLICY = ("auto", "references", "teacher")
@@ -278,6 +279,14 @@ class TrainConfig:
         names = [spec.name for spec in self.teachers]
         return self.default_teacher or (UNNAMED if UNNAMED in names else names[0])
 
+    @property
+    def run_dir(self) -> str:
+        """Where the run writes: ``output_dir``, which ``__post_init__`` sets to a resume's own directory when none is
+        given."""
+        if self.output_dir is None:  # unreachable past __post_init__
+            raise ValueError("output_dir: name the directory the run writes (--output-dir DIR)")
+        return self.output_dir
+
     @classmethod
     def from_flat(cls, values: dict[str, Any]) -> TrainConfig:
         """A config from flat names (``FLAT``'s, the teacher flags' and the top-level fields'): the command line's
@@ -311,7 +320,8 @@ class TrainConfig:
             if base is None and section in OPTIONAL_SECTIONS:  # not named: made of the flat fields alone
                 top[section] = SECTIONS[section](**changes)
             else:
-                top[section] = replace(base or defaults[section].default_factory(), **changes)
+                default = cast(Callable[[], Any], defaults[section].default_factory)  # every section has one
+                top[section] = replace(base or default(), **changes)
         return cls(**top)
 
     @classmethod
@@ -368,11 +378,11 @@ def _check_task(config: TrainConfig) -> None:
     solutions (a reference cut short would train no answer and no EOS)."""
     from opsd_rollout.train.tasks import TASKS, response_tokens
 
-    checks.choice("task", config.task, tuple(TASKS))
+    task = checks.choice("task", config.task, tuple(TASKS))
     if config.prompts is not None:
         raise ValueError(f"task {config.task!r} brings its own examples; prompts {config.prompts!r} would be another "
                          "set: give one of them")
-    needed = response_tokens(config.task)
+    needed = response_tokens(task)
     if config.sampling.max_new_tokens < needed:
         raise ValueError(f"max_new_tokens {config.sampling.max_new_tokens} cuts task {config.task!r}'s worked "
                          f"solutions, up to {needed} tokens with the EOS: give at least {needed}")

@@ -22,7 +22,7 @@ import functools
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import torch
@@ -31,6 +31,9 @@ from deepspeed.runtime.rollout.base import RolloutBatch, RolloutRequest
 
 from opsd_rollout.train.records import CONTINUE, Record, check_messages, read_records
 from opsd_rollout.train.teacher_spec import fill
+
+if TYPE_CHECKING:
+    from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 
 @dataclass(frozen=True)
@@ -50,7 +53,7 @@ class Example:
     for self-distillation); ``None``: the student's prompt."""
 
 
-def render_messages(messages: list[dict[str, Any]], tokenizer: Any, reference: str | None = None, *,
+def render_messages(messages: list[dict[str, Any]], tokenizer: PreTrainedTokenizerBase, reference: str | None = None, *,
                     continuation: bool = False) -> Example:
     """Chat ``messages`` as a prompt, with the tokenizer's chat template (``role: content`` lines when it has
     none): a last user (or tool) turn gets the generation prompt, a last assistant turn is left open to continue
@@ -77,24 +80,25 @@ def render_messages(messages: list[dict[str, Any]], tokenizer: Any, reference: s
     return Example(prompt, closed[len(prompt):], eos=end is not None and not end.strip())
 
 
-def _render(messages: list[dict[str, Any]], tokenizer: Any, *, closed: bool = False) -> str:
+def _render(messages: list[dict[str, Any]], tokenizer: PreTrainedTokenizerBase, *, closed: bool = False) -> str:
     """The conversation's text: its last assistant turn closed (``closed``), left open, or followed by the
     generation prompt."""
     final = messages[-1]["role"] == CONTINUE
     if final and not closed and not messages[-1].get("content") and len(messages) > 1:
         messages, final = messages[:-1], False  # an empty turn to continue is a new turn to generate
     if getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=not final and not closed,
-                                             continue_final_message=final and not closed)
+        return cast(str, tokenizer.apply_chat_template(messages, tokenize=False,  # text, not tokens
+                                                       add_generation_prompt=not final and not closed,
+                                                       continue_final_message=final and not closed))
     lines = [f"{m['role']}: {m.get('content') or ''}" for m in messages]
     return "\n".join(lines) if final or closed else "".join(line + "\n" for line in lines) + f"{CONTINUE}: "
 
 
-def example_of(record: Record, tokenizer: Any, context: str | None = None) -> Example:
+def example_of(record: Record, tokenizer: PreTrainedTokenizerBase, context: str | None = None) -> Example:
     """A record rendered: a chat record's messages through the tokenizer's template, a text record as it is; with a
     teacher ``context`` (a template of ``{prompt}`` and ``{reference}``), the teacher's prompt too."""
     if record.messages is None:
-        example = Example(record.prompt, record.reference, record.teacher, eos=not record.continuation)
+        example = Example(record.prompt or "", record.reference, record.teacher, eos=not record.continuation)
     else:
         rendered = render_messages(list(record.messages), tokenizer, record.reference, continuation=record.continuation)
         example = Example(rendered.prompt, rendered.reference, record.teacher, eos=rendered.eos)
@@ -103,16 +107,18 @@ def example_of(record: Record, tokenizer: Any, context: str | None = None) -> Ex
     if record.reference is None:
         raise ValueError(f"line {record.line}: its teacher is shown the reference (--teacher-context, --teacher self), "
                          "and it has no 'reference'")
-    return replace(example, teacher_prompt=context_prompt(context, record.prompt, record.reference,
+    return replace(example, teacher_prompt=context_prompt(context, record.prompt or "", record.reference,
                                                           record.messages, tokenizer))
 
 
-def context_prompt(template: str, prompt: str | None, reference: str, messages: Any = None,
-                   tokenizer: Any = None) -> str:
+def context_prompt(template: str, prompt: str, reference: str, messages: Any = None,
+                   tokenizer: PreTrainedTokenizerBase | None = None) -> str:
     """The teacher's prompt: ``template`` filled with the prompt and the reference; for chat ``messages``, the last
     user turn's content filled so (the conversation otherwise the student's, rendered by the same template)."""
     if messages is None:
         return fill(template, prompt=prompt, reference=reference)
+    if tokenizer is None:
+        raise ValueError("a chat record's teacher prompt is rendered by the student's tokenizer: give it")
     turns = [dict(m) for m in messages]
     last = max((i for i, m in enumerate(turns) if m["role"] == "user"), default=len(turns) - 1)
     turns[last]["content"] = fill(template, prompt=turns[last].get("content") or "", reference=reference)
@@ -134,7 +140,7 @@ def in_context(examples: list[Example], context_of: Callable[[str | None], str |
     return out
 
 
-def read_examples(path: str | Path, tokenizer: Any,
+def read_examples(path: str | Path, tokenizer: PreTrainedTokenizerBase,
                   context_of: Callable[[str | None], str | None] | None = None) -> list[Example]:
     """Every example of a prompt file (see the module docstring), with each teacher's prompt where ``context_of``
     (a teacher's name -> its context template, or ``None``) gives a context; a clear error, naming the line, for a
@@ -164,7 +170,7 @@ def batch_indices(count: int, batch_size: int, seed: int, micro_batch: int) -> l
 class Encoder:
     """Token ids of prompts (left-padded) and references (right-padded) for one tokenizer."""
 
-    def __init__(self, tokenizer: Any, *, max_prompt_tokens: int, max_reference_tokens: int):
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, *, max_prompt_tokens: int, max_reference_tokens: int):
         self.tokenizer = tokenizer
         self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.max_prompt_tokens, self.max_reference_tokens = max_prompt_tokens, max_reference_tokens
@@ -196,6 +202,8 @@ class Encoder:
     def reference_ids(self, example: Example, eos: list[int]) -> list[int]:
         """The reference's tokens, then ``eos`` (``[the tokenizer's EOS]``, or ``[]``) where the example trains it
         and they do not end with it already (a reference written with the EOS's text)."""
+        if example.reference is None:
+            raise ValueError(f"an example without a 'reference' has no reference tokens: {example.prompt!r:.80}")
         ids = self.ids(example.reference)
         return ids + eos if example.eos and ids[-1:] != eos else ids
 

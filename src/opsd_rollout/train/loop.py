@@ -14,7 +14,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -109,7 +109,7 @@ class _Run:
         self.labelled = [e for e in train if e.reference is not None]
         """What SFT trains on (a warm start's labelled set)."""
         self.problems = problems
-        self.out = Path(config.output_dir)
+        self.out = Path(config.run_dir)
         self.checkpoints = self.out / "checkpoints"
         self.engine = build_student_engine(config, models.student)
         self.rank = rank_info()  # once the group exists
@@ -194,15 +194,18 @@ class _Run:
         if not on_policy:
             rollout = (_Fixed(self.encoder.with_references(examples, self.device, config.sampling.n_samples_per_prompt))
                        if self.references else self.teacher_rollout)
-        routes = [e.teacher or config.default_teacher_name for e in examples] if config.several else None
+        default = cast(str, config.default_teacher_name)  # a name with several teachers; unused with one
+        routes = [e.teacher or default for e in examples] if config.several else None
         teacher_request = self.encoder.teacher_request(examples, self.device) if self.reprompt else None
+        if self.opsd is None:
+            raise RuntimeError(f"objective {config.objective!r} runs no distillation step")
         return self.opsd.start(self.encoder.request(examples, self.device), seed=_seed_of(config.seed, index),
                                routes=routes, rollout=rollout, teacher_request=teacher_request, slot=slot)
 
     def train_step(self, number: int) -> dict[str, Any]:
         """Optimizer step ``number`` (counted from 1): its micro-batches, and its record."""
         config, warming = self.config, self.warming(number)
-        on_policy = None if warming else bool(
+        on_policy = not warming and bool(
             np.random.default_rng(_seed_of(config.seed, number, 1)).random() < config.lmbda)
         self.set_phase_lr(number)
         start, skipped = time.perf_counter(), self.engine.skipped_steps
@@ -226,8 +229,8 @@ class _Run:
         drawn = number * self.accumulation * config.prompts_per_micro_batch * self.rank.world_size  # every rank's
         teacher, context = described(config.teachers) if not warming else (None, None)
         record = step_record(number, profiles, step_ms=step_ms, learning_rate=float(self.engine.get_lr()[0]),
-                             on_policy=on_policy, divergence=divergence, epoch=drawn / len(self.train),
-                             teacher=teacher, teacher_context=context)
+                             on_policy=None if warming else on_policy, divergence=divergence,
+                             epoch=drawn / len(self.train), teacher=teacher, teacher_context=context)
         return self.count_skipped(record, profiles, self.engine.skipped_steps > skipped)
 
     def count_skipped(self, record: dict[str, Any], profiles: list[StepProfile], skipped: bool) -> dict[str, Any]:
@@ -271,6 +274,8 @@ class _Run:
 
     def task_evaluation(self, model: Any, rollout: Any) -> Any:
         task = self.config.task_eval
+        if task is None or self.problems is None:
+            raise RuntimeError("the run has no task to evaluate (task_eval)")
         return evaluate_task(model, rollout, self.models.tokenizer, self.problems, task, self.config.sampling,
                              max_new_tokens=task.new_tokens(self.config.sampling.max_new_tokens),
                              seed=_seed_of(self.config.seed, 2**31, 1),
@@ -453,11 +458,12 @@ def _checked_run(config: TrainConfig) -> TrainResult:
     if config.resume is not None:
         find_checkpoint(config.resume)  # before any work: a directory without a checkpoint is refused
         check_resumed_run(config.resume, config)
-    check_output_dir(config.output_dir, resume=config.resume, overwrite=config.overwrite)
+    check_output_dir(config.run_dir, resume=config.resume, overwrite=config.overwrite)
     task = config.task_eval
-    records = read_eval_file(task.data, task.scorer) if task is not None else None  # before any model work
+    # before any model work (a task's file and scorer are both given: TaskEvalConfig checks)
+    records = read_eval_file(cast(str, task.data), cast(str, task.scorer)) if task is not None else None
     if config.overwrite and rank_info().rank == 0:  # every check passed: the old run goes before any is written
-        clear_run(config.output_dir)
+        clear_run(config.run_dir)
     models = load_models(config)
     contexts = context_of(config.teachers, config.default_teacher)
     examples = read_examples(config.prompts, models.tokenizer, contexts) if config.prompts else None
@@ -491,7 +497,7 @@ def _checked_run(config: TrainConfig) -> TrainResult:
                          "teacher scores tokens, it does not generate: use lmbda 1, or references (off_policy "
                          "references, every example with a 'reference')")
     problems = None
-    if records is not None:
+    if records is not None and task is not None:
         problems = task_problems(records, models.tokenizer, [models.student, models.teacher],
                                  task.new_tokens(config.sampling.max_new_tokens))
     return _Run(config, models, train_examples, held_out, problems).run()

@@ -8,12 +8,11 @@ import copy
 import os
 import urllib.parse
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from opsd_rollout import checks
-from opsd_rollout.deepspeed_config import LEARNING_RATE, check_deepspeed_config, read_deepspeed_file, refusal
+from opsd_rollout.deepspeed_config import check_deepspeed_config, read_deepspeed_file, refusal
 from opsd_rollout.modeling import max_positions_of, text_config
 from opsd_rollout.models import load_model, load_tokenizer, model_config, model_skeleton, parse_dtype
 from opsd_rollout.opsd.self_teacher import SelfTeacher
@@ -22,38 +21,24 @@ from opsd_rollout.opsd.served_wire import KeyRefused
 from opsd_rollout.presets import PRESETS
 from opsd_rollout.train.data import Example
 from opsd_rollout.train.lora import check_targets, with_adapters
+from opsd_rollout.train.optimization import OptimizationConfig
 from opsd_rollout.train.precision import device_index, run_device_type, run_dtype, with_dtype
 from opsd_rollout.train.preflight import check_vocabularies
 from opsd_rollout.train.teacher_spec import KEY_VARIABLE, SELF, UNNAMED, TeacherSpec
+
+if TYPE_CHECKING:
+    from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+
+    from opsd_rollout.train.config import TrainConfig
 
 HELD_OUT_EVERY = 10
 """A prompt file's every tenth example is held out (files of fewer than ten evaluate on their training prompts)."""
 
 
-@dataclass(frozen=True, kw_only=True)
-class OptimizationConfig:
-    """How the student is optimised: the user's DeepSpeed config, or one built from the fields below."""
-
-    deepspeed: str | dict[str, Any] | None = None
-    """The student's DeepSpeed config (a JSON file or a dict: ZeRO stage, optimizer, scheduler,
-    ``gradient_accumulation_steps``, bf16, monitors); ``None``: one built from the fields below."""
-    zero_stage: int = 0
-    """ZeRO stage of the built config."""
-    lr: float = LEARNING_RATE
-    """AdamW learning rate of the built config (or when the user's config has no optimizer)."""
-    gradient_accumulation_steps: int = 1
-    """Micro-batches per optimizer step in the built config; the user's config's own wins."""
-
-    def __post_init__(self) -> None:
-        checks.choice("zero_stage", self.zero_stage, (0, 1, 2, 3))
-        checks.number("lr", self.lr, above=0)
-        checks.integer("gradient_accumulation_steps", self.gradient_accumulation_steps)
-
-
 @dataclass
 class Models:
     student: torch.nn.Module
-    tokenizer: Any
+    tokenizer: PreTrainedTokenizerBase
     teacher: torch.nn.Module | ServedTeacher | dict[str, torch.nn.Module | ServedTeacher] | None
     """The one teacher, or several by name when examples are routed (``TrainConfig.several``); ``None``: SFT."""
     max_prompt_tokens: int
@@ -61,7 +46,7 @@ class Models:
     max_teacher_prompt_tokens: int = 1 << 30
     """The longest prompt a teacher shown a context can take: the models' positions less ``max_new_tokens``."""
 
-    def check_prompts(self, examples: list[Example], config: Any) -> None:
+    def check_prompts(self, examples: list[Example], config: TrainConfig) -> None:
         """Refuses, before any work, a prompt longer than ``max_prompt_tokens``."""
         for number, example in enumerate(examples, 1):
             length = len(self.tokenizer(example.prompt, add_special_tokens=False)["input_ids"])
@@ -79,7 +64,7 @@ class Models:
                                  "--teacher-context, or lower --max-new-tokens")
 
 
-def load_models(config: Any) -> Models:
+def load_models(config: TrainConfig) -> Models:
     """Student and tokenizer, and the teachers (each frozen, in eval mode; several by name), once their configs show
     the same vocabulary and positions that fit ``max_prompt_tokens + max_new_tokens``. The user's DeepSpeed config is
     checked first: a run's first model work is here, and a bad config is refused (an unknown key warned of) before."""
@@ -123,15 +108,16 @@ def checkpointed(student: torch.nn.Module, name: str) -> torch.nn.Module:
         raise ValueError(f"--gradient-checkpointing: student {name!r} ({type(student).__name__}) has no gradient "
                          "checkpointing in transformers")
     kwargs = {"use_reentrant": False}
-    if hasattr(student, "activation_checkpointing_enable"):  # transformers 5.24's name; the old one warns there
-        student.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    model: Any = student  # transformers' methods, which nn.Module's attribute types do not know
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers 5.24's name; the old one warns there
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     else:
-        student.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     return student
 
 
-def load_teacher(spec: TeacherSpec, config: Any, tokenizer: Any, vocab_size: int, student: torch.nn.Module,
-                 dtype: str = "fp32") -> Any:
+def load_teacher(spec: TeacherSpec, config: TrainConfig, tokenizer: PreTrainedTokenizerBase, vocab_size: int,
+                 student: torch.nn.Module, dtype: str = "fp32") -> torch.nn.Module | ServedTeacher:
     """One teacher, checked before any step: a model's tokens against the student's, then its weights in the run's
     ``dtype`` (a preset that is also the student gets other random weights: the same would make the loss 0); a
     server's answer, model, tokenizer and vocabulary (``served_teacher``); the student itself (``SelfTeacher``: its
@@ -146,7 +132,8 @@ def load_teacher(spec: TeacherSpec, config: Any, tokenizer: Any, vocab_size: int
     return load_model(spec.source, seed=seed, dtype=dtype)[0].eval().requires_grad_(False)
 
 
-def check_same_tokens(student: str, tokenizer: Any, teacher: str, teacher_tokenizer: Any,
+def check_same_tokens(student: str, tokenizer: PreTrainedTokenizerBase, teacher: str,
+                      teacher_tokenizer: PreTrainedTokenizerBase | None,
                       vocab_size: int | None = None) -> None:
     """Refuses a teacher whose tokenizer maps a token to another id than the student's (same vocabulary size,
     other tokens: its logits would score other text), among the ids the models have (``vocab_size``: a token a
@@ -171,7 +158,8 @@ def check_same_tokens(student: str, tokenizer: Any, teacher: str, teacher_tokeni
                          "(save the student's tokenizer with the teacher, or pick a teacher of its family)")
 
 
-def served_teacher(spec: TeacherSpec, tokenizer: Any, vocab_size: int, *, student: str | None = None) -> ServedTeacher:
+def served_teacher(spec: TeacherSpec, tokenizer: PreTrainedTokenizerBase, vocab_size: int, *,
+                   student: str | None = None) -> ServedTeacher:
     """The served teacher of ``spec``, checked before any step: it answers (retried up to its ``timeout``; one
     request's limit ``request_timeout_s``, so a rank gives up within ``wait_bound_s``, the server gone or hung), serves
     ``spec.model`` (when named; a served self-teacher the ``student``'s starting weights), and has the student's
@@ -203,7 +191,7 @@ def overlaps(asked: bool | None, url: str) -> bool:
     return not (loopback and not torch.cuda.is_available())
 
 
-def split_examples(config: Any, examples: list[Example] | None) -> tuple[list[Example], list[Example]]:
+def split_examples(config: TrainConfig, examples: list[Example] | None) -> tuple[list[Example], list[Example]]:
     """(train, held-out): a built-in task's own split (``config.task``), or the built-in corpus's when ``examples``
     is ``None``."""
     if config.task is not None:
@@ -220,7 +208,7 @@ def split_examples(config: Any, examples: list[Example] | None) -> tuple[list[Ex
     return ([e for i, e in enumerate(examples) if i not in held], [e for i, e in enumerate(examples) if i in held])
 
 
-def deepspeed_config_of(config: Any, *, check: bool = True) -> dict[str, Any]:
+def deepspeed_config_of(config: TrainConfig, *, check: bool = True) -> dict[str, Any]:
     """The user's DeepSpeed config (``config.optimization.deepspeed``: a JSON file or a dict), checked
     (``check_deepspeed_config``: refused in one line or warned of, unless ``check`` is false), or one built from the
     fields, with what the loop needs filled in where it is absent (micro-batch rows, accumulation, quiet logging)."""
@@ -248,7 +236,7 @@ def deepspeed_config_of(config: Any, *, check: bool = True) -> dict[str, Any]:
     return ds
 
 
-def run_precision(config: Any, ds: dict[str, Any] | None = None) -> tuple[str, str]:
+def run_precision(config: TrainConfig, ds: dict[str, Any] | None = None) -> tuple[str, str]:
     """(device type, dtype name) of the run: ``config.device`` against DeepSpeed's accelerator, ``config.dtype``
     against the user's DeepSpeed config (read from ``config`` unless given as ``ds``; none: the flags build one)."""
     device_type = run_device_type(config.device)
@@ -264,7 +252,7 @@ def _source(optimization: OptimizationConfig) -> str:
     return "deepspeed config" if isinstance(optimization.deepspeed, dict) else str(optimization.deepspeed)
 
 
-def build_student_engine(config: Any, student: torch.nn.Module) -> Any:
+def build_student_engine(config: TrainConfig, student: torch.nn.Module) -> Any:
     """The student's DeepSpeed engine, in train mode; AdamW at ``config.optimization.lr`` when the DeepSpeed config
     names no optimizer."""
     import deepspeed

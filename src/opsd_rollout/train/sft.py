@@ -5,7 +5,7 @@ made)."""
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -13,8 +13,11 @@ import torch.nn.functional as F
 from opsd_rollout.opsd.nonfinite import nonfinite_part
 from opsd_rollout.opsd.step import engine_step, student_logits, token_mean
 from opsd_rollout.opsd.step_profile import StepParts, StepProfile
-from opsd_rollout.opsd.targets import response_targets
+from opsd_rollout.opsd.targets import TargetSource, response_targets
 from opsd_rollout.profiling import Clock, StageRecorder
+
+if TYPE_CHECKING:
+    from deepspeed.runtime.engine import DeepSpeedEngine
 
 
 def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor,
@@ -25,7 +28,7 @@ def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor, mask: torch.Te
     return (losses * mask.flatten()).sum(), mask.sum()
 
 
-def sft_step(student_engine: Any, batch: Any, *, grad_norm: bool = False) -> StepProfile:
+def sft_step(student_engine: DeepSpeedEngine, batch: TargetSource, *, grad_norm: bool = False) -> StepProfile:
     """One step of ``student_engine`` (a DeepSpeed engine) on ``batch`` (a ``RolloutBatch`` whose responses are the
     references): cross-entropy over the response tokens, mean over every rank's tokens, backward, step
     (``grad_norm`` as ``opsd_step``'s)."""
