@@ -91,15 +91,15 @@ def test_resume_inside_either_phase_continues_exactly(tmp_path, small_task, monk
 def test_a_random_student_distilled_cold_with_jsd_is_warned(tmp_path, small_task, caplog):
     """A preset (random weights) distilled by JSD or the sampled reverse KL without a warm start, in a run judged by a
     task, is warned of before any model loads; with a warm start, another loss, or no task evaluation, not."""
-    from opsd_rollout.train import loop
+    from opsd_rollout.train import inputs
 
     scored = dict(eval_data=str(loop_eval_file(tmp_path)), eval_scorer="gsm8k")
     cases = {"cold": (dict(scored), True), "warm": (dict(scored, warmup_sft_steps=1, task_labelled=4), False),
              "forward_kl": (dict(scored, loss="forward_kl"), False), "unscored": ({}, False)}
     for name, (changes, warned) in cases.items():
         caplog.clear()
-        with caplog.at_level(logging.WARNING, logger="opsd_rollout.train.loop"):
-            loop.warn_if_cold(config(tmp_path, name, steps=2, **changes))
+        with caplog.at_level(logging.WARNING, logger="opsd_rollout.train.inputs"):
+            inputs.warn_if_cold(config(tmp_path, name, steps=2, **changes))
         assert any("random weights" in r.getMessage() for r in caplog.records) == warned, name
 
 
@@ -110,7 +110,7 @@ def loop_eval_file(tmp_path):
 
 
 def test_a_self_teacher_on_a_split_task_trains_on_the_labelled_set(tmp_path, small_task, caplog):
-    with caplog.at_level(logging.WARNING, logger="opsd_rollout.train.loop"):
+    with caplog.at_level(logging.WARNING, logger="opsd_rollout.train.inputs"):
         result = train(config(tmp_path, steps=2, teacher="self", task_labelled=6, warmup_sft_steps=1,
                               eval_every=100))
     assert any("194 prompts without one are left out" in r.getMessage() for r in caplog.records)

@@ -80,13 +80,14 @@ def render_messages(messages: list[dict[str, Any]], tokenizer: PreTrainedTokeniz
     return Example(prompt, closed[len(prompt):], eos=end is not None and not end.strip())
 
 
-def _render(messages: list[dict[str, Any]], tokenizer: PreTrainedTokenizerBase, *, closed: bool = False) -> str:
+def _render(messages: list[dict[str, Any]], tokenizer: PreTrainedTokenizerBase | None, *,
+            closed: bool = False) -> str:
     """The conversation's text: its last assistant turn closed (``closed``), left open, or followed by the
     generation prompt."""
     final = messages[-1]["role"] == CONTINUE
     if final and not closed and not messages[-1].get("content") and len(messages) > 1:
         messages, final = messages[:-1], False  # an empty turn to continue is a new turn to generate
-    if getattr(tokenizer, "chat_template", None):
+    if tokenizer is not None and getattr(tokenizer, "chat_template", None):
         return cast(str, tokenizer.apply_chat_template(messages, tokenize=False,  # text, not tokens
                                                        add_generation_prompt=not final and not closed,
                                                        continue_final_message=final and not closed))
@@ -117,8 +118,6 @@ def context_prompt(template: str, prompt: str, reference: str, messages: Any = N
     user turn's content filled so (the conversation otherwise the student's, rendered by the same template)."""
     if messages is None:
         return fill(template, prompt=prompt, reference=reference)
-    if tokenizer is None:
-        raise ValueError("a chat record's teacher prompt is rendered by the student's tokenizer: give it")
     turns = [dict(m) for m in messages]
     last = max((i for i, m in enumerate(turns) if m["role"] == "user"), default=len(turns) - 1)
     turns[last]["content"] = fill(template, prompt=turns[last].get("content") or "", reference=reference)

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from opsd_rollout.opsd.nonfinite import nonfinite_part
-from opsd_rollout.opsd.step import engine_step, student_logits, token_mean
+from opsd_rollout.opsd.student import engine_step, student_logits, token_mean
 from opsd_rollout.opsd.step_profile import StepParts, StepProfile
 from opsd_rollout.opsd.targets import TargetSource, response_targets
 from opsd_rollout.profiling import Clock, StageRecorder
