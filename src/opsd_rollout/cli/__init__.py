@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import warnings
 from collections.abc import Sequence
@@ -92,13 +93,24 @@ def main(argv: Sequence[str] | None = None, parser: argparse.ArgumentParser | No
 
 def run() -> None:
     """The program (``opsd-rollout``, ``python -m opsd_rollout``): ``main``, then the process group the command
-    joined (train and bench under a launcher) destroyed before the interpreter exits, as torch asks: left to the
-    exit, a gloo group's threads outlived their owner and one rank aborted (``terminate called without an active
-    exception``, SIGABRT) after its run had finished. ``main`` keeps it: a caller that runs commands in one
-    process (DeepSpeed keeps the group it made for the next) may go on using it."""
+    joined (train and bench under a launcher) destroyed before the interpreter exits, as torch asks. ``main`` keeps
+    it: a caller that runs commands in one process (DeepSpeed keeps the group it made for the next) may go on using
+    it.
+
+    A rank of several whose command succeeded then leaves without the interpreter's teardown (``os._exit(0)``, its
+    logs and streams flushed first): DeepSpeed's module globals hold gloo groups past ``destroy_process_group``, and
+    destroying them in the teardown, their threads still joinable, aborted one rank of a finished two-rank ZeRO-3
+    run now and then (``terminate called without an active exception``, SIGABRT), so that the launcher reported a
+    failure. A command that failed or was stopped exits as before: its status and last lines are the faults'."""
     status = main()
     distributed = sys.modules.get("torch.distributed")  # never imported here: a light command stays light
     if distributed is not None and distributed.is_available() and distributed.is_initialized():
+        several = distributed.get_world_size() > 1
         distributed.destroy_process_group()
+        if several and status == 0:
+            logging.shutdown()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(0)
     sys.exit(status)
 
