@@ -18,7 +18,7 @@ import jsonschema
 import pytest
 
 from opsd_rollout.bench.matrix import Matrix
-from opsd_rollout.bench.processes import ProcessRunner, merge_processes, run_worker
+from opsd_rollout.bench.processes import JOB_MARK, ProcessRunner, merge_processes, run_shared_worker, run_together, run_worker
 from opsd_rollout.bench.report import ConfigResult, load_document, load_schema
 from opsd_rollout.bench.scenarios import RolloutConfig, RolloutScenario, RolloutSettings
 from opsd_rollout.bench.tables import stability_table
@@ -119,6 +119,68 @@ def test_a_config_that_fails_in_one_process_is_failed_and_the_others_go_on(tmp_p
     assert results[B1].status == "failed" and results[B1].error == "process 2: RuntimeError: planted failure"
     assert results[B2].status == "ok" and results[B2].process_count == 3
     assert [job["keys"] for job in launcher.jobs] == [[B2, B1], [B2, B1], [B2]]
+
+
+class SharedInProcess:
+    """A shared launcher (``run_together``'s) that runs each worker's jobs here, as ``python -m
+    opsd_rollout.bench.processes JOB...`` would; keeps each worker's jobs."""
+
+    def __init__(self):
+        self.workers: list[list[dict]] = []
+
+    def __call__(self, jobs: list[Path], line) -> tuple[int, str]:
+        self.workers.append([json.loads(job.read_text()) for job in jobs])
+        printed, errors = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(errors):
+            status = run_shared_worker(jobs)
+        for text in printed.getvalue().splitlines(keepends=True):
+            line(text)
+        return status, errors.getvalue()
+
+
+def test_several_runs_are_measured_by_the_same_workers_each_document_its_own(tmp_path):
+    """``make perf``'s suites: each worker measures every run's configs in turn, so 3 processes start 3 interpreters
+    for both runs; each run's document is as its own ``--processes 3`` run would write it."""
+    settings = RolloutSettings(model="llama-tiny", warmup=0, iterations=2, processes=3)
+    other = {**TINY, "batch_sizes": [1], "response_lengths": [2]}
+    runs = [ProcessRunner(Matrix.parse(RolloutScenario, axes), settings, output=tmp_path / f"{name}.json",
+                          measure_machine=False) for name, axes in (("a", TINY), ("b", other))]
+    launcher = SharedInProcess()
+    run_together(runs, launcher)
+    short = B1.replace("R4", "R2")
+    assert [[job["keys"] for job in worker] for worker in launcher.workers] == [[[B2, B1], [short]]] * 3
+    assert all(job["scenario"] == "opsd_rollout.bench.scenarios.rollout:RolloutScenario"
+               for worker in launcher.workers for job in worker)
+    for name, keys in (("a", [B2, B1]), ("b", [short])):
+        document = load_document(tmp_path / f"{name}.json")
+        jsonschema.validate(document, load_schema())
+        assert {row["key"] for row in document["results"]} == set(keys)
+        assert all(row["status"] == "ok" and len(row["processes"]) == 3 for row in document["results"])
+
+
+def test_a_run_that_fails_in_a_shared_worker_leaves_the_others_measured(tmp_path, capsys):
+    """One job of a shared worker raising (its scenario cannot be imported) is reported on stderr and fails that
+    run's configs alone; the worker goes on to the next job, and exits 1."""
+    settings = RolloutSettings(model="llama-tiny", warmup=0, iterations=1, processes=1)
+    good, bad = (ProcessRunner(Matrix.parse(RolloutScenario, TINY), settings, output=tmp_path / f"{name}.json",
+                               measure_machine=False) for name in ("good", "bad"))
+    jobs = []
+    for runner_, folder in ((bad, tmp_path / "0"), (good, tmp_path / "1")):
+        folder.mkdir()
+        jobs.append(runner_.next_job(folder))
+    planted = json.loads(jobs[0].job.read_text())
+    jobs[0].job.write_text(json.dumps({**planted, "scenario": "no_such_module:Scenario"}))
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        status = run_shared_worker([job.job for job in jobs])
+    assert status == 1 and "No module named 'no_such_module'" in capsys.readouterr().err
+    assert [text for text in printed.getvalue().splitlines() if text.startswith(JOB_MARK)] == [f"{JOB_MARK}0",
+                                                                                                  f"{JOB_MARK}1"]
+    for job in jobs:
+        job.runner.finish(job, status, "ModuleNotFoundError: No module named 'no_such_module'")
+    assert {r.status for r in good.results.values()} == {"ok"}
+    assert {r.status for r in bad.results.values()} == {"failed"}
+    assert "No module named 'no_such_module'" in next(iter(bad.results.values())).error
 
 
 def record(totals: list[float], *, interference: dict = QUIET, derived: dict | None = None,

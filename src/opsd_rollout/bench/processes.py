@@ -12,6 +12,10 @@ reports its progress on stdout; the run reads the document back and keeps each c
 (``ConfigResult.processes``), with their merged view (``merge_processes``), rewritten atomically after every worker,
 so an interrupted run resumes where it stopped (``--resume-results``).
 
+``run_together`` measures several runs (``make perf``'s suites, each a matrix of its own) with the same workers: in
+each round one fresh process (``python -m opsd_rollout.bench.processes JOB...``) measures every run's pending configs
+in turn, so K processes start K interpreters, not K a run.
+
 Why not pyperf's worker machinery, which pioneered this for Python benchmarks: its manager spawns every process of
 one benchmark before the next benchmark starts, so it cannot spread processes across configs and contenders; a pyperf
 run holds one series of floats (seconds per loop, calibrated), where an iteration here is a profile of dozens of named
@@ -23,12 +27,15 @@ What is taken from it is the design: fresh workers, a few values each, every wor
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import subprocess
 import sys
 import tempfile
+import traceback
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -41,27 +48,30 @@ from opsd_rollout.files import write_json_atomic
 
 MARK = "@opsd-rollout-progress "
 """A worker's progress line on its stdout: this, then ``[event, config key, iteration]`` as JSON."""
+JOB_MARK = "@opsd-rollout-job "
+"""A shared worker's line on its stdout before each of its jobs: this, then the job's index among them."""
 
 Launcher = Callable[[Path, Callable[[str], None]], tuple[int, str]]
 """``launch(job, line)``: run a worker on the job file ``job``, each line it prints to ``line``; its exit status and
 the tail of what it printed on stderr."""
 
 
+def _run_process(argv: list[str], line: Callable[[str], None]) -> tuple[int, str]:
+    """Run ``argv``, each line it prints to ``line``; its exit status and the tail of its stderr."""
+    with tempfile.TemporaryFile("w+") as stderr:  # a file: a full stderr pipe would block the worker
+        worker = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=stderr, text=True)
+        assert worker.stdout is not None
+        for text in worker.stdout:
+            line(text)
+        status = worker.wait()
+        stderr.seek(0)
+        return status, stderr.read()[-4000:]
+
+
 def subprocess_launcher(command: Sequence[str]) -> Launcher:
     """Workers as fresh processes: ``command`` (the interpreter, what runs this benchmark command, its arguments),
     then ``--worker-job FILE``."""
-
-    def launch(job: Path, line: Callable[[str], None]) -> tuple[int, str]:
-        with tempfile.TemporaryFile("w+") as stderr:  # a file: a full stderr pipe would block the worker
-            worker = subprocess.Popen([*command, "--worker-job", str(job)], stdout=subprocess.PIPE, stderr=stderr,
-                                      text=True)
-            for text in worker.stdout:
-                line(text)
-            status = worker.wait()
-            stderr.seek(0)
-            return status, stderr.read()[-4000:]
-
-    return launch
+    return lambda job, line: _run_process([*command, "--worker-job", str(job)], line)
 
 
 def worker_command(launch: Sequence[str], argv: Sequence[str]) -> list[str]:
@@ -69,12 +79,14 @@ def worker_command(launch: Sequence[str], argv: Sequence[str]) -> list[str]:
     return [sys.executable, *launch, *argv]
 
 
-def run_worker(job_file: str | Path, scenario: type) -> int:
+def run_worker(job_file: str | Path, scenario: type | None = None) -> int:
     """A worker's whole life: the configs the job names, measured by a ``BenchRunner`` in this process, into the
-    job's output document; its progress as ``MARK`` lines; the job's trace when it asks for one."""
+    job's output document; its progress as ``MARK`` lines; the job's trace when it asks for one. ``scenario``: the
+    job's (``None``: the one it names)."""
     from opsd_rollout.bench.runner import BenchRunner  # heavy: only a worker measures
 
     job = json.loads(Path(job_file).read_text())
+    scenario = scenario or scenario_of(job)
     settings = scenario.settings_type(**job["settings"])
     existing = {"environment": job["environment"]} if job["environment"] is not None else None
     runner = BenchRunner(Matrix.parse(scenario, job["matrix"]), settings, output=job["output"], existing=existing,
@@ -88,6 +100,37 @@ def run_worker(job_file: str | Path, scenario: type) -> int:
     if job.get("trace"):
         runner.write_trace(job["trace"])
     return 0
+
+
+def run_shared_worker(job_files: Sequence[str | Path]) -> int:
+    """A worker shared by several runs (``run_together``): each job in turn, as its own worker would run it, a
+    ``JOB_MARK`` line before each; a job that raises is reported on stderr and the next one runs. Exit status 1 when
+    one raised."""
+    failed = False
+    for index, job_file in enumerate(job_files):
+        print(f"{JOB_MARK}{index}", flush=True)
+        try:
+            run_worker(job_file)
+        except Exception:  # one run's failure is its own: the runs after it are measured still
+            failed = True
+            print(f"job {index} ({job_file}) failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+    return 1 if failed else 0
+
+
+def import_root(scenario: type) -> str | None:
+    """The directory ``scenario``'s top-level package is imported from (``src/``, ``site-packages``, or ``scripts/``
+    for the developers' kernel benchmarks, which are not installed), for a fresh worker's ``sys.path``."""
+    package = sys.modules[scenario.__module__.split(".")[0]]
+    where = getattr(package, "__file__", None)
+    return str(Path(where).resolve().parent.parent) if where else None
+
+
+def scenario_of(job: dict[str, Any]) -> type:
+    """The scenario class a job names (``module:Class``), imported from the job's ``import_path`` when given."""
+    if job.get("import_path") and job["import_path"] not in sys.path:
+        sys.path.insert(0, job["import_path"])
+    module, _, name = job["scenario"].partition(":")
+    return getattr(importlib.import_module(module), name)
 
 
 def _median_figure(values: list[Any]) -> Any:
@@ -122,11 +165,76 @@ def process_record(measured: ConfigResult, pid: int | None) -> dict[str, Any]:
             "interference": measured.interference, "derived": measured.derived, "warnings": measured.warnings}
 
 
+@dataclass
+class WorkerJob:
+    """One run's part of a worker: the job file it reads, the document it writes there, the configs it measures."""
+
+    runner: ProcessRunner
+    job: Path
+    output: Path
+    configs: dict[str, Any]
+    """The configs, by key."""
+    number: int
+    """Which process of these configs it is (1, 2, ...)."""
+
+    def reader(self, progress: Callable[[str, Any, int], None]) -> Callable[[str], None]:
+        """What takes the worker's stdout, a line at a time: its progress lines to ``progress``."""
+
+        def line(text: str) -> None:
+            if text.startswith(MARK):
+                event, key, iteration = json.loads(text[len(MARK):])
+                if event != "done":
+                    progress(event, self.configs.get(key), iteration)
+
+        return line
+
+
+SharedLauncher = Callable[[list[Path], Callable[[str], None]], tuple[int, str]]
+"""``launch(jobs, line)``: run one worker over several job files, each line it prints to ``line``; its exit status and
+the tail of what it printed on stderr."""
+
+
+def shared_subprocess_launcher(interpreter: str = sys.executable) -> SharedLauncher:
+    """Shared workers as fresh processes: ``python -m opsd_rollout.bench.processes JOB...``."""
+    return lambda jobs, line: _run_process([interpreter, "-m", "opsd_rollout.bench.processes", *map(str, jobs)], line)
+
+
+def run_together(runners: Sequence[ProcessRunner], launch: SharedLauncher) -> None:
+    """Several runs (each a matrix of its own, e.g. ``make perf``'s suites) measured by the same fresh processes:
+    each round one worker measures, run after run, every config each run still lacks a process of, so a run of K
+    processes starts K interpreters, not K a run. The processes stay the units: a config is measured once in each,
+    and each run's document is its own, rewritten after every round as ``ProcessRunner.run`` does."""
+    for runner in runners:
+        runner._save()
+    with tempfile.TemporaryDirectory(prefix="opsd-rollout-workers-") as scratch:
+        while True:
+            jobs = []
+            for index, runner in enumerate(runners):
+                folder = Path(scratch) / str(index)
+                folder.mkdir(exist_ok=True)
+                if (job := runner.next_job(folder)) is not None:
+                    jobs.append(job)
+            if not jobs:
+                return
+            readers = [job.reader(lambda *_: None) for job in jobs]
+            current = [0]
+
+            def line(text: str) -> None:
+                if text.startswith(JOB_MARK):
+                    current[0] = int(text[len(JOB_MARK):])
+                else:
+                    readers[current[0]](text)
+
+            status, stderr = launch([job.job for job in jobs], line)
+            for job in jobs:
+                job.runner.finish(job, status, stderr)
+
+
 class ProcessRunner:
     """Measures every pending config of a matrix in ``settings.processes`` fresh processes (see the module
     docstring); the result document is rewritten after every worker. The session reads it as a ``BenchRunner``."""
 
-    def __init__(self, matrix: Matrix, settings: Any, *, output: str | Path | None, launcher: Launcher,
+    def __init__(self, matrix: Matrix, settings: Any, *, output: str | Path | None, launcher: Launcher | None = None,
                  existing: dict[str, Any] | None = None, measure_machine: bool = True, trace: str | None = None):
         from opsd_rollout.distributed import RankInfo
 
@@ -170,44 +278,49 @@ class ProcessRunner:
             write_json_atomic(self.output, self.document())
 
     def run(self, progress: Callable[[str, Any, int], None] | None = None) -> list[ConfigResult]:
+        if self.launcher is None:
+            raise ValueError("ProcessRunner.run needs a launcher (run_together starts the workers of runs without)")
         progress = progress or (lambda *_: None)
         self._save()
         with tempfile.TemporaryDirectory(prefix="opsd-rollout-workers-") as scratch:
-            while self.pending:
-                self._run_worker(Path(scratch), self.pending, progress)
-                set_run_baselines([self.results[c.key] for c in self.configs], self.matrix, self.settings)
-                self._save()
+            while (job := self.next_job(Path(scratch))) is not None:
+                progress("process", None, job.number)
+                status, stderr = self.launcher(job.job, job.reader(progress))
+                self.finish(job, status, stderr)
         progress("done", None, 0)
         return [self.results[c.key] for c in self.configs]
 
-    def _run_worker(self, scratch: Path, configs: list[Any], progress: Callable[[str, Any, int], None]) -> None:
-        """One worker over ``configs``; what it measured joins each config's processes."""
+    def next_job(self, scratch: Path) -> WorkerJob | None:
+        """The next worker's part of this run (its job file written in ``scratch``): every config still short of
+        its processes, in run order; ``None`` when every config has them."""
+        configs = self.pending
+        if not configs:
+            return None
         number = 1 + min(len(self.results[c.key].processes or []) for c in configs)
         job, output = scratch / f"job-{number}.json", scratch / f"process-{number}.json"
         output.unlink(missing_ok=True)
+        scenario = self.matrix.scenario
         write_json_atomic(job, {
+            "scenario": f"{scenario.__module__}:{scenario.__qualname__}", "import_path": import_root(scenario),
             "matrix": self.matrix.to_dict(), "settings": vars(self.settings).copy(), "keys": [c.key for c in configs],
             "environment": self.environment, "measure_machine": self._measure_machine and self.environment is None,
             "output": str(output), "trace": self._trace if number == 1 else None})
-        by_key = {c.key: c for c in configs}
-        progress("process", None, number)
+        return WorkerJob(self, job, output, {c.key: c for c in configs}, number)
 
-        def line(text: str) -> None:
-            if text.startswith(MARK):
-                event, key, iteration = json.loads(text[len(MARK):])
-                if event != "done":
-                    progress(event, by_key.get(key), iteration)
-
-        status, stderr = self.launcher(job, line)
-        document = json.loads(output.read_text()) if output.is_file() else None
+    def finish(self, job: WorkerJob, status: int, stderr: str) -> None:
+        """What the worker measured of ``job`` (its exit status and the tail of its stderr) joins each config's
+        processes; the result document is rewritten."""
+        document = json.loads(job.output.read_text()) if job.output.is_file() else None
         if self.environment is None and document is not None:
             from opsd_rollout.bench.environment import command_line  # torch: the run has it loaded by now
 
             self.environment = {**document["environment"], "command": command_line()}
         measured = {r.config.key: r for r in results_of(document or {}, self.matrix.scenario.config_type)}
         pid = (document or {}).get("pid")
-        for config in configs:
-            self._collect(self.results[config.key], measured.get(config.key), pid, status, stderr)
+        for key in job.configs:
+            self._collect(self.results[key], measured.get(key), pid, status, stderr)
+        set_run_baselines([self.results[c.key] for c in self.configs], self.matrix, self.settings)
+        self._save()
 
     def _collect(self, result: ConfigResult, measured: ConfigResult | None, pid: int | None, status: int,
                  stderr: str) -> None:
@@ -232,3 +345,7 @@ class ProcessRunner:
     def write_trace(self, path: str | Path) -> bool:
         """The first worker wrote the trace (one measured iteration per config); whether it did."""
         return Path(path).is_file()
+
+
+if __name__ == "__main__":  # a shared worker (``run_together``): python -m opsd_rollout.bench.processes JOB...
+    sys.exit(run_shared_worker(sys.argv[1:]))

@@ -199,6 +199,23 @@ def _bench_inputs(args: argparse.Namespace, scenario: type[Scenario]) -> tuple[M
     return matrix, scenario.settings_type(**{**file_settings, **flag_settings})
 
 
+def matrix_of(command: BenchCommand, argv: Sequence[str]) -> tuple[Matrix, Any]:
+    """What ``command argv`` would measure (its axes, settings and ``--config``): the matrix and the settings, checked
+    as a run checks them; for a caller that runs them itself (``scripts/perf.py``, through ``run_together``). A bad
+    flag or file raises ``ValueError`` naming it."""
+    parser = argparse.ArgumentParser(prog=command.name, exit_on_error=False)
+    add_bench_flags(parser, command)
+    try:
+        args = parser.parse_args(list(argv))
+    except (argparse.ArgumentError, SystemExit) as error:
+        raise ValueError(f"{command.name} {' '.join(argv)}: {error}") from None
+    matrix, settings = _bench_inputs(args, command.scenario)
+    from opsd_rollout.models import max_positions
+
+    command.scenario(settings).check(matrix, max_positions)
+    return matrix, settings
+
+
 def _relaunch(launch: Sequence[str], argv: Sequence[str], nproc: int) -> int:
     """Run this same command (``launch``, then ``argv``) on ``nproc`` local ranks under torchrun (free port, gloo on
     CPU)."""
