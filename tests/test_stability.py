@@ -93,6 +93,22 @@ def test_interference_is_flagged_with_its_cause():
     assert "stole 15%" in stolen.stop().reasons[0]
 
 
+def test_a_tick_of_the_counters_on_a_short_config_is_not_a_disturbance():
+    """``/proc/stat`` counts in clock ticks (10 ms): one tick of steal or of another process in a config measured in
+    90 ms is the counters' resolution, not a disturbance; the same shares over seconds are."""
+    tick = 0.01
+
+    def view(wall: float, steal: float, others: float) -> Interference:
+        return Interference(host="h", cpu_count=2, wall_seconds=wall, process_cpu_seconds=wall * 1.5,
+                            machine_busy_seconds=wall * 1.5 + others, machine_seconds=2 * wall,
+                            steal_seconds=steal).judge()
+
+    assert not view(0.09, tick, 0.0).disturbed and not view(0.0075, tick, tick).disturbed  # 5%, 50%; 1.3 cores
+    assert view(0.09, 0.04, 0.0).reasons == ["the hypervisor stole 22% of the CPU time"]
+    assert view(4.7, 1.32, 0.0).reasons == ["the hypervisor stole 14% of the CPU time"]  # make perf's B4 n4, measured
+    assert view(2.0, 0.0, 1.2).reasons == ["other processes kept 0.6 of 2 cores busy"]
+
+
 def test_a_runs_own_ranks_are_not_interference():
     """Two local ranks each see the other's CPU time as 'other'; merged, it is the run's own."""
     view = Interference(host="h", cpu_count=2, wall_seconds=1.0, process_cpu_seconds=0.9, machine_busy_seconds=1.8,

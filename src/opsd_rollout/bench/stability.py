@@ -27,6 +27,11 @@ OTHER_CORES_LIMIT = 0.5
 """Other processes busy on more than this many cores, on average, during a config: disturbed."""
 STEAL_LIMIT = 0.05
 """More than this fraction of the machine's CPU time stolen by the hypervisor: disturbed."""
+RESOLUTION_TICKS = 3
+"""``/proc/stat`` counts CPU time in clock ticks (10 ms at Linux's usual 100 a second): other processes' or the
+hypervisor's time of no more than this many ticks is within the counters' resolution, not a disturbance. Without
+it a config measured in under a second was judged disturbed by a single tick (the sampling kernel's 90 ms: one
+tick of steal in 190 ms of the machine's CPU time read as 5%; the post-processing kernel's 8 ms: 50%)."""
 
 
 @dataclass
@@ -77,6 +82,14 @@ def _agree(a: float, b: float, tolerance: float) -> bool:
     return abs(b - a) <= tolerance * max(a, b, 1e-9)
 
 
+def _ticks_per_second() -> int:
+    """Linux's clock ticks a second (``/proc/stat``'s unit); 100 where it cannot be read."""
+    try:
+        return int(os.sysconf("SC_CLK_TCK"))
+    except (AttributeError, ValueError, OSError):
+        return 100
+
+
 def _proc_stat() -> tuple[float, float, float] | None:
     """(busy, total, steal) CPU seconds of the whole machine since boot, from Linux's /proc/stat."""
     try:
@@ -84,7 +97,7 @@ def _proc_stat() -> tuple[float, float, float] | None:
             fields = [float(v) for v in stat.readline().split()[1:]]
     except (OSError, ValueError):
         return None
-    ticks = os.sysconf("SC_CLK_TCK")
+    ticks = _ticks_per_second()
     user, nice, system, idle, iowait, irq, softirq, steal = (fields + [0.0] * 8)[:8]
     total = user + nice + system + idle + iowait + irq + softirq + steal
     return (user + nice + system + irq + softirq) / ticks, total / ticks, steal / ticks
@@ -136,13 +149,15 @@ class Interference:
     def judge(self) -> "Interference":
         """Fill in the derived figures and the reasons from the raw ones."""
         self.reasons = []
+        resolution = RESOLUTION_TICKS / _ticks_per_second()
         if self.machine_busy_seconds is not None and self.wall_seconds > 0:
-            self.other_busy_cores = max(0.0, (self.machine_busy_seconds - self.process_cpu_seconds) / self.wall_seconds)
-            if self.other_busy_cores > OTHER_CORES_LIMIT:
+            others = max(0.0, self.machine_busy_seconds - self.process_cpu_seconds)
+            self.other_busy_cores = others / self.wall_seconds
+            if self.other_busy_cores > OTHER_CORES_LIMIT and others > resolution:
                 self.reasons.append(f"other processes kept {self.other_busy_cores:.1f} of {self.cpu_count} cores busy")
         if self.steal_seconds is not None and self.machine_seconds:
             self.steal_fraction = self.steal_seconds / self.machine_seconds
-            if self.steal_fraction > STEAL_LIMIT:
+            if self.steal_fraction > STEAL_LIMIT and self.steal_seconds > resolution:
                 self.reasons.append(f"the hypervisor stole {100 * self.steal_fraction:.0f}% of the CPU time")
         if self.gpu_other_processes:
             self.reasons.append(f"{len(self.gpu_other_processes)} other process(es) on the GPU")
