@@ -23,7 +23,6 @@ import json
 import os
 import platform
 import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -31,36 +30,71 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 BASELINES = ROOT / "benchmarks" / "perf"
-PROCESSES, ITERATIONS = 6, 3
-"""Each config in 6 fresh processes of 3 iterations: 6 a side bound the interval over processes well inside the
-5% threshold for a config whose processes are a few percent apart (the Moses interval at 6 against 6 cuts 5 of the
-36 pairs from each end; at 4 against 4 it spans all 16), and the iterations only steady each process's
-median. The run's cost, about 9 minutes on 2 quiet cores, is in README.md ("make perf")."""
+PROCESSES, ITERATIONS, WARMUP = 6, 2, 1
+"""Each config in 6 fresh processes of 1 warm-up call and 2 measured iterations: 6 a side bound the interval over
+processes well inside the 5% threshold for a config whose processes are a few percent apart (the Moses interval at 6
+against 6 cuts 5 of the 36 pairs from each end; at 4 against 4 it spans all 16); the processes are the units, and 2
+iterations steady a process's median about as well as 3 (in the baselines recorded at 3, the processes' IQR/median
+from the first 2 iterations moved against all 3 by -16 to +8 points, 15 configs). One warm-up call: warming up until
+two calls agreed within 5% stopped after the second call for most configs (the first call was steady already), and
+took 10-46 s of the 60 allowed for the slow ones (the kernels' attention and profiling, the long prompt, the long
+tail), whatever the warm-up leaves biasing both sides of a comparison alike. The run's cost is in README.md ("make
+perf")."""
 SUITES = {
-    "kernels": [str(ROOT / "scripts" / "kernels.py"), "--warmup-max-seconds", "10"],
-    "bench": ["-m", "opsd_rollout", "bench"],
-    **{path.stem: ["-m", "opsd_rollout", "bench", "--config", str(path)] for path in sorted(BASELINES.glob("*.toml"))},
+    "kernels": ("kernels", []),
+    "bench": ("bench", []),
+    **{path.stem: ("bench", ["--config", str(path)]) for path in sorted(BASELINES.glob("*.toml"))},
 }
-"""A suite's name -> what runs it after ``python``: the kernels and the smoke bench at their defaults (the committed
-matrix), and a bench of each workload file in ``benchmarks/perf/`` (``NAME.toml``, compared with ``NAME.json``). The
-kernels' warm-up stops at 10 s a config (the attention and profiling kernels took 14 and 21 s of the 60 allowed, the
-second never steady), which keeps the kernels and the smoke bench under 10 minutes with their 6 processes."""
+"""A suite's name -> its benchmark command and arguments: the kernels (``scripts/kernels.py``) and the smoke bench at
+their defaults (the committed matrix), and a bench of each workload file in ``benchmarks/perf/`` (``NAME.toml``,
+compared with ``NAME.json``), sized for perf's minutes (issue 51's full-size workloads are in
+``benchmarks/rollout-lead/workloads/``). Every suite is measured by the same 6 fresh processes (``run_together``),
+each running every suite's configs in turn: 6 interpreters' start instead of 6 a suite."""
 BUSY_LOAD = 1.5
 """A 1-minute load average above this when perf starts: configs will likely be disturbed, and not judged."""
 
 
-def python(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, *args], cwd=ROOT, text=True, capture_output=True)
+def suite_command(name: str) -> tuple[Any, list[str]]:
+    """Suite ``name``'s ``BenchCommand`` and its arguments, with perf's processes, iterations and warm-up."""
+    from opsd_rollout.cli.bench import COMMANDS
+
+    command_name, argv = SUITES[name]
+    if command_name == "kernels":
+        from kernel_bench.cli import COMMAND  # scripts/: on the path when this script runs
+    else:
+        COMMAND = next(c for c in COMMANDS if c.name == command_name)
+    return COMMAND, [*argv, "--processes", str(PROCESSES), "--iterations", str(ITERATIONS), "--warmup", str(WARMUP)]
 
 
-def run(name: str, output: Path) -> bool:
-    """Run suite ``name`` into ``output``; whether it ran."""
-    command = [*SUITES[name], "--processes", str(PROCESSES), "--iterations", str(ITERATIONS), "--output", str(output)]
-    print(f"perf: {name}: running (python {' '.join(command)})", flush=True)
-    ran = python(*command)
-    if ran.returncode != 0:
-        print(f"perf: {name}: the run failed (exit {ran.returncode}):\n{ran.stderr[-2000:]}", file=sys.stderr)
-    return ran.returncode == 0
+def run(names: list[str], out: Path) -> dict[str, bool]:
+    """Every suite of ``names`` measured by the same ``PROCESSES`` fresh processes, into ``out/NAME.json``; per suite
+    whether every config was measured (a failure's error printed)."""
+    from opsd_rollout.bench.processes import ProcessRunner, run_together, shared_subprocess_launcher
+    from opsd_rollout.cli.bench import matrix_of
+
+    runners = {}
+    for name in names:
+        command, argv = suite_command(name)
+        alone = f"python {'scripts/kernels.py' if command.name == 'kernels' else '-m opsd_rollout ' + command.name}"
+        print(f"perf: {name}: {alone} {' '.join(argv)} --output {out / f'{name}.json'}", flush=True)
+        try:
+            matrix, settings = matrix_of(command, argv)
+        except ValueError as error:
+            print(f"perf: {name}: cannot run: {error}", file=sys.stderr)
+            continue
+        (out / f"{name}.json").unlink(missing_ok=True)  # a fresh measurement, never a resumed one
+        runners[name] = ProcessRunner(matrix, settings, output=out / f"{name}.json")
+    start = time.monotonic()
+    print(f"perf: {len(runners)} suite(s), each config in the same {PROCESSES} fresh processes", flush=True)
+    run_together(list(runners.values()), shared_subprocess_launcher())
+    print(f"perf: measured in {(time.monotonic() - start) / 60:.1f} min", flush=True)
+    ran = {}
+    for name in names:
+        failed = [r for r in runners[name].results.values() if r.status == "failed"] if name in runners else None
+        for result in failed or []:
+            print(f"perf: {name}: {result.config.key} failed: {result.error}", file=sys.stderr)
+        ran[name] = failed == []
+    return ran
 
 
 def judge(name: str, out: Path, threshold: float) -> tuple[int, Any]:
@@ -121,7 +155,8 @@ def verdict(statuses: dict[str, int], seconds: float, load: float | None) -> tup
         failed = ", ".join(name for name, s in statuses.items() if s in (2, 3))
         return 2, f"perf: NO VERDICT: {failed} could not run or compare ({took})"
     if any(s == 5 for s in statuses.values()):
-        return 3, (f"perf: NO VERDICT: configs were disturbed while they ran (other processes took the CPU); rerun on "
+        return 3, (f"perf: NO VERDICT: configs were disturbed while they ran (other processes or the hypervisor took "
+                   f"CPU time: each config's reasons are in its result); rerun on "
                    f"a quiet machine ({took})")
     return 0, f"perf: no regression ({took})"
 
@@ -155,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"perf: the machine is busy (load {load:.1f} on {os.cpu_count()} cores): configs it disturbs are not "
               "judged; run it on a quiet machine", flush=True)
     start = time.monotonic()
-    ran = {name: run(name, out / f"{name}.json") for name in suites}
+    ran = run(suites, out)
     if args.update:
         if not all(ran.values()):
             return 2

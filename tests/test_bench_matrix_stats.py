@@ -203,27 +203,38 @@ def test_a_step_matrix_measures_our_rollout_profiled_and_not():
 
 
 def test_the_perf_workload_files_are_the_seeded_shapes_and_suites_of_make_perf():
-    """``benchmarks/perf/*.toml``: issue 51's workloads, fixed by the seed (greedy tokens from seeded prompts), and
-    each a suite of ``scripts/perf.py`` (compared with the baseline of its name)."""
+    """``benchmarks/perf/*.toml``: issue 51's workloads sized for ``make perf`` (two of its three prompts, the long
+    tail capped at 128), and ``benchmarks/rollout-lead/workloads/``: the same at full size, which its measurement
+    reads; all fixed by the seed (greedy tokens from seeded prompts), and each perf file a suite of
+    ``scripts/perf.py`` (compared with the baseline of its name)."""
     import importlib.util
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
-    files = {path.stem: path for path in (root / "benchmarks" / "perf").glob("*.toml")}
-    assert {"shared-prefix", "long-tail"} <= set(files)
-    configs = {}
-    for name, path in files.items():
-        axes, settings_ = split_config(read_config_file(path), RolloutScenario)
-        configs[name] = Matrix.parse(RolloutScenario, axes).expand()
-        assert RolloutSettings(**settings_).seed == 0 and all(c.decoding == "greedy" for c in configs[name])
-    assert {(c.batch_size, c.samples_per_prompt, c.prompt_length, c.response_length, c.lengths)
-            for c in configs["shared-prefix"]} == {(2, 8, p, 32, "fixed") for p in (128, 512, 1536)}
-    tail = configs["long-tail"]
-    assert {c.continuous_batch_size for c in tail} == {None, 8}
-    assert {(c.effective_batch_size, c.response_length, c.lengths) for c in tail} == {
-        (24, 384, "lognormal:median=27,sigma=1.5")}
+
+    def configs_of(folder: Path) -> dict:
+        configs = {}
+        for path in folder.glob("*.toml"):
+            axes, settings_ = split_config(read_config_file(path), RolloutScenario)
+            configs[path.stem] = Matrix.parse(RolloutScenario, axes).expand()
+            assert RolloutSettings(**settings_).seed == 0 and all(c.decoding == "greedy" for c in configs[path.stem])
+        return configs
+
+    def shapes(configs: list) -> set:
+        return {(c.batch_size, c.samples_per_prompt, c.prompt_length, c.response_length, c.lengths,
+                 c.continuous_batch_size) for c in configs}
+
+    perf_files = configs_of(root / "benchmarks" / "perf")
+    full = configs_of(root / "benchmarks" / "rollout-lead" / "workloads")
+    assert set(full) == {"shared-prefix", "long-tail"} <= set(perf_files)
+    tail = "lognormal:median=27,sigma=1.5"
+    assert shapes(full["shared-prefix"]) == {(2, 8, p, 32, "fixed", None) for p in (128, 512, 1536)}
+    assert shapes(perf_files["shared-prefix"]) == {(2, 8, p, 32, "fixed", None) for p in (128, 1536)}
+    assert shapes(full["long-tail"]) == {(3, 8, 128, 384, tail, cbs) for cbs in (None, 8)}
+    assert shapes(perf_files["long-tail"]) == {(3, 8, 128, 128, tail, cbs) for cbs in (None, 8)}
     spec = importlib.util.spec_from_file_location("perf_script", root / "scripts" / "perf.py")
     perf = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(perf)
-    for name, path in files.items():
-        assert perf.SUITES[name] == ["-m", "opsd_rollout", "bench", "--config", str(path)]
+    for name in perf_files:
+        path = root / "benchmarks" / "perf" / f"{name}.toml"
+        assert perf.SUITES[name] == ("bench", ["--config", str(path)])

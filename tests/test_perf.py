@@ -71,3 +71,24 @@ def test_a_one_process_baseline_is_judged_widened_and_says_so(baseline, capsys):
     judge(baseline, document({"1": processes(np.random.default_rng(5), 6, between=0.03)}))
     out = capsys.readouterr().out
     assert "note: every config: BEFORE 1 process and AFTER 6 processes a config" in out and "widened by 20%" in out
+
+
+def test_every_suite_is_a_matrix_perf_can_measure_with_its_processes_and_warm_up():
+    """Each suite's command and arguments parse into the matrix its workers measure, with perf's processes,
+    iterations and one warm-up call (the workload files checked as a run checks them)."""
+    from opsd_rollout.cli.bench import matrix_of
+
+    for name in perf.SUITES:
+        matrix, settings = matrix_of(*perf.suite_command(name))
+        assert (settings.processes, settings.iterations, settings.warmup) == (perf.PROCESSES, perf.ITERATIONS,
+                                                                               perf.WARMUP)
+        assert matrix.expand(), name
+    assert {"kernels", "bench", "long-tail", "shared-prefix"} <= set(perf.SUITES)
+
+
+@pytest.mark.parametrize("argv, named", [(["--batch-sizes", "0"], "batch"), (["--no-such-flag"], "--no-such-flag")])
+def test_a_suite_with_a_bad_argument_is_refused_naming_it(argv, named):
+    from opsd_rollout.cli.bench import COMMANDS, matrix_of
+
+    with pytest.raises(ValueError, match=named):
+        matrix_of(COMMANDS[0], argv)

@@ -1,6 +1,6 @@
 """One-off reproducer of issue 51, part 2: our rollout's lead over DeepSpeed's at 195f6ff and at this checkout.
 
-Runs the seeded workloads of ``benchmarks/perf/`` (``shared-prefix.toml``: B=2 n=8, prompts 128, 512 and 1,536, 32
+Runs issue 51's seeded workloads, ``benchmarks/rollout-lead/workloads/`` (``shared-prefix.toml``: B=2 n=8, prompts 128, 512 and 1,536, 32
 greedy tokens; ``long-tail.toml``: 24 rows, lognormal lengths up to 384, all at once and ``continuous_batch_size=8``)
 as ``opsd-rollout bench --config FILE --strategies static,deepspeed --interleave``: ours and DeepSpeed 0.19.8's
 ``HybridEngineRollout`` on one ZeRO-0 engine, round by round in one process. Each commit runs in fresh processes (the
@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-WORKLOADS = ROOT / "benchmarks" / "perf"
+WORKLOADS = ROOT / "benchmarks" / "rollout-lead" / "workloads"
 OLD = "195f6ff"
 CONTENDERS = ["--strategies", "static,deepspeed", "--interleave"]
 QUICK = {
@@ -177,7 +177,7 @@ def old_worktree(where: Path) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--workloads", default="shared-prefix,long-tail", help="files of benchmarks/perf/ (stems)")
+    parser.add_argument("--workloads", default="shared-prefix,long-tail", help="files of benchmarks/rollout-lead/workloads/ (stems)")
     parser.add_argument("--rounds", type=int, default=3, help="processes per commit and workload (default 3)")
     parser.add_argument("--iterations", type=int, default=6, help="measured iterations per config and process")
     parser.add_argument("--quick", action="store_true", help="tiny shapes on llama-tiny, one round: a check")

@@ -2,7 +2,8 @@
 
 For each benchmark kind (the smoke bench, ``opsd-rollout bench`` at its defaults as ``make perf`` runs it, and the
 step bench, ``opsd-rollout step`` at its defaults), ``--pairs`` pairs of runs of the same code, one fresh run after
-another, each config in ``--processes`` processes of ``--iterations`` (``make perf``'s: ``scripts/perf.py``); then
+another, each config in ``--processes`` processes of ``--iterations``, warm-up capped at ``--warmup-max-seconds``
+(``make perf``'s: ``scripts/perf.py``); then
 per pair ``compare``'s judgement of the second run against the first (a regression here is a false alarm), and of a
 planted slowdown: the second run's JSON with every time scaled by ``--scale`` (every throughput divided by it), which
 must be flagged. Reports per kind how many same-code pairs read as a regression, how many planted ones were flagged,
@@ -14,8 +15,9 @@ load before and after every run (a config disturbed while it ran is not judged: 
 
 Runs are kept in ``--runs-dir`` (default ``bench-results/variance``); a run already there and complete is not run
 again, so an interrupted measurement continues where it stopped, and the result is rewritten (atomically) after every
-pair. On 2 quiet cores the default takes about 2 hours (40 runs of 6 processes: about 3 minutes a smoke run, 2.5 a
-step run; ``--kinds rollout`` or ``step`` measures one kind). ``--quick`` rehearses the whole path on a tiny config
+pair. On 2 quiet cores the default took about 2 hours at ``make perf``'s earlier settings (40 runs of 6 processes
+of 3 iterations, warm-up until steady: about 3 minutes a smoke run, 2.5 a step run), less at today's 2 iterations
+after one warm-up call; ``--kinds rollout`` or ``step`` measures one kind. ``--quick`` rehearses the whole path on a tiny config
 (the tiny models, one prompt of 8 tokens, 4 new, 2 processes of 2 iterations, 1 pair unless ``--pairs`` says) in a
 few minutes; ``tests/test_variance_pairs.py`` runs it so.
 """
@@ -77,6 +79,7 @@ def command_of(kind: str, path: Path, args: argparse.Namespace) -> list[str]:
                str(args.iterations), "--output", str(path)]
     if args.quick:
         return command + QUICK[kind] + QUICK_RUN
+    command += ["--warmup-max-seconds", str(args.warmup_max_seconds)]
     return command + ([model, args.model] if args.model else []) + \
         (["--teacher", args.teacher] if args.teacher and kind == "step" else [])
 
@@ -169,8 +172,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--pairs", type=positive(int, 1), help="pairs a kind (default 10; 1 with --quick)")
     parser.add_argument("--processes", type=positive(int, 1), help="per run and config (default: make perf's, 6; "
                         "2 with --quick)")
-    parser.add_argument("--iterations", type=positive(int, 1), help="per process (default: make perf's, 3; 2 with "
-                        "--quick)")
+    parser.add_argument("--iterations", type=positive(int, 1), help="per process (default: make perf's, 2)")
+    parser.add_argument("--warmup-max-seconds", type=positive(float, 0.0), default=5.0, help="each process's warm-up "
+                        "a config at most (default: make perf's, 5)")
     parser.add_argument("--kinds", default="rollout,step", help="comma list of rollout, step")
     parser.add_argument("--scale", type=positive(float, 1.0), default=1.15, help="the planted slowdown (default "
                         "1.15)")
@@ -191,7 +195,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--quick runs the tiny models; drop --model and --teacher")
     args.kinds = kinds
     quick = {"pairs": 1, "processes": 2, "iterations": 2} if args.quick else {"pairs": 10, "processes": 6,
-                                                                               "iterations": 3}
+                                                                               "iterations": 2}
     for name, default in quick.items():
         if getattr(args, name) is None:
             setattr(args, name, default)
