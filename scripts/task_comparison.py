@@ -17,7 +17,9 @@ the teacher the cached built-in teacher (``<cache-dir>/teachers/llama-micro-*/mo
   response, trained with that EOS after it; one cut at 80 tokens a continuation, trained with none), then ``--lmbda
   0 --loss forward_kl``: the forward KL to the teacher's whole distribution on each token of those fixed responses.
   The generation's wall time is added to the arm's wall-time axis;
-- ``sft``: cross-entropy on the task's worked solutions (``--objective sft``).
+- ``sft``: cross-entropy on the task's worked solutions (``--objective sft``);
+- ``gkd_mix`` (the recipe's comparison only): GKD's mix, ``--lmbda 0.5 --loss jsd`` on supervised KD's prompt file:
+  each step draws the student's own samples (on-policy JSD) or the teacher's samples made once (the JSD on them).
 
 Runs are repeatable (the seed), their times are not: on a shared machine run a pair again with another ``--runs``
 directory, and take a run from it into the report with ``--reuse ARM=DIR``.
@@ -103,6 +105,8 @@ ARMS: dict[str, Arm] = {
                          (*ON_POLICY, "--loss", "sampled_reverse_kl", "--estimator", "k3")),
     "supervised_kd": Arm("supervised KD on teacher samples made once", ("--lmbda", "0", "--loss", "forward_kl"),
                          teacher_samples=True),
+    "gkd_mix": Arm("GKD's mix: on-policy JSD half the steps, the teacher's samples the rest",
+                   ("--lmbda", "0.5", "--loss", "jsd"), teacher_samples=True, recipe=True),
     "sft": Arm("SFT on the references", ("--task", "{task}", "--objective", "sft"), teacher=False),
     "reverse_kl_topk": Arm("on-policy reverse KL, top-64", (*ON_POLICY, "--loss", "reverse_kl", "--teacher-cache", "topk",
                                                              "--teacher-top-k", "64", "--top-k-rest", "tail"),

@@ -92,7 +92,8 @@ def test_an_arm_says_where_its_teacher_comes_from():
     """What run_arm and the report read of an arm (issue 49 adds arms): the teacher, its samples, its flags."""
     arms = _script().ARMS
     assert not arms["sft"].teacher and arms["supervised_kd"].teacher_samples
-    assert [name for name, arm in arms.items() if arm.teacher_samples] == ["supervised_kd"]
+    assert [name for name, arm in arms.items() if arm.teacher_samples] == ["supervised_kd", "gkd_mix"]
+    assert arms["gkd_mix"].recipe and arms["gkd_mix"].flags == ("--lmbda", "0.5", "--loss", "jsd")  # GKD's mix
     assert all("--loss" in arm.flags or "--objective" in arm.flags for arm in arms.values())
 
 

@@ -29,6 +29,7 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -58,17 +59,39 @@ def responses(rollout, tokenizer, rows: list[list[int]], sampling, batch: int, s
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--student", required=True, help="the warm start's model directory")
+def measurement_flags(parser: argparse.ArgumentParser, problems: int) -> None:
+    """The flags of a measurement on a student's own samples (this one's, and ``gradient-by-position``'s)."""
+    parser.add_argument("--student", required=True, help="the student's model directory (a warm start)")
     parser.add_argument("--teacher", required=True, help="the teacher's model directory")
     parser.add_argument("--task", default="arithmetic-5d", help="a built-in task (default arithmetic-5d)")
-    parser.add_argument("--problems", type=int, default=200, help="held-out problems (default 200)")
-    parser.add_argument("--cuts", default="0,0.05,0.1,0.15,0.25,0.5,1", help="fractions of each response kept")
+    parser.add_argument("--problems", type=int, default=problems, help=f"held-out problems, one sample each "
+                        f"(default {problems})")
     parser.add_argument("--max-new-tokens", type=int, default=134, help="a response's tokens (the task's 134)")
-    parser.add_argument("--batch", type=int, default=50, help="rows a rollout")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", type=Path, required=True)
+
+
+def measured_setting(args: argparse.Namespace) -> tuple[list, Any, Any, Any, list[list[int]]]:
+    """What ``measurement_flags`` name, loaded (the seed set): the held-out problems, the student, the teacher, the
+    tokenizer and each problem's prompt tokens."""
+    from opsd_rollout.models import load_model
+    from opsd_rollout.quiet import quiet
+    from opsd_rollout.train.tasks import TASKS
+
+    torch.manual_seed(args.seed)
+    problems = TASKS[args.task].problems()[1][:args.problems]
+    with quiet(False):
+        student, tokenizer = load_model(args.student)
+        teacher, _ = load_model(args.teacher)
+    prompts = [tokenizer(p.prompt, add_special_tokens=False)["input_ids"] for p in problems]
+    return problems, student, teacher, tokenizer, prompts
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    measurement_flags(parser, problems=200)
+    parser.add_argument("--cuts", default="0,0.05,0.1,0.15,0.25,0.5,1", help="fractions of each response kept")
+    parser.add_argument("--batch", type=int, default=50, help="rows a rollout")
     args = parser.parse_args(argv)
     cuts = [float(c) for c in args.cuts.split(",")]
     if any(not 0 <= c <= 1 for c in cuts):
@@ -78,19 +101,12 @@ def main(argv: list[str] | None = None) -> int:
 
     from opsd_rollout import HybridEngineRollout, HybridEngineRolloutConfig
     from opsd_rollout.files import write_json_atomic
-    from opsd_rollout.models import load_model
-    from opsd_rollout.quiet import quiet
     from opsd_rollout.train.scorers import extract
-    from opsd_rollout.train.tasks import SCORERS, TASKS
+    from opsd_rollout.train.tasks import SCORERS
 
-    torch.manual_seed(args.seed)
     start = time.perf_counter()
-    problems = TASKS[args.task].problems()[1][:args.problems]
-    with quiet(False):
-        student, tokenizer = load_model(args.student)
-        teacher, _ = load_model(args.teacher)
+    problems, student, teacher, tokenizer, prompts = measured_setting(args)
     config = HybridEngineRolloutConfig(enable_profiling=False)
-    prompts = [tokenizer(p.prompt, add_special_tokens=False)["input_ids"] for p in problems]
     sampled = SamplingConfig(max_new_tokens=args.max_new_tokens, temperature=1.0)
     with torch.no_grad():
         own = responses(HybridEngineRollout(student.eval(), tokenizer, config), tokenizer, prompts, sampled,
