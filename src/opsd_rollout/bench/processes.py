@@ -348,4 +348,6 @@ class ProcessRunner:
 
 
 if __name__ == "__main__":  # a shared worker (``run_together``): python -m opsd_rollout.bench.processes JOB...
+    if not sys.argv[1:]:
+        sys.exit("usage: python -m opsd_rollout.bench.processes JOB... (the job files run_together writes)")
     sys.exit(run_shared_worker(sys.argv[1:]))
