@@ -49,7 +49,8 @@ from opsd_rollout.files import write_json_atomic
 MARK = "@opsd-rollout-progress "
 """A worker's progress line on its stdout: this, then ``[event, config key, iteration]`` as JSON."""
 JOB_MARK = "@opsd-rollout-job "
-"""A shared worker's line on its stdout before each of its jobs: this, then the job's index among them."""
+"""A shared worker's line on its stdout before each of its jobs: this, then the job's index among them (so a reader
+of its stdout can tell the jobs' progress lines apart)."""
 
 Launcher = Callable[[Path, Callable[[str], None]], tuple[int, str]]
 """``launch(job, line)``: run a worker on the job file ``job``, each line it prints to ``line``; its exit status and
@@ -216,16 +217,8 @@ def run_together(runners: Sequence[ProcessRunner], launch: SharedLauncher) -> No
                     jobs.append(job)
             if not jobs:
                 return
-            readers = [job.reader(lambda *_: None) for job in jobs]
-            current = [0]
-
-            def line(text: str) -> None:
-                if text.startswith(JOB_MARK):
-                    current[0] = int(text[len(JOB_MARK):])
-                else:
-                    readers[current[0]](text)
-
-            status, stderr = launch([job.job for job in jobs], line)
+            status, stderr = launch([job.job for job in jobs], lambda text: None)  # no progress: what is measured
+            # is read back from each job's document
             for job in jobs:
                 job.runner.finish(job, status, stderr)
 
