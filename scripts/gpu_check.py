@@ -592,7 +592,7 @@ def check_forward_timer(ctx: Context) -> Finding:
 
 
 def check_compiled_speed(ctx: Context) -> Finding:
-    """The ``compile`` kernel's per-token comparison (``python scripts/kernels.py --kernels compile``): eager vs
+    """The ``compile`` kernel's per-token comparison (``python scripts/bench_kernels.py --kernels compile``): eager vs
     compiled (CUDA graphs) at B = 1, 4, 16, 32, equal tokens asserted (fp32), the speed-up, the bytes a step reads
     (weights + KV) and each side's achieved bandwidth and share of the roofline (the device's copy bandwidth, measured
     here)."""

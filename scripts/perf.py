@@ -1,16 +1,16 @@
 """``make perf``: the regression guard. Not a test, and not run by CI: a check to run on a quiet machine before
 landing a change to the engine, the loss or the step, whose last line goes in the change's closing note.
 
-It runs the kernel benchmarks (``scripts/kernels.py``), the smoke bench (what ``make bench`` runs) and a bench of each
-seeded workload file in ``benchmarks/perf/`` (``NAME.toml``: shapes and seed, ``opsd-rollout bench --config``), each
-config in ``PROCESSES`` fresh processes of ``ITERATIONS`` iterations, into ``perf-results/``, and compares each with
-its committed baseline in ``benchmarks/perf/`` as ``opsd-rollout compare`` does: per config and metric the
+It runs the kernel benchmarks (``scripts/bench_kernels.py``), the smoke bench (what ``make bench`` runs) and a bench of
+each seeded workload file in ``benchmarks/perf/`` (``NAME.toml``: shapes and seed, ``opsd-rollout bench --config``),
+each config in ``PROCESSES`` fresh processes of ``ITERATIONS`` iterations, into ``perf-results/``, and compares each
+with its committed baseline in ``benchmarks/perf/`` as ``opsd-rollout compare`` does: per config and metric the
 Hodges-Lehmann ratio over the processes' medians with its 95% interval, a regression being a whole interval worse than
 the threshold (``docs/BENCHMARKS.md``, "Comparing runs"). A same-code rerun differs between processes, not only between
-iterations, and the interval covers that, so a flag needs no second run to be believed. It prints what regressed,
-the smallest slowdown each suite could have flagged, and one verdict, its last line. Exit status: 0 no regression
-(every config judged), 1 a regression, 2 a suite that could not run or compare (one without a baseline too), 3 no
-verdict (configs disturbed while they ran: rerun on a quiet machine).
+iterations, and the interval covers that, so a flag needs no second run to be believed. It prints what regressed, the
+smallest slowdown each suite could have flagged, and one verdict, its last line. Exit status: 0 no regression (every
+config judged), 1 a regression, 2 a suite that could not run or compare (one without a baseline too), 3 no verdict
+(configs disturbed while they ran: rerun on a quiet machine).
 
 ``--update`` records this machine's results as the new baselines (do it on a quiet machine, and say so in the
 commit): a baseline belongs to the machine that made it, which ``benchmarks/perf/MACHINE.txt`` names.
@@ -45,9 +45,9 @@ SUITES = {
     "bench": ("bench", []),
     **{path.stem: ("bench", ["--config", str(path)]) for path in sorted(BASELINES.glob("*.toml"))},
 }
-"""A suite's name -> its benchmark command and arguments: the kernels (``scripts/kernels.py``) and the smoke bench at
-their defaults (the committed matrix), and a bench of each workload file in ``benchmarks/perf/`` (``NAME.toml``,
-compared with ``NAME.json``), sized for perf's minutes (issue 51's full-size workloads are in
+"""A suite's name -> its benchmark command and arguments: the kernels (``scripts/bench_kernels.py``) and the smoke
+bench at their defaults (the committed matrix), and a bench of each workload file in ``benchmarks/perf/``
+(``NAME.toml``, compared with ``NAME.json``), sized for perf's minutes (issue 51's full-size workloads are in
 ``benchmarks/rollout-lead/workloads/``). Every suite is measured by the same 6 fresh processes (``run_together``),
 each running every suite's configs in turn: 6 interpreters' start instead of 6 a suite."""
 BUSY_LOAD = 1.5
@@ -75,7 +75,8 @@ def run(names: list[str], out: Path) -> dict[str, bool]:
     runners = {}
     for name in names:
         command, argv = suite_command(name)
-        alone = f"python {'scripts/kernels.py' if command.name == 'kernels' else '-m opsd_rollout ' + command.name}"
+        script = "scripts/bench_kernels.py" if command.name == "kernels" else f"-m opsd_rollout {command.name}"
+        alone = f"python {script}"
         print(f"perf: {name}: {alone} {' '.join(argv)} --output {out / f'{name}.json'}", flush=True)
         try:
             matrix, settings = matrix_of(command, argv)

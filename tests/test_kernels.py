@@ -1,4 +1,4 @@
-"""The developers' kernel benchmarks (``scripts/kernels.py``, out of the installed package): every kernel runs on
+"""The developers' kernel benchmarks (``scripts/bench_kernels.py``, out of the installed package): every kernel runs on
 tiny shapes into a schema-valid document whose figures hold together (the speed-up is the round's ratio, the sides
 produced the same output where they can), axes a kernel does not read add no configs, bad kernels and axes are
 refused by name before any work, ``opsd-rollout compare`` reads a kernels document from the document alone and
@@ -24,7 +24,7 @@ from opsd_rollout.bench.matrix import Matrix
 from opsd_rollout.bench.report import ConfigResult, load_schema
 from opsd_rollout.cli import main
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "kernels.py"
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_kernels.py"
 
 TINY = {"kernels": list(KERNELS), "rows": [4], "samples_per_prompt": [2], "prompt_lengths": [16],
         "response_lengths": [4], "vocab_sizes": [300], "top_ks": [20], "top_ps": [0.9]}
@@ -202,12 +202,12 @@ def test_light_kernels_commands_import_no_torch(argv):
     child = ("import os, runpy, sys; sys.argv = sys.argv[1:]; sys.path.insert(0, os.path.dirname(sys.argv[0]))\n"
              "try:\n    runpy.run_path(sys.argv[0], run_name='__main__')\n"
              "except SystemExit:\n    pass\nsys.stderr.write('\\nMODULES ' + ' '.join(sorted(sys.modules)) + '\\n')")
-    result = run_named(f"scripts/kernels.py {' '.join(argv)} in a fresh interpreter",
+    result = run_named(f"scripts/bench_kernels.py {' '.join(argv)} in a fresh interpreter",
                        [sys.executable, "-c", child, str(SCRIPT), *argv], timeout=120)
     modules = result.stderr.rsplit("MODULES ", 1)[-1].split()
     assert "kernel_bench.cli" in modules, result.stderr[-2000:]
     heavy = [m for m in modules if m.split(".")[0] in ("deepspeed", "torch", "transformers")]
-    assert not heavy, f"`scripts/kernels.py {' '.join(argv)}` imported {heavy[:8]}"
+    assert not heavy, f"`scripts/bench_kernels.py {' '.join(argv)}` imported {heavy[:8]}"
 
 
 # ---- compare on a kernels document ---------------------------------------------------------------------------

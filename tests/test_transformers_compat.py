@@ -5,7 +5,10 @@ caught instead of decoding wrong tokens, and the compiled step's shapes and addr
 from __future__ import annotations
 
 import dataclasses
+import importlib.metadata
 import logging
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -32,6 +35,20 @@ class PastKeyValuesLlama(LlamaForCausalLM):
         return super().forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                                use_cache=use_cache, logits_to_keep=logits_to_keep,
                                **{INSTALLED_KEYWORD: past_key_values}, **kwargs)
+
+
+def test_no_script_shadows_a_package_a_dependency_looks_for():
+    """``scripts/`` is first on ``sys.path`` when a script runs (and on the tests' ``pythonpath``), so a script named
+    like a package transformers probes for replaces that package: transformers 5.25 imports ``kernels`` at import,
+    and a ``scripts/kernels.py`` broke every import of a model. The names are read from the installed release."""
+    scripts = Path(__file__).resolve().parents[1] / "scripts"
+    ours = {path.stem for path in scripts.glob("*.py")} | {path.name for path in scripts.iterdir()
+                                                          if (path / "__init__.py").is_file()}
+    source = Path(transformers.utils.import_utils.__file__).read_text()
+    probed = set(re.findall(r'_is_package_available\(\s*"([\w.]+)"', source))
+    assert {"torch", "accelerate"} <= probed, "transformers no longer probes packages by _is_package_available"
+    installed = set(importlib.metadata.packages_distributions())
+    assert not ours & (probed | installed), f"scripts/ shadows {sorted(ours & (probed | installed))}"
 
 
 def test_the_installed_release_names_its_cache_keyword():

@@ -1,4 +1,4 @@
-"""The developers' kernel benchmarks (``python scripts/kernels.py``, run by ``make perf``): the pieces that are
+"""The developers' kernel benchmarks (``python scripts/bench_kernels.py``, run by ``make perf``): the pieces that are
 neither a whole rollout nor a whole OPSD step, each ours against a baseline (the code it replaced, or upstream's),
 both in every iteration (``contest.Contest``), under the package's bench machinery (runner, statistics, result
 schema, ``opsd-rollout compare``). They live beside the scripts, out of the installed package: a user runs

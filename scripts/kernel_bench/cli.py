@@ -1,4 +1,4 @@
-"""``python scripts/kernels.py``: the kernels matrix's flags (one per axis, then its settings) on the package's
+"""``python scripts/bench_kernels.py``: the kernels matrix's flags (one per axis, then its settings) on the package's
 benchmark command line (``opsd_rollout.cli.bench``: config files, dry run, resume, ``--nproc``), so a kernels run
 writes the same result document as ``bench`` and ``step``, which ``opsd-rollout compare`` reads."""
 
@@ -14,7 +14,7 @@ from opsd_rollout import cli
 from opsd_rollout.cli.bench import BenchCommand, add_bench_flags, run_matrix
 from opsd_rollout.cli.common import common_flags
 
-SCRIPT = Path(__file__).resolve().parents[1] / "kernels.py"
+SCRIPT = Path(__file__).resolve().parents[1] / "bench_kernels.py"
 
 
 def add_kernel_settings(runs: argparse._ArgumentGroup, defaults: Any) -> None:
@@ -39,7 +39,8 @@ COMMAND = BenchCommand(
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = cli.FullFlags(prog="python scripts/kernels.py", parents=[common_flags()], description=COMMAND.description)
+    parser = cli.FullFlags(prog="python scripts/bench_kernels.py", parents=[common_flags()],
+                           description=COMMAND.description)
     add_bench_flags(parser, COMMAND)
     parser.set_defaults(func=partial(run_matrix, command=COMMAND), command=COMMAND.name)
     return parser

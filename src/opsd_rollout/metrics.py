@@ -6,7 +6,7 @@ A training run's record (``metrics.jsonl``, one line an optimizer step) and the 
 monitors are named here too (``TRAINING``): TRL's and HF Trainer's names where they have one (``loss``,
 ``grad_norm``, ``learning_rate``, ``epoch``, ``eval_*``), every time under ``time/``.
 
-A kernel (the developers' ``scripts/kernels.py``, out of the package) times two implementations of one piece of
+A kernel (the developers' ``scripts/bench_kernels.py``, out of the package) times two implementations of one piece of
 work in every iteration: ours (``kernel_ms``) and a baseline (``baseline_ms``: the code we replaced or upstream's),
 and their ratio (``speedup``: baseline / ours, per iteration); they are named here so that ``compare`` judges a
 kernels result as any other; the baseline is not judged (its speed is not this package's).
@@ -133,7 +133,7 @@ METRICS: dict[str, Metric] = {m.name: m for m in [
     Metric("teacher_cache_bytes", "cache", "bytes", lower_is_better=None, monitor="train/teacher_cache_bytes",
            meaning="the host teacher cache's size, the largest micro-batch's"),
     Metric("teacher_parameter_bytes", "teacher params", "bytes", merge="max", lower_is_better=None),
-    # kernels (``scripts/kernels.py``): ours against a baseline implementation, both in every iteration
+    # kernels (``scripts/bench_kernels.py``): ours against a baseline implementation, both in every iteration
     _ms("kernel_ms", "ours", compared=True),
     _ms("baseline_ms", "baseline"),
     Metric("speedup", "speed-up", "ratio", merge="mean", lower_is_better=False, compared=True),

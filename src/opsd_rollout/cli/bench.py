@@ -1,7 +1,7 @@
 """The benchmark subcommands (``bench``, ``step``): one flag per matrix axis, then the scenario's settings, mapped
 onto the scenario's dataclasses; a run on one rank or relaunched on several, a dry run, a resumed run. A benchmark
-command is a ``BenchCommand``: the developers' kernel benchmarks (``scripts/kernels.py``) are one too, built from the
-same pieces outside the package. Light: no torch at import; the runner loads when a run starts."""
+command is a ``BenchCommand``: the developers' kernel benchmarks (``scripts/bench_kernels.py``) are one too, built from
+the same pieces outside the package. Light: no torch at import; the runner loads when a run starts."""
 
 from __future__ import annotations
 

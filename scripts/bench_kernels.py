@@ -1,7 +1,7 @@
 """The developers' kernel benchmarks, each ours against a baseline, side by side (``scripts/kernel_bench``; its
-flags: ``python scripts/kernels.py --help``); ``make perf`` runs them against ``benchmarks/perf/kernels.json``.
+flags: ``python scripts/bench_kernels.py --help``); ``make perf`` runs them against ``benchmarks/perf/kernels.json``.
 
-    python scripts/kernels.py --kernels postprocess --rows 1024 --output bench-results/postprocess.json
+    python scripts/bench_kernels.py --kernels postprocess --rows 1024 --output bench-results/postprocess.json
     opsd-rollout compare before.json bench-results/postprocess.json
 """
 
