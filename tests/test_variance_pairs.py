@@ -44,7 +44,8 @@ def plant(runs_dir: Path, count: int, seed: int = 0) -> None:
     rng = np.random.default_rng(seed)
     for index in range(1, count + 1):
         for side in "ab":
-            run = document({b: processes(rng, 6, between=0.03) for b in ("1", "4")})
+            run = {**document({b: processes(rng, 6, between=0.03) for b in ("1", "4")}),
+                   "settings": pairs.perf_settings()}
             (runs_dir / f"rollout-{index}-{side}.json").write_text(json.dumps(run))
 
 
@@ -67,6 +68,29 @@ def test_same_code_pairs_pass_and_their_planted_slowdown_is_flagged(tmp_path, mo
         assert all(5 < pct < 20 for pct in pair["same_code"]["flaggable_pct"].values())  # widened: over 26%
     assert "rollout: same-code pairs with a regression: 0 of 3; planted 1.15x flagged: 3 of 3" in capsys.readouterr().out
     assert [p.name for p in output.parent.iterdir()] == ["pairs.json"]  # written atomically: no temporary left
+
+
+def test_a_kept_run_made_at_other_settings_is_made_again(tmp_path, monkeypatch):
+    """The runs kept in ``--runs-dir`` are reused only at the settings asked for (make perf's by default): a run
+    kept from before make perf changed its settings is run again, never judged as today's."""
+    plant(tmp_path, 1)
+    stale = json.loads((tmp_path / "rollout-1-b.json").read_text())
+    stale["settings"] = {**pairs.perf_settings(), "iterations": 3}
+    (tmp_path / "rollout-1-b.json").write_text(json.dumps(stale))
+    made = []
+
+    def record(command, **kwargs):
+        made.append(command)
+        raise InterruptedError("stopped after the first run made")
+
+    monkeypatch.setattr(subprocess, "run", record)
+    with pytest.raises(InterruptedError):
+        pairs.main(["--pairs", "1", "--kinds", "rollout", "--runs-dir", str(tmp_path),
+                    "--output", str(tmp_path / "pairs.json")])
+    assert len(made) == 1 and made[0][-1] == str(tmp_path / "rollout-1-b.json")
+    expected = pairs.perf_settings()
+    for flag in ("processes", "iterations", "warmup"):
+        assert made[0][made[0].index(f"--{flag}") + 1] == str(expected[flag])
 
 
 @pytest.mark.parametrize("argv,message", [

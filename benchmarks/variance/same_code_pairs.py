@@ -2,9 +2,8 @@
 
 For each benchmark kind (the smoke bench, ``opsd-rollout bench`` at its defaults as ``make perf`` runs it, and the
 step bench, ``opsd-rollout step`` at its defaults), ``--pairs`` pairs of runs of the same code, one fresh run after
-another, each config in ``--processes`` processes of ``--iterations``, warm-up capped at ``--warmup-max-seconds``
-(``make perf``'s: ``scripts/perf.py``); then
-per pair ``compare``'s judgement of the second run against the first (a regression here is a false alarm), and of a
+another, each config in ``--processes`` processes of ``--warmup`` calls and ``--iterations`` (by default ``make
+perf``'s, read from ``scripts/perf.py``); then per pair ``compare``'s judgement of the second run against the first (a regression here is a false alarm), and of a
 planted slowdown: the second run's JSON with every time scaled by ``--scale`` (every throughput divided by it), which
 must be flagged. Reports per kind how many same-code pairs read as a regression, how many planted ones were flagged,
 the smallest slowdown each pair could flag, how far apart the processes of one config were (the largest and the
@@ -13,9 +12,9 @@ load before and after every run (a config disturbed while it ran is not judged: 
 
     python benchmarks/variance/same_code_pairs.py --pairs 10 --output benchmarks/variance/pairs.json
 
-Runs are kept in ``--runs-dir`` (default ``bench-results/variance``); a run already there and complete is not run
-again, so an interrupted measurement continues where it stopped, and the result is rewritten (atomically) after every
-pair. On 2 quiet cores the default took about 2 hours at ``make perf``'s earlier settings (40 runs of 6 processes
+Runs are kept in ``--runs-dir`` (default ``bench-results/variance``); a run already there, complete and made at
+these settings is not run again, so an interrupted measurement continues where it stopped, and the result is
+rewritten (atomically) after every pair. On 2 quiet cores the default took about 2 hours at ``make perf``'s earlier settings (40 runs of 6 processes
 of 3 iterations, warm-up until steady: about 3 minutes a smoke run, 2.5 a step run), less at today's 2 iterations
 after one warm-up call; ``--kinds rollout`` or ``step`` measures one kind. ``--quick`` rehearses the whole path on a tiny config
 (the tiny models, one prompt of 8 tokens, 4 new, 2 processes of 2 iterations, 1 pair unless ``--pairs`` says) in a
@@ -25,6 +24,7 @@ few minutes; ``tests/test_variance_pairs.py`` runs it so.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import subprocess
@@ -39,8 +39,7 @@ KINDS = {"rollout": ("bench", "--model"), "step": ("step", "--student")}
 flag."""
 QUICK = {"rollout": ["--model", "llama-tiny", "--zero-stages", "none"],
          "step": ["--student", "llama-tiny", "--teacher", "llama-tiny", "--zero-stages", "0"]}
-QUICK_RUN = ["--batch-sizes", "1", "--samples-per-prompt", "1", "--prompt-lengths", "8", "--response-lengths", "4",
-             "--warmup", "0"]
+QUICK_RUN = ["--batch-sizes", "1", "--samples-per-prompt", "1", "--prompt-lengths", "8", "--response-lengths", "4"]
 """``--quick``: each kind's tiny config (a step trains a DeepSpeed engine, so its ZeRO stage is 0, not none)."""
 SCALED_UNITS = {"ms": "slower", "s": "slower", "tokens/s": "fewer"}
 """What a ``scale`` times slower run does to a metric of each unit (the registry's): times grow, throughputs
@@ -63,30 +62,41 @@ def scaled(document: dict[str, Any], scale: float) -> dict[str, Any]:
     return document
 
 
-def complete(path: Path) -> bool:
-    """Whether ``path`` holds a finished run (every config measured or failed): one to keep, not to rerun."""
+def perf_settings() -> dict[str, int]:
+    """``make perf``'s processes, iterations and warm-up calls, as ``scripts/perf.py`` sets them."""
+    spec = importlib.util.spec_from_file_location("perf_script", ROOT / "scripts" / "perf.py")
+    assert spec is not None and spec.loader is not None
+    perf = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(perf)
+    return {"processes": perf.PROCESSES, "iterations": perf.ITERATIONS, "warmup": perf.WARMUP}
+
+
+def complete(path: Path, args: argparse.Namespace) -> bool:
+    """Whether ``path`` holds a finished run (every config measured or failed) made at ``args``' processes,
+    iterations and warm-up: one to keep, not to rerun."""
     try:
         document = json.loads(path.read_text())
     except (OSError, ValueError):
         return False
     results = document.get("results") or []
-    return bool(results) and all(r["status"] in ("ok", "failed", "skipped") for r in results)
+    made = document.get("settings") or {}
+    return (bool(results) and all(r["status"] in ("ok", "failed", "skipped") for r in results)
+            and all(made.get(name) == getattr(args, name) for name in ("processes", "iterations", "warmup")))
 
 
 def command_of(kind: str, path: Path, args: argparse.Namespace) -> list[str]:
     subcommand, model = KINDS[kind]
     command = [sys.executable, "-m", "opsd_rollout", subcommand, "--processes", str(args.processes), "--iterations",
-               str(args.iterations), "--output", str(path)]
+               str(args.iterations), "--warmup", str(args.warmup), "--output", str(path)]
     if args.quick:
         return command + QUICK[kind] + QUICK_RUN
-    command += ["--warmup-max-seconds", str(args.warmup_max_seconds)]
     return command + ([model, args.model] if args.model else []) + \
         (["--teacher", args.teacher] if args.teacher and kind == "step" else [])
 
 
 def run(kind: str, path: Path, args: argparse.Namespace) -> dict[str, Any]:
     """One run of ``kind`` into ``path`` (kept when a complete one is there): its wall seconds and the load."""
-    if complete(path):
+    if complete(path, args):
         return {"path": str(path), "reused": True}
     command = command_of(kind, path, args)
     load, start = os.getloadavg()[0], time.monotonic()
@@ -170,11 +180,11 @@ def positive(kind: type, floor: float):
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--pairs", type=positive(int, 1), help="pairs a kind (default 10; 1 with --quick)")
-    parser.add_argument("--processes", type=positive(int, 1), help="per run and config (default: make perf's, 6; "
+    parser.add_argument("--processes", type=positive(int, 1), help="per run and config (default: make perf's; "
                         "2 with --quick)")
-    parser.add_argument("--iterations", type=positive(int, 1), help="per process (default: make perf's, 2)")
-    parser.add_argument("--warmup-max-seconds", type=positive(float, 0.0), default=5.0, help="each process's warm-up "
-                        "a config at most (default: make perf's, 5)")
+    parser.add_argument("--iterations", type=positive(int, 1), help="per process (default: make perf's)")
+    parser.add_argument("--warmup", type=positive(int, 0), help="warm-up calls a process and config (default: make "
+                        "perf's; none with --quick)")
     parser.add_argument("--kinds", default="rollout,step", help="comma list of rollout, step")
     parser.add_argument("--scale", type=positive(float, 1.0), default=1.15, help="the planted slowdown (default "
                         "1.15)")
@@ -194,8 +204,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.quick and (args.model or args.teacher):
         parser.error("--quick runs the tiny models; drop --model and --teacher")
     args.kinds = kinds
-    quick = {"pairs": 1, "processes": 2, "iterations": 2} if args.quick else {"pairs": 10, "processes": 6,
-                                                                               "iterations": 2}
+    quick = ({"pairs": 1, "processes": 2, "iterations": 2, "warmup": 0} if args.quick
+             else {"pairs": 10, **perf_settings()})
     for name, default in quick.items():
         if getattr(args, name) is None:
             setattr(args, name, default)
