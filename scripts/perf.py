@@ -41,12 +41,13 @@ took 10-46 s of the 60 allowed for the slow ones (the kernels' attention and pro
 tail), whatever the warm-up leaves biasing both sides of a comparison alike. The run's cost is in README.md ("make
 perf")."""
 SUITES = {
-    "kernels": ("kernels", []),
+    "kernels": ("kernels", ["--response-lengths", "16"]),
     "bench": ("bench", []),
     **{path.stem: ("bench", ["--config", str(path)]) for path in sorted(BASELINES.glob("*.toml"))},
 }
-"""A suite's name -> its benchmark command and arguments: the kernels (``scripts/bench_kernels.py``) and the smoke
-bench at their defaults (the committed matrix), and a bench of each workload file in ``benchmarks/perf/``
+"""A suite's name -> its benchmark command and arguments: the kernels (``scripts/bench_kernels.py``) at their
+defaults but 16 new tokens (the rollouts of attention and profiling, and the loss's rows, half as long), the smoke bench
+at its defaults (the committed matrix), and a bench of each workload file in ``benchmarks/perf/``
 (``NAME.toml``, compared with ``NAME.json``), sized for perf's minutes (issue 51's full-size workloads are in
 ``benchmarks/rollout-lead/workloads/``). Every suite is measured by the same 6 fresh processes (``run_together``),
 each running every suite's configs in turn: 6 interpreters' start instead of 6 a suite."""

@@ -204,7 +204,7 @@ def test_a_step_matrix_measures_our_rollout_profiled_and_not():
 
 def test_the_perf_workload_files_are_the_seeded_shapes_and_suites_of_make_perf():
     """``benchmarks/perf/*.toml``: issue 51's workloads sized for ``make perf`` (two of its three prompts, the long
-    tail capped at 128), and ``benchmarks/rollout-lead/workloads/``: the same at full size, which its measurement
+    tail capped at 96), and ``benchmarks/rollout-lead/workloads/``: the same at full size, which its measurement
     reads; all fixed by the seed (greedy tokens from seeded prompts), and each perf file a suite of
     ``scripts/perf.py`` (compared with the baseline of its name)."""
     import importlib.util
@@ -231,7 +231,7 @@ def test_the_perf_workload_files_are_the_seeded_shapes_and_suites_of_make_perf()
     assert shapes(full["shared-prefix"]) == {(2, 8, p, 32, "fixed", None) for p in (128, 512, 1536)}
     assert shapes(perf_files["shared-prefix"]) == {(2, 8, p, 32, "fixed", None) for p in (128, 1536)}
     assert shapes(full["long-tail"]) == {(3, 8, 128, 384, tail, cbs) for cbs in (None, 8)}
-    assert shapes(perf_files["long-tail"]) == {(3, 8, 128, 128, tail, cbs) for cbs in (None, 8)}
+    assert shapes(perf_files["long-tail"]) == {(3, 8, 128, 96, tail, cbs) for cbs in (None, 8)}
     spec = importlib.util.spec_from_file_location("perf_script", root / "scripts" / "perf.py")
     perf = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(perf)
