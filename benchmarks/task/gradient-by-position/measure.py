@@ -4,9 +4,9 @@ loss put its weight, and where do the student's samples leave the teacher's supp
 An on-policy step averages a per-token divergence over every token of the student's own samples. On the built-in
 task a response first copies the problem's operands (``85685+43562``), then works the sum line by line; a student that
 copies wrongly is taught the teacher's arithmetic on numbers the problem does not have (``teacher-on-student-prefixes``
-beside this). This measures, on the student's samples for held-out problems (temperature 1, one a problem), per part
-of each response: the copy (the tokens of the reference's operands, before its first ``:``), the rest of the first
-line, and the lines after:
+beside this). This measures, on the student's samples for held-out problems (one a problem, at ``--temperature``:
+1 by default, as a step samples; 0 is greedy, the student's own first choices), per part of each response: the copy
+(the tokens of the reference's operands, before its first ``:``), the rest of the first line, and the lines after:
 
 - its tokens' share, and where the sampled tokens sit in the teacher's distribution (the teacher's probability of
   the student's token: the share under 1%, the median; the share where it is not the teacher's first choice);
@@ -62,7 +62,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     prefixes.measurement_flags(parser, problems=64)
     parser.add_argument("--losses", default="reverse_kl,jsd,forward_kl", help="comma list of the losses measured")
+    parser.add_argument("--temperature", type=float, default=1.0, help="the student's sampling temperature (default "
+                        "1, as an on-policy step samples; 0: greedy)")
     args = parser.parse_args(argv)
+    if not args.temperature >= 0:
+        parser.error(f"--temperature: expected 0 (greedy) or above; got {args.temperature}")
     losses = [name for name in args.losses.split(",") if name]
     if not losses or any(name not in ("reverse_kl", "jsd", "forward_kl") for name in losses):
         parser.error(f"--losses: a comma list of reverse_kl, jsd, forward_kl; got {args.losses!r}")
@@ -79,7 +83,8 @@ def main(argv: list[str] | None = None) -> int:
         own = prefixes.responses(HybridEngineRollout(student.eval(), tokenizer,
                                                      HybridEngineRolloutConfig(enable_profiling=False)),
                                  tokenizer, prompts, SamplingConfig(max_new_tokens=args.max_new_tokens,
-                                                                    temperature=1.0), len(prompts), args.seed)
+                                                                    temperature=args.temperature), len(prompts),
+                                 args.seed)
     rows = [p + r for p, r in zip(prompts, own)]
     ids, mask = prefixes.left_padded(rows, tokenizer.pad_token_id)
     width = ids.shape[1]
@@ -132,6 +137,7 @@ def main(argv: list[str] | None = None) -> int:
 
     document = {"command": " ".join(["measure.py", *(argv if argv is not None else sys.argv[1:])]),
                 "task": args.task, "problems": len(problems), "student": args.student, "teacher": args.teacher,
+                "temperature": args.temperature,
                 "response_tokens": tokens, "mean_response_tokens": tokens / len(own), "support": support,
                 "losses": by_loss, "seconds": time.perf_counter() - start}
     write_json_atomic(args.output, document)
