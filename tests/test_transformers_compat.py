@@ -38,12 +38,15 @@ class PastKeyValuesLlama(LlamaForCausalLM):
 
 
 def test_no_script_shadows_a_package_a_dependency_looks_for():
-    """``scripts/`` is first on ``sys.path`` when a script runs (and on the tests' ``pythonpath``), so a script named
-    like a package transformers probes for replaces that package: transformers 5.25 imports ``kernels`` at import,
-    and a ``scripts/kernels.py`` broke every import of a model. The names are read from the installed release."""
-    scripts = Path(__file__).resolve().parents[1] / "scripts"
-    ours = {path.stem for path in scripts.glob("*.py")} | {path.name for path in scripts.iterdir()
-                                                          if (path / "__init__.py").is_file()}
+    """A script's folder is first on ``sys.path`` while it runs (and ``scripts/`` is on the tests' ``pythonpath``), so
+    a module there named like a package transformers probes for replaces that package: transformers 5.25 imports
+    ``kernels`` at import, and a ``scripts/kernels.py`` broke every import of a model. The probed names are read from
+    the installed release; every folder of ``scripts/`` and ``benchmarks/`` holding a script is checked."""
+    root = Path(__file__).resolve().parents[1]
+    folders = {path.parent for top in ("scripts", "benchmarks") for path in (root / top).rglob("*.py")
+               if not (path.parent / "__init__.py").is_file()}  # a package's modules are not on the path
+    ours = {path.stem for folder in folders for path in folder.glob("*.py")} | {
+        path.name for folder in folders for path in folder.iterdir() if (path / "__init__.py").is_file()}
     source = Path(transformers.utils.import_utils.__file__).read_text()
     probed = set(re.findall(r'_is_package_available\(\s*"([\w.]+)"', source))
     assert {"torch", "accelerate"} <= probed, "transformers no longer probes packages by _is_package_available"
