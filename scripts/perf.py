@@ -7,10 +7,11 @@ each config in ``PROCESSES`` fresh processes of ``ITERATIONS`` iterations, into 
 with its committed baseline in ``benchmarks/perf/`` as ``opsd-rollout compare`` does: per config and metric the
 Hodges-Lehmann ratio over the processes' medians with its 95% interval, a regression being a whole interval worse than
 the threshold (``docs/BENCHMARKS.md``, "Comparing runs"). A same-code rerun differs between processes, not only between
-iterations, and the interval covers that, so a flag needs no second run to be believed. It prints what regressed, the
-smallest slowdown each suite could have flagged, and one verdict, its last line. Exit status: 0 no regression (every
-config judged), 1 a regression, 2 a suite that could not run or compare (one without a baseline too), 3 no verdict
-(configs disturbed while they ran: rerun on a quiet machine).
+iterations, and the interval covers that, so a flag needs no second run to be believed, except on a host that slows
+every process of a run alike, which no counter shows (a VM's neighbour: one same-code pair in 10 of the smoke bench,
+RESULTS, "The 10 pairs"). It prints what regressed, the smallest slowdown each suite could have flagged, and one
+verdict, its last line. Exit status: 0 no regression (every config judged), 1 a regression, 2 a suite that could not run
+or compare (one without a baseline too), 3 no verdict (configs disturbed while they ran: rerun on a quiet machine).
 
 ``--update`` records this machine's results as the new baselines (do it on a quiet machine, and say so in the
 commit): a baseline belongs to the machine that made it, which ``benchmarks/perf/MACHINE.txt`` names.
