@@ -174,6 +174,7 @@ def positive(kind: type, floor: float):
             raise argparse.ArgumentTypeError(f"expected {'above' if kind is float else 'at least'} {floor:g}; "
                                              f"got {text}")
         return value
+    parse.__name__ = kind.__name__  # argparse names a value it cannot convert by its type's name: "invalid int value"
     return parse
 
 
