@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.metadata
+import importlib.util
 import logging
 import re
 from pathlib import Path
@@ -47,7 +48,7 @@ def test_no_script_shadows_a_package_a_dependency_looks_for():
                if not (path.parent / "__init__.py").is_file()}  # a package's modules are not on the path
     ours = {path.stem for folder in folders for path in folder.glob("*.py")} | {
         path.name for folder in folders for path in folder.iterdir() if (path / "__init__.py").is_file()}
-    source = Path(transformers.utils.import_utils.__file__).read_text()
+    source = Path(importlib.util.find_spec("transformers.utils.import_utils").origin).read_text()
     probed = set(re.findall(r'_is_package_available\(\s*"([\w.]+)"', source))
     assert {"torch", "accelerate"} <= probed, "transformers no longer probes packages by _is_package_available"
     installed = set(importlib.metadata.packages_distributions())
