@@ -199,7 +199,7 @@ def test_train_flags_set_the_train_config_fields_of_their_names():
 
     from opsd_rollout.cli.train import FLAGS
     from opsd_rollout.train import TrainConfig
-    from opsd_rollout.train.config import FLAT, SECTIONS
+    from opsd_rollout.train.sections import FLAT, SECTIONS
     from opsd_rollout.train.teacher_spec import FLAGS as TEACHER_FLAGS
     from opsd_rollout.train.teacher_spec import OPTIONS, TeacherSpec
 

@@ -5,14 +5,13 @@ configs, nested, never restated: the rollouts' sampling is DeepSpeed's ``Samplin
 takes), the student's rollout engine ``HybridEngineRolloutConfig``, the loss ``DivergenceConfig``, the teacher's
 logit cache ``TeacherCacheConfig``, the optimisation (DeepSpeed config, ZeRO stage, learning rate,
 accumulation) ``OptimizationConfig`` beside the code that builds the engine, and the student's LoRA adapters
-``AdapterConfig``. ``TrainConfig.from_flat`` takes the
-command line's flat names.
+``AdapterConfig``. ``TrainConfig.from_flat`` takes the command line's flat names (``sections.FLAT``).
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import MISSING, asdict, dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from collections.abc import Callable
 from typing import Any, cast
@@ -28,10 +27,13 @@ from opsd_rollout.opsd.teacher import TeacherCacheConfig
 from opsd_rollout.rollout.config import HybridEngineRolloutConfig
 from opsd_rollout.rollout.validation import check_sampling
 from opsd_rollout.train.best import check_save_best
+from opsd_rollout.train.collective import check_collective_timeout, default_collective_timeout
 from opsd_rollout.train.eval_file import TaskEvalConfig
 from opsd_rollout.train.lora import AdapterConfig
 from opsd_rollout.train.preflight import check_teacher_given
 from opsd_rollout.train.run_dir import resumed_output_dir
+from opsd_rollout.train.sections import (FLAT, OPTIONAL_SECTIONS, SECTIONS, default_cache_mode, is_flat,
+                                         section_from_json)
 from opsd_rollout.train.teacher_spec import FLAGS as TEACHER_FLAGS
 from opsd_rollout.train.teacher_spec import (UNNAMED, TeacherSpec, as_specs, check_self, check_specs, routed,
                                              specs_from_flags)
@@ -39,28 +41,6 @@ from opsd_rollout.train.optimization import OptimizationConfig
 
 OBJECTIVES = ("opsd", "sft")
 OFF_POLICY = ("auto", "references", "teacher")
-SECTIONS = {"sampling": SamplingConfig, "rollout": HybridEngineRolloutConfig, "divergence": DivergenceConfig,
-            "teacher_cache": TeacherCacheConfig, "optimization": OptimizationConfig, "task_eval": TaskEvalConfig,
-            "lora": AdapterConfig}
-"""The nested sections and their owners' types."""
-OPTIONAL_SECTIONS = ("teacher_cache", "task_eval")
-"""Sections that may be ``None`` (not named); given a field by a flat name, they are built from it alone."""
-FLAT = {
-    "max_new_tokens": "sampling.max_new_tokens", "samples_per_prompt": "sampling.n_samples_per_prompt",
-    "temperature": "sampling.temperature", "top_k": "sampling.top_k", "top_p": "sampling.top_p",
-    "loss": "divergence.loss", "beta": "divergence.beta", "estimator": "divergence.estimator",
-    "top_k_rest": "divergence.top_k_rest",
-    "teacher_cache": "teacher_cache.mode", "teacher_top_k": "teacher_cache.top_k",
-    "deepspeed": "optimization.deepspeed", "zero_stage": "optimization.zero_stage", "lr": "optimization.lr",
-    "gradient_accumulation_steps": "optimization.gradient_accumulation_steps",
-    "eval_data": "task_eval.data", "eval_scorer": "task_eval.scorer", "eval_samples": "task_eval.samples",
-    "eval_max_new_tokens": "task_eval.max_new_tokens",
-    "lora_rank": "lora.rank", "lora_alpha": "lora.alpha", "lora_targets": "lora.targets", "merge_lora": "lora.merge",
-}
-"""A flat name (a ``train`` flag's) -> the section field it sets; the names not listed are ``TrainConfig``'s own
-fields."""
-
-
 def _default_sampling() -> SamplingConfig:
     return SamplingConfig(max_new_tokens=32, top_k=0)
 
@@ -224,7 +204,7 @@ class TrainConfig:
         for name in ("save_every", "max_prompt_tokens", "save_total_limit", "task_labelled"):
             checks.integer(name, getattr(self, name), optional=True)
         checks.integer("max_skipped_steps", self.max_skipped_steps)
-        _check_collective_timeout(self)
+        check_collective_timeout(self.collective_timeout, self.teachers)
         checks.integer("task_unlabelled", self.task_unlabelled, minimum=0, optional=True)
         checks.integer("warmup_sft_steps", self.warmup_sft_steps, minimum=0)
         checks.number("warmup_sft_lr", self.warmup_sft_lr, above=0, optional=True)
@@ -302,10 +282,10 @@ class TrainConfig:
             if values.get("teachers"):
                 raise ValueError("teachers are given by their specs or by the teacher flags, not both")
             values["teachers"] = specs_from_flags(flags)
-        top = {name: value for name, value in values.items() if not _flat(name, value)}
+        top = {name: value for name, value in values.items() if not is_flat(name, value)}
         sections: dict[str, dict[str, Any]] = {}
         for name, value in values.items():
-            if _flat(name, value):
+            if is_flat(name, value):
                 section, leaf = FLAT[name].split(".")
                 sections.setdefault(section, {})[leaf] = value
         loss = sections.get("divergence", {}).get("loss", DivergenceConfig().loss)
@@ -329,14 +309,14 @@ class TrainConfig:
         """The config a ``train_config.json`` holds: sections as objects. A flat file of an older release is
         refused, not read."""
         values = dict(values)
-        flat = [name for name, value in values.items() if _flat(name, value)]
+        flat = [name for name, value in values.items() if is_flat(name, value)]
         if flat:
             raise ValueError("a flat train config of an older release: this release keeps "
                              f"{', '.join(f'{name} in {FLAT[name]}' for name in flat)}; move each into its section, "
                              "or start a new run")
         for name, kind in SECTIONS.items():
             if isinstance(values.get(name), dict):
-                values[name] = _from_json(kind, values[name])
+                values[name] = section_from_json(kind, values[name])
         return cls(**values)
 
     def to_dict(self) -> dict[str, Any]:
@@ -345,32 +325,6 @@ class TrainConfig:
         values = json.loads(json.dumps(asdict(self), default=str))
         values["teachers"] = [spec.to_dict() for spec in self.teachers]
         return values
-
-
-def _flat(name: str, value: Any) -> bool:
-    """Whether ``name`` is a flat name for a section's field, not the section itself (``teacher_cache`` is both:
-    a mode, or the section; ``None`` is the section's "not named")."""
-    return name in FLAT and not (name in SECTIONS and (value is None or isinstance(value, (dict, SECTIONS[name]))))
-
-
-def _from_json(kind: type, values: dict[str, Any]) -> Any:
-    """A section read back from its JSON: nested dataclasses (the rollout's ``options``) built again, a dtype
-    (written as its name) a dtype again."""
-    values = dict(values)
-    for f in fields(kind):
-        if isinstance(values.get(f.name), dict) and f.default_factory is not MISSING:
-            values[f.name] = _from_json(type(f.default_factory()), values[f.name])
-    if kind is TeacherCacheConfig and isinstance(values.get("dtype"), str):
-        import torch
-
-        values["dtype"] = getattr(torch, values["dtype"].removeprefix("torch."))
-    return kind(**values)
-
-
-def default_cache_mode(loss: str, *, served: bool = False) -> str:
-    """The teacher cache a loss trains on when none is named: ``sampled`` for ``sampled_reverse_kl``, else
-    ``full`` (``topk`` from a served teacher, which never sends a whole vocabulary)."""
-    return "sampled" if loss == "sampled_reverse_kl" else "topk" if served else "full"
 
 
 def _check_task(config: TrainConfig) -> None:
@@ -386,34 +340,6 @@ def _check_task(config: TrainConfig) -> None:
     if config.sampling.max_new_tokens < needed:
         raise ValueError(f"max_new_tokens {config.sampling.max_new_tokens} cuts task {config.task!r}'s worked "
                          f"solutions, up to {needed} tokens with the EOS: give at least {needed}")
-
-
-COLLECTIVE_TIMEOUT_S = 600.0
-"""The process group's timeout when no served teacher asks for more (``deepspeed_engine``'s default too)."""
-COLLECTIVE_MARGIN_S = 60.0
-"""What a collective waits beyond the longest a served teacher keeps one rank: that rank's checkpoint and the
-micro-batch's other work."""
-
-
-def teacher_wait_bound(teachers: tuple[TeacherSpec, ...]) -> float:
-    """The longest a rank waits for a served teacher before it gives up (``TeacherSpec.wait_bound_s``); 0 without
-    one."""
-    return max((spec.wait_bound_s for spec in teachers if spec.served), default=0.0)
-
-
-def default_collective_timeout(teachers: tuple[TeacherSpec, ...]) -> float:
-    """``COLLECTIVE_TIMEOUT_S``, or longer when a served teacher may keep a rank ``teacher_wait_bound`` seconds."""
-    return max(COLLECTIVE_TIMEOUT_S, teacher_wait_bound(teachers) + COLLECTIVE_MARGIN_S)
-
-
-def _check_collective_timeout(config: TrainConfig) -> None:
-    """A collective timeout given must outlast a served teacher's retries: the other ranks wait for them."""
-    timeout = checks.number("collective_timeout", config.collective_timeout, above=0, optional=True)
-    bound = teacher_wait_bound(config.teachers)
-    if timeout is not None and bound and timeout < bound + COLLECTIVE_MARGIN_S:
-        raise ValueError(f"--collective-timeout {timeout:g} s is shorter than the ranks may wait for a served teacher "
-                         f"({bound:g} s: --teacher-timeout and one request's limit, + {COLLECTIVE_MARGIN_S:g} s): give "
-                         f"at least {bound + COLLECTIVE_MARGIN_S:g}, or a shorter --teacher-timeout")
 
 
 def _check_warm_start(config: TrainConfig) -> None:
