@@ -21,27 +21,27 @@ import torch
 
 from opsd_rollout.files import write_text_atomic
 from opsd_rollout.opsd.nonfinite import NONFINITE_PARTS
-from opsd_rollout.opsd.self_teacher import SelfTeacher
 from opsd_rollout.opsd.served import ServedTeacher
-from opsd_rollout.opsd.step import OPSDStep, StepInFlight
+from opsd_rollout.opsd.in_flight import StepInFlight
+from opsd_rollout.opsd.step import OPSDStep
 from opsd_rollout.opsd.step_profile import StepProfile
 from opsd_rollout.quiet import quiet
-from opsd_rollout.seeding import seeded
+from opsd_rollout.seeding import seed_of, seeded
 from opsd_rollout.train.best import BEST_DIR, NOTE, Best
 from opsd_rollout.train.checkpoint import (find_checkpoint, guard_writes, latest_tag, prune_checkpoints, save_merged,
                                            save_model, save_published)
 from opsd_rollout.train.config import TrainConfig
 from opsd_rollout.train.data import Encoder, Example, batch_indices
-from opsd_rollout.train.evaluate import evaluate
 from opsd_rollout.train.faults import (Agreement, CheckpointNotWritten, StopSignals, TooManySkipped,
                                        stopped_by)
 from opsd_rollout.train.inputs import run_inputs
 from opsd_rollout.train.lora import trainable_parameters
 from opsd_rollout.train.precision import place_teachers
 from opsd_rollout.train.report import MetricsLog, Progress, monitor_events, plot_eval, step_record
+from opsd_rollout.train.run_evaluation import RunEvaluation
 from opsd_rollout.train.setup import Models, build_student_engine
 from opsd_rollout.train.sft import sft_step
-from opsd_rollout.train.task_eval import Problem, evaluate_task
+from opsd_rollout.train.task_eval import Problem
 from opsd_rollout.train.teacher_spec import described
 
 logger = logging.getLogger(__name__)
@@ -94,10 +94,6 @@ def model_label(model: str) -> str:
     return path.parent.name if path.name == "model" and path.parent.name else path.name
 
 
-def _seed_of(seed: int, *key: int) -> int:
-    return int(np.random.SeedSequence([seed, *key]).generate_state(1)[0])
-
-
 class _Run:
     """One training run's state: models, engine, data, logs."""
 
@@ -106,10 +102,9 @@ class _Run:
         from opsd_rollout.distributed import host_group, rank_info
         from opsd_rollout.rollout import HybridEngineRollout
 
-        self.config, self.models, self.train, self.held_out = config, models, train, held_out
+        self.config, self.models, self.train = config, models, train
         self.labelled = [e for e in train if e.reference is not None]
         """What SFT trains on (a warm start's labelled set)."""
-        self.problems = problems
         self.out = Path(config.run_dir)
         self.checkpoints = self.out / "checkpoints"
         self.engine = build_student_engine(config, models.student)
@@ -156,6 +151,9 @@ class _Run:
             write_text_atomic(self.out / "train_config.json", json.dumps(config.to_dict(), indent=2))
         self.saved_at: int | None = self.global_step if config.resume else None
         self.best = Best.of(config.save_best, self.out) if config.save_best else None
+        self.evaluator = RunEvaluation(config=config, models=models, engine=self.engine, rollout=self.rollout,
+                                       teacher=self.teacher, encoder=self.encoder, held_out=held_out,
+                                       problems=problems, rank=self.rank, reprompt=self.reprompt)
 
     # ---- one optimizer step --------------------------------------------------------------------------------
 
@@ -170,7 +168,7 @@ class _Run:
         """Micro-batch ``index`` of SFT, done: cross-entropy on its references (a warm start's: the labelled
         examples')."""
         self.agreement.check()  # a stop signal on any rank stops every rank here
-        with seeded(_seed_of(self.config.seed, index), self.device):  # dropout's random numbers
+        with seeded(seed_of(self.config.seed, index), self.device):  # dropout's random numbers
             batch = self.encoder.with_references(self.examples(index, self.labelled), self.device)
             return sft_step(self.engine, batch, grad_norm=True)
 
@@ -200,14 +198,14 @@ class _Run:
         teacher_request = self.encoder.teacher_request(examples, self.device) if self.reprompt else None
         if self.opsd is None:
             raise RuntimeError(f"objective {config.objective!r} runs no distillation step")
-        return self.opsd.start(self.encoder.request(examples, self.device), seed=_seed_of(config.seed, index),
+        return self.opsd.start(self.encoder.request(examples, self.device), seed=seed_of(config.seed, index),
                                routes=routes, rollout=rollout, teacher_request=teacher_request, slot=slot)
 
     def train_step(self, number: int) -> dict[str, Any]:
         """Optimizer step ``number`` (counted from 1): its micro-batches, and its record."""
         config, warming = self.config, self.warming(number)
         on_policy = not warming and bool(
-            np.random.default_rng(_seed_of(config.seed, number, 1)).random() < config.lmbda)
+            np.random.default_rng(seed_of(config.seed, number, 1)).random() < config.lmbda)
         self.set_phase_lr(number)
         start, skipped = time.perf_counter(), self.engine.skipped_steps
         first = (number - 1) * self.accumulation
@@ -256,61 +254,6 @@ class _Run:
                                  f"{limit}), the last for a non-finite {record['nonfinite']}: the weights are step "
                                  f"{good}'s, the last good one")
 
-    def evaluation(self, *, teacher: bool = False) -> dict[str, float]:
-        """The held-out figures, the task evaluation's when there is one, and with ``teacher`` (step 0) the
-        teacher's task figures."""
-        examples = self.held_out[:self.config.eval_prompts]
-        shard = examples[self.rank.rank::self.rank.world_size][:len(examples) // self.rank.world_size or 1]
-        start = time.perf_counter()
-        figures = evaluate(self.engine, self.teacher, self.rollout, self.encoder, shard, self.config.sampling,
-                           seed=_seed_of(self.config.seed, 2**31), batch_size=self.config.prompts_per_micro_batch,
-                           default_teacher=self.config.default_teacher_name, teacher_prompts=self.reprompt)
-        if self.problems is not None:
-            if teacher:
-                figures.update(self.teacher_task_evaluation())
-            task_start = time.perf_counter()
-            figures.update(self.task_evaluation(self.engine, self.rollout).record())
-            figures["time/task_evaluation_ms"] = (time.perf_counter() - task_start) * 1e3
-        return {**figures, "time/evaluation_ms": (time.perf_counter() - start) * 1e3}
-
-    def task_evaluation(self, model: Any, rollout: Any) -> Any:
-        task = self.config.task_eval
-        if task is None or self.problems is None:
-            raise RuntimeError("the run has no task to evaluate (task_eval)")
-        return evaluate_task(model, rollout, self.models.tokenizer, self.problems, task, self.config.sampling,
-                             max_new_tokens=task.new_tokens(self.config.sampling.max_new_tokens),
-                             seed=_seed_of(self.config.seed, 2**31, 1),
-                             batch_size=self.config.prompts_per_micro_batch)
-
-    def teacher_task_evaluation(self) -> dict[str, float]:
-        """The teacher's task figures (``teacher_eval_*``), once: what the student is read against. A served teacher
-        scores tokens and does not generate, so it is not scored (a line says so)."""
-        if self.teacher is None:
-            return {}
-        if self.config.several:
-            if self.rank.rank == 0:
-                logger.warning("with several teachers, none is scored on --eval-data here: for a teacher's figure, "
-                               "run opsd-rollout eval --model on its checkpoint")
-            return {}
-        if isinstance(self.teacher, SelfTeacher) or self.config.teachers[0].is_self:
-            if self.rank.rank == 0:
-                logger.warning("the self-teacher is not scored on --eval-data: it is the student's own weights, shown "
-                               "the reference in training; the student's figure at step 0 is its starting point")
-            return {}
-        if isinstance(self.teacher, ServedTeacher):
-            if self.rank.rank == 0:
-                logger.warning("the served teacher is not scored on --eval-data (a teacher server scores tokens, it "
-                               "does not generate): for its figure, run opsd-rollout eval --model on its checkpoint")
-            return {}
-        from opsd_rollout.rollout import HybridEngineRollout
-
-        rollout = HybridEngineRollout(self.teacher, self.models.tokenizer,
-                                      self.config.rollout.replace(enable_profiling=False))
-        try:
-            return self.task_evaluation(self.teacher, rollout).record("teacher_eval_")
-        finally:
-            rollout.shutdown()
-
     # ---- the loop --------------------------------------------------------------------------------------------
 
     def record(self, record: dict[str, Any], progress: Progress) -> None:
@@ -346,7 +289,7 @@ class _Run:
         progress = Progress(config.steps, self.global_step, enabled=config.progress)
         if self.global_step == 0:
             trainable, _ = trainable_parameters(self.engine.module)
-            self.record({"step": 0, "trainable_parameters": trainable, **self.evaluation(teacher=True)}, progress)
+            self.record({"step": 0, "trainable_parameters": trainable, **self.evaluator.evaluate(teacher=True)}, progress)
         trained_s = next((r["time/steps_s"] for r in reversed(self.log.records) if "time/steps_s" in r), 0.0)
         while self.global_step < config.steps:
             record = self.train_step(self.global_step + 1)
@@ -355,7 +298,7 @@ class _Run:
             record["time/steps_s"] = trained_s  # the optimizer steps' wall time so far, evaluations apart
             try:
                 if self.global_step % config.eval_every == 0 or self.global_step == config.steps:
-                    record.update(self.evaluation())
+                    record.update(self.evaluator.evaluate())
             finally:  # a step taken is a step recorded, even if Ctrl-C stops its evaluation
                 self.record(record, progress)
             self.check_skipped(record)
