@@ -61,11 +61,12 @@ HOOK = textwrap.dedent('''
             return cache
 
         from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+        import opsd_rollout.opsd.in_flight as in_flight
         import opsd_rollout.opsd.step as step
         if FAULT == "kill-in-step":
-            planted(step.StepInFlight, "finish", killed)
+            planted(in_flight.StepInFlight, "finish", killed)
         elif FAULT == "hang-in-step":
-            planted(step.StepInFlight, "finish", hung)
+            planted(in_flight.StepInFlight, "finish", hung)
         elif FAULT == "kill-in-save":
             planted(TorchCheckpointEngine, "save", killed)
         elif FAULT == "full-disk":

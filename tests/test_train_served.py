@@ -129,10 +129,11 @@ def test_accumulated_micro_batches_roll_out_ahead_of_their_updates_with_the_same
     before the first update, so each request is in flight behind the next rollout; the samples, losses and gradient
     norms are those of the run that waits for each answer in turn (``--no-teacher-overlap``), and the records say
     how much of the teacher's latency was hidden."""
+    from opsd_rollout.opsd import in_flight
     from opsd_rollout.opsd import step as step_module
 
     order = []
-    start, finish = step_module.OPSDStep.start, step_module.StepInFlight.finish
+    start, finish = step_module.OPSDStep.start, in_flight.StepInFlight.finish
 
     def starting(*args, **kwargs):
         order.append("rollout")
@@ -143,7 +144,7 @@ def test_accumulated_micro_batches_roll_out_ahead_of_their_updates_with_the_same
         return finish(self, *args, **kwargs)
 
     monkeypatch.setattr(step_module.OPSDStep, "start", starting)
-    monkeypatch.setattr(step_module.StepInFlight, "finish", finishing)
+    monkeypatch.setattr(in_flight.StepInFlight, "finish", finishing)
     common = dict(TINY, steps=2, gradient_accumulation_steps=3, samples_per_prompt=2, temperature=1.0,
                   teacher_url=qwen_server.url, teacher_cache="topk", teacher_top_k=16)
     runs = {}

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from opsd_rollout.deepspeed_engine import build_inference_engine
 from opsd_rollout.models import load_model
 from opsd_rollout.opsd import TeacherCacheBuffers, TeacherCacheConfig, build_teacher_cache
-from opsd_rollout.opsd.step import resident_bytes
+from opsd_rollout.opsd.teachers import resident_bytes
 from deepspeed.runtime.rollout.base import RolloutBatch as Batch
 
 teacher, _ = load_model("qwen2-tiny")

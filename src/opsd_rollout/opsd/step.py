@@ -4,48 +4,32 @@ backward -> optimizer step, with the eval/train switches around the rollout time
 from __future__ import annotations
 
 import logging
-import math
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING
 
 import torch
-import torch.distributed as dist
 
-from opsd_rollout.distributed import partitioned, several_ranks
+from opsd_rollout.distributed import partitioned
 from opsd_rollout.modeling import innermost_model, model_config, text_config
 from opsd_rollout.opsd.divergence import DivergenceConfig
 from opsd_rollout.opsd.fused import fusion_problem
-from opsd_rollout.opsd.nonfinite import nonfinite_part
+from opsd_rollout.opsd.in_flight import StepInFlight, StepRollout
 from opsd_rollout.opsd.served import ServedTeacher
 from opsd_rollout.opsd.self_teacher import SelfTeacher
 from opsd_rollout.opsd.targets import ResponseTargets, expanded_prompts, reprompted, response_targets
 from opsd_rollout.opsd.step_profile import StepParts, StepProfile
-from opsd_rollout.opsd.student import engine_step, student_forward, student_loss, token_mean
 from opsd_rollout.opsd.teacher import TeacherCacheBuffers, TeacherCacheConfig, build_teacher_cache
 from opsd_rollout.opsd.teachers import Share, Teacher, Teachers, check_routes, check_teacher, route_rows, share_targets
 from opsd_rollout.profiling import Clock, StageRecorder, timed_eval
-from opsd_rollout.profiling.transitions import ModeSwitchTimes
 from opsd_rollout.seeding import seeded
 
 if TYPE_CHECKING:
     from deepspeed.runtime.engine import DeepSpeedEngine
-    from deepspeed.runtime.rollout import RolloutBatch, RolloutRequest, SamplingConfig
-
-    from opsd_rollout.profiling import RolloutProfile
-
+    from deepspeed.runtime.rollout import RolloutRequest, SamplingConfig
 
 logger = logging.getLogger(__name__)
-
-
-class StepRollout(Protocol):
-    """What samples a step's responses: ours (``HybridEngineRollout``, whose ``generate`` also takes ``seed=``),
-    DeepSpeed's, or a source of batches made beforehand."""
-
-    def generate(self, request: RolloutRequest, sampling: SamplingConfig) -> RolloutBatch: ...
-
-    def get_last_profile(self) -> RolloutProfile | None: ...
 
 
 @dataclass
@@ -112,14 +96,6 @@ def _fuses(model: torch.nn.Module, divergence: DivergenceConfig, state: StepStat
         state.warned.add(model)
         logger.warning("the fused loss cannot run on this student (%s): computing its logits whole instead", problem)
     return problem is None
-
-
-def resident_bytes(module: torch.nn.Module) -> int:
-    """Bytes of ``module``'s parameters held on this rank (a ZeRO-3 parameter's own partition); a ``SelfTeacher``'s
-    own alone (the student's weights it scores with are the student's)."""
-    params = module.parameters() if isinstance(module, SelfTeacher) else innermost_model(module).parameters()
-    held = (getattr(p, "ds_tensor", p) for p in params)
-    return sum(t.numel() * t.element_size() for t in held)
 
 
 def check_pairing(divergence: DivergenceConfig, teacher_cache: TeacherCacheConfig) -> None:
@@ -276,109 +252,6 @@ class OPSDStep:
                 if rows[name].numel() or (not isinstance(each, ServedTeacher) and partitioned(innermost_model(each)))]
 
 
-@dataclass(kw_only=True, eq=False)
-class StepInFlight:
-    """An OPSD step between its halves (``OPSDStep.start``): its rollout done, its teachers' caches built or asked
-    for."""
-
-    step: OPSDStep
-    rollout: StepRollout
-    """What sampled this step's responses (its profile is the step's rollout's)."""
-    seed: int | None
-    behaviour_logprobs: torch.Tensor | None
-    recorder: StageRecorder
-    parts: StepParts
-    switch: ModeSwitchTimes
-    """The eval/train switch around the rollout, timed."""
-    targets: ResponseTargets
-    shares: list[Share]
-    """Each teacher's rows and cache (one share, every row, with one teacher)."""
-    failure: BaseException | None = None
-    """A teacher's answer that failed before ``finish`` (one waited for in ``start``, without overlap)."""
-
-    def wait(self, share: Share) -> None:
-        """A served teacher's cache, waited for as the step's ``teacher`` part (the latency not hidden)."""
-        if share.cache is None:
-            self.parts.run("teacher", self._receive, share)
-
-    def _receive(self, share: Share) -> None:
-        if share.pending is None:
-            raise RuntimeError(f"teacher {share.name!r} was asked for no cache")
-        with self.recorder.stage("teacher_wait"):
-            share.cache = share.pending.result()
-
-    def cancel(self) -> None:
-        """Drop the served answers not yet on their way (a run stopping with this step in flight)."""
-        for share in self.shares:
-            if share.pending is not None:
-                share.pending.cancel()
-
-    def received(self, shares: list[Share] | None = None) -> BaseException | None:
-        """Every teacher's cache (of ``shares``, every one by default) waited for; the first failure (a request that
-        gave up, an answer refused at the wire) returned, not raised, and the answers still on their way dropped."""
-        if self.failure is not None:
-            return self.failure
-        for share in self.shares if shares is None else shares:
-            try:
-                self.wait(share)
-            except Exception as failure:  # noqa: BLE001 - what to do is agreed with the other ranks
-                self.cancel()
-                return failure
-        return None
-
-    def finish(self, agree: Callable[[BaseException | None], None] | None = None) -> StepProfile:
-        """The rest of the step, then its profile: the student's forward (a served teacher's request in flight
-        during it), the teachers' caches, the loss (each teacher's over its rows), backward and the optimizer.
-
-        ``agree``: called once every teacher's cache is in, before any loss, with this rank's failure to get one (or
-        ``None``): where every rank decides alike whether the step goes on (``train``'s loop); it raises to stop.
-        Without it, a failure is raised here."""
-        step, parts, targets = self.step, self.parts, self.targets
-        with seeded(self.seed, step.device), self.recorder.stage("total"):
-            out = student_forward(parts, step.engine, targets, step.fused)
-            failure = self.received()
-            if agree is not None:
-                agree(failure)
-            if failure is not None:
-                raise failure
-            sums = [student_loss(parts, step.engine, share.pick(out), share.targets, share.built, step.divergence,
-                                  step.fused, share.pick(self.behaviour_logprobs)) for share in self.shares]
-            total, count = (sum(column) for column in zip(*sums))
-            loss, reported = token_mean(total, count)
-            parts.run("backward", step.engine.backward, loss)
-            norm = parts.run("optimizer", engine_step, step.engine, grad_norm=step.grad_norm)
-        value = float(reported)
-        nonfinite = None if math.isfinite(value) else nonfinite_part([s.cache for s in self.shares], out, total)
-        named = {share.name: sums[i] for i, share in enumerate(self.shares) if share.name is not None}
-        names = [name for name in step.teachers if name is not None]
-        return self._profile(value, norm, per_teacher(names, named, step.device), nonfinite)
-
-    def _profile(self, reported: float, norm: Any, teachers: dict[str, tuple[float, int]],
-                 nonfinite: str | None) -> StepProfile:
-        ms, starts = self.parts.times()
-        switch, caches = self.switch, [share.built for share in self.shares]
-        served = [share.pending for share in self.shares if share.pending is not None]
-        eval_ms = switch.eval_ms or 0.0  # read once the step's marks are resolved: a number now
-        producing = eval_ms + ms["rollout"] + (switch.train_ms or 0.0)
-        return StepProfile(
-            rollout=self.rollout.get_last_profile(), eval_ms=eval_ms, train_ms=switch.train_ms or 0.0,
-            rollout_ms=ms["rollout"], teacher_forward_ms=ms.get("teacher_forward", 0.0),
-            cache_write_ms=ms.get("cache_write", 0.0), teacher_wait_ms=ms.get("teacher_wait", 0.0),
-            student_forward_ms=ms["student_forward"], loss_ms=ms["loss"], backward_ms=ms["backward"],
-            optimizer_ms=ms["optimizer"], total_ms=ms["total"],
-            rollout_share=producing / ms["total"] if ms["total"] > 0 else 0.0,
-            peak_memory_bytes=dict(self.parts.peaks), part_start_ms=starts, response_tokens=self.targets.tokens,
-            teacher_cache_bytes=sum(cache.nbytes for cache in caches),
-            teacher_cache_budget_bytes=max(cache.budget_bytes for cache in caches),
-            teacher_cache_mode=caches[0].mode, fused_loss=self.step.fused, loss=reported, nonfinite=nonfinite,
-            teacher_parameter_bytes=sum(resident_bytes(s.teacher) for s in self.shares
-                                        if not isinstance(s.teacher, ServedTeacher)),
-            grad_norm=None if norm is None else float(norm),
-            teacher_latency_ms=max((pending.latency_ms for pending in served), default=0.0),
-            teacher_losses={name: value for name, (value, _) in teachers.items()},
-            teacher_tokens={name: tokens for name, (_, tokens) in teachers.items()})
-
-
 def teacher_prompts(teacher_request: RolloutRequest, request: RolloutRequest,
                     samples_per_prompt: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The teachers' prompts ``[B * n, P']`` (ids and mask), one a response row, from ``teacher_request``'s one a
@@ -390,18 +263,3 @@ def teacher_prompts(teacher_request: RolloutRequest, request: RolloutRequest,
                          f"[{prompts}, P'] and a mask of the same shape; got {tuple(ids.shape)} and "
                          f"{tuple(mask.shape)}")
     return expanded_prompts(teacher_request, samples_per_prompt)
-
-
-def per_teacher(names: list[str], sums: dict[str, tuple[torch.Tensor, torch.Tensor]],
-                device: torch.device) -> dict[str, tuple[float, int]]:
-    """Each named teacher's token-mean loss and its response tokens, over every rank (``names``: the step's
-    teachers, alike on every rank, in one all-reduce; a teacher no rank routed a token to is left out)."""
-    if not names:
-        return {}
-    zero = torch.zeros(())
-    stacked = torch.stack([torch.stack([t.detach().float().reshape(()).cpu(), c.float().reshape(()).cpu()])
-                           for t, c in (sums.get(name, (zero, zero)) for name in names)])  # [T, 2]
-    if several_ranks():
-        stacked = stacked.to(device)  # the student's: where the step's other collectives run
-        dist.all_reduce(stacked)
-    return {name: (total / count, int(count)) for name, (total, count) in zip(names, stacked.tolist()) if count}

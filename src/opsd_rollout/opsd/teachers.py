@@ -12,6 +12,7 @@ from typing import TypeAlias, overload
 import torch
 
 from opsd_rollout.modeling import innermost_model, model_config, text_config
+from opsd_rollout.opsd.self_teacher import SelfTeacher
 from opsd_rollout.opsd.served import InFlight, ServedTeacher, refuse_full_cache
 from opsd_rollout.opsd.targets import ResponseTargets
 from opsd_rollout.opsd.teacher import TeacherCache, TeacherCacheConfig
@@ -112,3 +113,11 @@ def share_targets(targets: ResponseTargets, rows: torch.Tensor) -> ResponseTarge
     return ResponseTargets(targets.input_ids.index_select(0, pick), targets.attention_mask.index_select(0, pick),
                            targets.prompt_length, targets.labels.index_select(0, pick),
                            targets.mask.index_select(0, pick.to(targets.mask.device)))
+
+
+def resident_bytes(module: torch.nn.Module) -> int:
+    """Bytes of ``module``'s parameters held on this rank (a ZeRO-3 parameter's own partition); a ``SelfTeacher``'s
+    own alone (the student's weights it scores with are the student's)."""
+    params = module.parameters() if isinstance(module, SelfTeacher) else innermost_model(module).parameters()
+    held = (getattr(p, "ds_tensor", p) for p in params)
+    return sum(t.numel() * t.element_size() for t in held)

@@ -27,8 +27,8 @@ from transformers import LogitsProcessorList
 from opsd_rollout.bench.workload import workload_processor
 from opsd_rollout.distributed import rank_info
 from opsd_rollout.models import dtype_name
-from opsd_rollout.opsd.step import resident_bytes
 from opsd_rollout.opsd.step_profile import StepParts, StepProfile
+from opsd_rollout.opsd.teachers import resident_bytes
 from opsd_rollout.profiling import Clock, PeakMemory, RolloutProfile, StageRecorder, timed_eval
 from opsd_rollout.profiling.recorder import Span
 
