@@ -18,6 +18,7 @@ import pytest
 
 from opsd_rollout.bench.compare import (EXIT_BAD_INPUT, EXIT_DISTURBED, EXIT_NOTHING_COMPARED, EXIT_PARTIAL,
                                         EXIT_REGRESSION, MismatchError, compare_documents)
+from opsd_rollout.bench.pace import REFERENCE_METRIC
 from opsd_rollout.bench.ratio_test import EXACT_LIMIT, fewest_iterations, ratio_interval, tail_rank
 from opsd_rollout.bench.report import SCHEMA_VERSION, ConfigResult, load_schema
 from opsd_rollout.bench.scenarios import RolloutConfig
@@ -258,7 +259,8 @@ def real_document(tmp_path_factory):
 def plant(document: dict, *, seed: int, scale: float = 1.0, iterations: int = 6, spread: float = 0.03,
           disturbed: str = "", processes: int = 1, between: float = 0.0) -> dict:
     """``document`` with planted iterations: each config's first real iteration, its times set so its total is
-    ``TOTAL_MS``, repeated ``iterations`` times, every time of an iteration scaled by one lognormal factor
+    ``TOTAL_MS``, repeated ``iterations`` times, every time of an iteration (but the reference workload's, the
+    machine's) scaled by one lognormal factor
     (``spread``: its sigma) times ``scale`` (and its throughputs divided by it); its configs ``QUIET``, or
     ``BUSY`` where their key contains ``disturbed`` (``"-"``: every one). With ``processes`` over 1, each config
     is measured in that many processes of ``iterations`` each, each process's times scaled by one more lognormal
@@ -276,8 +278,8 @@ def plant(document: dict, *, seed: int, scale: float = 1.0, iterations: int = 6,
         for level in rng.lognormal(0.0, between, processes):
             planted = []
             for factor in rng.lognormal(0.0, spread, iterations) * scale * level:
-                it = {k: v * to_total * factor if k.endswith("_ms") and v is not None else v
-                      for k, v in profile.items()}
+                it = {k: v * to_total * factor if k.endswith("_ms") and k != REFERENCE_METRIC and v is not None
+                      else v for k, v in profile.items()}  # the reference is the machine's: the code leaves it
                 it.update({k: profile[k] / to_total / factor for k in profile if k.endswith("tokens_per_second")})
                 planted.append(it)
             records.append({"pid": None, "iterations": planted, "warmup": result.get("warmup"),

@@ -27,12 +27,13 @@ _spec.loader.exec_module(pairs)
 def test_the_planted_slowdown_scales_every_time_and_throughput_once_and_nothing_else():
     run = document({"1": [[10.0, 12.0], [11.0, 13.0]]})
     shared = {"total_ms": 10.0, "tokens_per_second": 200.0, "peak_memory_bytes": 2**30, "generated_tokens": 4,
-              "rollout_share": 0.5}
+              "rollout_share": 0.5, "reference_ms": 3.0}
     run["results"][0]["iterations"][0] = run["results"][0]["processes"][0]["iterations"][0] = shared  # one dict
     slowed = pairs.scaled(run, 1.15)
     for iterations in (slowed["results"][0]["iterations"], slowed["results"][0]["processes"][0]["iterations"]):
         assert iterations[0] == {"total_ms": pytest.approx(11.5), "tokens_per_second": pytest.approx(200 / 1.15),
-                                 "peak_memory_bytes": 2**30, "generated_tokens": 4, "rollout_share": 0.5}
+                                 "peak_memory_bytes": 2**30, "generated_tokens": 4, "rollout_share": 0.5,
+                                 "reference_ms": 3.0}  # the machine's pace: the code's slowdown leaves it
     assert [it["total_ms"] for it in slowed["results"][0]["processes"][1]["iterations"]] == \
         [pytest.approx(11 * 1.15), pytest.approx(13 * 1.15)]
     assert shared["total_ms"] == 10.0 and run["results"][0]["iterations"][1]["total_ms"] == 12.0  # input untouched
@@ -40,12 +41,17 @@ def test_the_planted_slowdown_scales_every_time_and_throughput_once_and_nothing_
 
 def plant(runs_dir: Path, count: int, seed: int = 0) -> None:
     """``count`` pairs of complete smoke runs in ``runs_dir``: two configs, 6 processes 3% apart of 3 iterations,
-    the same distribution on both sides (what ``make perf`` records of the same code on a quiet machine)."""
+    the same distribution on both sides (what ``make perf`` records of the same code on a quiet machine), the
+    reference workload timed beside each iteration."""
     rng = np.random.default_rng(seed)
     for index in range(1, count + 1):
         for side in "ab":
             run = {**document({b: processes(rng, 6, between=0.03) for b in ("1", "4")}),
                    "settings": pairs.perf_settings()}
+            for result in run["results"]:
+                for iteration in (it for p in result["processes"] for it in p["iterations"]):
+                    iteration["reference_ms"] = 10 * rng.lognormal(0, 0.01)
+                result["iterations"] = [it for p in result["processes"] for it in p["iterations"]]
             (runs_dir / f"rollout-{index}-{side}.json").write_text(json.dumps(run))
 
 
@@ -59,14 +65,19 @@ def test_same_code_pairs_pass_and_their_planted_slowdown_is_flagged(tmp_path, mo
     assert list(result["kinds"]) == ["rollout"] and result["settings"]["processes"] == 6
     rollout = result["kinds"]["rollout"]
     assert rollout["same_code_pairs_with_a_regression"] == 0 and rollout["planted_pairs_flagged"] == 3
+    assert rollout["same_code_pairs_with_a_regression_as_measured"] == 0
+    assert rollout["planted_pairs_flagged_as_measured"] == 3
     assert rollout["pairs_with_a_disturbed_config"] == 0 and 1 < rollout["largest_ratio_of_two_processes"] < 1.2
     for pair in rollout["pairs"]:
         assert all(run["reused"] for run in pair["runs"])
         assert pair["same_code"]["exit_status"] == 0 and pair["planted"]["exit_status"] == 1
         assert pair["same_code"]["by_processes"] and pair["planted"]["by_processes"]
+        assert pair["planted"]["paced"] and not pair["planted_as_measured"]["paced"]
+        assert all(0.95 < ratio < 1.05 for ratio in pair["planted"]["machine"].values())  # the reference unscaled
         assert {r["metric"] for r in pair["planted"]["regressions"]} >= {"total_ms"}
         assert all(5 < pct < 20 for pct in pair["same_code"]["flaggable_pct"].values())  # widened: over 26%
-    assert "rollout: same-code pairs with a regression: 0 of 3; planted 1.15x flagged: 3 of 3" in capsys.readouterr().out
+    assert ("rollout: same-code pairs with a regression: 0 of 3 (0 as measured); planted 1.15x flagged: 3 of 3 "
+            "(3 as measured)") in capsys.readouterr().out
     assert [p.name for p in output.parent.iterdir()] == ["pairs.json"]  # written atomically: no temporary left
 
 
@@ -77,6 +88,14 @@ def test_a_kept_run_made_at_other_settings_is_made_again(tmp_path, monkeypatch):
     stale = json.loads((tmp_path / "rollout-1-b.json").read_text())
     stale["settings"] = {**pairs.perf_settings(), "iterations": 3}
     (tmp_path / "rollout-1-b.json").write_text(json.dumps(stale))
+    assert not pairs.complete(tmp_path / "rollout-1-b.json", pairs.parse_args([]))
+    unpaced = json.loads((tmp_path / "rollout-1-a.json").read_text())  # made before the reference was timed
+    assert pairs.complete(tmp_path / "rollout-1-a.json", pairs.parse_args([]))
+    for result in unpaced["results"]:
+        for iteration in result["iterations"]:
+            del iteration["reference_ms"]
+    (tmp_path / "older.json").write_text(json.dumps(unpaced))
+    assert not pairs.complete(tmp_path / "older.json", pairs.parse_args([]))
     made = []
 
     def record(command, **kwargs):

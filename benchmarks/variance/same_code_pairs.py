@@ -41,24 +41,22 @@ QUICK = {"rollout": ["--model", "llama-tiny", "--zero-stages", "none"],
          "step": ["--student", "llama-tiny", "--teacher", "llama-tiny", "--zero-stages", "0"]}
 QUICK_RUN = ["--batch-sizes", "1", "--samples-per-prompt", "1", "--prompt-lengths", "8", "--response-lengths", "4"]
 """``--quick``: each kind's tiny config (a step trains a DeepSpeed engine, so its ZeRO stage is 0, not none)."""
-SCALED_UNITS = {"ms": "slower", "s": "slower", "tokens/s": "fewer"}
-"""What a ``scale`` times slower run does to a metric of each unit (the registry's): times grow, throughputs
-shrink; memory, counts and ratios of times stay."""
 
 
 def scaled(document: dict[str, Any], scale: float) -> dict[str, Any]:
     """``document`` with every time of every iteration (the merged view and each process's) times ``scale`` and
-    every throughput divided by it, as the metric registry's units say: a real run made ``scale`` times slower."""
-    from opsd_rollout.metrics import METRICS
+    every throughput divided by it, as the machine's pace would move them (``bench/pace.py``), but the reference
+    workload's time: the code made ``scale`` times slower on the same machine."""
+    from opsd_rollout.bench.pace import paced
 
     document = json.loads(json.dumps(document))  # a copy whose iterations share no dict, so none is scaled twice
     for result in document["results"]:
         for iterations in [result["iterations"], *(p["iterations"] for p in result.get("processes") or [])]:
             for iteration in iterations:
                 for name, value in iteration.items():
-                    how = SCALED_UNITS.get(METRICS[name].unit) if name in METRICS else None
+                    how = paced(name)
                     if how and isinstance(value, (int, float)) and not isinstance(value, bool):
-                        iteration[name] = value * scale if how == "slower" else value / scale
+                        iteration[name] = value * scale if how == "time" else value / scale
     return document
 
 
@@ -73,7 +71,9 @@ def perf_settings() -> dict[str, int]:
 
 def complete(path: Path, args: argparse.Namespace) -> bool:
     """Whether ``path`` holds a finished run (every config measured or failed) made at ``args``' processes,
-    iterations and warm-up: one to keep, not to rerun."""
+    iterations and warm-up, with the reference workload timed beside every iteration: one to keep, not to rerun."""
+    from opsd_rollout.bench.pace import REFERENCE_METRIC
+
     try:
         document = json.loads(path.read_text())
     except (OSError, ValueError):
@@ -81,7 +81,8 @@ def complete(path: Path, args: argparse.Namespace) -> bool:
     results = document.get("results") or []
     made = document.get("settings") or {}
     return (bool(results) and all(r["status"] in ("ok", "failed", "skipped") for r in results)
-            and all(made.get(name) == getattr(args, name) for name in ("processes", "iterations", "warmup")))
+            and all(made.get(name) == getattr(args, name) for name in ("processes", "iterations", "warmup"))
+            and all(REFERENCE_METRIC in it for r in results for it in r.get("iterations") or []))
 
 
 def command_of(kind: str, path: Path, args: argparse.Namespace) -> list[str]:
@@ -121,15 +122,20 @@ def processes_apart(document: dict[str, Any]) -> list[float]:
     return [max(m) / min(m) for m in medians if len(m) > 1]
 
 
-def judged(before: dict[str, Any], after: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
-    """``compare``'s judgement of ``after`` against ``before``: its exit status, regressions, disturbed configs,
-    whether every metric was judged over processes, and per config the smallest slowdown its total could have been
-    flagged at and each side's spread between processes."""
+def judged(before: dict[str, Any], after: dict[str, Any], args: argparse.Namespace,
+           reference: bool = True) -> dict[str, Any]:
+    """``compare``'s judgement of ``after`` against ``before`` (``reference``: relative to the machine's pace, as
+    compare judges by default; ``False``: the times as measured): its exit status, regressions, disturbed configs,
+    whether every metric was judged over processes and relative to the pace, the reference's ratio per config, and
+    per config the smallest slowdown its total could have been flagged at and each side's spread between
+    processes."""
     from opsd_rollout.bench.compare import compare_documents, flaggable_pct
 
-    comparison = compare_documents(before, after, threshold_pct=args.threshold, allow_disturbed=args.allow_disturbed)
+    comparison = compare_documents(before, after, threshold_pct=args.threshold, allow_disturbed=args.allow_disturbed,
+                                   reference=reference)
     totals = [c for c in comparison.changes if c.metric == "total_ms"]
-    return {"exit_status": comparison.exit_status(),
+    return {"exit_status": comparison.exit_status(), "paced": any(c.paced for c in comparison.changes),
+            "machine": comparison.machine,
             "regressions": [{"config": c.label, "metric": c.metric, "ratio": c.ratio, "low": c.low, "high": c.high}
                             for c in comparison.regressions],
             "disturbed": sorted(comparison.disturbed),
@@ -139,10 +145,14 @@ def judged(before: dict[str, Any], after: dict[str, Any], args: argparse.Namespa
 
 
 def tally(pairs: list[dict[str, Any]], apart: list[float]) -> dict[str, Any]:
-    """One kind's pairs and what they add up to."""
+    """One kind's pairs and what they add up to (judged relative to the machine's pace, compare's default, and as
+    measured: ``_as_measured``)."""
     return {"pairs": pairs,
             "same_code_pairs_with_a_regression": sum(bool(p["same_code"]["regressions"]) for p in pairs),
             "planted_pairs_flagged": sum(bool(p["planted"]["regressions"]) for p in pairs),
+            "same_code_pairs_with_a_regression_as_measured": sum(bool(p["same_code_as_measured"]["regressions"])
+                                                                 for p in pairs),
+            "planted_pairs_flagged_as_measured": sum(bool(p["planted_as_measured"]["regressions"]) for p in pairs),
             "pairs_with_a_disturbed_config": sum(bool(p["same_code"]["disturbed"]) for p in pairs),
             "largest_ratio_of_two_processes": max(apart, default=None),
             "median_ratio_of_two_processes": sorted(apart)[len(apart) // 2] if apart else None}
@@ -156,12 +166,17 @@ def measure(kind: str, args: argparse.Namespace, save) -> dict[str, Any]:
         runs = [run(kind, args.runs_dir / f"{kind}-{index}-{side}.json", args) for side in ("a", "b")]
         before, after = (json.loads(Path(r["path"]).read_text()) for r in runs)
         apart += processes_apart(before) + processes_apart(after)
+        slowed = scaled(after, args.scale)
         pairs.append({"runs": runs, "same_code": judged(before, after, args),
-                      "planted": judged(before, scaled(after, args.scale), args)})
-        same, planted = pairs[-1]["same_code"], pairs[-1]["planted"]
-        print(f"same_code_pairs: {kind} pair {index}: same code: {len(same['regressions'])} regression(s), "
-              f"{len(same['disturbed'])} disturbed; planted {args.scale}x: {len(planted['regressions'])} "
-              "regression(s)", flush=True)
+                      "planted": judged(before, slowed, args),
+                      "same_code_as_measured": judged(before, after, args, reference=False),
+                      "planted_as_measured": judged(before, slowed, args, reference=False)})
+        pair = pairs[-1]
+        print(f"same_code_pairs: {kind} pair {index}: same code: {len(pair['same_code']['regressions'])} "
+              f"regression(s) ({len(pair['same_code_as_measured']['regressions'])} as measured), "
+              f"{len(pair['same_code']['disturbed'])} disturbed; planted {args.scale}x: "
+              f"{len(pair['planted']['regressions'])} regression(s) "
+              f"({len(pair['planted_as_measured']['regressions'])} as measured)", flush=True)
         save(tally(pairs, apart))
     return tally(pairs, apart)
 
@@ -231,8 +246,10 @@ def main(argv: list[str] | None = None) -> int:
     for kind in args.kinds:
         measured[kind] = measure(kind, args, lambda so_far, kind=kind: save(kind, so_far))
     for kind, m in measured.items():
-        print(f"{kind}: same-code pairs with a regression: {m['same_code_pairs_with_a_regression']} of {args.pairs}; "
-              f"planted {args.scale}x flagged: {m['planted_pairs_flagged']} of {args.pairs}; pairs with a disturbed "
+        print(f"{kind}: same-code pairs with a regression: {m['same_code_pairs_with_a_regression']} of {args.pairs} "
+              f"({m['same_code_pairs_with_a_regression_as_measured']} as measured); planted {args.scale}x flagged: "
+              f"{m['planted_pairs_flagged']} of {args.pairs} ({m['planted_pairs_flagged_as_measured']} as measured); "
+              "pairs with a disturbed "
               f"config: {m['pairs_with_a_disturbed_config']}; two processes of one config apart by up to "
               f"{m['largest_ratio_of_two_processes']}")
     print(f"written: {args.output} ({(time.monotonic() - start) / 60:.1f} min)")

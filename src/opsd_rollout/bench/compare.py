@@ -10,6 +10,13 @@ unknown (one process) or too little known to bound an interval (2-3): the interv
 by ``UNKNOWN_PROCESS_SPREAD`` each way, so a verdict never rests on more certainty than the files hold, and a note
 says so.
 
+Relative to the machine's pace: the runner times a fixed reference workload (plain torch ops, none of the code under
+test) beside every iteration. Judged by processes, a time is each process's median over its median reference time
+(a rate, times it: ``bench/pace.py``), so a machine slower for a whole run, with no steal or load to show for it (a
+neighbour contending for cache or memory bandwidth), is not read as the code's regression; a note says how far the
+reference moved. ``reference=False`` (``--ignore-reference``) judges the times as measured; files without the
+reference (older ones) are judged as measured.
+
 What may be compared: both files must have measured the same work, or a faster AFTER only means less work. So
 the kind, every setting that changes the work (the model, the teacher, the prompts, sampling, the seed: all but
 the warm-up and iteration counts, ``PROCEDURE``) and the number of ranks must agree, or ``MismatchError`` (exit
@@ -34,6 +41,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from opsd_rollout.bench.contenders import CONFIDENCE
+from opsd_rollout.bench.pace import REFERENCE_METRIC, machine_note, paced_medians
 from opsd_rollout.bench.ratio_test import fewest_iterations, ratio_interval
 from opsd_rollout.bench.report import ConfigResult, RecordedConfig, config_values, results_of
 from opsd_rollout.bench.scenarios import SCENARIOS
@@ -103,6 +111,9 @@ class MetricChange:
     """BEFORE's and AFTER's spread (IQR/median) of the iterations inside a process (the median over processes)."""
     between: tuple[float | None, float | None] = (None, None)
     """BEFORE's and AFTER's spread (IQR/median) of the processes' medians; ``None``: one process, unknown."""
+    paced: bool = False
+    """Whether the units were the processes' medians relative to their reference workload's (``bench/pace.py``):
+    the ratio is then the code's change with the machine's taken out, and may differ from ``after / before``."""
 
     @property
     def change_pct(self) -> float:
@@ -137,20 +148,25 @@ def flaggable_pct(change: MetricChange, threshold_pct: float) -> float | None:
     return 100 * (1 - (1 - threshold_pct / 100) * change.ratio / change.high)
 
 
-def units(old: ConfigResult, new: ConfigResult, metric: str) -> tuple[list[float], list[float], bool]:
+def units(old: ConfigResult, new: ConfigResult, metric: str,
+          reference: bool = True) -> tuple[list[float], list[float], bool, bool]:
     """What ``metric`` is judged over: BEFORE's and AFTER's processes' medians when both have at least
-    ``FEWEST_PROCESSES`` (and ``True``), else their iterations (and ``False``)."""
+    ``FEWEST_PROCESSES`` (third value ``True``), each relative to its process's reference workload when both files
+    timed it and ``reference`` (fourth ``True``: ``bench/pace.py``), else their iterations (``False, False``)."""
     a, b = old.process_medians(metric), new.process_medians(metric)
     if min(len(a), len(b)) >= FEWEST_PROCESSES:
-        return a, b, True
+        pa, pb = (paced_medians(old, metric), paced_medians(new, metric)) if reference else (None, None)
+        if pa and pb:
+            return pa, pb, True, True
+        return a, b, True, False
     a, b = old.metric(metric), new.metric(metric)
-    return list(a.values) if a else [], list(b.values) if b else [], False
+    return list(a.values) if a else [], list(b.values) if b else [], False, False
 
 
 def judge(key: str, label: str, metric: str, old: ConfigResult, new: ConfigResult, threshold_pct: float, *,
-          disturbed: str = "", judged: bool = True) -> MetricChange | None:
+          disturbed: str = "", judged: bool = True, reference: bool = True) -> MetricChange | None:
     """One metric of one config, over the units ``units`` gives (positive values); ``None`` when a side lacks it."""
-    a, b, by_processes = units(old, new, metric)
+    a, b, by_processes, paced = units(old, new, metric, reference)
     if not a or not b:
         return None
     ratio, low, high = ratio_interval(a, b, CONFIDENCE)
@@ -159,13 +175,14 @@ def judge(key: str, label: str, metric: str, old: ConfigResult, new: ConfigResul
     significant = judged and (low > 1.0 or high < 1.0)
     lower_is_better = METRICS[metric].lower_is_better
     beyond = low > 1 + threshold_pct / 100 if lower_is_better else high < 1 - threshold_pct / 100
-    before, after = median(a), median(b)
+    before, after = (median(a), median(b)) if not paced else (median(old.process_medians(metric)),
+                                                                median(new.process_medians(metric)))
     large = abs(after - before) >= MIN_ABSOLUTE.get(METRICS[metric].unit, 0.0)
     return MetricChange(key, label, metric, before, after, ratio, low, high, significant,
                         significant and beyond and large, disturbed, judged, by_processes,
                         (old.process_count, new.process_count),
                         (old.within_spread(metric), new.within_spread(metric)),
-                        (old.between_spread(metric), new.between_spread(metric)))
+                        (old.between_spread(metric), new.between_spread(metric)), paced)
 
 
 @dataclass
@@ -182,6 +199,9 @@ class Comparison:
     judged_disturbed: bool = False
     """Whether the disturbed configs were judged all the same (``--allow-disturbed``)."""
     notes: list[str] = field(default_factory=list)
+    machine: dict[str, float] = field(default_factory=dict)
+    """Per config judged relative to the machine's pace: its reference workload's time AFTER / BEFORE (the
+    processes' medians' medians): how far the machine moved between the runs."""
 
     @property
     def regressions(self) -> list[MetricChange]:
@@ -265,7 +285,7 @@ def _iterations_note(label: str, old: ConfigResult, new: ConfigResult) -> str:
 
 
 def _compare_config(out: Comparison, key: str, label: str, old: ConfigResult, new: ConfigResult,
-                    threshold_pct: float, allow_disturbed: bool) -> None:
+                    threshold_pct: float, allow_disturbed: bool, reference: bool) -> None:
     """Judge one matched config's metrics into ``out``, with its notes."""
     out.matched += 1
     side = SIDES.get((old.disturbed, new.disturbed), "")
@@ -283,19 +303,25 @@ def _compare_config(out: Comparison, key: str, label: str, old: ConfigResult, ne
         if min(a.values) <= 0 or min(b.values) <= 0:
             out.notes.append(f"{label}: {metric} has a value <= 0, not judged (a ratio needs positive values)")
             continue
-        change = judge(key, label, metric, old, new, threshold_pct, disturbed=side, judged=allow_disturbed or not side)
+        change = judge(key, label, metric, old, new, threshold_pct, disturbed=side, judged=allow_disturbed or not side,
+                       reference=reference)
         if change is not None:
             changes.append(change)
+    if any(change.paced for change in changes):
+        out.machine[new.config.key] = (median(new.process_medians(REFERENCE_METRIC))
+                                       / median(old.process_medians(REFERENCE_METRIC)))
     if any(not change.bounded for change in changes):
         out.notes.append(_iterations_note(label, old, new))
     out.changes += changes
 
 
 def compare_documents(before: dict[str, Any], after: dict[str, Any], *, threshold_pct: float = 5.0,
-                      ignore: tuple[str, ...] = (), allow_disturbed: bool = False) -> Comparison:
+                      ignore: tuple[str, ...] = (), allow_disturbed: bool = False,
+                      reference: bool = True) -> Comparison:
     """Every config present and ``ok`` in both files, judged metric by metric. ``ignore`` names config axes left
     out of the matching (e.g. ``strategy``, to compare two strategies) and settings allowed to differ (e.g.
-    ``model``); ``allow_disturbed`` judges configs that were disturbed too. A kind with no scenario in this package
+    ``model``); ``allow_disturbed`` judges configs that were disturbed too; ``reference`` judges times relative to
+    the reference workload both files timed (``bench/pace.py``; ``False``: as measured). A kind with no scenario in this package
     (the developers' kernels) is read from the documents alone: the keys, configs and settings they hold."""
     kinds = {before.get("kind", "rollout"), after.get("kind", "rollout")}
     if len(kinds) > 1:
@@ -333,13 +359,14 @@ def compare_documents(before: dict[str, Any], after: dict[str, Any], *, threshol
         elif result.status != "ok" or old[key].status != "ok":
             out.notes.append(f"{result.config.key}: status {old[key].status} -> {result.status}, not compared")
         else:
-            _compare_config(out, key, names[result.config.key], old[key], result, threshold_pct, allow_disturbed)
+            _compare_config(out, key, names[result.config.key], old[key], result, threshold_pct, allow_disturbed,
+                            reference)
     out.only_before = [result.config.key for key, result in old.items() if key not in new]
     if out.only_before or out.only_after:
         out.notes += matrix_notes(before, after, matrix_axes, ignored_axes)
-    note = widened_note(out.changes)
-    if note:
-        out.notes.insert(0, note)
+    for note in (machine_note(list(out.machine.values())), widened_note(out.changes)):
+        if note:
+            out.notes.insert(0, note)
     return out
 
 

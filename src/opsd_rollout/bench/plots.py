@@ -63,9 +63,10 @@ def _stage_ms(row: dict[str, Any], stage: str) -> float:
     if stage in row:
         return row[stage] or 0.0
     if stage == "generation_overhead_ms":  # derived: records written before to_dict() carried it lack it
-        from opsd_rollout.profiling.profile import RolloutProfile  # torch: only when plotting such rollouts
+        from opsd_rollout.bench.reference import without_reference  # torch: only when plotting such rollouts
+        from opsd_rollout.profiling.profile import RolloutProfile
 
-        return RolloutProfile(**row).generation_overhead_ms
+        return RolloutProfile(**without_reference(row)).generation_overhead_ms
     return 0.0
 
 

@@ -16,6 +16,7 @@ from opsd_rollout.bench.engines import EnginePool
 from opsd_rollout.bench.environment import environment_block, measure_ceilings
 from opsd_rollout.bench.matrix import Matrix, run_order
 from opsd_rollout.bench.ranks import merge_iterations, stage_skew
+from opsd_rollout.bench.reference import REFERENCE_METRIC, ReferenceWorkload
 from opsd_rollout.bench.report import ConfigResult, run_document
 from opsd_rollout.bench.scenarios.base import Measurement
 from opsd_rollout.bench.stability import (Interference, InterferenceMonitor, Warmup, merge_interference,
@@ -84,6 +85,9 @@ class BenchRunner:
                 torch.cuda.set_device(self.device)
         self.ranks = rank_info()
         self._spec: ModelSpec | None = None
+        self.reference = ReferenceWorkload(self.device)
+        """Timed beside every iteration (``reference_ms``): the machine's pace, which ``compare`` judges times
+        against."""
 
     @property
     def kind(self) -> str:
@@ -155,7 +159,8 @@ class BenchRunner:
             order = list(started.values())
             for config, measurement in (order if index % 2 == 0 else order[::-1]):
                 try:
-                    self.results[config.key].iterations.append(measurement.run())
+                    figures = measurement.run()
+                    self.results[config.key].iterations.append({**figures, REFERENCE_METRIC: self.reference.run()})
                 except Exception as error:  # noqa: BLE001 - a failed config is recorded and the run goes on
                     self._fail(config, error)
                     del started[config.key]

@@ -19,7 +19,8 @@ def run_compare(args: argparse.Namespace) -> int:
         raise ValueError(f"--threshold must be >= 0 (percent); got {args.threshold}")
     ignore = tuple(a.strip() for a in args.ignore_axes.split(",") if a.strip()) if args.ignore_axes else ()
     comparison = compare_documents(load_document(args.before), load_document(args.after),
-                                   threshold_pct=args.threshold, ignore=ignore, allow_disturbed=args.allow_disturbed)
+                                   threshold_pct=args.threshold, ignore=ignore, allow_disturbed=args.allow_disturbed,
+                                   reference=not args.ignore_reference)
     out = console()
     if comparison.changes:
         out.print(comparison_table(comparison, out.width))
@@ -65,7 +66,9 @@ def add_compare_parser(sub: Any, common: argparse.ArgumentParser) -> None:
         description="Compare two result files config by config: each metric's Hodges-Lehmann ratio (after / "
         "before) with its 95% distribution-free confidence interval over the processes' medians where both files "
         "measured the config in 4 or more processes (--processes), else over the raw iterations, widened by 20% each "
-        "way for the spread between processes they cannot show. The files must "
+        "way for the spread between processes they cannot show. Where both files timed the reference workload beside every "
+        "iteration (a fixed piece of plain torch work: the machine's pace), each process's times are judged "
+        "relative to it, so a machine slower for the whole of one run is not read as a regression. The files must "
         "have measured the same work (model, settings other than warm-up and iterations, ranks); configs match "
         "on every axis. A config disturbed on either side (the run's interference record) is not judged. Exit "
         "status, the first that applies: 2 bad input (also: files of different work, naming what differs); 3 "
@@ -83,6 +86,8 @@ def add_compare_parser(sub: Any, common: argparse.ArgumentParser) -> None:
                          "differ, e.g. model")
     compare.add_argument("--allow-disturbed", action="store_true", help="judge configs that were disturbed while "
                          "they ran too (exit 5 otherwise)")
+    compare.add_argument("--ignore-reference", action="store_true", help="judge the times as measured, not "
+                         "relative to the reference workload each process timed beside them (the machine's pace)")
     compare.add_argument("--allow-partial", action="store_true", help="exit 0 (not 4) when one file has configs "
                          "the other lacks")
     compare.set_defaults(func=run_compare)

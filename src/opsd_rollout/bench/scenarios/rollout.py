@@ -107,12 +107,13 @@ class RolloutMeasurement:
 
 def median_shares(result: ConfigResult) -> dict[str, float]:
     """Stage shares of the iteration whose total is the median one (the lower of two middles)."""
-    from opsd_rollout.profiling.profile import RolloutProfile  # heavy: see scenarios/base.py
+    from opsd_rollout.bench.reference import without_reference  # heavy: see scenarios/base.py
+    from opsd_rollout.profiling.profile import RolloutProfile
 
     if not result.iterations:
         return {}
     middle = median_index([it["total_ms"] for it in result.iterations])
-    return RolloutProfile(**result.iterations[middle]).stage_shares()
+    return RolloutProfile(**without_reference(result.iterations[middle])).stage_shares()
 
 
 class RolloutScenario(Scenario):

@@ -1,0 +1,149 @@
+"""The machine's pace (issue 52): a fixed reference workload timed beside every iteration, and ``compare`` judging a
+config's times relative to it, so a machine slower for a whole run is not read as the code's regression."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from opsd_rollout.bench.compare import compare_documents
+from opsd_rollout.bench.pace import REFERENCE_METRIC, paced, paced_medians
+from opsd_rollout.bench.reference import ReferenceWorkload, without_reference
+from opsd_rollout.bench.report import ConfigResult
+from opsd_rollout.bench.scenarios import RolloutConfig
+from opsd_rollout.cli import main
+from tests.test_compare import document
+
+
+def run(rng: np.random.Generator, *, machine: float = 1.0, code: float = 1.0, processes: int = 6,
+        iterations: int = 2, between: float = 0.03) -> dict:
+    """A result file of one config: ``processes`` processes, each at a level lognormal around 1 (sigma ``between``,
+    what a fresh process's layout does to both its times and its reference), its times 100 ms x ``code`` x
+    ``machine`` and its reference 10 ms x ``machine`` (the machine's pace moves both; the code, the times alone)."""
+    levels = rng.lognormal(0, between, processes)
+    doc = document({"1": [list(100 * code * machine * level * rng.lognormal(0, 0.01, iterations))
+                          for level in levels]})
+    result = doc["results"][0]
+    for level, process in zip(levels, result["processes"]):
+        for iteration in process["iterations"]:
+            iteration[REFERENCE_METRIC] = 10 * machine * level * rng.lognormal(0, 0.01)
+            iteration["tokens_per_second"] = 1000 / iteration["total_ms"]
+    result["iterations"] = [it for p in result["processes"] for it in p["iterations"]]
+    return doc
+
+
+def test_a_machine_slower_for_a_whole_run_is_not_a_regression_when_judged_against_its_pace():
+    """Pair 6 of issue 52 planted: every process of the second run 15% slower, the reference too, the code the
+    same. Judged as measured it is a regression; judged against the machine's pace it is not, and a note says how
+    far the machine moved."""
+    rng = np.random.default_rng(6)
+    before, after = run(rng), run(rng, machine=1.15)
+    raw = compare_documents(before, after, reference=False)
+    assert [c.metric for c in raw.regressions] == ["total_ms", "tokens_per_second"]
+    assert not any(c.paced for c in raw.changes)
+    comparison = compare_documents(before, after)
+    assert comparison.regressions == []
+    assert all(c.paced == (paced(c.metric) is not None) and c.by_processes for c in comparison.changes)
+    total = next(c for c in comparison.changes if c.metric == "total_ms")
+    assert total.ratio == pytest.approx(1.0, abs=0.03)
+    assert total.after / total.before == pytest.approx(1.15, abs=0.05)  # the medians shown are as measured
+    assert comparison.machine[before["results"][0]["key"]] == pytest.approx(1.15, abs=0.05)
+    assert any("1.1" in note and "reference workload" in note for note in comparison.notes)
+
+
+@pytest.mark.parametrize("machine", [1.0, 0.9, 1.1])
+def test_a_slower_code_is_flagged_however_the_machine_moved(machine):
+    """The code 15% slower, the reference untouched by it: flagged in at least 19 of 20 planted pairs whether the
+    machine stayed, sped up or slowed down, and the ratio is the code's; the same code is never flagged."""
+    rng = np.random.default_rng(int(machine * 10))
+    flagged = same = 0
+    for _ in range(20):
+        before = run(rng)
+        comparison = compare_documents(before, run(rng, machine=machine, code=1.15))
+        flagged += [c.metric for c in comparison.regressions] == ["total_ms", "tokens_per_second"]
+        total = next(c for c in comparison.changes if c.metric == "total_ms")
+        assert total.ratio == pytest.approx(1.15, abs=0.06)
+        same += bool(compare_documents(before, run(rng, machine=machine)).regressions)
+    assert flagged >= 19 and same == 0
+
+
+def test_files_without_the_reference_are_judged_as_measured():
+    """An older file (no ``reference_ms``) on either side: the times are judged as measured, and no note speaks
+    of the machine's pace."""
+    rng = np.random.default_rng(1)
+    before, after = run(rng), run(rng)
+    for process in before["results"][0]["processes"]:
+        for iteration in process["iterations"]:
+            del iteration[REFERENCE_METRIC]
+    comparison = compare_documents(before, after)
+    assert comparison.changes and not any(c.paced for c in comparison.changes)
+    assert comparison.machine == {} and not any("reference workload" in note for note in comparison.notes)
+
+
+def test_the_paced_figure_of_each_process_is_its_median_over_its_reference():
+    """A time over the process's median reference, a rate times it; a memory figure or the reference itself is not
+    paced, and a process that lacks the reference leaves the config unpaced."""
+    result = ConfigResult.from_dict(document({"1": [[10.0, 30.0], [40.0]]})["results"][0], RolloutConfig)
+    assert paced_medians(result, "total_ms") is None  # no reference
+    for process, pace in zip(result.processes or [], ([2.0, 6.0], [5.0])):
+        for iteration, reference in zip(process["iterations"], pace):
+            iteration[REFERENCE_METRIC] = reference
+            iteration["tokens_per_second"] = 100.0
+    assert paced_medians(result, "total_ms") == [20.0 / 4.0, 40.0 / 5.0]
+    assert paced_medians(result, "tokens_per_second") == [400.0, 500.0]
+    assert paced("peak_memory_bytes") is None and paced(REFERENCE_METRIC) is None
+    assert paced_medians(result, "peak_memory_bytes") is None
+
+
+def test_ignore_reference_judges_the_times_as_measured(tmp_path, capsys):
+    """``compare --ignore-reference``: the machine's slower run is a regression again (exit 1); by default it is
+    not (exit 0) and the note names the flag."""
+    rng = np.random.default_rng(6)
+    paths = []
+    for name, doc in (("a.json", run(rng)), ("b.json", run(rng, machine=1.15))):
+        paths.append(str(tmp_path / name))
+        (tmp_path / name).write_text(json.dumps(doc))
+    assert main(["compare", *paths]) == 0
+    out = capsys.readouterr().out
+    assert "reference workload" in out and "--ignore-reference" in out
+    assert main(["compare", *paths, "--ignore-reference"]) == 1
+
+
+def test_the_reference_workload_is_fixed_and_leaves_the_run_s_random_state_alone():
+    """Two workloads built apart compute the same thing (a reference that changed would read as the machine
+    moving); building and running one draws nothing from torch's default generator; a time is a positive number."""
+    torch.manual_seed(3)
+    expected = torch.rand(4)
+    torch.manual_seed(3)
+    first, second = ReferenceWorkload(), ReferenceWorkload()
+    assert torch.equal(first.call(), second.call())
+    assert first.run(calls=3) > 0
+    assert torch.equal(torch.rand(4), expected)
+
+
+def test_an_iteration_s_profile_fields_leave_the_reference_out():
+    row = {"total_ms": 3.0, REFERENCE_METRIC: 1.0, "prefill_ms": 1.0}
+    assert without_reference(row) == {"total_ms": 3.0, "prefill_ms": 1.0}
+
+
+def test_the_runner_times_the_reference_beside_every_iteration(tmp_path, capsys):
+    """A real run (in this process): every iteration carries the reference's time, the file is a valid result
+    document with it, and the tables, which read an iteration as a profile, still print."""
+    import jsonschema
+
+    from opsd_rollout.bench.report import load_schema
+
+    output = tmp_path / "run.json"
+    assert main(["bench", "--model", "llama-tiny", "--zero-stages", "none", "--batch-sizes", "1,2",
+                 "--samples-per-prompt", "1", "--prompt-lengths", "8", "--response-lengths", "4", "--iterations", "2",
+                 "--warmup", "0", "--output", str(output)]) == 0
+    document = json.loads(output.read_text())
+    jsonschema.validate(document, load_schema())
+    for result in document["results"]:
+        assert result["status"] == "ok" and len(result["iterations"]) == 2
+        assert all(it[REFERENCE_METRIC] > 0 for it in result["iterations"])
+        assert result["summary"][REFERENCE_METRIC]["count"] == 2
+    assert "B2" in capsys.readouterr().out
