@@ -321,8 +321,9 @@ def compare_documents(before: dict[str, Any], after: dict[str, Any], *, threshol
     """Every config present and ``ok`` in both files, judged metric by metric. ``ignore`` names config axes left
     out of the matching (e.g. ``strategy``, to compare two strategies) and settings allowed to differ (e.g.
     ``model``); ``allow_disturbed`` judges configs that were disturbed too; ``reference`` judges times relative to
-    the reference workload both files timed (``bench/pace.py``; ``False``: as measured). A kind with no scenario in this package
-    (the developers' kernels) is read from the documents alone: the keys, configs and settings they hold."""
+    the reference workload both files timed (``bench/pace.py``; ``False``: as measured). A kind with no scenario in
+    this package (the developers' kernels) is read from the documents alone: the keys, configs and settings they
+    hold."""
     kinds = {before.get("kind", "rollout"), after.get("kind", "rollout")}
     if len(kinds) > 1:
         raise ValueError(f"cannot compare a {before.get('kind')} benchmark with a {after.get('kind')} one")

@@ -58,5 +58,5 @@ def machine_note(ratios: list[float]) -> str | None:
     middle = median(ratios)
     spread = f" ({ratios[0]:.2f}-{ratios[-1]:.2f} over the configs)" if len(ratios) > 1 else ""
     return (f"times are judged relative to the machine's pace: each process's median over its reference workload's "
-            f"(fixed plain-torch work timed beside every iteration), which took {middle:.2f} times as long in AFTER as in "
-            f"BEFORE{spread}; --ignore-reference judges the times as measured")
+            f"(fixed plain-torch work timed beside every iteration), which took {middle:.2f} times as long in AFTER "
+            f"as in BEFORE{spread}; --ignore-reference judges the times as measured")
