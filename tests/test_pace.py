@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from opsd_rollout.bench.compare import compare_documents
-from opsd_rollout.bench.pace import REFERENCE_METRIC, paced, paced_medians
+from opsd_rollout.bench.pace import REFERENCE_METRIC, adjusted, paced, paced_medians
 from opsd_rollout.bench.reference import ReferenceWorkload, without_reference
 from opsd_rollout.bench.report import ConfigResult
 from opsd_rollout.bench.scenarios import RolloutConfig
@@ -83,19 +83,36 @@ def test_files_without_the_reference_are_judged_as_measured():
     assert comparison.machine == {} and not any("reference workload" in note for note in comparison.notes)
 
 
-def test_the_paced_figure_of_each_process_is_its_median_over_its_reference():
-    """A time over the process's median reference, a rate times it; a memory figure or the reference itself is not
-    paced, and a process that lacks the reference leaves the config unpaced."""
+def test_each_process_s_figure_is_read_beside_its_reference():
+    """A process's median and its median reference; a time and a rate are paced, a memory figure and the reference
+    itself are not, and a process that lacks the reference leaves the config unpaced."""
     result = ConfigResult.from_dict(document({"1": [[10.0, 30.0], [40.0]]})["results"][0], RolloutConfig)
     assert paced_medians(result, "total_ms") is None  # no reference
     for process, pace in zip(result.processes or [], ([2.0, 6.0], [5.0])):
         for iteration, reference in zip(process["iterations"], pace):
             iteration[REFERENCE_METRIC] = reference
             iteration["tokens_per_second"] = 100.0
-    assert paced_medians(result, "total_ms") == [20.0 / 4.0, 40.0 / 5.0]
-    assert paced_medians(result, "tokens_per_second") == [400.0, 500.0]
+    assert paced_medians(result, "total_ms") == [(20.0, 4.0), (40.0, 5.0)]
+    assert paced_medians(result, "tokens_per_second") == [(100.0, 4.0), (100.0, 5.0)]
     assert paced("peak_memory_bytes") is None and paced(REFERENCE_METRIC) is None
     assert paced_medians(result, "peak_memory_bytes") is None
+
+
+def test_the_adjustment_is_the_within_file_slope_of_log_figure_on_log_reference():
+    """CUPED in logs, checked against the formula: the slope fitted inside each file (a change between the files
+    does not enter it), pooled; a reference that follows the figure exactly is divided out (slope 1), one that moves
+    twice as far is half divided out (slope 0.5), one that does not vary leaves the figures as measured (slope 0)."""
+    x = [1.0, 2.0, 4.0]
+    exact = adjusted([(10 * v, v) for v in x], [(30 * v, v) for v in x])
+    assert exact[2] == pytest.approx(1.0)
+    assert exact[1][0] / exact[0][0] == pytest.approx(3.0) and len(set(np.round(exact[0], 9))) == 1
+    half = adjusted([(10 * v ** 0.5, v) for v in x], [(20 * v ** 0.5, 2 * v) for v in x])
+    assert half[2] == pytest.approx(0.5)
+    centre = np.mean(np.log(x + [2 * v for v in x]))
+    expected = [np.exp(np.log(10 * v ** 0.5) - 0.5 * (np.log(v) - centre)) for v in x]
+    np.testing.assert_allclose(half[0], expected)
+    flat = adjusted([(5.0, 2.0), (6.0, 2.0)], [(7.0, 3.0), (8.0, 3.0)])
+    assert flat[2] == 0.0 and flat[:2] == (pytest.approx([5.0, 6.0]), pytest.approx([7.0, 8.0]))
 
 
 def test_ignore_reference_judges_the_times_as_measured(tmp_path, capsys):
@@ -106,10 +123,13 @@ def test_ignore_reference_judges_the_times_as_measured(tmp_path, capsys):
     for name, doc in (("a.json", run(rng)), ("b.json", run(rng, machine=1.15))):
         paths.append(str(tmp_path / name))
         (tmp_path / name).write_text(json.dumps(doc))
-    assert main(["compare", *paths]) == 0
+    markdown = tmp_path / "cmp.md"
+    assert main(["compare", *paths, "--markdown", str(markdown)]) == 0
     out = capsys.readouterr().out
     assert "reference workload" in out and "--ignore-reference" in out
-    assert main(["compare", *paths, "--ignore-reference"]) == 1
+    assert "| processes, paced (6/6) |" in markdown.read_text()
+    assert main(["compare", *paths, "--ignore-reference", "--markdown", str(markdown)]) == 1
+    assert "| processes (6/6) |" in markdown.read_text() and "paced (6/6)" not in markdown.read_text()
 
 
 def test_the_reference_workload_is_fixed_and_leaves_the_run_s_random_state_alone():

@@ -124,9 +124,9 @@ def processes_apart(document: dict[str, Any]) -> list[float]:
 
 def judged(before: dict[str, Any], after: dict[str, Any], args: argparse.Namespace,
            reference: bool = True) -> dict[str, Any]:
-    """``compare``'s judgement of ``after`` against ``before`` (``reference``: relative to the machine's pace, as
+    """``compare``'s judgement of ``after`` against ``before`` (``reference``: adjusted for the machine's pace, as
     compare judges by default; ``False``: the times as measured): its exit status, regressions, disturbed configs,
-    whether every metric was judged over processes and relative to the pace, the reference's ratio per config, and
+    whether every metric was judged over processes and adjusted for the pace, the reference's ratio per config, and
     per config the smallest slowdown its total could have been flagged at and each side's spread between
     processes."""
     from opsd_rollout.bench.compare import compare_documents, flaggable_pct
@@ -145,7 +145,7 @@ def judged(before: dict[str, Any], after: dict[str, Any], args: argparse.Namespa
 
 
 def tally(pairs: list[dict[str, Any]], apart: list[float]) -> dict[str, Any]:
-    """One kind's pairs and what they add up to (judged relative to the machine's pace, compare's default, and as
+    """One kind's pairs and what they add up to (judged adjusted for the machine's pace, compare's default, and as
     measured: ``_as_measured``)."""
     return {"pairs": pairs,
             "same_code_pairs_with_a_regression": sum(bool(p["same_code"]["regressions"]) for p in pairs),

@@ -10,12 +10,12 @@ unknown (one process) or too little known to bound an interval (2-3): the interv
 by ``UNKNOWN_PROCESS_SPREAD`` each way, so a verdict never rests on more certainty than the files hold, and a note
 says so.
 
-Relative to the machine's pace: the runner times a fixed reference workload (plain torch ops, none of the code under
-test) beside every iteration. Judged by processes, a time is each process's median over its median reference time
-(a rate, times it: ``bench/pace.py``), so a machine slower for a whole run, with no steal or load to show for it (a
-neighbour contending for cache or memory bandwidth), is not read as the code's regression; a note says how far the
-reference moved. ``reference=False`` (``--ignore-reference``) judges the times as measured; files without the
-reference (older ones) are judged as measured.
+Adjusted for the machine's pace: the runner times a fixed reference workload (plain torch ops, none of the code
+under test) beside every iteration. Judged by processes, each process's median is adjusted for its median reference
+time by the covariate adjustment of A/B tests (``bench/pace.py``), so a machine slower for a stretch, with no steal
+or load to show for it (a neighbour contending for cache or memory bandwidth), widens the interval less and is not
+read as the code's change; a note says how far the reference moved. ``reference=False`` (``--ignore-reference``)
+judges the times as measured; files without the reference (older ones) are judged as measured.
 
 What may be compared: both files must have measured the same work, or a faster AFTER only means less work. So
 the kind, every setting that changes the work (the model, the teacher, the prompts, sampling, the seed: all but
@@ -41,7 +41,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from opsd_rollout.bench.contenders import CONFIDENCE
-from opsd_rollout.bench.pace import REFERENCE_METRIC, machine_note, paced_medians
+from opsd_rollout.bench.pace import REFERENCE_METRIC, adjusted, machine_note, paced_medians
 from opsd_rollout.bench.ratio_test import fewest_iterations, ratio_interval
 from opsd_rollout.bench.report import ConfigResult, RecordedConfig, config_values, results_of
 from opsd_rollout.bench.scenarios import SCENARIOS
@@ -112,7 +112,7 @@ class MetricChange:
     between: tuple[float | None, float | None] = (None, None)
     """BEFORE's and AFTER's spread (IQR/median) of the processes' medians; ``None``: one process, unknown."""
     paced: bool = False
-    """Whether the units were the processes' medians relative to their reference workload's (``bench/pace.py``):
+    """Whether the units were the processes' medians adjusted for their reference workload's (``bench/pace.py``):
     the ratio is then the code's change with the machine's taken out, and may differ from ``after / before``."""
 
     @property
@@ -151,13 +151,13 @@ def flaggable_pct(change: MetricChange, threshold_pct: float) -> float | None:
 def units(old: ConfigResult, new: ConfigResult, metric: str,
           reference: bool = True) -> tuple[list[float], list[float], bool, bool]:
     """What ``metric`` is judged over: BEFORE's and AFTER's processes' medians when both have at least
-    ``FEWEST_PROCESSES`` (third value ``True``), each relative to its process's reference workload when both files
+    ``FEWEST_PROCESSES`` (third value ``True``), adjusted for their processes' reference workload when both files
     timed it and ``reference`` (fourth ``True``: ``bench/pace.py``), else their iterations (``False, False``)."""
     a, b = old.process_medians(metric), new.process_medians(metric)
     if min(len(a), len(b)) >= FEWEST_PROCESSES:
         pa, pb = (paced_medians(old, metric), paced_medians(new, metric)) if reference else (None, None)
         if pa and pb:
-            return pa, pb, True, True
+            return (*adjusted(pa, pb)[:2], True, True)
         return a, b, True, False
     a, b = old.metric(metric), new.metric(metric)
     return list(a.values) if a else [], list(b.values) if b else [], False, False
@@ -200,7 +200,7 @@ class Comparison:
     """Whether the disturbed configs were judged all the same (``--allow-disturbed``)."""
     notes: list[str] = field(default_factory=list)
     machine: dict[str, float] = field(default_factory=dict)
-    """Per config judged relative to the machine's pace: its reference workload's time AFTER / BEFORE (the
+    """Per config judged adjusted for the machine's pace: its reference workload's time AFTER / BEFORE (the
     processes' medians' medians): how far the machine moved between the runs."""
 
     @property
@@ -320,7 +320,7 @@ def compare_documents(before: dict[str, Any], after: dict[str, Any], *, threshol
                       reference: bool = True) -> Comparison:
     """Every config present and ``ok`` in both files, judged metric by metric. ``ignore`` names config axes left
     out of the matching (e.g. ``strategy``, to compare two strategies) and settings allowed to differ (e.g.
-    ``model``); ``allow_disturbed`` judges configs that were disturbed too; ``reference`` judges times relative to
+    ``model``); ``allow_disturbed`` judges configs that were disturbed too; ``reference`` judges times adjusted for
     the reference workload both files timed (``bench/pace.py``; ``False``: as measured). A kind with no scenario in
     this package (the developers' kernels) is read from the documents alone: the keys, configs and settings they
     hold."""

@@ -109,7 +109,9 @@ def comparison_table(comparison: Comparison, width: int = 160) -> Table:
 def footnote(threshold_pct: float) -> str:
     """The line under the table: the test, its units, and what makes a change significant and a regression."""
     return (f"test: {TEST_NAME}; the units are the processes' medians where both files measured the config in "
-            f"{FEWEST_PROCESSES} or more processes, else the iterations, the interval then widened by "
+            f"{FEWEST_PROCESSES} or more processes (paced: adjusted for their reference workload's, the machine's "
+            "pace), "
+            "else the iterations, the interval then widened by "
             f"{UNKNOWN_PROCESS_SPREAD:.0%} each way (the spread between processes unknown). Significant: the interval "
             f"excludes 1; a regression: the whole interval is worse than {threshold_pct:g}% and the medians move at "
             f"least {MIN_ABSOLUTE['ms']:g} ms (times) or 1 MiB (memory); disturbed configs are not judged unless "
@@ -125,7 +127,7 @@ def comparison_markdown(comparison: Comparison, threshold_pct: float) -> str:
              "|---|---|---:|---:|---:|---:|---|---|---:|---:|" + ("---|" if disturbed else "")]
     for c in comparison.changes:
         cells = _cells(c)
-        basis = (f"processes ({c.processes[0]}/{c.processes[1]})" if c.by_processes else
+        basis = (f"processes{', paced' if c.paced else ''} ({c.processes[0]}/{c.processes[1]})" if c.by_processes else
                  f"iterations, widened ({c.processes[0]}/{c.processes[1]} processes)")
         row = [cells["config"], cells["metric"], _value(c.metric, c.before, 2), _value(c.metric, c.after, 2),
                cells["change"], _interval(c, 3), cells["verdict"], basis, cells["within %"],

@@ -66,13 +66,13 @@ def add_compare_parser(sub: Any, common: argparse.ArgumentParser) -> None:
         description="Compare two result files config by config: each metric's Hodges-Lehmann ratio (after / "
         "before) with its 95% distribution-free confidence interval over the processes' medians where both files "
         "measured the config in 4 or more processes (--processes), else over the raw iterations, widened by 20% each "
-        "way for the spread between processes they cannot show. Where both files timed the reference workload beside every "
-        "iteration (a fixed piece of plain torch work: the machine's pace), each process's times are judged "
-        "relative to it, so a machine slower for the whole of one run is not read as a regression. The files must "
-        "have measured the same work (model, settings other than warm-up and iterations, ranks); configs match "
-        "on every axis. A config disturbed on either side (the run's interference record) is not judged. Exit "
-        "status, the first that applies: 2 bad input (also: files of different work, naming what differs); 3 "
-        "nothing compared (no config in both files); 1 a regression (the whole interval worse than "
+        "way for the spread between processes they cannot show. Where both files timed the reference workload "
+        "beside every iteration (a fixed piece of plain torch work: the machine's pace), each process's times are "
+        "adjusted for it (a covariate adjustment, as A/B tests use), so the machine's drift widens the interval "
+        "less. The files must have measured the same work (model, settings other than warm-up and iterations, "
+        "ranks); configs match on every axis. A config disturbed on either side (the run's interference record) is "
+        "not judged. Exit status, the first that applies: 2 bad input (also: files of different work, naming what "
+        "differs); 3 nothing compared (no config in both files); 1 a regression (the whole interval worse than "
         "--threshold); 5 a compared config was disturbed and not judged (unless --allow-disturbed); 4 one file "
         "has configs the other lacks (unless --allow-partial); 0 compared, no regression.")
     compare.add_argument("before", metavar="BEFORE.json")
@@ -87,7 +87,7 @@ def add_compare_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     compare.add_argument("--allow-disturbed", action="store_true", help="judge configs that were disturbed while "
                          "they ran too (exit 5 otherwise)")
     compare.add_argument("--ignore-reference", action="store_true", help="judge the times as measured, not "
-                         "relative to the reference workload each process timed beside them (the machine's pace)")
+                         "adjusted for the reference workload each process timed beside them (the machine's pace)")
     compare.add_argument("--allow-partial", action="store_true", help="exit 0 (not 4) when one file has configs "
                          "the other lacks")
     compare.set_defaults(func=run_compare)
