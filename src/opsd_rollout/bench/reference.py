@@ -6,7 +6,7 @@ minutes). A guard that reads the processes alone cannot tell that from a regress
 with the code under test (plain torch ops, none of this package's) and does the same kind of work as a small model's
 decode step (small matmuls, a norm, attention over a short cache, an LM head and a softmax, each op dispatched from
 Python), so the machine's slowdown shows in its time as it shows in the config's. ``compare`` reads each process's
-reference beside its metrics (``bench/pace.py``: the times judged relative to it).
+reference beside its metrics (``bench/pace.py``: the times adjusted for it).
 """
 
 from __future__ import annotations
