@@ -1,5 +1,6 @@
-"""The machine's pace (issue 52): a fixed reference workload timed beside every iteration, and ``compare`` judging a
-config's times relative to it, so a machine slower for a whole run is not read as the code's regression."""
+"""The machine's pace (issue 52): a fixed reference workload timed beside every iteration; ``compare`` says how far it
+moved and, with ``adjust_for_pace`` (``--adjust-for-pace``), judges a config's times adjusted for it, so a machine
+slower for a whole run is not read as the code's regression."""
 
 from __future__ import annotations
 
@@ -37,21 +38,22 @@ def run(rng: np.random.Generator, *, machine: float = 1.0, code: float = 1.0, pr
 
 def test_a_machine_slower_for_a_whole_run_is_not_a_regression_when_judged_against_its_pace():
     """Pair 6 of issue 52 planted: every process of the second run 15% slower, the reference too, the code the
-    same. Judged as measured it is a regression; judged against the machine's pace it is not, and a note says how
-    far the machine moved."""
+    same. Judged as measured (the default) it is a regression, and a note says the reference moved; adjusted for the
+    machine's pace it is not."""
     rng = np.random.default_rng(6)
     before, after = run(rng), run(rng, machine=1.15)
-    raw = compare_documents(before, after, reference=False)
+    raw = compare_documents(before, after)
     assert [c.metric for c in raw.regressions] == ["total_ms", "tokens_per_second"]
     assert not any(c.paced for c in raw.changes)
-    comparison = compare_documents(before, after)
+    assert any("1.1" in note and "judged as measured" in note for note in raw.notes)
+    comparison = compare_documents(before, after, adjust_for_pace=True)
     assert comparison.regressions == []
     assert all(c.paced == (paced(c.metric) is not None) and c.by_processes for c in comparison.changes)
     total = next(c for c in comparison.changes if c.metric == "total_ms")
     assert total.ratio == pytest.approx(1.0, abs=0.03)
     assert total.after / total.before == pytest.approx(1.15, abs=0.05)  # the medians shown are as measured
     assert comparison.machine[before["results"][0]["key"]] == pytest.approx(1.15, abs=0.05)
-    assert any("1.1" in note and "reference workload" in note for note in comparison.notes)
+    assert any("1.1" in note and "adjusted for it" in note for note in comparison.notes)
 
 
 @pytest.mark.parametrize("machine", [1.0, 0.9, 1.1])
@@ -62,11 +64,11 @@ def test_a_slower_code_is_flagged_however_the_machine_moved(machine):
     flagged = same = 0
     for _ in range(20):
         before = run(rng)
-        comparison = compare_documents(before, run(rng, machine=machine, code=1.15))
+        comparison = compare_documents(before, run(rng, machine=machine, code=1.15), adjust_for_pace=True)
         flagged += [c.metric for c in comparison.regressions] == ["total_ms", "tokens_per_second"]
         total = next(c for c in comparison.changes if c.metric == "total_ms")
         assert total.ratio == pytest.approx(1.15, abs=0.06)
-        same += bool(compare_documents(before, run(rng, machine=machine)).regressions)
+        same += bool(compare_documents(before, run(rng, machine=machine), adjust_for_pace=True).regressions)
     assert flagged >= 19 and same == 0
 
 
@@ -78,7 +80,7 @@ def test_files_without_the_reference_are_judged_as_measured():
     for process in before["results"][0]["processes"]:
         for iteration in process["iterations"]:
             del iteration[REFERENCE_METRIC]
-    comparison = compare_documents(before, after)
+    comparison = compare_documents(before, after, adjust_for_pace=True)
     assert comparison.changes and not any(c.paced for c in comparison.changes)
     assert comparison.machine == {} and not any("reference workload" in note for note in comparison.notes)
 
@@ -115,21 +117,21 @@ def test_the_adjustment_is_the_within_file_slope_of_log_figure_on_log_reference(
     assert flat[2] == 0.0 and flat[:2] == (pytest.approx([5.0, 6.0]), pytest.approx([7.0, 8.0]))
 
 
-def test_ignore_reference_judges_the_times_as_measured(tmp_path, capsys):
-    """``compare --ignore-reference``: the machine's slower run is a regression again (exit 1); by default it is
-    not (exit 0) and the note names the flag."""
+def test_adjust_for_pace_judges_the_times_adjusted_for_the_reference(tmp_path, capsys):
+    """``compare``: the machine's slower run is a regression as measured (exit 1), and the note names the flag;
+    ``--adjust-for-pace`` takes the machine's pace out (exit 0)."""
     rng = np.random.default_rng(6)
     paths = []
     for name, doc in (("a.json", run(rng)), ("b.json", run(rng, machine=1.15))):
         paths.append(str(tmp_path / name))
         (tmp_path / name).write_text(json.dumps(doc))
     markdown = tmp_path / "cmp.md"
-    assert main(["compare", *paths, "--markdown", str(markdown)]) == 0
+    assert main(["compare", *paths, "--markdown", str(markdown)]) == 1
     out = capsys.readouterr().out
-    assert "reference workload" in out and "--ignore-reference" in out
-    assert "| processes, paced (6/6) |" in markdown.read_text()
-    assert main(["compare", *paths, "--ignore-reference", "--markdown", str(markdown)]) == 1
+    assert "reference workload" in out and "--adjust-for-pace" in out
     assert "| processes (6/6) |" in markdown.read_text() and "paced (6/6)" not in markdown.read_text()
+    assert main(["compare", *paths, "--adjust-for-pace", "--markdown", str(markdown)]) == 0
+    assert "| processes, paced (6/6) |" in markdown.read_text()
 
 
 def test_the_reference_workload_is_fixed_and_leaves_the_run_s_random_state_alone():

@@ -125,14 +125,14 @@ def processes_apart(document: dict[str, Any]) -> list[float]:
 def judged(before: dict[str, Any], after: dict[str, Any], args: argparse.Namespace,
            reference: bool = True) -> dict[str, Any]:
     """``compare``'s judgement of ``after`` against ``before`` (``reference``: adjusted for the machine's pace, as
-    compare judges by default; ``False``: the times as measured): its exit status, regressions, disturbed configs,
-    whether every metric was judged over processes and adjusted for the pace, the reference's ratio per config, and
-    per config the smallest slowdown its total could have been flagged at and each side's spread between
-    processes."""
+    ``compare --adjust-for-pace`` judges; ``False``: the times as measured, compare's default): its exit status,
+    regressions, disturbed configs, whether every metric was judged over processes and adjusted for the pace, the
+    reference's ratio per config, and per config the smallest slowdown its total could have been flagged at and each
+    side's spread between processes."""
     from opsd_rollout.bench.compare import compare_documents, flaggable_pct
 
     comparison = compare_documents(before, after, threshold_pct=args.threshold, allow_disturbed=args.allow_disturbed,
-                                   reference=reference)
+                                   adjust_for_pace=reference)
     totals = [c for c in comparison.changes if c.metric == "total_ms"]
     return {"exit_status": comparison.exit_status(), "paced": any(c.paced for c in comparison.changes),
             "machine": comparison.machine,
@@ -145,7 +145,7 @@ def judged(before: dict[str, Any], after: dict[str, Any], args: argparse.Namespa
 
 
 def tally(pairs: list[dict[str, Any]], apart: list[float]) -> dict[str, Any]:
-    """One kind's pairs and what they add up to (judged adjusted for the machine's pace, compare's default, and as
+    """One kind's pairs and what they add up to (judged adjusted for the machine's pace, ``--adjust-for-pace``, and as
     measured: ``_as_measured``)."""
     return {"pairs": pairs,
             "same_code_pairs_with_a_regression": sum(bool(p["same_code"]["regressions"]) for p in pairs),

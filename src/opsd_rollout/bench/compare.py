@@ -10,12 +10,12 @@ unknown (one process) or too little known to bound an interval (2-3): the interv
 by ``UNKNOWN_PROCESS_SPREAD`` each way, so a verdict never rests on more certainty than the files hold, and a note
 says so.
 
-Adjusted for the machine's pace: the runner times a fixed reference workload (plain torch ops, none of the code
-under test) beside every iteration. Judged by processes, each process's median is adjusted for its median reference
-time by the covariate adjustment of A/B tests (``bench/pace.py``), so a machine slower for a stretch, with no steal
-or load to show for it (a neighbour contending for cache or memory bandwidth), widens the interval less and is not
-read as the code's change; a note says how far the reference moved. ``reference=False`` (``--ignore-reference``)
-judges the times as measured; files without the reference (older ones) are judged as measured.
+The machine's pace: the runner times a fixed reference workload (plain torch ops, none of the code under test)
+beside every iteration, and where both files have it in every process a note says how far it moved between them (a
+machine slower for a stretch, with no steal or load to show for it). ``adjust_for_pace`` (``--adjust-for-pace``)
+judges each process's median adjusted for its median reference time by the covariate adjustment of A/B tests
+(``bench/pace.py``); it is not the default: on the step bench's 10 same-code pairs, which it had not been fitted to,
+it narrowed the intervals and added a false alarm (RESULTS, "The machine's pace").
 
 What may be compared: both files must have measured the same work, or a faster AFTER only means less work. So
 the kind, every setting that changes the work (the model, the teacher, the prompts, sampling, the seed: all but
@@ -149,13 +149,13 @@ def flaggable_pct(change: MetricChange, threshold_pct: float) -> float | None:
 
 
 def units(old: ConfigResult, new: ConfigResult, metric: str,
-          reference: bool = True) -> tuple[list[float], list[float], bool, bool]:
+          adjust_for_pace: bool = False) -> tuple[list[float], list[float], bool, bool]:
     """What ``metric`` is judged over: BEFORE's and AFTER's processes' medians when both have at least
     ``FEWEST_PROCESSES`` (third value ``True``), adjusted for their processes' reference workload when both files
-    timed it and ``reference`` (fourth ``True``: ``bench/pace.py``), else their iterations (``False, False``)."""
+    timed it and ``adjust_for_pace`` (fourth ``True``: ``bench/pace.py``), else their iterations (``False, False``)."""
     a, b = old.process_medians(metric), new.process_medians(metric)
     if min(len(a), len(b)) >= FEWEST_PROCESSES:
-        pa, pb = (paced_medians(old, metric), paced_medians(new, metric)) if reference else (None, None)
+        pa, pb = (paced_medians(old, metric), paced_medians(new, metric)) if adjust_for_pace else (None, None)
         if pa and pb:
             return (*adjusted(pa, pb)[:2], True, True)
         return a, b, True, False
@@ -164,9 +164,9 @@ def units(old: ConfigResult, new: ConfigResult, metric: str,
 
 
 def judge(key: str, label: str, metric: str, old: ConfigResult, new: ConfigResult, threshold_pct: float, *,
-          disturbed: str = "", judged: bool = True, reference: bool = True) -> MetricChange | None:
+          disturbed: str = "", judged: bool = True, adjust_for_pace: bool = False) -> MetricChange | None:
     """One metric of one config, over the units ``units`` gives (positive values); ``None`` when a side lacks it."""
-    a, b, by_processes, paced = units(old, new, metric, reference)
+    a, b, by_processes, paced = units(old, new, metric, adjust_for_pace)
     if not a or not b:
         return None
     ratio, low, high = ratio_interval(a, b, CONFIDENCE)
@@ -200,8 +200,8 @@ class Comparison:
     """Whether the disturbed configs were judged all the same (``--allow-disturbed``)."""
     notes: list[str] = field(default_factory=list)
     machine: dict[str, float] = field(default_factory=dict)
-    """Per config judged adjusted for the machine's pace: its reference workload's time AFTER / BEFORE (the
-    processes' medians' medians): how far the machine moved between the runs."""
+    """Per config whose files timed the reference in every process: its reference workload's time AFTER / BEFORE
+    (the processes' medians' medians): how far the machine moved between the runs."""
 
     @property
     def regressions(self) -> list[MetricChange]:
@@ -285,7 +285,7 @@ def _iterations_note(label: str, old: ConfigResult, new: ConfigResult) -> str:
 
 
 def _compare_config(out: Comparison, key: str, label: str, old: ConfigResult, new: ConfigResult,
-                    threshold_pct: float, allow_disturbed: bool, reference: bool) -> None:
+                    threshold_pct: float, allow_disturbed: bool, adjust_for_pace: bool) -> None:
     """Judge one matched config's metrics into ``out``, with its notes."""
     out.matched += 1
     side = SIDES.get((old.disturbed, new.disturbed), "")
@@ -304,12 +304,12 @@ def _compare_config(out: Comparison, key: str, label: str, old: ConfigResult, ne
             out.notes.append(f"{label}: {metric} has a value <= 0, not judged (a ratio needs positive values)")
             continue
         change = judge(key, label, metric, old, new, threshold_pct, disturbed=side, judged=allow_disturbed or not side,
-                       reference=reference)
+                       adjust_for_pace=adjust_for_pace)
         if change is not None:
             changes.append(change)
-    if any(change.paced for change in changes):
-        out.machine[new.config.key] = (median(new.process_medians(REFERENCE_METRIC))
-                                       / median(old.process_medians(REFERENCE_METRIC)))
+    pace = [side.process_medians(REFERENCE_METRIC) for side in (old, new)]
+    if all(len(medians) == side.process_count >= FEWEST_PROCESSES for medians, side in zip(pace, (old, new))):
+        out.machine[new.config.key] = median(pace[1]) / median(pace[0])
     if any(not change.bounded for change in changes):
         out.notes.append(_iterations_note(label, old, new))
     out.changes += changes
@@ -317,13 +317,13 @@ def _compare_config(out: Comparison, key: str, label: str, old: ConfigResult, ne
 
 def compare_documents(before: dict[str, Any], after: dict[str, Any], *, threshold_pct: float = 5.0,
                       ignore: tuple[str, ...] = (), allow_disturbed: bool = False,
-                      reference: bool = True) -> Comparison:
+                      adjust_for_pace: bool = False) -> Comparison:
     """Every config present and ``ok`` in both files, judged metric by metric. ``ignore`` names config axes left
     out of the matching (e.g. ``strategy``, to compare two strategies) and settings allowed to differ (e.g.
-    ``model``); ``allow_disturbed`` judges configs that were disturbed too; ``reference`` judges times adjusted for
-    the reference workload both files timed (``bench/pace.py``; ``False``: as measured). A kind with no scenario in
-    this package (the developers' kernels) is read from the documents alone: the keys, configs and settings they
-    hold."""
+    ``model``); ``allow_disturbed`` judges configs that were disturbed too; ``adjust_for_pace`` judges times adjusted
+    for the reference workload both files timed (``bench/pace.py``; by default they are judged as measured). A kind
+    with no scenario in this package (the developers' kernels) is read from the documents alone: the keys, configs
+    and settings they hold."""
     kinds = {before.get("kind", "rollout"), after.get("kind", "rollout")}
     if len(kinds) > 1:
         raise ValueError(f"cannot compare a {before.get('kind')} benchmark with a {after.get('kind')} one")
@@ -361,11 +361,12 @@ def compare_documents(before: dict[str, Any], after: dict[str, Any], *, threshol
             out.notes.append(f"{result.config.key}: status {old[key].status} -> {result.status}, not compared")
         else:
             _compare_config(out, key, names[result.config.key], old[key], result, threshold_pct, allow_disturbed,
-                            reference)
+                            adjust_for_pace)
     out.only_before = [result.config.key for key, result in old.items() if key not in new]
     if out.only_before or out.only_after:
         out.notes += matrix_notes(before, after, matrix_axes, ignored_axes)
-    for note in (machine_note(list(out.machine.values())), widened_note(out.changes)):
+    adjusted = any(change.paced for change in out.changes)
+    for note in (machine_note(list(out.machine.values()), adjusted), widened_note(out.changes)):
         if note:
             out.notes.insert(0, note)
     return out

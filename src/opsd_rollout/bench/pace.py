@@ -1,4 +1,5 @@
-"""A config's times adjusted for the machine's pace: what ``compare`` judges when both files timed the reference.
+"""A config's times adjusted for the machine's pace: what ``compare --adjust-for-pace`` judges when both files timed
+the reference.
 
 The runner times a fixed workload of plain torch ops beside every iteration (``bench/reference.py``, recorded as
 ``reference_ms``). A process that ran while the machine was slow (a neighbour on the VM's host contending for cache
@@ -70,14 +71,16 @@ def adjusted(before: list[tuple[float, float]],
     return a, b, theta
 
 
-def machine_note(ratios: list[float]) -> str | None:
-    """What the reference's ratio AFTER / BEFORE (one a compared config, ``ratios``) says of the machine; ``None``
-    when no config was judged adjusted for it."""
+def machine_note(ratios: list[float], adjusted: bool) -> str | None:
+    """What the reference's ratio AFTER / BEFORE (one a config whose files both timed it, ``ratios``) says of the
+    machine, and whether the figures were ``adjusted`` for it; ``None`` without a ratio."""
     if not ratios:
         return None
     ratios = sorted(ratios)
     middle = median(ratios)
     spread = f" ({ratios[0]:.2f}-{ratios[-1]:.2f} over the configs)" if len(ratios) > 1 else ""
-    return (f"times are adjusted for the machine's pace: each process's median regressed on its reference "
-            f"workload's (fixed plain-torch work timed beside every iteration), which took {middle:.2f} times as long "
-            f"in AFTER as in BEFORE{spread}; --ignore-reference judges the times as measured")
+    how = ("the times are adjusted for it (--adjust-for-pace): each process's median regressed on its reference's"
+           if adjusted else "the times are judged as measured (--adjust-for-pace adjusts them for it); a flag where "
+           "the reference moved far is worth a rerun")
+    return (f"the machine's pace: the reference workload (fixed plain-torch work timed beside every iteration) took "
+            f"{middle:.2f} times as long in AFTER as in BEFORE{spread}; {how}")

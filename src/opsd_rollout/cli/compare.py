@@ -20,7 +20,7 @@ def run_compare(args: argparse.Namespace) -> int:
     ignore = tuple(a.strip() for a in args.ignore_axes.split(",") if a.strip()) if args.ignore_axes else ()
     comparison = compare_documents(load_document(args.before), load_document(args.after),
                                    threshold_pct=args.threshold, ignore=ignore, allow_disturbed=args.allow_disturbed,
-                                   reference=not args.ignore_reference)
+                                   adjust_for_pace=args.adjust_for_pace)
     out = console()
     if comparison.changes:
         out.print(comparison_table(comparison, out.width))
@@ -67,9 +67,8 @@ def add_compare_parser(sub: Any, common: argparse.ArgumentParser) -> None:
         "before) with its 95% distribution-free confidence interval over the processes' medians where both files "
         "measured the config in 4 or more processes (--processes), else over the raw iterations, widened by 20% each "
         "way for the spread between processes they cannot show. Where both files timed the reference workload "
-        "beside every iteration (a fixed piece of plain torch work: the machine's pace), each process's times are "
-        "adjusted for it (a covariate adjustment, as A/B tests use), so the machine's drift widens the interval "
-        "less. The files must have measured the same work (model, settings other than warm-up and iterations, "
+        "beside every iteration (a fixed piece of plain torch work: the machine's pace), a note says how far it "
+        "moved. The files must have measured the same work (model, settings other than warm-up and iterations, "
         "ranks); configs match on every axis. A config disturbed on either side (the run's interference record) is "
         "not judged. Exit status, the first that applies: 2 bad input (also: files of different work, naming what "
         "differs); 3 nothing compared (no config in both files); 1 a regression (the whole interval worse than "
@@ -86,8 +85,10 @@ def add_compare_parser(sub: Any, common: argparse.ArgumentParser) -> None:
                          "differ, e.g. model")
     compare.add_argument("--allow-disturbed", action="store_true", help="judge configs that were disturbed while "
                          "they ran too (exit 5 otherwise)")
-    compare.add_argument("--ignore-reference", action="store_true", help="judge the times as measured, not "
-                         "adjusted for the reference workload each process timed beside them (the machine's pace)")
+    compare.add_argument("--adjust-for-pace", action="store_true", help="judge each process's times adjusted for "
+                         "the reference workload it timed beside them (the machine's pace; a covariate adjustment, "
+                         "as A/B tests use): narrower intervals, but on the step bench's same-code pairs one more "
+                         "false alarm (docs/BENCHMARKS.md)")
     compare.add_argument("--allow-partial", action="store_true", help="exit 0 (not 4) when one file has configs "
                          "the other lacks")
     compare.set_defaults(func=run_compare)
