@@ -5,8 +5,9 @@ no load to show for it (issue 52's pair 6: a neighbour on the host contending fo
 minutes). A guard that reads the processes alone cannot tell that from a regression. This workload never changes
 with the code under test (plain torch ops, none of this package's) and does the same kind of work as a small model's
 decode step (small matmuls, a norm, attention over a short cache, an LM head and a softmax, each op dispatched from
-Python), so the machine's slowdown shows in its time as it shows in the config's. ``compare`` reads each process's
-reference beside its metrics (``bench/pace.py``: the times adjusted for it).
+Python), so the machine's slowdown shows in its time as it does in the config's (further, measured: ``bench/pace.py``).
+``compare`` reads each process's reference beside its metrics: a note on how far the machine moved, and with
+``--adjust-for-pace`` the times adjusted for it.
 """
 
 from __future__ import annotations

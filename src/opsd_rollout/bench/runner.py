@@ -86,8 +86,8 @@ class BenchRunner:
         self.ranks = rank_info()
         self._spec: ModelSpec | None = None
         self.reference = ReferenceWorkload(self.device)
-        """Timed beside every iteration (``reference_ms``): the machine's pace, which ``compare`` adjusts times
-        for."""
+        """Timed beside every iteration (``reference_ms``): the machine's pace, which ``compare`` notes
+        (and ``--adjust-for-pace`` adjusts the times for)."""
 
     @property
     def kind(self) -> str:
