@@ -365,8 +365,8 @@ def compare_documents(before: dict[str, Any], after: dict[str, Any], *, threshol
     out.only_before = [result.config.key for key, result in old.items() if key not in new]
     if out.only_before or out.only_after:
         out.notes += matrix_notes(before, after, matrix_axes, ignored_axes)
-    adjusted = any(change.paced for change in out.changes)
-    for note in (machine_note(list(out.machine.values()), adjusted), widened_note(out.changes)):
+    applied = any(change.paced for change in out.changes)
+    for note in (machine_note(list(out.machine.values()), applied), widened_note(out.changes)):
         if note:
             out.notes.insert(0, note)
     return out

@@ -10,7 +10,9 @@ widens the interval. What is done instead is the covariate adjustment of A/B tes
 logs: each process's log median minus ``theta`` times its log reference's distance from the mean of both files',
 ``theta`` the slope of the one on the other across the processes, estimated inside each file (each centred on its
 own mean, so a change of code between the files does not leak into it) and pooled. A slope of 1 is dividing; of 0,
-the times as measured. The reference's own ratio between the files says how far the machine moved.
+the times as measured. The reference's own ratio between the files says how far the machine moved. Not the default:
+on runs it had not been chosen on (the step bench's same-code pairs) it narrowed the interval and added a false alarm,
+its interval not carrying the uncertainty of the fitted slope.
 """
 
 from __future__ import annotations
@@ -71,16 +73,16 @@ def adjusted(before: list[tuple[float, float]],
     return a, b, theta
 
 
-def machine_note(ratios: list[float], adjusted: bool) -> str | None:
+def machine_note(ratios: list[float], applied: bool) -> str | None:
     """What the reference's ratio AFTER / BEFORE (one a config whose files both timed it, ``ratios``) says of the
-    machine, and whether the figures were ``adjusted`` for it; ``None`` without a ratio."""
+    machine, and whether the figures were adjusted for it (``applied``); ``None`` without a ratio."""
     if not ratios:
         return None
     ratios = sorted(ratios)
     middle = median(ratios)
     spread = f" ({ratios[0]:.2f}-{ratios[-1]:.2f} over the configs)" if len(ratios) > 1 else ""
     how = ("the times are adjusted for it (--adjust-for-pace): each process's median regressed on its reference's"
-           if adjusted else "the times are judged as measured (--adjust-for-pace adjusts them for it); a flag where "
+           if applied else "the times are judged as measured (--adjust-for-pace adjusts them for it); a flag where "
            "the reference moved far is worth a rerun")
     return (f"the machine's pace: the reference workload (fixed plain-torch work timed beside every iteration) took "
             f"{middle:.2f} times as long in AFTER as in BEFORE{spread}; {how}")
