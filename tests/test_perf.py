@@ -92,3 +92,19 @@ def test_a_suite_with_a_bad_argument_is_refused_naming_it(argv, named):
 
     with pytest.raises(ValueError, match=named):
         matrix_of(COMMANDS[0], argv)
+
+
+def test_how_far_the_machine_moved_is_printed_beside_the_verdict(baseline, capsys):
+    """Both files timed the reference workload in every process, the second run's 20% slower: perf prints the
+    compare note saying how far it moved (a flag then is worth a rerun)."""
+    rng = np.random.default_rng(5)
+    paced = [suite(rng), suite(rng)]
+    for run, pace in zip(paced, (10.0, 12.0)):
+        for result in run["results"]:
+            for iteration in (it for p in result["processes"] for it in p["iterations"]):
+                iteration["reference_ms"] = pace * rng.lognormal(0, 0.01)
+            result["iterations"] = [it for p in result["processes"] for it in p["iterations"]]
+    (perf.BASELINES / "bench.json").write_text(json.dumps(paced[0]))
+    judge(baseline, paced[1])
+    assert "note: the machine's pace: the reference workload" in capsys.readouterr().out
+    assert "took 1.20 times as long in AFTER" in (baseline / "bench.md").read_text()
