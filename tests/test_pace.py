@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from opsd_rollout.bench.compare import compare_documents
-from opsd_rollout.bench.pace import REFERENCE_METRIC, adjusted, paced, paced_medians
+from opsd_rollout.bench.pace import REFERENCE_METRIC, adjusted_ratio, paced, paced_medians, t_quantile
 from opsd_rollout.bench.reference import ReferenceWorkload, without_reference
 from opsd_rollout.bench.report import ConfigResult
 from opsd_rollout.bench.scenarios import RolloutConfig
@@ -100,21 +100,34 @@ def test_each_process_s_figure_is_read_beside_its_reference():
     assert paced_medians(result, "peak_memory_bytes") is None
 
 
-def test_the_adjustment_is_the_within_file_slope_of_log_figure_on_log_reference():
-    """CUPED in logs, checked against the formula: the slope fitted inside each file (a change between the files
-    does not enter it), pooled; a reference that follows the figure exactly is divided out (slope 1), one that moves
-    twice as far is half divided out (slope 0.5), one that does not vary leaves the figures as measured (slope 0)."""
-    x = [1.0, 2.0, 4.0]
-    exact = adjusted([(10 * v, v) for v in x], [(30 * v, v) for v in x])
-    assert exact[2] == pytest.approx(1.0)
-    assert exact[1][0] / exact[0][0] == pytest.approx(3.0) and len(set(np.round(exact[0], 9))) == 1
-    half = adjusted([(10 * v ** 0.5, v) for v in x], [(20 * v ** 0.5, 2 * v) for v in x])
-    assert half[2] == pytest.approx(0.5)
-    centre = np.mean(np.log(x + [2 * v for v in x]))
-    expected = [np.exp(np.log(10 * v ** 0.5) - 0.5 * (np.log(v) - centre)) for v in x]
-    np.testing.assert_allclose(half[0], expected)
-    flat = adjusted([(5.0, 2.0), (6.0, 2.0)], [(7.0, 3.0), (8.0, 3.0)])
-    assert flat[2] == 0.0 and flat[:2] == (pytest.approx([5.0, 6.0]), pytest.approx([7.0, 8.0]))
+def test_the_adjustment_is_the_analysis_of_covariance_of_log_figure_on_log_reference():
+    """Checked against the formula: the ratio is ``exp(d)`` of the least-squares fit ``log y = a + d after + theta log
+    x``, its interval the t-interval of ``d`` on n - 3 degrees of freedom (scipy's quantile); a reference that follows
+    the figure exactly is divided out (theta 1), one that does not vary leaves the two files' log medians."""
+    from scipy import stats
+
+    rng = np.random.default_rng(9)
+    x = rng.lognormal(0, 0.2, 12)
+    y = 50 * x ** 0.6 * rng.lognormal(0, 0.02, 12) * np.r_[np.ones(6), 1.1 * np.ones(6)]
+    ratio, low, high, theta = adjusted_ratio(list(zip(y[:6], x[:6])), list(zip(y[6:], x[6:])), 0.95)
+    design = np.c_[np.ones(12), np.r_[np.zeros(6), np.ones(6)], np.log(x)]
+    fit, residual, *_ = np.linalg.lstsq(design, np.log(y), rcond=None)
+    error = np.sqrt(residual[0] / 9 * np.linalg.inv(design.T @ design)[1, 1])
+    assert theta == pytest.approx(fit[2]) and ratio == pytest.approx(np.exp(fit[1]))
+    assert (low, high) == (pytest.approx(np.exp(fit[1] - stats.t.ppf(0.975, 9) * error)),
+                           pytest.approx(np.exp(fit[1] + stats.t.ppf(0.975, 9) * error)))
+    assert 1.05 < low < ratio < high < 1.16 and 0.5 < theta < 0.7
+    exact = adjusted_ratio([(10 * v, v) for v in (1.0, 2.0, 4.0)], [(30 * v, v) for v in (1.0, 3.0, 5.0)], 0.95)
+    assert exact[0] == pytest.approx(3.0) and exact[3] == pytest.approx(1.0)
+    flat = adjusted_ratio([(5.0, 2.0), (6.0, 2.0)], [(7.0, 2.0), (8.0, 2.0)], 0.95)
+    assert flat[3] == 0.0 and flat[0] == pytest.approx(np.sqrt(56 / 30))
+
+
+@pytest.mark.parametrize("dof", [1, 3, 9, 40])
+def test_the_t_quantile_is_scipy_s(dof):
+    from scipy import stats
+
+    assert t_quantile(0.975, dof) == pytest.approx(stats.t.ppf(0.975, dof), abs=1e-6)
 
 
 def test_adjust_for_pace_judges_the_times_adjusted_for_the_reference(tmp_path, capsys):

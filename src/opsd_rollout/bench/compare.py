@@ -41,7 +41,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from opsd_rollout.bench.contenders import CONFIDENCE
-from opsd_rollout.bench.pace import REFERENCE_METRIC, adjusted, machine_note, paced_medians
+from opsd_rollout.bench.pace import REFERENCE_METRIC, adjusted_ratio, machine_note, paced_medians
 from opsd_rollout.bench.ratio_test import fewest_iterations, ratio_interval
 from opsd_rollout.bench.report import ConfigResult, RecordedConfig, config_values, results_of
 from opsd_rollout.bench.scenarios import SCENARIOS
@@ -148,35 +148,37 @@ def flaggable_pct(change: MetricChange, threshold_pct: float) -> float | None:
     return 100 * (1 - (1 - threshold_pct / 100) * change.ratio / change.high)
 
 
-def units(old: ConfigResult, new: ConfigResult, metric: str,
-          adjust_for_pace: bool = False) -> tuple[list[float], list[float], bool, bool]:
+def units(old: ConfigResult, new: ConfigResult, metric: str) -> tuple[list[float], list[float], bool]:
     """What ``metric`` is judged over: BEFORE's and AFTER's processes' medians when both have at least
-    ``FEWEST_PROCESSES`` (third value ``True``), adjusted for their processes' reference workload when both files
-    timed it and ``adjust_for_pace`` (fourth ``True``: ``bench/pace.py``), else their iterations (``False, False``)."""
+    ``FEWEST_PROCESSES`` (and ``True``), else their iterations (and ``False``)."""
     a, b = old.process_medians(metric), new.process_medians(metric)
     if min(len(a), len(b)) >= FEWEST_PROCESSES:
-        pa, pb = (paced_medians(old, metric), paced_medians(new, metric)) if adjust_for_pace else (None, None)
-        if pa and pb:
-            return (*adjusted(pa, pb)[:2], True, True)
-        return a, b, True, False
+        return a, b, True
     a, b = old.metric(metric), new.metric(metric)
-    return list(a.values) if a else [], list(b.values) if b else [], False, False
+    return list(a.values) if a else [], list(b.values) if b else [], False
 
 
 def judge(key: str, label: str, metric: str, old: ConfigResult, new: ConfigResult, threshold_pct: float, *,
           disturbed: str = "", judged: bool = True, adjust_for_pace: bool = False) -> MetricChange | None:
-    """One metric of one config, over the units ``units`` gives (positive values); ``None`` when a side lacks it."""
-    a, b, by_processes, paced = units(old, new, metric, adjust_for_pace)
+    """One metric of one config, over the units ``units`` gives (positive values); ``None`` when a side lacks it.
+    With ``adjust_for_pace``, judged by processes and timed beside the reference in both files: the ratio and
+    interval of the analysis of covariance on the reference (``bench/pace.py``)."""
+    a, b, by_processes = units(old, new, metric)
     if not a or not b:
         return None
-    ratio, low, high = ratio_interval(a, b, CONFIDENCE)
+    pa, pb = (paced_medians(old, metric), paced_medians(new, metric)) if adjust_for_pace and by_processes else (
+        None, None)
+    paced = pa is not None and pb is not None
+    if pa is not None and pb is not None:
+        ratio, low, high, _ = adjusted_ratio(pa, pb, CONFIDENCE)
+    else:
+        ratio, low, high = ratio_interval(a, b, CONFIDENCE)
     if not by_processes and high != float("inf"):  # the spread between processes is not in these iterations
         low, high = low / (1 + UNKNOWN_PROCESS_SPREAD), high * (1 + UNKNOWN_PROCESS_SPREAD)
     significant = judged and (low > 1.0 or high < 1.0)
     lower_is_better = METRICS[metric].lower_is_better
     beyond = low > 1 + threshold_pct / 100 if lower_is_better else high < 1 - threshold_pct / 100
-    before, after = (median(a), median(b)) if not paced else (median(old.process_medians(metric)),
-                                                                median(new.process_medians(metric)))
+    before, after = median(a), median(b)
     large = abs(after - before) >= MIN_ABSOLUTE.get(METRICS[metric].unit, 0.0)
     return MetricChange(key, label, metric, before, after, ratio, low, high, significant,
                         significant and beyond and large, disturbed, judged, by_processes,

@@ -6,19 +6,20 @@ The runner times a fixed workload of plain torch ops beside every iteration (``b
 or memory bandwidth, with no steal or load to show for it) is slow in both. Measured on this project's VM (issue 52,
 RESULTS "The machine's pace"), the reference follows the config's time from process to process (rank correlation
 0.7) but moves further (its processes 1.67 apart where the config's were 1.33), so dividing by it over-corrects and
-widens the interval. What is done instead is the covariate adjustment of A/B tests (CUPED, Deng et al. 2013), in
-logs: each process's log median minus ``theta`` times its log reference's distance from the mean of both files',
-``theta`` the slope of the one on the other across the processes, estimated inside each file (each centred on its
-own mean, so a change of code between the files does not leak into it) and pooled. A slope of 1 is dividing; of 0,
-the times as measured. The reference's own ratio between the files says how far the machine moved. Not the default:
-on runs it had not been chosen on (the step bench's same-code pairs) it narrowed the interval and added a false alarm,
-its interval not carrying the uncertainty of the fitted slope.
+widens the interval. What is done instead is an analysis of covariance in logs (the regression behind CUPED, the
+covariate adjustment of online A/B tests): ``log y = a + d * after + theta * log x`` over both files' processes, the
+change ``exp(d)`` with its t-interval, ``theta`` fitted (1 would be dividing, 0 the times as measured). The
+reference's own ratio between the files says how far the machine moved. Not the default (``--adjust-for-pace``): it
+was chosen after the runs that motivated it were seen, and waits for pairs it has not seen.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import TYPE_CHECKING
+
+import numpy as np
 
 from opsd_rollout.bench.stats import median
 from opsd_rollout.metrics import METRICS
@@ -56,21 +57,55 @@ def paced_medians(result: ConfigResult, metric: str) -> list[tuple[float, float]
     return out
 
 
-def adjusted(before: list[tuple[float, float]],
-             after: list[tuple[float, float]]) -> tuple[list[float], list[float], float]:
-    """BEFORE's and AFTER's processes' figures (each ``(median, reference median)``) adjusted to the mean reference of
-    both files, and the slope ``theta`` used: ``exp(log y - theta * (log x - mean log x))``, ``theta`` the pooled
-    within-file least-squares slope of ``log y`` on ``log x`` (0 when no file's reference varies)."""
-    logs = [[(math.log(y), math.log(x)) for y, x in side] for side in (before, after)]
-    covariance = variance = 0.0
-    for side in logs:
-        mean_y, mean_x = (sum(v[i] for v in side) / len(side) for i in (0, 1))
-        covariance += sum((x - mean_x) * (y - mean_y) for y, x in side)
-        variance += sum((x - mean_x) ** 2 for _, x in side)
-    theta = covariance / variance if variance > 0 else 0.0
-    centre = sum(x for side in logs for _, x in side) / sum(len(side) for side in logs)
-    a, b = ([math.exp(y - theta * (x - centre)) for y, x in side] for side in logs)
-    return a, b, theta
+def adjusted_ratio(before: list[tuple[float, float]], after: list[tuple[float, float]],
+                   confidence: float) -> tuple[float, float, float, float]:
+    """AFTER / BEFORE adjusted for the machine's pace, its ``confidence`` interval and the slope ``theta``: the analysis
+    of covariance ``log y = a + d * after + theta * log x`` fitted by least squares to both files' processes (each
+    ``(median, reference median)``), the ratio ``exp(d)`` and the t-interval of ``d`` on ``n - 3`` degrees of
+    freedom, which carries the fitted slope's uncertainty. A reference that does not vary leaves the plain t-interval
+    of the two files' log medians (``theta`` 0). Too few processes for a degree of freedom: an unbounded interval."""
+    rows = [(1.0, float(side), math.log(x), math.log(y)) for side, pairs in enumerate((before, after))
+            for y, x in pairs]
+    design = np.array([row[:3] for row in rows])
+    logs = np.array([row[3] for row in rows])
+    if not np.ptp(design[:, 2]):  # the reference did not vary: nothing to adjust by
+        design = design[:, :2]
+    dof = len(rows) - design.shape[1]
+    if dof < 1 or min(len(before), len(after)) < 1:
+        return float("nan"), 0.0, float("inf"), 0.0
+    inverse = np.linalg.pinv(design.T @ design)
+    coefficients = inverse @ design.T @ logs
+    residual = logs - design @ coefficients
+    error = math.sqrt(float(residual @ residual) / dof * inverse[1, 1])
+    half = t_quantile(0.5 + confidence / 2, dof) * error
+    change = float(coefficients[1])
+    theta = float(coefficients[2]) if design.shape[1] == 3 else 0.0
+    return math.exp(change), math.exp(change - half), math.exp(change + half), theta
+
+
+@functools.lru_cache(maxsize=64)
+def t_quantile(probability: float, dof: int) -> float:
+    """Student's t quantile (``probability`` in (0.5, 1)) with ``dof`` degrees of freedom: its density integrated by
+    Simpson's rule (on ``atan``'s scale, so the tail is finite) and the cumulative probability solved by bisection."""
+    scale = math.exp(math.lgamma((dof + 1) / 2) - math.lgamma(dof / 2)) / math.sqrt(dof * math.pi)
+
+    def mass(upper: float) -> float:  # P(0 < T < upper); t = tan(u), dt = du / cos(u)^2
+        steps = 400
+        width = math.atan(upper) / steps
+        total = 0.0
+        for index in range(steps + 1):
+            u = index * width
+            weight = 1 if index in (0, steps) else 4 if index % 2 else 2
+            total += weight * (1 + math.tan(u) ** 2 / dof) ** (-(dof + 1) / 2) / math.cos(u) ** 2
+        return scale * total * width / 3
+
+    target, low, high = probability - 0.5, 0.0, 1.0
+    while mass(high) < target:
+        high *= 2
+    for _ in range(50):
+        middle = (low + high) / 2
+        low, high = (middle, high) if mass(middle) < target else (low, middle)
+    return (low + high) / 2
 
 
 def machine_note(ratios: list[float], applied: bool) -> str | None:
