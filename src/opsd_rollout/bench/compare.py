@@ -13,9 +13,9 @@ says so.
 The machine's pace: the runner times a fixed reference workload (plain torch ops, none of the code under test)
 beside every iteration, and where both files have it in every process a note says how far it moved between them (a
 machine slower for a stretch, with no steal or load to show for it). ``adjust_for_pace`` (``--adjust-for-pace``)
-judges each process's median adjusted for its median reference time by the covariate adjustment of A/B tests
-(``bench/pace.py``); it is not the default: on the step bench's 10 same-code pairs, which it had not been fitted to,
-it narrowed the intervals and added a false alarm (RESULTS, "The machine's pace").
+judges the processes' medians by an analysis of covariance on their median reference times (``bench/pace.py``); it
+is not the default: it was chosen after the same-code pairs that measured it were seen, and a first form added a
+false alarm on pairs it had not seen (RESULTS, "The machine's pace").
 
 What may be compared: both files must have measured the same work, or a faster AFTER only means less work. So
 the kind, every setting that changes the work (the model, the teacher, the prompts, sampling, the seed: all but
