@@ -164,7 +164,23 @@ def verdict(statuses: dict[str, int], seconds: float, load: float | None) -> tup
     return 0, f"perf: no regression ({took})"
 
 
-def update(out: Path, suites: list[str]) -> None:
+def disturbed_configs(result: Path) -> list[str]:
+    """The configs of a result file that were disturbed while they ran (in any process)."""
+    return [r["key"] for r in json.loads(result.read_text()).get("results", [])
+            if (r.get("interference") or {}).get("disturbed")]
+
+
+def update(out: Path, suites: list[str]) -> int:
+    """Record the suites' results as the baselines, unless a config was disturbed while it ran: a disturbed baseline
+    config is never judged, so every later run of perf would give no verdict on it. 0 recorded, 3 refused (the
+    baselines unchanged)."""
+    disturbed = {name: keys for name in suites if (keys := disturbed_configs(out / f"{name}.json"))}
+    if disturbed:
+        print("perf: baselines NOT recorded: configs were disturbed while they ran (other processes or the hypervisor "
+              "took CPU time), and a disturbed baseline is never judged: "
+              + "; ".join(f"{name}: {', '.join(keys)}" for name, keys in disturbed.items())
+              + ". Rerun --update on a quiet machine", file=sys.stderr)
+        return 3
     BASELINES.mkdir(parents=True, exist_ok=True)
     for name in suites:
         shutil.copyfile(out / f"{name}.json", BASELINES / f"{name}.json")
@@ -173,6 +189,7 @@ def update(out: Path, suites: list[str]) -> None:
         f"({platform.machine()}, {os.cpu_count()} cores, {platform.python_version()}); results on another machine "
         "are compared against these only after recording its own.\n")
     print(f"perf: baselines recorded in {BASELINES.relative_to(ROOT)}")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -197,8 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.update:
         if not all(ran.values()):
             return 2
-        update(out, suites)
-        return 0
+        return update(out, suites)
     statuses = {name: judge(name, out, args.threshold)[0] if ran[name] else 2 for name in suites}
     status, line = verdict(statuses, time.monotonic() - start, load)
     (out / "verdict.json").write_text(json.dumps({"status": status, "verdict": line, "suites": statuses}) + "\n")

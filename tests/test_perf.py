@@ -108,3 +108,15 @@ def test_how_far_the_machine_moved_is_printed_beside_the_verdict(baseline, capsy
     judge(baseline, paced[1])
     assert "note: the machine's pace: the reference workload" in capsys.readouterr().out
     assert "took 1.20 times as long in AFTER" in (baseline / "bench.md").read_text()
+
+
+def test_update_refuses_a_disturbed_result_and_keeps_the_baselines(baseline, capsys, monkeypatch):
+    """A baseline config disturbed while it ran is never judged, so every later perf run would give no verdict on it:
+    --update refuses the whole update (exit 3), names the config, and leaves the baselines as they were."""
+    kept = (perf.BASELINES / "bench.json").read_text()
+    (baseline / "bench.json").write_text(json.dumps(suite(np.random.default_rng(1), disturbed=True)))
+    assert perf.update(baseline, ["bench"]) == 3
+    assert "NOT recorded" in capsys.readouterr().err and (perf.BASELINES / "bench.json").read_text() == kept
+    monkeypatch.setattr(perf, "ROOT", perf.BASELINES.parent)  # where the recorded baselines are named from
+    (baseline / "bench.json").write_text(json.dumps(suite(np.random.default_rng(1))))
+    assert perf.update(baseline, ["bench"]) == 0 and (perf.BASELINES / "bench.json").read_text() != kept
