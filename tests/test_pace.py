@@ -164,9 +164,10 @@ def test_an_iteration_s_profile_fields_leave_the_reference_out():
     assert without_reference(row) == {"total_ms": 3.0, "prefill_ms": 1.0}
 
 
-def test_the_runner_times_the_reference_beside_every_iteration(tmp_path, capsys):
+def test_the_runner_times_the_reference_beside_every_iteration(tmp_path, capsys, monkeypatch):
     """A real run (in this process): every iteration carries the reference's time, the file is a valid result
-    document with it, and the tables, which read an iteration as a profile, still print."""
+    document with it, and the tables, which read an iteration as a profile, still print; a finished run resumed
+    measures nothing and so makes no reference workload (its weights and warm-up calls)."""
     import jsonschema
 
     from opsd_rollout.bench.report import load_schema
@@ -182,3 +183,10 @@ def test_the_runner_times_the_reference_beside_every_iteration(tmp_path, capsys)
         assert all(it[REFERENCE_METRIC] > 0 for it in result["iterations"])
         assert result["summary"][REFERENCE_METRIC]["count"] == 2
     assert "B2" in capsys.readouterr().out
+
+    def unmade(*args, **kwargs):
+        raise AssertionError("a run with nothing pending made the reference workload")
+
+    monkeypatch.setattr("opsd_rollout.bench.runner.ReferenceWorkload", unmade)
+    assert main(["bench", "--resume-results", str(output)]) == 0
+    assert json.loads(output.read_text())["results"] == document["results"]

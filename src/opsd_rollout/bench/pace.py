@@ -47,14 +47,10 @@ def paced_medians(result: ConfigResult, metric: str) -> list[tuple[float, float]
     when a process lacks either (or a positive value), or ``metric`` does not move with the machine's pace."""
     if paced(metric) is None:
         return None
-    out = []
-    for iterations in result.per_process():
-        values = [it[metric] for it in iterations if isinstance(it.get(metric), (int, float))]
-        pace = [it[REFERENCE_METRIC] for it in iterations if isinstance(it.get(REFERENCE_METRIC), (int, float))]
-        if not values or not pace or min(median(values), median(pace)) <= 0:
-            return None
-        out.append((median(values), median(pace)))
-    return out
+    values, pace = result.process_medians(metric), result.process_medians(REFERENCE_METRIC)
+    if not values or not len(values) == len(pace) == len(result.per_process()) or min(values + pace) <= 0:
+        return None
+    return list(zip(values, pace))
 
 
 def adjusted_ratio(before: list[tuple[float, float]], after: list[tuple[float, float]],

@@ -3,6 +3,7 @@ writes the result file atomically after every config, and resumes an interrupted
 
 from __future__ import annotations
 
+import functools
 import os
 import traceback
 from collections.abc import Callable, Collection
@@ -15,8 +16,9 @@ from opsd_rollout.bench.contenders import set_run_baselines, workload_groups
 from opsd_rollout.bench.engines import EnginePool
 from opsd_rollout.bench.environment import environment_block, measure_ceilings
 from opsd_rollout.bench.matrix import Matrix, run_order
+from opsd_rollout.bench.pace import REFERENCE_METRIC
 from opsd_rollout.bench.ranks import merge_iterations, stage_skew
-from opsd_rollout.bench.reference import REFERENCE_METRIC, ReferenceWorkload
+from opsd_rollout.bench.reference import ReferenceWorkload
 from opsd_rollout.bench.report import ConfigResult, run_document
 from opsd_rollout.bench.scenarios.base import Measurement
 from opsd_rollout.bench.stability import (Interference, InterferenceMonitor, Warmup, merge_interference,
@@ -85,9 +87,13 @@ class BenchRunner:
                 torch.cuda.set_device(self.device)
         self.ranks = rank_info()
         self._spec: ModelSpec | None = None
-        self.reference = ReferenceWorkload(self.device)
-        """Timed beside every iteration (``reference_ms``): the machine's pace, which ``compare`` notes
-        (and ``--adjust-for-pace`` adjusts the times for)."""
+
+    @functools.cached_property
+    def reference(self) -> ReferenceWorkload:
+        """Timed beside every iteration (``reference_ms``): the machine's pace, which ``compare`` notes (and
+        ``--adjust-for-pace`` adjusts the times for); made when the first iteration is measured (a run with nothing
+        pending makes none)."""
+        return ReferenceWorkload(self.device)
 
     @property
     def kind(self) -> str:
@@ -148,6 +154,7 @@ class BenchRunner:
     def _run_batch(self, pool: EnginePool, batch: list[Any], progress: Progress) -> None:
         """Warm up each config of ``batch``, then measure them round by round: one iteration of each per round,
         the order reversed every other round (one config: its iterations one after the other)."""
+        reference = self.reference  # made (and warmed up) before the first config, not between its iterations
         started = {}
         for config in batch:
             measurement = self._start(pool, config, progress)
@@ -160,7 +167,7 @@ class BenchRunner:
             for config, measurement in (order if index % 2 == 0 else order[::-1]):
                 try:
                     figures = measurement.run()
-                    self.results[config.key].iterations.append({**figures, REFERENCE_METRIC: self.reference.run()})
+                    self.results[config.key].iterations.append({**figures, REFERENCE_METRIC: reference.run()})
                 except Exception as error:  # noqa: BLE001 - a failed config is recorded and the run goes on
                     self._fail(config, error)
                     del started[config.key]
