@@ -49,7 +49,9 @@ class DivergenceConfig:
     """``forward_kl`` (teacher to student), ``reverse_kl`` (student to teacher) or ``jsd`` (with ``beta``), over
     the teacher's distribution; or ``sampled_reverse_kl``: the reverse KL of the sampled tokens alone (the
     teacher's log-probability of each, a ``sampled`` teacher cache), trained as an on-policy policy gradient
-    (``opsd/sampled.py``)."""
+    (``opsd/sampled.py``). From a random-weight student ``jsd`` and ``sampled_reverse_kl`` learnt nothing on the
+    built-in task where ``forward_kl`` did; from a warm start ``jsd`` and ``reverse_kl`` led (docs/TRAINING.md,
+    "Which loss")."""
     estimator: str = "k1"
     """``sampled_reverse_kl``'s per-token estimate of KL(student || teacher) from r = log p_s(y) - log p_t(y):
     ``k1`` = r, or ``k3`` = exp(-r) - 1 + r (verl's low-variance estimator, never negative)."""
