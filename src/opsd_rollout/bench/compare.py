@@ -14,8 +14,8 @@ The machine's pace: the runner times a fixed reference workload (plain torch ops
 beside every iteration, and where both files have it in every process a note says how far it moved between them (a
 machine slower for a stretch, with no steal or load to show for it). ``adjust_for_pace`` (``--adjust-for-pace``)
 judges the processes' medians by an analysis of covariance on their median reference times (``bench/pace.py``); it
-is not the default: it was chosen after the same-code pairs that measured it were seen, and a first form added a
-false alarm on pairs it had not seen (RESULTS, "The machine's pace").
+is not the default: it was chosen after the same-code pairs that measured it were seen, and on fresh pairs it
+flagged more of a planted slowdown but added a false alarm (RESULTS, "Fresh pairs").
 
 What may be compared: both files must have measured the same work, or a faster AFTER only means less work. So
 the kind, every setting that changes the work (the model, the teacher, the prompts, sampling, the seed: all but

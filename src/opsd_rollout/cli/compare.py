@@ -87,8 +87,8 @@ def add_compare_parser(sub: Any, common: argparse.ArgumentParser) -> None:
                          "they ran too (exit 5 otherwise)")
     compare.add_argument("--adjust-for-pace", action="store_true", help="judge each process's times adjusted for "
                          "the reference workload it timed beside them (the machine's pace; a covariate adjustment, "
-                         "as A/B tests use): narrower intervals; not the default until pairs it was not chosen on "
-                         "confirm it (docs/BENCHMARKS.md)")
+                         "as A/B tests use): narrower intervals, a second opinion on a flag; not the default: on fresh "
+                         "pairs it flagged more of a planted slowdown and added a false alarm (docs/BENCHMARKS.md)")
     compare.add_argument("--allow-partial", action="store_true", help="exit 0 (not 4) when one file has configs "
                          "the other lacks")
     compare.set_defaults(func=run_compare)
