@@ -90,9 +90,9 @@ FLAGS: list[tuple[str, str, dict[str, Any]]] = [  # (flag, TrainConfig's flat na
                                         "on-policy train on: the references, the teacher's samples (supervised KD), "
                                         "or auto (default): the references when every example has one")),
     ("--loss", "loss", dict(choices=LOSSES, help="divergence (default jsd); sampled_reverse_kl: the teacher's "
-                            "log-probability of each sampled token only, as a policy gradient (on-policy). From "
-                            "random weights use forward_kl: jsd and sampled_reverse_kl need a warm start "
-                            "(--warmup-sft-steps)")),
+                            "log-probability of each sampled token only, as a policy gradient (on-policy). Judged by "
+                            "task accuracy from random weights, jsd and sampled_reverse_kl stayed at 0%% where "
+                            "forward_kl learnt: warm-start them (--warmup-sft-steps)")),
     ("--estimator", "estimator", dict(choices=("k1", "k3"), help="sampled_reverse_kl's per-token estimate: k1 "
                                       "(default) or k3 (verl's low-variance estimator)")),
     ("--beta", "beta", dict(type=float, help="generalized JSD interpolation (default 0.5)")),
