@@ -48,7 +48,7 @@ def paced_medians(result: ConfigResult, metric: str) -> list[tuple[float, float]
     if paced(metric) is None:
         return None
     values, pace = result.process_medians(metric), result.process_medians(REFERENCE_METRIC)
-    if not values or not len(values) == len(pace) == len(result.per_process()) or min(values + pace) <= 0:
+    if len(values) != result.process_count or len(pace) != result.process_count or min(values + pace) <= 0:
         return None
     return list(zip(values, pace))
 
