@@ -50,8 +50,8 @@ class DivergenceConfig:
     the teacher's distribution; or ``sampled_reverse_kl``: the reverse KL of the sampled tokens alone (the
     teacher's log-probability of each, a ``sampled`` teacher cache), trained as an on-policy policy gradient
     (``opsd/sampled.py``). From a random-weight student ``jsd`` and ``sampled_reverse_kl`` learnt nothing on the
-    built-in task where ``forward_kl`` did; from a warm start ``jsd`` and ``reverse_kl`` led (docs/TRAINING.md,
-    "Which loss")."""
+    built-in task where ``forward_kl`` did; from a warm start ``jsd`` and ``reverse_kl`` over the teacher's top 64
+    with the tail led (docs/TRAINING.md, "Which loss")."""
     estimator: str = "k1"
     """``sampled_reverse_kl``'s per-token estimate of KL(student || teacher) from r = log p_s(y) - log p_t(y):
     ``k1`` = r, or ``k3`` = exp(-r) - 1 + r (verl's low-variance estimator, never negative)."""
