@@ -11,7 +11,7 @@ import torch
 from conftest import TINY_PRESETS, prompts_with_padding_and_holes, reference_rollout, rollout_engine
 from opsd_rollout import HybridEngineRollout, HybridEngineRolloutConfig, RolloutRequest, SamplingConfig
 from opsd_rollout.models import EOS_ID, PAD_ID
-from opsd_rollout.rollout.compiled import CompiledStep, NeedsCompile, compiled_graphs
+from opsd_rollout.rollout.compiled import CompiledStep, NeedsCompile, compiled_graphs, records_cuda_graphs
 from opsd_rollout.rollout.strategies.static import StaticDecode
 
 
@@ -63,6 +63,38 @@ def test_a_smaller_workspace_is_a_new_shape_not_a_recompile_inside_the_loop(tiny
         for slots in (None, 4):
             rollout.generate(request, SamplingConfig(**{**vars(sampled(16, 2)), "continuous_batch_size": slots}))
     assert not [r for r in caplog.records if "inside the decode loop" in r.getMessage()]
+
+
+def test_on_cuda_graphs_every_shape_is_warmed_again_after_a_new_graph(tiny_models, tokenizer, monkeypatch):
+    """dynamo tries its newest graph first, so a graph compiled for one shape can take over shapes warmed before it
+    (on an H200 a graph with a symbolic batch took the full batch over, and recorded its CUDA graph for it in a decode
+    step). On CUDA graphs every shape is warmed again when next met after a new graph; with no graphs to record, a
+    shape is warmed once."""
+    request = prompts_with_padding_and_holes(tokenizer)
+    prepare, warm = CompiledStep.prepare, CompiledStep.warm
+    warmed = {}
+    for records in (False, True):
+        torch._dynamo.reset()
+        batches = []
+
+        def prepared(step, device, records=records):
+            prepare(step, device)
+            step.records_graphs = records  # as prepare sets it on CUDA for reduce-overhead
+
+        def counted(step, model, token, *args, **kwargs):
+            batches.append(token.shape[0])
+            return warm(step, model, token, *args, **kwargs)
+
+        monkeypatch.setattr(CompiledStep, "prepare", prepared)
+        monkeypatch.setattr(CompiledStep, "warm", counted)
+        rollout = rollout_engine(tiny_models["llama-tiny"], tokenizer, seed=3, response_lengths="geometric:mean=4")
+        rollout.rollout.strategy = StaticDecode(compile_decode=True, seed=3, compile_options={"backend": "eager"})
+        for _ in range(2):
+            rollout.generate(request, sampled(16, 2))
+        warmed[records] = batches
+    full = warmed[False][0]
+    assert warmed[False].count(full) == 1 and len(warmed[False]) == len(set(warmed[False]))
+    assert warmed[True].count(full) == 2 and set(warmed[True]) == set(warmed[False])
 
 
 @pytest.mark.slow
@@ -193,6 +225,31 @@ def test_the_loop_never_compiles_a_step_torch_has_not_warmed():
     with pytest.raises(NeedsCompile):
         compiled(torch.ones(2))
     assert compiled.warm(torch.ones(2)) == 1 and compiled.graphs == 3
+
+
+def test_a_warm_up_on_cuda_graphs_calls_the_step_twice_so_the_recording_is_not_a_decode_step():
+    """Inductor's graph trees run a new graph eagerly on its first call and record it on the second: a warm-up on
+    CUDA graphs makes both calls, so the first decode step of a shape replays. Elsewhere one call."""
+    calls = []
+
+    def step(x):
+        calls.append(1)  # dynamo runs the Python once per compile; the eager backend each call
+        return x + 1
+
+    assert records_cuda_graphs({"mode": "reduce-overhead"}) and records_cuda_graphs({"mode": "max-autotune"})
+    assert not records_cuda_graphs({"mode": "max-autotune-no-cudagraphs"}) and not records_cuda_graphs({})
+    assert not records_cuda_graphs({"backend": "eager", "mode": "reduce-overhead"})
+    assert records_cuda_graphs({"options": {"triton.cudagraphs": True}})
+    once = CompiledStep(step, {"backend": "eager", "dynamic": False})
+    once.prepare(torch.device("cpu"))
+    assert not once.records_graphs
+    once.warm(torch.ones(2))
+    twice = CompiledStep(torch.compiler.disable(step), {"backend": "eager", "dynamic": False})
+    twice.prepare(torch.device("cpu"))
+    twice.records_graphs = True  # as prepare(cuda) sets it for reduce-overhead
+    before = len(calls)
+    twice.warm(torch.ones(3))
+    assert len(calls) - before == 2
 
 
 def test_a_stance_of_the_callers_own_is_kept():

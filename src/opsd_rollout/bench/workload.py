@@ -43,7 +43,7 @@ def sample_salt(rows: int, samples_per_prompt: int, device: torch.device) -> tor
 def _powers(count: int, device: torch.device) -> torch.Tensor:
     base = torch.full((count,), HASH_BASE - (1 << 64) if HASH_BASE >= 1 << 63 else HASH_BASE, dtype=torch.int64,
                       device=device)
-    base[0] = 1
+    base[:1] = 1  # a slice is filled on the device; an element would be copied from the host
     return torch.cumprod(base, dim=0)  # int64 products wrap modulo 2**64
 
 
@@ -89,7 +89,7 @@ class LengthForcing:
 
     def observe(self, rows: torch.Tensor, tokens: torch.Tensor) -> None:
         self.hash[rows] = self.hash[rows] + (tokens + 1) * self.power[rows]
-        self.power[rows] = self.power[rows] * _powers(2, tokens.device)[1]
+        self.power[rows] = self.power[rows] * HASH_BASE
 
     def as_logits_processor(self, prompt_mask: torch.Tensor, samples_per_prompt: int) -> Any:
         return _HashedLengths(self.model, self.cap, self.eos, self.seed, prompt_mask, samples_per_prompt)
@@ -101,10 +101,8 @@ def force(logits: torch.Tensor, hashes: torch.Tensor, steps: torch.Tensor, hazar
     never can."""
     coin = uniforms(key, hashes, steps).squeeze(1)
     stop = coin.to(hazard.device) < hazard[steps.clamp(max=hazard.numel() - 1)]
-    out = logits.clone()
-    out[:, eos] = float("-inf")
-    out[stop] = float("-inf")
-    out[stop, eos] = 0.0
+    out = logits.masked_fill(stop[:, None], float("-inf"))  # a mask index would wait for its count of rows
+    out[:, eos] = torch.full_like(out[:, eos], float("-inf")).masked_fill_(stop, 0.0)
     return out
 
 

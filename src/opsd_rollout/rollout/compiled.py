@@ -12,8 +12,10 @@ Graphs are counted with dynamo's own counter.
 Shapes: the cache length rounds up to a power of two (``bucket``) and the batch moves through row compaction's
 buckets (``scheduler.batch_buckets``). torch's automatic dynamic shapes compile the first batch size as it is
 and, when a second one comes, one graph with a symbolic batch that serves every later size; on CUDA each size
-still gets its own recorded CUDA graph (a recording in its warm-up call, not a compile). Reaching torch's
-recompile limit (after which torch would run new shapes eagerly) is a warning.
+still gets its own recorded CUDA graph (a recording in its warm-up call, not a compile). Inductor's CUDA graph
+trees run a new graph once eagerly and record it on its second call, so a warm-up call on CUDA graphs calls the
+step twice: the recording falls in the warm-up, not in the first decode step. Reaching torch's recompile limit
+(after which torch would run new shapes eagerly) is a warning.
 """
 
 from __future__ import annotations
@@ -58,6 +60,15 @@ def default_options(device: torch.device) -> dict[str, Any]:
     return {"mode": "reduce-overhead"} if device.type == "cuda" else {"options": copy.deepcopy(CPU_MATVEC)}
 
 
+def records_cuda_graphs(options: dict[str, Any]) -> bool:
+    """Whether ``torch.compile(**options)`` replays CUDA graphs on CUDA: its mode says so, or its options."""
+    inductor = options.get("options") or {}
+    if "triton.cudagraphs" in inductor:
+        return bool(inductor["triton.cudagraphs"])
+    return options.get("backend", "inductor") == "inductor" and options.get("mode") in ("reduce-overhead",
+                                                                                         "max-autotune")
+
+
 def compiled_graphs() -> int:
     """Graphs dynamo has compiled in this process so far (all functions): dynamo's own counter."""
     from torch._dynamo.utils import counters
@@ -93,15 +104,19 @@ class CompiledStep:
         """Graphs this step's warm-up calls compiled (a shape served by a dynamic graph adds none)."""
         self.exhausted = False
         """torch's recompile limit was reached: shapes it cannot compile any more run eagerly."""
+        self.records_graphs = False
+        """Whether the step replays CUDA graphs (inductor's graph trees), known once prepared."""
 
     def prepare(self, device: torch.device) -> None:
         """Compile lazily for ``device`` (the options depend on it) unless options were given."""
         if self._compiled is None:
-            self._compiled = torch.compile(self.fn, **(self.options if self.options is not None
-                                                       else default_options(device)))
+            options = self.options if self.options is not None else default_options(device)
+            self.records_graphs = device.type == "cuda" and records_cuda_graphs(options)
+            self._compiled = torch.compile(self.fn, **options)
 
     def warm(self, *args: Any, **kwargs: Any) -> int:
-        """Run the step once, compiling (or recording its CUDA graph) if torch must; returns the graphs compiled.
+        """Run the step once, compiling if torch must (twice on CUDA graphs: the second call records the graph);
+        returns the graphs compiled.
         The decode loop calls it before the step it is about to take, with that step's inputs but the write columns
         at the cache's last one (which only finished rows write): nothing the step reads changes."""
         self._require_prepared()
@@ -112,6 +127,8 @@ class CompiledStep:
         with torch._dynamo.config.patch(skip_nnmodule_hook_guards=False, fail_on_recompile_limit_hit=True):
             try:
                 self._compiled(*args, **kwargs)
+                if self.records_graphs:  # the first call ran the new graph eagerly; the second records it
+                    self._compiled(*args, **kwargs)
             except torch._dynamo.exc.FailOnRecompileLimitHit:
                 self._warn_exhausted()
                 self.fn(*args, **kwargs)

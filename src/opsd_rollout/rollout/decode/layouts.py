@@ -81,7 +81,7 @@ class KVLayout:
         rows = torch.tensor([a.row for a in admissions], dtype=torch.int64, device=device)
         if self.mask is not None:
             self.mask[slots, :self.start] = self.prompt_mask[rows, :self.start].bool()
-            self.mask[slots, self.start:] = False
+            self.mask[:, self.start:].index_fill_(0, slots, False)  # a number through a tensor index would wait
 
     # ---- one decode forward ------------------------------------------------------------------------------------
 
@@ -102,7 +102,7 @@ class KVLayout:
         if isinstance(column, int):
             self.mask[:active, column] = True
         else:
-            self.mask[self.cache.slot_ids[:active], column] = True
+            self.mask[self.cache.slot_ids[:active], column] = self.mask.new_ones(())  # a device value: no host copy
         view = self.mask[:active, :self.cache.length if self.cache.whole else width + 1]
         return view[:, None, None, :] if self.four_d else view
 

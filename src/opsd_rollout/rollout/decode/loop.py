@@ -105,11 +105,13 @@ class SlotState:
         """Slots ``slots`` [k] now hold request rows ``rows`` [k], whose next keys/values go to ``column`` and
         whose first token ``token`` came from forward ``forward`` (their prompt's prefill) and ended them where
         ``finished``."""
-        self.row[slots], self.position[slots], self.column[slots] = rows, positions, column
+        self.row[slots], self.position[slots] = rows, positions
+        self.column.index_fill_(0, slots, column)  # a number through a tensor index: a host copy and a wait on CUDA
         self.out[rows, 0] = token
         self.finish[rows] = torch.where(finished, forward, self.finish[rows])
         self.generated[rows] = finished.long()
-        self.token[slots], self.count[slots], self.running[slots] = token, 1, ~finished
+        self.token[slots], self.running[slots] = token, ~finished
+        self.count.index_fill_(0, slots, 1)
         if first:
             self.aligned, self.width = True, column
         else:  # admitted rows start behind the others: each slot its own column
@@ -127,7 +129,7 @@ class SlotState:
         live, rows, count = self.live(active)
         self.out[torch.where(live, rows, self.sink), torch.where(live, count, self.max_new)] = token
         ended = torch.where(finished, rows, self.sink)
-        self.finish[ended] = forward
+        self.finish.index_fill_(0, ended, forward)
         self.generated[ended] = count + 1
         self.running[:active] = live & ~finished
         self.token[:active] = token
@@ -274,8 +276,14 @@ class DecodeLoop:
         """The compiled step's warm-up call for this step's shape: a forward of its own before the step (timed as
         ``compile``), on the step's inputs, writing only the cache's last column."""
         with self.recorder.phase("compile"):
-            self.stats.compiled_graphs += self.forward(active, warm=True)
+            compiled = self.forward(active, warm=True)
+        self.stats.compiled_graphs += compiled
         self.layout.step_done()
+        if compiled and isinstance(self.forwards.step, CompiledStep) and self.forwards.step.records_graphs:
+            # dynamo tries its newest graph first: a shape warmed before may now run on this one, whose CUDA graph
+            # for that shape is not recorded yet; every shape is warmed again when next met, so that the recording
+            # falls in a warm-up and not in a decode step (seen on an H200: a dynamic graph took the full batch over)
+            self.forwards.warmed.clear()
         self.forwards.warmed.add((active,) + self.layout.shape_key())
 
     def sample(self, logits: torch.Tensor, rows: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
