@@ -43,6 +43,33 @@ def test_the_host_sync_stand_in_raises_where_cuda_would_wait(gpu_check):
                 wait()
 
 
+def test_a_number_written_through_an_integer_index_is_a_wait_in_the_stand_in(gpu_check):
+    """On CUDA ``x[ints] = 5`` copies the number from pageable host memory (a wait): the first GPU run found one
+    in the decode loop that the stand-in had let pass. A lone mask, ``index_fill_`` and a slice take the number
+    as it is (as the H200 showed)."""
+    x, ints = torch.zeros(4, 4), torch.tensor([1, 2])
+    with gpu_check.HostSyncDetector():
+        x[x[:, 0] > -1] = 5.0
+        x.index_fill_(0, ints, 1.0)
+        x[:, 0] = 2.0
+        x[ints] = torch.ones(())
+        for wait in (lambda: x.__setitem__(ints, 5.0), lambda: x.__setitem__((1, 2), 5.0),
+                     lambda: x.__setitem__((ints, 0), 5)):
+            with pytest.raises(RuntimeError, match="host synchronization: __setitem__"):
+                wait()
+
+
+def test_the_stand_ins_sync_rules_are_checked_against_what_cuda_does(gpu_check, ctx, monkeypatch):
+    finding = gpu_check.check_sync_rules(ctx)
+    assert finding.figure == f"{len(gpu_check.SYNC_FORMS)} forms as expected", finding
+    forms = dict(gpu_check.SYNC_FORMS)
+    expected, form = forms["x.index_fill_(0, ints, 5.0)"]
+    forms["x.index_fill_(0, ints, 5.0)"] = (not expected, form)
+    monkeypatch.setattr(gpu_check, "SYNC_FORMS", forms)
+    with pytest.raises(AssertionError, match="index_fill_.*expected True, stand-in False"):
+        gpu_check.check_sync_rules(ctx)
+
+
 def test_the_decode_loop_takes_no_host_sync_eager_or_compiled(gpu_check, ctx):
     finding = gpu_check.check_no_host_sync(ctx)
     assert finding.figure == "0 syncs in 60 decode steps", finding  # 4 rollouts of 15 decode steps, each strict
@@ -59,6 +86,21 @@ def test_a_planted_sync_in_the_decode_step_fails_the_check(gpu_check, ctx, monke
 
     monkeypatch.setattr(DecodeLoop, "finished", reading)
     with pytest.raises(RuntimeError, match="host synchronization: item"):
+        gpu_check.check_no_host_sync(ctx)
+
+
+def test_a_number_written_through_an_index_in_the_decode_step_fails_the_check(gpu_check, ctx, monkeypatch):
+    """What the loop did until the first GPU run: ``finish[ended] = forward``, a host copy of the number."""
+    from opsd_rollout.rollout.decode.loop import SlotState
+
+    advance = SlotState.advance
+
+    def copying(state, active, token, finished, forward):
+        state.finish[torch.full((1,), state.sink, device=token.device)] = forward
+        return advance(state, active, token, finished, forward)
+
+    monkeypatch.setattr(SlotState, "advance", copying)
+    with pytest.raises(RuntimeError, match="host synchronization: __setitem__"):
         gpu_check.check_no_host_sync(ctx)
 
 
@@ -160,6 +202,16 @@ def test_one_failing_check_prints_every_row_and_fails_the_run(gpu_check, monkeyp
     assert "KeyError" in rows[0][-1]
 
 
+def test_skip_leaves_checks_out(gpu_check, monkeypatch, capsys):
+    def broken(ctx):
+        raise KeyError("gone")
+
+    monkeypatch.setattr(gpu_check, "CHECKS", [("broken", broken), ("metadata", gpu_check.check_profile_metadata)])
+    assert gpu_check.main(["--cpu", "--model", "llama-tiny", "--skip", "brok"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")][1:]
+    assert [row.split(" | ")[0].lstrip("| ") for row in rows] == ["metadata"]
+
+
 def test_a_setup_that_fails_still_prints_every_row(gpu_check, capsys):
     assert gpu_check.main(["--cpu", "--model", "no-such-preset"]) == 1
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")][1:]
@@ -168,7 +220,7 @@ def test_a_setup_that_fails_still_prints_every_row(gpu_check, capsys):
 
 @pytest.mark.slow
 def test_cpu_rehearsal_runs_every_check_and_skips_none(gpu_check):
-    result = run_named("the GPU check's CPU rehearsal (about 40 s on 2 quiet cores)",
+    result = run_named("the GPU check's CPU rehearsal (about 90 s on 2 quiet cores)",
                        [sys.executable, str(SCRIPT), "--cpu", "--model", "llama-tiny"], env=clean_env(), timeout=1200)
     assert result.returncode == 0, result.stdout + result.stderr
     rows = {line.split(" | ")[0].lstrip("| "): line.split(" | ")[1]
