@@ -15,6 +15,14 @@ or compare (one without a baseline too), 3 no verdict (configs disturbed while t
 
 ``--update`` records this machine's results as the new baselines (do it on a quiet machine, and say so in the
 commit): a baseline belongs to the machine that made it, which ``benchmarks/perf/MACHINE.txt`` names.
+
+``--against REV`` measures another revision in the same run instead of reading the baselines: REV's tree (``git
+archive``) in ``perf-results/against/tree/`` and its results beside it, its workers started with its ``src/`` and
+``scripts/`` first on the path, and the two revisions take turns process by process (``run_alternating``), so a
+machine that slows mid-run slows both alike; then each suite of this checkout is judged against REV's. Twice the
+processes, so about twice the minutes: ``--suites`` narrows it. REV's workers must read this checkout's jobs (``python
+-m opsd_rollout.bench.processes``, from issue 52 on); a revision that cannot leaves its suites with no verdict, its
+error printed.
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ import json
 import os
 import platform
 import shutil
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -68,13 +77,48 @@ def suite_command(name: str) -> tuple[Any, list[str]]:
     return COMMAND, [*argv, "--processes", str(PROCESSES), "--iterations", str(ITERATIONS), "--warmup", str(WARMUP)]
 
 
-def run(names: list[str], out: Path) -> dict[str, bool]:
+def checkout(rev: str, out: Path) -> tuple[Path, str]:
+    """REV's tree, fresh, in ``out`` (``git archive``: no worktree to clean up) and its commit. Raises
+    ``ValueError`` naming REV when git does not know it."""
+    found = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--verify", "--quiet", f"{rev}^{{commit}}"],
+                           capture_output=True, text=True)
+    if found.returncode != 0:
+        raise ValueError(f"--against: {rev!r} is no commit of {ROOT} (git rev-parse found none)")
+    commit = found.stdout.strip()
+    if out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", "--format=tar", commit], capture_output=True,
+                             check=True)
+    subprocess.run(["tar", "-x", "-C", str(out)], input=archive.stdout, check=True)
+    (out / "COMMIT").write_text(commit + "\n")
+    return out, commit
+
+
+def against_launcher(tree: Path) -> Any:
+    """Shared workers that run ``tree``'s code: its ``src/`` and ``scripts/`` before anything else on the path."""
+    from opsd_rollout.bench.processes import shared_subprocess_launcher
+
+    path = os.pathsep.join([str(tree / "src"), str(tree / "scripts"), *filter(None, [os.environ.get("PYTHONPATH")])])
+    return shared_subprocess_launcher(env={**os.environ, "PYTHONPATH": path})
+
+
+def tree_path(import_path: str | None, tree: Path) -> str:
+    """Where ``tree`` keeps what this checkout imports from ``import_path`` (``src/`` or ``scripts/``)."""
+    if import_path is None or not Path(import_path).resolve().is_relative_to(ROOT):
+        raise ValueError(f"--against needs the package imported from this checkout's src/ (it came from "
+                         f"{import_path}): install it editable (make install), or run from the checkout")
+    return str(tree / Path(import_path).resolve().relative_to(ROOT))
+
+
+def run(names: list[str], out: Path, against: Path | None = None) -> dict[str, bool]:
     """Every suite of ``names`` measured by the same ``PROCESSES`` fresh processes, into ``out/NAME.json``; per suite
-    whether every config was measured (a failure's error printed)."""
-    from opsd_rollout.bench.processes import ProcessRunner, run_together, shared_subprocess_launcher
+    whether every config was measured (a failure's error printed). With ``against`` (another revision's tree), that
+    revision too, into ``NAME.json`` beside the tree, its processes taking turns with this checkout's."""
+    from opsd_rollout.bench.processes import ProcessRunner, run_alternating, shared_subprocess_launcher
     from opsd_rollout.cli.bench import matrix_of
 
-    runners = {}
+    runners, others = {}, {}
     for name in names:
         command, argv = suite_command(name)
         script = "scripts/bench_kernels.py" if command.name == "kernels" else f"-m opsd_rollout {command.name}"
@@ -87,27 +131,44 @@ def run(names: list[str], out: Path) -> dict[str, bool]:
             continue
         (out / f"{name}.json").unlink(missing_ok=True)  # a fresh measurement, never a resumed one
         runners[name] = ProcessRunner(matrix, settings, output=out / f"{name}.json")
+        if against is not None:
+            (against.parent / f"{name}.json").unlink(missing_ok=True)
+            others[name] = ProcessRunner(matrix, settings, output=against.parent / f"{name}.json",
+                                         import_path=tree_path(runners[name].import_path, against))
     start = time.monotonic()
-    print(f"perf: {len(runners)} suite(s), each config in the same {PROCESSES} fresh processes", flush=True)
-    run_together(list(runners.values()), shared_subprocess_launcher())
+    sides = [(list(runners.values()), shared_subprocess_launcher())]
+    if against is not None:
+        sides.append((list(others.values()), against_launcher(against)))
+        print(f"perf: {len(runners)} suite(s) of this checkout and of {against}, each config in {PROCESSES} fresh "
+              "processes a side, the sides taking turns", flush=True)
+    else:
+        print(f"perf: {len(runners)} suite(s), each config in the same {PROCESSES} fresh processes", flush=True)
+    run_alternating(sides)
     print(f"perf: measured in {(time.monotonic() - start) / 60:.1f} min", flush=True)
     ran = {}
     for name in names:
-        failed = [r for r in runners[name].results.values() if r.status == "failed"] if name in runners else None
-        for result in failed or []:
-            print(f"perf: {name}: {result.config.key} failed: {result.error}", file=sys.stderr)
+        failed = None
+        if name in runners:
+            failed = [(side, r) for side, group in (("", runners), (f" ({against})", others)) if name in group
+                      for r in group[name].results.values() if r.status == "failed"]
+        for side, result in failed or []:
+            print(f"perf: {name}{side}: {result.config.key} failed: {result.error}", file=sys.stderr)
         ran[name] = failed == []
     return ran
 
 
-def judge(name: str, out: Path, threshold: float) -> tuple[int, Any]:
-    """Compare suite ``name``'s result with its baseline (writing the whole comparison as Markdown beside it); the
-    exit status ``compare`` would give (2: could not) and the comparison."""
+def judge(name: str, out: Path, threshold: float, baselines: Path | None = None) -> tuple[int, Any]:
+    """Compare suite ``name``'s result with its baseline in ``baselines`` (``None``: the committed ones; writing the
+    whole comparison as Markdown beside the result); the exit status ``compare`` would give (2: could not) and the
+    comparison."""
     from opsd_rollout.bench.compare import compare_documents
     from opsd_rollout.bench.compare_report import comparison_markdown
     from opsd_rollout.bench.report import load_document
 
-    baseline = BASELINES / f"{name}.json"
+    baseline = (baselines or BASELINES) / f"{name}.json"
+    if baselines is not None and not baseline.is_file():
+        print(f"perf: {name}: {baselines} measured nothing")
+        return 2, None
     if not baseline.is_file():
         print(f"perf: {name}: no baseline at {baseline.relative_to(ROOT)}; record one with --update")
         return 2, None
@@ -148,9 +209,12 @@ def summary(comparison: Any, status: int, threshold: float) -> str:
     return f"no regression in {comparison.matched} config(s){could}"
 
 
-def verdict(statuses: dict[str, int], seconds: float, load: float | None) -> tuple[int, str]:
-    """The run's one verdict: its exit status and its last line."""
-    took = f"{seconds / 60:.1f} min" + (f", load {load:.1f} at the start" if load is not None else "")
+def verdict(statuses: dict[str, int], seconds: float, load: float | None,
+            against: str | None = None) -> tuple[int, str]:
+    """The run's one verdict (``against``: the revision it was judged against, not the baselines): its exit status
+    and its last line."""
+    took = (f"against {against}, " if against else "") + f"{seconds / 60:.1f} min" + (
+        f", load {load:.1f} at the start" if load is not None else "")
     if any(s == 1 for s in statuses.values()):
         flagged = ", ".join(name for name, s in statuses.items() if s == 1)
         return 1, f"perf: REGRESSION ({flagged}): beyond the threshold over the spread between processes ({took})"
@@ -198,7 +262,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threshold", type=float, default=5.0, help="percent, as compare's (default 5)")
     parser.add_argument("--output-dir", default=str(ROOT / "perf-results"), help="where the runs are written")
     parser.add_argument("--update", action="store_true", help="record the results as the new baselines")
+    parser.add_argument("--against", metavar="REV",
+                        help="judge against git revision REV measured in this same run, its processes taking turns "
+                             "with this checkout's (about twice the minutes), instead of the baselines")
     args = parser.parse_args(argv)
+    if args.against and args.update:
+        parser.error("--against and --update: a baseline is recorded from this checkout alone; give one of them")
     suites = [s for s in args.suites.split(",") if s]
     unknown = [s for s in suites if s not in SUITES]
     if unknown:
@@ -209,14 +278,27 @@ def main(argv: list[str] | None = None) -> int:
     if load is not None and load > BUSY_LOAD:
         print(f"perf: the machine is busy (load {load:.1f} on {os.cpu_count()} cores): configs it disturbs are not "
               "judged; run it on a quiet machine", flush=True)
+    against, named = None, None
+    if args.against:
+        try:
+            against, commit = checkout(args.against, out / "against" / "tree")
+        except ValueError as error:
+            parser.error(str(error))
+        named = f"{args.against} ({commit[:10]})" if not commit.startswith(args.against) else commit[:10]
+        print(f"perf: against {named}: its tree in {against}", flush=True)
     start = time.monotonic()
-    ran = run(suites, out)
+    try:
+        ran = run(suites, out, against)
+    except ValueError as error:
+        print(f"perf: {error}", file=sys.stderr)
+        return 2
     if args.update:
         if not all(ran.values()):
             return 2
         return update(out, suites)
-    statuses = {name: judge(name, out, args.threshold)[0] if ran[name] else 2 for name in suites}
-    status, line = verdict(statuses, time.monotonic() - start, load)
+    baselines = against.parent if against else None
+    statuses = {name: judge(name, out, args.threshold, baselines)[0] if ran[name] else 2 for name in suites}
+    status, line = verdict(statuses, time.monotonic() - start, load, named)
     (out / "verdict.json").write_text(json.dumps({"status": status, "verdict": line, "suites": statuses}) + "\n")
     print(line)
     return status

@@ -18,7 +18,8 @@ import jsonschema
 import pytest
 
 from opsd_rollout.bench.matrix import Matrix
-from opsd_rollout.bench.processes import JOB_MARK, ProcessRunner, merge_processes, run_shared_worker, run_together, run_worker
+from opsd_rollout.bench.processes import (JOB_MARK, ProcessRunner, merge_processes, run_alternating, run_shared_worker,
+                                          run_together, run_worker)
 from opsd_rollout.bench.report import ConfigResult, load_document, load_schema
 from opsd_rollout.bench.scenarios import RolloutConfig, RolloutScenario, RolloutSettings
 from opsd_rollout.bench.tables import stability_table
@@ -155,6 +156,34 @@ def test_several_runs_are_measured_by_the_same_workers_each_document_its_own(tmp
         document = load_document(tmp_path / f"{name}.json")
         jsonschema.validate(document, load_schema())
         assert {row["key"] for row in document["results"]} == set(keys)
+        assert all(row["status"] == "ok" and len(row["processes"]) == 3 for row in document["results"])
+
+
+def test_two_sides_take_turns_process_by_process_each_with_its_own_code(tmp_path):
+    """``make perf --against REV``: two revisions' runs in one invocation, their workers alternating (A B, B A, A B)
+    so drift mid-run lands on both; each side's document is whole, and each side's jobs name where its workers
+    import the scenario from (another revision's checkout for the other side)."""
+    settings = RolloutSettings(model="llama-tiny", warmup=0, iterations=1, processes=3)
+    order = []
+
+    def side(name, import_path=None):
+        runner = ProcessRunner(Matrix.parse(RolloutScenario, {**TINY, "batch_sizes": [1]}), settings,
+                               output=tmp_path / f"{name}.json", measure_machine=False, import_path=import_path)
+        launcher = SharedInProcess()
+
+        def launch(jobs, line):
+            order.append(name)
+            return launcher(jobs, line)
+        return runner, launcher, launch
+
+    (head, head_launcher, head_launch), (base, base_launcher, base_launch) = side("head"), side("base", "/elsewhere")
+    run_alternating([([head], head_launch), ([base], base_launch)])
+    assert order == ["head", "base", "base", "head", "head", "base"]
+    assert {job["import_path"] for worker in base_launcher.workers for job in worker} == {"/elsewhere"}
+    assert {job["import_path"] for worker in head_launcher.workers for job in worker} == {head.import_path}
+    assert head.import_path.endswith("src")
+    for name in ("head", "base"):
+        document = load_document(tmp_path / f"{name}.json")
         assert all(row["status"] == "ok" and len(row["processes"]) == 3 for row in document["results"])
 
 

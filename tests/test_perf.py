@@ -120,3 +120,58 @@ def test_update_refuses_a_disturbed_result_and_keeps_the_baselines(baseline, cap
     monkeypatch.setattr(perf, "ROOT", perf.BASELINES.parent)  # where the recorded baselines are named from
     (baseline / "bench.json").write_text(json.dumps(suite(np.random.default_rng(1))))
     assert perf.update(baseline, ["bench"]) == 0 and (perf.BASELINES / "bench.json").read_text() != kept
+
+
+def test_against_a_revision_judges_against_its_results_from_the_same_run(baseline, capsys):
+    """``--against REV``: each suite judged against REV's results of the same run (beside REV's tree), not the
+    committed baselines; the verdict names REV; a side that measured nothing gives no verdict."""
+    against = baseline / "against"
+    against.mkdir()
+    (against / "bench.json").write_text(json.dumps(suite(np.random.default_rng(7))))
+    (baseline / "bench.json").write_text(json.dumps(suite(np.random.default_rng(8), scale=1.15)))
+    status, comparison = perf.judge("bench", baseline, 5.0, against)
+    assert status == 1 and comparison.regressions
+    assert perf.judge("long-tail", baseline, 5.0, against)[0] == 2
+    assert "perf: long-tail: " in capsys.readouterr().out
+    code, line = perf.verdict({"bench": 0}, 600.0, 0.3, "main (1234567890)")
+    assert (code, line) == (0, "perf: no regression (against main (1234567890), 10.0 min, load 0.3 at the start)")
+
+
+def test_against_checks_out_the_revision_and_maps_this_checkouts_paths_into_it(tmp_path):
+    tree, commit = perf.checkout("HEAD", tmp_path / "tree")
+    assert (tree / "src" / "opsd_rollout" / "bench" / "processes.py").is_file()
+    assert (tree / "COMMIT").read_text().strip() == commit and len(commit) == 40
+    assert perf.tree_path(str(perf.ROOT / "src"), tree) == str(tree / "src")
+    assert perf.tree_path(str(perf.ROOT / "scripts"), tree) == str(tree / "scripts")
+    with pytest.raises(ValueError, match="from this checkout's src/"):
+        perf.tree_path("/usr/lib/python3/site-packages", tree)
+    with pytest.raises(ValueError, match="'no-such-rev' is no commit"):
+        perf.checkout("no-such-rev", tmp_path / "other")
+
+
+@pytest.mark.parametrize("argv, said", [(["--against", "no-such-rev"], "is no commit"),
+                                        (["--against", "HEAD", "--update"], "--against and --update")])
+def test_against_refuses_bad_arguments_before_any_work(argv, said, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        perf.main([*argv, "--output-dir", str(tmp_path)])
+    assert exit_.value.code == 2 and said in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_against_head_measures_both_sides_in_one_run(tmp_path, monkeypatch, capsys):
+    """The whole path on a tiny suite: HEAD's tree checked out, 2 workers a side taking turns, each side's document
+    whole, one verdict naming the revision (which verdict, on 2 processes a side, is the machine's to say)."""
+    monkeypatch.setattr(perf, "SUITES", {"bench": ("bench", ["--model", "llama-tiny", "--batch-sizes", "1",
+                                                             "--samples-per-prompt", "1", "--prompt-lengths", "8",
+                                                             "--response-lengths", "4", "--zero-stages", "none"])})
+    monkeypatch.setattr(perf, "PROCESSES", 2)
+    monkeypatch.setattr(perf, "ITERATIONS", 1)
+    status = perf.main(["--against", "HEAD", "--suites", "bench", "--output-dir", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert "suite(s) of this checkout and of" in out and "the sides taking turns" in out
+    assert status in (0, 1, 3), out
+    assert out.splitlines()[-1].startswith("perf: ") and "against HEAD (" in out.splitlines()[-1]
+    for document in (tmp_path / "bench.json", tmp_path / "against" / "bench.json"):
+        results = json.loads(document.read_text())["results"]
+        assert results and all(len(r["processes"]) == 2 for r in results), document
+    assert (tmp_path / "against" / "tree" / "COMMIT").is_file()

@@ -28,6 +28,7 @@ What is taken from it is the design: fresh workers, a few values each, every wor
 from __future__ import annotations
 
 import importlib
+import itertools
 import json
 import os
 import subprocess
@@ -57,10 +58,12 @@ Launcher = Callable[[Path, Callable[[str], None]], tuple[int, str]]
 the tail of what it printed on stderr."""
 
 
-def _run_process(argv: list[str], line: Callable[[str], None]) -> tuple[int, str]:
-    """Run ``argv``, each line it prints to ``line``; its exit status and the tail of its stderr."""
+def _run_process(argv: list[str], line: Callable[[str], None],
+                 env: dict[str, str] | None = None) -> tuple[int, str]:
+    """Run ``argv`` (in ``env``: ``None``, this process's), each line it prints to ``line``; its exit status and the
+    tail of its stderr."""
     with tempfile.TemporaryFile("w+") as stderr:  # a file: a full stderr pipe would block the worker
-        worker = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=stderr, text=True)
+        worker = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=stderr, text=True, env=env)
         assert worker.stdout is not None
         for text in worker.stdout:
             line(text)
@@ -195,9 +198,12 @@ SharedLauncher = Callable[[list[Path], Callable[[str], None]], tuple[int, str]]
 the tail of what it printed on stderr."""
 
 
-def shared_subprocess_launcher(interpreter: str = sys.executable) -> SharedLauncher:
-    """Shared workers as fresh processes: ``python -m opsd_rollout.bench.processes JOB...``."""
-    return lambda jobs, line: _run_process([interpreter, "-m", "opsd_rollout.bench.processes", *map(str, jobs)], line)
+def shared_subprocess_launcher(interpreter: str = sys.executable,
+                               env: dict[str, str] | None = None) -> SharedLauncher:
+    """Shared workers as fresh processes: ``python -m opsd_rollout.bench.processes JOB...`` (in ``env``: ``None``,
+    this process's; another revision's code is another ``PYTHONPATH``)."""
+    return lambda jobs, line: _run_process([interpreter, "-m", "opsd_rollout.bench.processes", *map(str, jobs)], line,
+                                           env)
 
 
 def run_together(runners: Sequence[ProcessRunner], launch: SharedLauncher) -> None:
@@ -205,22 +211,38 @@ def run_together(runners: Sequence[ProcessRunner], launch: SharedLauncher) -> No
     each round one worker measures, run after run, every config each run still lacks a process of, so a run of K
     processes starts K interpreters, not K a run. The processes stay the units: a config is measured once in each,
     and each run's document is its own, rewritten after every round as ``ProcessRunner.run`` does."""
-    for runner in runners:
-        runner._save()
+    run_alternating([(runners, launch)])
+
+
+def run_alternating(sides: Sequence[tuple[Sequence[ProcessRunner], SharedLauncher]]) -> None:
+    """Several sides, each runs measured by fresh processes of its own launcher as ``run_together`` measures them,
+    taking turns process by process: round k starts each side's k-th worker, the sides in an order that turns by one
+    each round (two sides: A B, B A, A B, ...). A machine that slows between two workers then slows every side
+    alike, where two runs one after the other would put the whole drift on one side (``make perf --against REV``:
+    two revisions in one run)."""
+    for runners, _ in sides:
+        for runner in runners:
+            runner._save()
     with tempfile.TemporaryDirectory(prefix="opsd-rollout-workers-") as scratch:
-        while True:
-            jobs = []
-            for index, runner in enumerate(runners):
-                folder = Path(scratch) / str(index)
-                folder.mkdir(exist_ok=True)
-                if (job := runner.next_job(folder)) is not None:
-                    jobs.append(job)
-            if not jobs:
+        for round_ in itertools.count():
+            turn = round_ % len(sides)
+            started = False
+            for side, (runners, launch) in list(enumerate(sides))[turn:] + list(enumerate(sides))[:turn]:
+                jobs = []
+                for index, runner in enumerate(runners):
+                    folder = Path(scratch) / str(side) / str(index)
+                    folder.mkdir(parents=True, exist_ok=True)
+                    if (job := runner.next_job(folder)) is not None:
+                        jobs.append(job)
+                if not jobs:
+                    continue
+                started = True
+                status, stderr = launch([job.job for job in jobs], lambda text: None)  # no progress: what is
+                # measured is read back from each job's document
+                for job in jobs:
+                    job.runner.finish(job, status, stderr)
+            if not started:
                 return
-            status, stderr = launch([job.job for job in jobs], lambda text: None)  # no progress: what is measured
-            # is read back from each job's document
-            for job in jobs:
-                job.runner.finish(job, status, stderr)
 
 
 class ProcessRunner:
@@ -228,7 +250,10 @@ class ProcessRunner:
     docstring); the result document is rewritten after every worker. The session reads it as a ``BenchRunner``."""
 
     def __init__(self, matrix: Matrix, settings: Any, *, output: str | Path | None, launcher: Launcher | None = None,
-                 existing: dict[str, Any] | None = None, measure_machine: bool = True, trace: str | None = None):
+                 existing: dict[str, Any] | None = None, measure_machine: bool = True, trace: str | None = None,
+                 import_path: str | None = None):
+        """``import_path``: where a worker imports the scenario's package from (``None``: where this process did,
+        ``import_root``); another revision's checkout measures that revision's code."""
         from opsd_rollout.distributed import RankInfo
 
         self.matrix, self.settings, self.output, self.launcher = matrix, settings, output, launcher
@@ -245,6 +270,7 @@ class ProcessRunner:
         self.ranks = RankInfo(0, 1)
         self.timelines: dict[str, list] = {}
         self._measure_machine, self._trace = measure_machine, trace
+        self.import_path = import_path or import_root(self.matrix.scenario)
 
     @property
     def kind(self) -> str:
@@ -294,7 +320,7 @@ class ProcessRunner:
         output.unlink(missing_ok=True)
         scenario = self.matrix.scenario
         write_json_atomic(job, {
-            "scenario": f"{scenario.__module__}:{scenario.__qualname__}", "import_path": import_root(scenario),
+            "scenario": f"{scenario.__module__}:{scenario.__qualname__}", "import_path": self.import_path,
             "matrix": self.matrix.to_dict(), "settings": vars(self.settings).copy(), "keys": [c.key for c in configs],
             "environment": self.environment, "measure_machine": self._measure_machine and self.environment is None,
             "output": str(output), "trace": self._trace if number == 1 else None})
