@@ -18,7 +18,9 @@ rewritten (atomically) after every pair. On 2 quiet cores the default took about
 of 3 iterations, warm-up until steady: about 3 minutes a smoke run, 2.5 a step run), less at today's 2 iterations
 after one warm-up call; ``--kinds rollout`` or ``step`` measures one kind. ``--quick`` rehearses the whole path on a tiny config
 (the tiny models, one prompt of 8 tokens, 4 new, 2 processes of 2 iterations, 1 pair unless ``--pairs`` says) in a
-few minutes; ``tests/test_variance_pairs.py`` runs it so.
+few minutes; ``tests/test_variance_pairs.py`` runs it so. ``--interleaved`` makes each pair one run of twice the
+processes and takes its odd and its even processes as the two sides: two sides that took turns process by process, as
+``scripts/perf.py --against REV`` measures two revisions, so drift between the runs of a pair lands on both.
 """
 
 from __future__ import annotations
@@ -58,6 +60,28 @@ def scaled(document: dict[str, Any], scale: float) -> dict[str, Any]:
                     if how and isinstance(value, (int, float)) and not isinstance(value, bool):
                         iteration[name] = value * scale if how == "time" else value / scale
     return document
+
+
+def split_interleaved(document: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """One run of 2P processes a config -> the two runs of P its odd and its even processes make: two sides that took
+    turns process by process, as ``scripts/perf.py --against`` runs two revisions (of the same code, here)."""
+    from opsd_rollout.bench.processes import merge_processes
+    from opsd_rollout.bench.report import results_of
+    from opsd_rollout.bench.scenarios import scenario_class
+
+    sides = []
+    for parity in (0, 1):
+        side = json.loads(json.dumps(document))
+        rows = []
+        for result in results_of(side, scenario_class(side["kind"]).config_type):
+            if result.processes:
+                result.processes = result.processes[parity::2]
+                merge_processes(result)
+            rows.append(result.to_dict())
+        side["results"] = rows
+        side["settings"]["processes"] = side["settings"]["processes"] // 2
+        sides.append(side)
+    return sides[0], sides[1]
 
 
 def perf_settings() -> dict[str, int]:
@@ -163,8 +187,13 @@ def measure(kind: str, args: argparse.Namespace, save) -> dict[str, Any]:
     pairs: list[dict[str, Any]] = []
     apart: list[float] = []
     for index in range(1, args.pairs + 1):
-        runs = [run(kind, args.runs_dir / f"{kind}-{index}-{side}.json", args) for side in ("a", "b")]
-        before, after = (json.loads(Path(r["path"]).read_text()) for r in runs)
+        if args.interleaved:  # one run of twice the processes, its odd and even processes the two sides
+            runs = [run(kind, args.runs_dir / f"{kind}-{index}-ab.json",
+                        argparse.Namespace(**{**vars(args), "processes": 2 * args.processes}))]
+            before, after = split_interleaved(json.loads(Path(runs[0]["path"]).read_text()))
+        else:
+            runs = [run(kind, args.runs_dir / f"{kind}-{index}-{side}.json", args) for side in ("a", "b")]
+            before, after = (json.loads(Path(r["path"]).read_text()) for r in runs)
         apart += processes_apart(before) + processes_apart(after)
         slowed = scaled(after, args.scale)
         pairs.append({"runs": runs, "same_code": judged(before, after, args),
@@ -209,6 +238,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--teacher", help="the step's teacher; default: the step's")
     parser.add_argument("--quick", action="store_true", help="a rehearsal on a tiny config (the tiny models, one "
                         "prompt of 8 tokens, 4 new, no warm-up): the whole path in a few minutes, no measurement")
+    parser.add_argument("--interleaved", action="store_true", help="each pair one run of twice the processes, its "
+                        "odd and even processes the two sides (taking turns, as perf --against runs two revisions), "
+                        "not two runs one after the other")
     parser.add_argument("--allow-disturbed", action="store_true", help="judge disturbed configs too (a rehearsal "
                         "on a busy machine; a measurement is made on a quiet one)")
     parser.add_argument("--runs-dir", type=Path, default=ROOT / "bench-results" / "variance")
