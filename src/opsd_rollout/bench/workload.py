@@ -101,7 +101,7 @@ def force(logits: torch.Tensor, hashes: torch.Tensor, steps: torch.Tensor, hazar
     never can."""
     coin = uniforms(key, hashes, steps).squeeze(1)
     stop = coin.to(hazard.device) < hazard[steps.clamp(max=hazard.numel() - 1)]
-    out = logits.masked_fill(stop[:, None], float("-inf"))  # a mask index would wait for its count of rows
+    out = logits.masked_fill(stop[:, None], float("-inf"))  # fills on the device: nothing read back to the host
     out[:, eos] = torch.full_like(out[:, eos], float("-inf")).masked_fill_(stop, 0.0)
     return out
 
