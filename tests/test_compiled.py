@@ -5,13 +5,16 @@ slow tests, except the profile's accounting, checked with a tracing backend."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 from conftest import TINY_PRESETS, prompts_with_padding_and_holes, reference_rollout, rollout_engine
 from opsd_rollout import HybridEngineRollout, HybridEngineRolloutConfig, RolloutRequest, SamplingConfig
 from opsd_rollout.models import EOS_ID, PAD_ID
-from opsd_rollout.rollout.compiled import CompiledStep, NeedsCompile, compiled_graphs, records_cuda_graphs
+from opsd_rollout.rollout.compiled import (CompiledStep, NeedsCompile, WarmShapes, compiled_graphs,
+                                          records_cuda_graphs)
 from opsd_rollout.rollout.strategies.static import StaticDecode
 
 
@@ -68,8 +71,8 @@ def test_a_smaller_workspace_is_a_new_shape_not_a_recompile_inside_the_loop(tiny
 def test_on_cuda_graphs_every_shape_is_warmed_again_after_a_new_graph(tiny_models, tokenizer, monkeypatch):
     """dynamo tries its newest graph first, so a graph compiled for one shape can take over shapes warmed before it
     (on an H200 a graph with a symbolic batch took the full batch over, and recorded its CUDA graph for it in a decode
-    step). On CUDA graphs every shape is warmed again when next met after a new graph; with no graphs to record, a
-    shape is warmed once."""
+    step). On CUDA graphs every shape is warmed again when next met after a new graph, whichever compiled step of the
+    process compiled it; with no graphs to record, a shape is warmed once."""
     request = prompts_with_padding_and_holes(tokenizer)
     prepare, warm = CompiledStep.prepare, CompiledStep.warm
     warmed = {}
@@ -95,6 +98,21 @@ def test_on_cuda_graphs_every_shape_is_warmed_again_after_a_new_graph(tiny_model
     full = warmed[False][0]
     assert warmed[False].count(full) == 1 and len(warmed[False]) == len(set(warmed[False]))
     assert warmed[True].count(full) == 2 and set(warmed[True]) == set(warmed[False])
+
+
+def test_warmed_shapes_are_forgotten_on_cuda_graphs_when_anything_compiled_since():
+    """The shapes hold while dynamo compiles nothing: a graph compiled by another step of the process counts too
+    (dynamo keeps one cache per function)."""
+    cuda, cpu = SimpleNamespace(records_graphs=True), SimpleNamespace(records_graphs=False)
+    for step, kept in ((cuda, False), (cpu, True)):
+        torch._dynamo.reset()
+        warmed = WarmShapes()
+        warmed.add((4, 64))
+        warmed.current(step)
+        assert (4, 64) in warmed
+        torch.compile(lambda x: x + 1, backend="eager")(torch.ones(2))  # elsewhere in the process
+        warmed.current(step)
+        assert ((4, 64) in warmed) is kept
 
 
 @pytest.mark.slow
@@ -240,10 +258,12 @@ def test_a_warm_up_on_cuda_graphs_calls_the_step_twice_so_the_recording_is_not_a
     assert not records_cuda_graphs({"mode": "max-autotune-no-cudagraphs"}) and not records_cuda_graphs({})
     assert not records_cuda_graphs({"backend": "eager", "mode": "reduce-overhead"})
     assert records_cuda_graphs({"options": {"triton.cudagraphs": True}})
-    once = CompiledStep(step, {"backend": "eager", "dynamic": False})
+    once = CompiledStep(torch.compiler.disable(step), {"backend": "eager", "dynamic": False})
     once.prepare(torch.device("cpu"))
     assert not once.records_graphs
+    before = len(calls)
     once.warm(torch.ones(2))
+    assert len(calls) - before == 1
     twice = CompiledStep(torch.compiler.disable(step), {"backend": "eager", "dynamic": False})
     twice.prepare(torch.device("cpu"))
     twice.records_graphs = True  # as prepare(cuda) sets it for reduce-overhead

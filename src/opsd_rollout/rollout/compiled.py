@@ -76,6 +76,33 @@ def compiled_graphs() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
+class WarmShapes:
+    """The bucket shapes a compiled step has been warmed for (kept by its strategy across calls). On CUDA graphs
+    they hold only while dynamo compiles nothing more: dynamo keeps one cache per function, shared by every
+    ``torch.compile`` of it in the process, and tries its newest graph first, so a graph compiled since (a symbolic
+    batch after a static one, seen on an H200) may serve a warmed shape with a CUDA graph it has not recorded yet,
+    which its first call would record inside a decode step. ``current`` forgets them then, so each is warmed again
+    when next met."""
+
+    def __init__(self) -> None:
+        self.shapes: set[tuple] = set()
+        self.graphs = compiled_graphs()
+        """dynamo's graph count when ``shapes`` were last known to hold."""
+
+    def __contains__(self, shape: tuple) -> bool:
+        return shape in self.shapes
+
+    def add(self, shape: tuple) -> None:
+        self.shapes.add(shape)
+
+    def current(self, step: Any) -> None:
+        """Forget every shape if ``step`` records CUDA graphs and dynamo compiled a graph since they were warmed."""
+        now = compiled_graphs()
+        if now != self.graphs and getattr(step, "records_graphs", False):
+            self.shapes.clear()
+        self.graphs = now
+
+
 class NeedsCompile(RuntimeError):
     """torch would compile inside a decode step (a new shape, or a guard that failed): warm the step first."""
 

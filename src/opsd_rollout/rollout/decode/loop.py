@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from opsd_rollout.modeling import position_ids
-from opsd_rollout.rollout.compiled import CompiledStep, NeedsCompile
+from opsd_rollout.rollout.compiled import CompiledStep, NeedsCompile, WarmShapes
 from opsd_rollout.rollout.counter_rng import uniforms
 from opsd_rollout.rollout.decode.layouts import KVLayout, PrefillTarget
 from opsd_rollout.rollout.decode.lockstep import Lockstep, Solo
@@ -161,7 +161,7 @@ class Forwards:
     """The name the model's forward takes its cache by."""
     step: Callable[..., torch.Tensor] = decode_one_token
     """``decode_one_token``, or a ``CompiledStep`` of it."""
-    warmed: set[tuple] = field(default_factory=set)
+    warmed: WarmShapes = field(default_factory=WarmShapes)
     """The bucket shapes the compiled step has been warmed for (kept by the strategy across calls)."""
 
 
@@ -234,8 +234,10 @@ class DecodeLoop:
         active, idle = self.scheduler.active, self.idle
         if not idle and not self.state.aligned:  # rows started at different steps: the longest-running one's fill
             self.state.width = self.written_width()
-        if self.compiled and (active,) + self.layout.shape_key() not in self.forwards.warmed:
-            self.warm(active)
+        if self.compiled:
+            self.forwards.warmed.current(self.forwards.step)
+            if (active,) + self.layout.shape_key() not in self.forwards.warmed:
+                self.warm(active)
         try:
             logits = self.forward(active)
         except NeedsCompile:  # a guard failed on a warmed shape (other hooks, a dynamo reset): compiled apart too
@@ -276,14 +278,9 @@ class DecodeLoop:
         """The compiled step's warm-up call for this step's shape: a forward of its own before the step (timed as
         ``compile``), on the step's inputs, writing only the cache's last column."""
         with self.recorder.phase("compile"):
-            compiled = self.forward(active, warm=True)
-        self.stats.compiled_graphs += compiled
+            self.stats.compiled_graphs += self.forward(active, warm=True)
         self.layout.step_done()
-        if compiled and isinstance(self.forwards.step, CompiledStep) and self.forwards.step.records_graphs:
-            # dynamo tries its newest graph first: a shape warmed before may now run on this one, whose CUDA graph
-            # for that shape is not recorded yet; every shape is warmed again when next met, so that the recording
-            # falls in a warm-up and not in a decode step (seen on an H200: a dynamic graph took the full batch over)
-            self.forwards.warmed.clear()
+        self.forwards.warmed.current(self.forwards.step)  # a graph this warm-up compiled may serve shapes warmed before
         self.forwards.warmed.add((active,) + self.layout.shape_key())
 
     def sample(self, logits: torch.Tensor, rows: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from opsd_rollout.rollout.compiled import LENGTH_BUCKET_MIN, CompiledStep, bucket
+from opsd_rollout.rollout.compiled import LENGTH_BUCKET_MIN, CompiledStep, WarmShapes, bucket
 from opsd_rollout.rollout.config import RolloutOptions
 from opsd_rollout.rollout.counter_rng import rollout_key
 from opsd_rollout.rollout.decode.layouts import CopiedLayout, KVLayout, SharedPrefixLayout
@@ -49,7 +49,7 @@ class StaticDecode:
         self.whole_cache = False
         """Decode steps see the whole cache, masked, also eagerly (derived: on with ``compile_decode`` or flex
         attention; tests set it to run the compiled step's layout eagerly)."""
-        self.warmed: set[tuple] = set()
+        self.warmed = WarmShapes()
         """The bucket shapes the compiled step has been warmed for (each compiled once, apart from decode)."""
         self.workspace = KVWorkspace()
         self.linears = TransposedLinears()
