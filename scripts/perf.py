@@ -20,9 +20,10 @@ commit): a baseline belongs to the machine that made it, which ``benchmarks/perf
 archive``) in ``perf-results/against/tree/`` and its results beside it, its workers started with its ``src/`` and
 ``scripts/`` first on the path, and the two revisions take turns process by process (``run_alternating``), so a
 machine that slows mid-run slows both alike; then each suite of this checkout is judged against REV's. Twice the
-processes, so about twice the minutes: ``--suites`` narrows it. REV's workers must read this checkout's jobs (``python
--m opsd_rollout.bench.processes``, from issue 52 on); a revision that cannot leaves its suites with no verdict, its
-error printed.
+processes, so about twice the minutes: ``--suites`` narrows it. REV's workers read this checkout's jobs (``python -m
+opsd_rollout.bench.processes``, from issue 52 on): the matrix, settings and config keys as this checkout writes them,
+so a change that adds a bench setting or axis, or renames a config key, leaves REV's configs failed and the suite
+with no verdict (REV's error printed); time such a change against the baselines.
 """
 
 from __future__ import annotations
@@ -100,7 +101,7 @@ def against_launcher(tree: Path) -> Any:
     from opsd_rollout.bench.processes import shared_subprocess_launcher
 
     path = os.pathsep.join([str(tree / "src"), str(tree / "scripts"), *filter(None, [os.environ.get("PYTHONPATH")])])
-    return shared_subprocess_launcher(env={**os.environ, "PYTHONPATH": path})
+    return shared_subprocess_launcher(env={**os.environ, "PYTHONPATH": path}, cwd=tree)
 
 
 def tree_path(import_path: str | None, tree: Path) -> str:
@@ -272,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [s for s in suites if s not in SUITES]
     if unknown:
         parser.error(f"--suites: unknown {', '.join(unknown)}; known: {', '.join(SUITES)}")
-    out = Path(args.output_dir)
+    out = Path(args.output_dir).resolve()  # absolute: REV's workers start in REV's tree
     out.mkdir(parents=True, exist_ok=True)
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     if load is not None and load > BUSY_LOAD:
@@ -284,14 +285,16 @@ def main(argv: list[str] | None = None) -> int:
             against, commit = checkout(args.against, out / "against" / "tree")
         except ValueError as error:
             parser.error(str(error))
+        import opsd_rollout
+
+        try:  # REV's side imports from REV's tree what this side imports from this checkout
+            tree_path(str(Path(opsd_rollout.__file__).resolve().parents[1]), against)
+        except ValueError as error:
+            parser.error(str(error))
         named = f"{args.against} ({commit[:10]})" if not commit.startswith(args.against) else commit[:10]
         print(f"perf: against {named}: its tree in {against}", flush=True)
     start = time.monotonic()
-    try:
-        ran = run(suites, out, against)
-    except ValueError as error:
-        print(f"perf: {error}", file=sys.stderr)
-        return 2
+    ran = run(suites, out, against)
     if args.update:
         if not all(ran.values()):
             return 2

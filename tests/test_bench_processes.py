@@ -160,7 +160,7 @@ def test_several_runs_are_measured_by_the_same_workers_each_document_its_own(tmp
 
 
 def test_two_sides_take_turns_process_by_process_each_with_its_own_code(tmp_path):
-    """``make perf --against REV``: two revisions' runs in one invocation, their workers alternating (A B, B A, A B)
+    """``scripts/perf.py --against REV``: two revisions' runs in one invocation, their workers alternating (A B, B A, A B)
     so drift mid-run lands on both; each side's document is whole, and each side's jobs name where its workers
     import the scenario from (another revision's checkout for the other side)."""
     settings = RolloutSettings(model="llama-tiny", warmup=0, iterations=1, processes=3)

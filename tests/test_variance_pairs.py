@@ -82,24 +82,26 @@ def test_same_code_pairs_pass_and_their_planted_slowdown_is_flagged(tmp_path, mo
 
 
 def test_an_interleaved_pair_is_one_run_its_odd_and_even_processes_the_two_sides(tmp_path, monkeypatch):
-    """``--interleaved``: one run of 12 processes a config, split into two runs of 6 that took turns; a drift across
-    the run (each process 2% slower than the last) lands on both sides, so the same code is no regression."""
+    """``--interleaved``: one run of 12 processes a config, dealt to two runs of 6 as perf --against deals two
+    revisions' (A B, B A, ...); a steady drift across the run (each process 0.5% slower than the last) lands on both
+    sides alike: the same code is no regression, and a planted 15% slowdown is flagged."""
+    assert pairs.alternating_sides(8) == ([0, 3, 4, 7], [1, 2, 5, 6])
     rng = np.random.default_rng(4)
     run = {**document({b: processes(rng, 12, between=0.01) for b in ("1", "4")}),
            "settings": {**pairs.perf_settings(), "processes": 12}}
     for result in run["results"]:
         for number, process in enumerate(result["processes"]):
             for iteration in process["iterations"]:
-                iteration["total_ms"] *= 1.02 ** number
-                iteration["reference_ms"] = 10 * 1.02 ** number
+                iteration["total_ms"] *= 1.005 ** number
+                iteration["reference_ms"] = 10 * 1.005 ** number
         result["iterations"] = [it for p in result["processes"] for it in p["iterations"]]
     (tmp_path / "rollout-1-ab.json").write_text(json.dumps(run))
     before, after = pairs.split_interleaved(run)
-    for side, parity in ((before, 0), (after, 1)):
+    for side, dealt in zip((before, after), pairs.alternating_sides(12)):
         assert side["settings"]["processes"] == 6
         for result, whole in zip(side["results"], run["results"]):
-            assert result["processes"] == whole["processes"][parity::2]
-            assert result["iterations"] == [it for p in whole["processes"][parity::2] for it in p["iterations"]]
+            assert result["processes"] == [whole["processes"][i] for i in dealt]
+            assert result["iterations"] == [it for i in dealt for it in whole["processes"][i]["iterations"]]
     monkeypatch.setattr(subprocess, "run", lambda *a, **k: pytest.fail("a run was made where one was kept"))
     output = tmp_path / "pairs.json"
     assert pairs.main(["--pairs", "1", "--kinds", "rollout", "--interleaved", "--runs-dir", str(tmp_path),

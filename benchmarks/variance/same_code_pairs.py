@@ -19,8 +19,8 @@ of 3 iterations, warm-up until steady: about 3 minutes a smoke run, 2.5 a step r
 after one warm-up call; ``--kinds rollout`` or ``step`` measures one kind. ``--quick`` rehearses the whole path on a tiny config
 (the tiny models, one prompt of 8 tokens, 4 new, 2 processes of 2 iterations, 1 pair unless ``--pairs`` says) in a
 few minutes; ``tests/test_variance_pairs.py`` runs it so. ``--interleaved`` makes each pair one run of twice the
-processes and takes its odd and its even processes as the two sides: two sides that took turns process by process, as
-``scripts/perf.py --against REV`` measures two revisions, so drift between the runs of a pair lands on both.
+processes and deals them to the two sides as ``scripts/perf.py --against REV`` deals two revisions' (A B, B A, ...),
+so drift between the runs of a pair lands on both.
 """
 
 from __future__ import annotations
@@ -62,9 +62,17 @@ def scaled(document: dict[str, Any], scale: float) -> dict[str, Any]:
     return document
 
 
+def alternating_sides(count: int) -> tuple[list[int], list[int]]:
+    """Which of ``count`` processes in a row each side gets when two sides take turns as ``run_alternating`` starts
+    them, the order turning each round (A B, B A, A B, ...): a steady drift then lands on both alike."""
+    first = [i for i in range(count) if (i % 2) == (i // 2) % 2]
+    return first, [i for i in range(count) if i not in first]
+
+
 def split_interleaved(document: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """One run of 2P processes a config -> the two runs of P its odd and its even processes make: two sides that took
-    turns process by process, as ``scripts/perf.py --against`` runs two revisions (of the same code, here)."""
+    """One run of 2P processes a config -> two runs of P, its processes dealt as ``run_alternating`` deals two sides'
+    (``alternating_sides``): two sides that took turns, as ``scripts/perf.py --against`` runs two revisions (of the
+    same code, here)."""
     from opsd_rollout.bench.processes import merge_processes
     from opsd_rollout.bench.report import results_of
     from opsd_rollout.bench.scenarios import scenario_class
@@ -75,7 +83,7 @@ def split_interleaved(document: dict[str, Any]) -> tuple[dict[str, Any], dict[st
         rows = []
         for result in results_of(side, scenario_class(side["kind"]).config_type):
             if result.processes:
-                result.processes = result.processes[parity::2]
+                result.processes = [result.processes[i] for i in alternating_sides(len(result.processes))[parity]]
                 merge_processes(result)
             rows.append(result.to_dict())
         side["results"] = rows
@@ -238,9 +246,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--teacher", help="the step's teacher; default: the step's")
     parser.add_argument("--quick", action="store_true", help="a rehearsal on a tiny config (the tiny models, one "
                         "prompt of 8 tokens, 4 new, no warm-up): the whole path in a few minutes, no measurement")
-    parser.add_argument("--interleaved", action="store_true", help="each pair one run of twice the processes, its "
-                        "odd and even processes the two sides (taking turns, as perf --against runs two revisions), "
-                        "not two runs one after the other")
+    parser.add_argument("--interleaved", action="store_true", help="each pair one run of twice the processes, dealt "
+                        "to the two sides as perf --against deals two revisions' (A B, B A, ...), not two runs one "
+                        "after the other")
     parser.add_argument("--allow-disturbed", action="store_true", help="judge disturbed configs too (a rehearsal "
                         "on a busy machine; a measurement is made on a quiet one)")
     parser.add_argument("--runs-dir", type=Path, default=ROOT / "bench-results" / "variance")

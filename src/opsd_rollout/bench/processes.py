@@ -58,12 +58,12 @@ Launcher = Callable[[Path, Callable[[str], None]], tuple[int, str]]
 the tail of what it printed on stderr."""
 
 
-def _run_process(argv: list[str], line: Callable[[str], None],
-                 env: dict[str, str] | None = None) -> tuple[int, str]:
-    """Run ``argv`` (in ``env``: ``None``, this process's), each line it prints to ``line``; its exit status and the
-    tail of its stderr."""
+def _run_process(argv: list[str], line: Callable[[str], None], env: dict[str, str] | None = None,
+                 cwd: str | Path | None = None) -> tuple[int, str]:
+    """Run ``argv`` (in ``env`` and ``cwd``: ``None``, this process's), each line it prints to ``line``; its exit
+    status and the tail of its stderr."""
     with tempfile.TemporaryFile("w+") as stderr:  # a file: a full stderr pipe would block the worker
-        worker = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=stderr, text=True, env=env)
+        worker = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=stderr, text=True, env=env, cwd=cwd)
         assert worker.stdout is not None
         for text in worker.stdout:
             line(text)
@@ -198,12 +198,13 @@ SharedLauncher = Callable[[list[Path], Callable[[str], None]], tuple[int, str]]
 the tail of what it printed on stderr."""
 
 
-def shared_subprocess_launcher(interpreter: str = sys.executable,
-                               env: dict[str, str] | None = None) -> SharedLauncher:
-    """Shared workers as fresh processes: ``python -m opsd_rollout.bench.processes JOB...`` (in ``env``: ``None``,
-    this process's; another revision's code is another ``PYTHONPATH``)."""
+def shared_subprocess_launcher(interpreter: str = sys.executable, env: dict[str, str] | None = None,
+                               cwd: str | Path | None = None) -> SharedLauncher:
+    """Shared workers as fresh processes: ``python -m opsd_rollout.bench.processes JOB...`` (in ``env`` and ``cwd``:
+    ``None``, this process's; another revision's code is another ``PYTHONPATH``, started in its own tree, since
+    ``-m`` puts the working directory first on the path)."""
     return lambda jobs, line: _run_process([interpreter, "-m", "opsd_rollout.bench.processes", *map(str, jobs)], line,
-                                           env)
+                                           env, cwd)
 
 
 def run_together(runners: Sequence[ProcessRunner], launch: SharedLauncher) -> None:
@@ -218,8 +219,10 @@ def run_alternating(sides: Sequence[tuple[Sequence[ProcessRunner], SharedLaunche
     """Several sides, each runs measured by fresh processes of its own launcher as ``run_together`` measures them,
     taking turns process by process: round k starts each side's k-th worker, the sides in an order that turns by one
     each round (two sides: A B, B A, A B, ...). A machine that slows between two workers then slows every side
-    alike, where two runs one after the other would put the whole drift on one side (``make perf --against REV``:
-    two revisions in one run)."""
+    alike, where two runs one after the other would put the whole drift on one side (``scripts/perf.py --against
+    REV``: two revisions in one run)."""
+    if not sides:
+        return
     for runners, _ in sides:
         for runner in runners:
             runner._save()
