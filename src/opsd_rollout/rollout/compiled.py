@@ -96,11 +96,14 @@ class WarmShapes:
         self.shapes.add(shape)
 
     def current(self, step: Any) -> None:
-        """Forget every shape if ``step`` records CUDA graphs and dynamo compiled a graph since they were warmed."""
+        """Forget every shape if ``step`` records CUDA graphs and dynamo compiled a graph since they were warmed.
+        Called before every compiled decode step: without CUDA graphs it returns before reading dynamo's counter."""
+        if not getattr(step, "records_graphs", False):
+            return
         now = compiled_graphs()
-        if now != self.graphs and getattr(step, "records_graphs", False):
+        if now != self.graphs:
             self.shapes.clear()
-        self.graphs = now
+            self.graphs = now
 
 
 class NeedsCompile(RuntimeError):
