@@ -148,12 +148,16 @@ def test_a_disturbed_config_is_recorded_and_shown(tmp_path, monkeypatch, capsys)
 
 @pytest.mark.slow
 def test_a_real_busy_neighbour_is_flagged(tmp_path):
-    """A process spinning on one core while a config is measured: not one the run started (their CPU time is the
-    run's own, as a served teacher's server is), so it is left behind by a shell that exits at once."""
-    shell = subprocess.run(["sh", "-c", f"'{sys.executable}' -c 'while True: pass' >/dev/null 2>&1 & echo $!"],
-                           capture_output=True, text=True, check=True)
-    spinner = psutil.Process(int(shell.stdout))
-    assert spinner.pid not in {c.pid for c in psutil.Process().children(recursive=True)}
+    """Processes spinning while a config is measured: not ones the run started (their CPU time is the run's own, as
+    a served teacher's server is), so they are left behind by a shell that exits at once. One spinner a core: with
+    a single one on 2 cores the scheduler shared the cores among the spinner and the run's threads, and once gave the
+    spinner under the limit's half a core (a CI run); with one a core the others' share is a core or more."""
+    cores = psutil.cpu_count() or 1
+    spin = f"'{sys.executable}' -c 'while True: pass' >/dev/null 2>&1 & echo $!; " * cores
+    shell = subprocess.run(["sh", "-c", spin], capture_output=True, text=True, check=True)
+    spinners = [psutil.Process(int(pid)) for pid in shell.stdout.split()]
+    assert len(spinners) == cores
+    assert not {s.pid for s in spinners} & {c.pid for c in psutil.Process().children(recursive=True)}
     time.sleep(0.5)  # spinning before the config starts
     try:
         matrix = Matrix.parse(RolloutScenario, {"batch_sizes": [1], "samples_per_prompt": [1], "prompt_lengths": [8],
@@ -162,5 +166,6 @@ def test_a_real_busy_neighbour_is_flagged(tmp_path):
                              output=None, measure_machine=False)
         result = runner.run()[0]
     finally:
-        spinner.kill()
+        for spinner in spinners:
+            spinner.kill()
     assert result.interference["disturbed"], result.interference
