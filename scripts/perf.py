@@ -7,11 +7,17 @@ each config in ``PROCESSES`` fresh processes of ``ITERATIONS`` iterations, into 
 with its committed baseline in ``benchmarks/perf/`` as ``opsd-rollout compare`` does: per config and metric the
 Hodges-Lehmann ratio over the processes' medians with its 95% interval, a regression being a whole interval worse than
 the threshold (``docs/BENCHMARKS.md``, "Comparing runs"). A same-code rerun differs between processes, not only between
-iterations, and the interval covers that, so a flag needs no second run to be believed, except on a host that slows
-every process of a run alike, which no counter shows (a VM's neighbour: one same-code pair in 10 of the smoke bench,
-RESULTS, "The 10 pairs"). It prints what regressed, the smallest slowdown each suite could have flagged, and one
-verdict, its last line. Exit status: 0 no regression (every config judged), 1 a regression, 2 a suite that could not run
-or compare (one without a baseline too), 3 no verdict (configs disturbed while they ran: rerun on a quiet machine).
+iterations, and the interval covers that; what it cannot cover is a host that slows every process of a run alike, which
+no counter shows (a VM's neighbour: one same-code pair in 10 of the smoke bench, RESULTS, "The 10 pairs"), and a
+baseline recorded days before took none of that. So a suite flagged against its baseline is settled in the same
+invocation: measured again beside the commit that recorded its baseline, the two taking turns process by process
+(``settle``, as ``--against`` does), and the same-run comparison decides; ``--no-settle`` leaves the flag as it is. It
+prints what regressed, the smallest slowdown each suite could have flagged, and one verdict, its last line, which needs
+no rerun. Exit status: 0 no regression (every config judged; a flag the settling run cleared too), 1 a regression
+(confirmed beside the baselines' revision, or one that could not be settled, the line says why), 2 a suite that could
+not run or compare (one without a baseline too), 3 no verdict (configs disturbed while they ran: rerun on a quiet
+machine). ``verdict.json`` in the output directory keeps the verdict, each suite's status against the baselines and each
+settling.
 
 ``--update`` records this machine's results as the new baselines (do it on a quiet machine, and say so in the
 commit): a baseline belongs to the machine that made it, which ``benchmarks/perf/MACHINE.txt`` names.
@@ -112,6 +118,14 @@ def tree_path(import_path: str | None, tree: Path) -> str:
     return str(tree / Path(import_path).resolve().relative_to(ROOT))
 
 
+def package_path_in(tree: Path) -> str:
+    """Where ``tree`` keeps the package this process imports (``ValueError`` when it is not this checkout's): its
+    side of a run imports from there what this side imports from this checkout."""
+    import opsd_rollout
+
+    return tree_path(str(Path(opsd_rollout.__file__).resolve().parents[1]), tree)
+
+
 def run(names: list[str], out: Path, against: Path | None = None) -> dict[str, bool]:
     """Every suite of ``names`` measured by the same ``PROCESSES`` fresh processes, into ``out/NAME.json``; per suite
     whether every config was measured (a failure's error printed). With ``against`` (another revision's tree), that
@@ -158,17 +172,21 @@ def run(names: list[str], out: Path, against: Path | None = None) -> dict[str, b
     return ran
 
 
-def judge(name: str, out: Path, threshold: float, baselines: Path | None = None) -> tuple[int, Any]:
+def judge(name: str, out: Path, threshold: float, baselines: Path | None = None,
+          label: str | None = None) -> tuple[int, Any]:
     """Compare suite ``name``'s result with its baseline in ``baselines`` (``None``: the committed ones; writing the
     whole comparison as Markdown beside the result); the exit status ``compare`` would give (2: could not) and the
-    comparison."""
+    comparison. ``label`` names the suite in what is printed (default ``name``)."""
     from opsd_rollout.bench.compare import compare_documents
     from opsd_rollout.bench.compare_report import comparison_markdown
     from opsd_rollout.bench.report import load_document
+    from opsd_rollout.files import write_text_atomic
+
+    label = label or name
 
     baseline = (baselines or BASELINES) / f"{name}.json"
     if baselines is not None and not baseline.is_file():
-        print(f"perf: {name}: {baselines} measured nothing")
+        print(f"perf: {label}: {baselines} measured nothing")
         return 2, None
     if not baseline.is_file():
         print(f"perf: {name}: no baseline at {baseline.relative_to(ROOT)}; record one with --update")
@@ -177,12 +195,12 @@ def judge(name: str, out: Path, threshold: float, baselines: Path | None = None)
         comparison = compare_documents(load_document(baseline), load_document(out / f"{name}.json"),
                                        threshold_pct=threshold)
     except ValueError as error:
-        print(f"perf: {name}: compare refused the files: {error}", file=sys.stderr)
+        print(f"perf: {label}: compare refused the files: {error}", file=sys.stderr)
         return 2, None
     table = out / f"{name}.md"
-    table.write_text(comparison_markdown(comparison, threshold))
+    write_text_atomic(table, comparison_markdown(comparison, threshold))
     status = comparison.exit_status(allow_partial=True)
-    print(f"perf: {name}: {summary(comparison, status, threshold)} (the whole comparison: {table})")
+    print(f"perf: {label}: {summary(comparison, status, threshold)} (the whole comparison: {table})")
     for change in comparison.regressions:
         print(f"  {change.label}: {change.metric} {change.before:.4g} -> {change.after:.4g} "
               f"({change.change_pct:+.1f}%, interval {change.low:.3f}-{change.high:.3f})")
@@ -210,15 +228,29 @@ def summary(comparison: Any, status: int, threshold: float) -> str:
     return f"no regression in {comparison.matched} config(s){could}"
 
 
-def verdict(statuses: dict[str, int], seconds: float, load: float | None,
-            against: str | None = None) -> tuple[int, str]:
+def verdict(statuses: dict[str, int], seconds: float, load: float | None, against: str | None = None,
+            settled: dict[str, tuple[int, str]] | None = None) -> tuple[int, str]:
     """The run's one verdict (``against``: the revision it was judged against, not the baselines): its exit status
-    and its last line."""
+    and its last line. ``settled``: for each suite flagged against the baselines, the status of its settling run
+    beside the baselines' revision (``settle``) and that revision, or 2 and why it was not settled; a cleared flag
+    (0) is no regression, a confirmed one (1) and one that could not be settled (2, 3, 5) stay regressions."""
+    settled = settled or {}
     took = (f"against {against}, " if against else "") + f"{seconds / 60:.1f} min" + (
         f", load {load:.1f} at the start" if load is not None else "")
+    cleared = [name for name, (status, _) in settled.items() if status == 0]
+    statuses = {name: 0 if name in cleared else status for name, status in statuses.items()}
+    cleared = [f"{name}'s flag against the baselines was not confirmed beside {settled[name][1]} in the same run"
+               for name in cleared]
     if any(s == 1 for s in statuses.values()):
-        flagged = ", ".join(name for name, s in statuses.items() if s == 1)
-        return 1, f"perf: REGRESSION ({flagged}): beyond the threshold over the spread between processes ({took})"
+        def how(name: str) -> str:
+            if name not in settled:
+                return name
+            status, said = settled[name]
+            return (f"{name}, confirmed beside {said} in the same run" if status == 1
+                    else f"{name}, against the baselines; not settled: {said}")
+        flagged = "; ".join(how(name) for name, s in statuses.items() if s == 1)
+        return 1, (f"perf: REGRESSION ({flagged}): beyond the threshold over the spread between processes "
+                   f"({'; '.join([*cleared, took])})")
     if any(s in (2, 3) for s in statuses.values()):
         failed = ", ".join(name for name, s in statuses.items() if s in (2, 3))
         return 2, f"perf: NO VERDICT: {failed} could not run or compare ({took})"
@@ -226,7 +258,56 @@ def verdict(statuses: dict[str, int], seconds: float, load: float | None,
         return 3, (f"perf: NO VERDICT: configs were disturbed while they ran (other processes or the hypervisor took "
                    f"CPU time: each config's reasons are in its result); rerun on "
                    f"a quiet machine ({took})")
-    return 0, f"perf: no regression ({took})"
+    return 0, f"perf: no regression ({'; '.join([*cleared, took])})"
+
+
+def baseline_revision(name: str) -> tuple[str | None, str]:
+    """The commit that last wrote suite ``name``'s committed baseline, the code its baseline measured; or ``None``
+    and why there is none (the baseline not committed, or changed since)."""
+    path = BASELINES / f"{name}.json"
+    if not path.resolve().is_relative_to(ROOT):
+        return None, f"its baseline {path} is outside this checkout"
+    relative = str(path.resolve().relative_to(ROOT))
+    git = ["git", "-C", str(ROOT)]
+    if subprocess.run([*git, "status", "--porcelain", "--", relative], capture_output=True, text=True).stdout.strip():
+        return None, f"{relative} has changes not committed, so no revision measured it"
+    commit = subprocess.run([*git, "log", "-1", "--format=%H", "--", relative], capture_output=True, text=True)
+    if commit.returncode != 0 or not commit.stdout.strip():
+        return None, f"{relative} is in no commit"
+    return commit.stdout.strip(), ""
+
+
+def settle(flagged: list[str], out: Path, threshold: float) -> dict[str, tuple[int, str]]:
+    """Each suite flagged against its baseline measured again beside the revision that recorded the baseline, the
+    two taking turns process by process in one run (``run`` with ``against``), into ``out/settle/``, and judged
+    against that revision's results: a baseline recorded days before took none of the machine's drift since, the
+    same-run side takes all of it. Per suite the settling run's status (``compare``'s: 1 confirmed, 0 cleared, 5
+    disturbed) and the revision, or 2 and why it could not be settled."""
+    settled: dict[str, tuple[int, str]] = {}
+    revisions: dict[str, list[str]] = {}
+    for name in flagged:
+        commit, why = baseline_revision(name)
+        if commit is None:
+            settled[name] = (2, why)
+        else:
+            revisions.setdefault(commit, []).append(name)
+    for commit, names in revisions.items():
+        where = out / "settle" / commit[:10]
+        where.mkdir(parents=True, exist_ok=True)
+        tree, _ = checkout(commit, where / "against" / "tree")
+        try:
+            package_path_in(tree)
+        except ValueError as error:
+            settled.update({name: (2, str(error)) for name in names})
+            continue
+        print(f"perf: settling {', '.join(names)}: measured again beside {commit[:10]}, the revision that recorded "
+              "the baseline, in one run (--no-settle skips this)", flush=True)
+        ran = run(names, where, tree)
+        for name in names:
+            status = judge(name, where, threshold, tree.parent, f"{name} beside {commit[:10]}")[0] if ran[name] else 2
+            settled[name] = (status, commit[:10]) if status in (0, 1) else (
+                2, f"the settling run beside {commit[:10]} " + ("was disturbed" if status == 5 else "failed"))
+    return settled
 
 
 def disturbed_configs(result: Path) -> list[str]:
@@ -246,18 +327,22 @@ def update(out: Path, suites: list[str]) -> int:
               + "; ".join(f"{name}: {', '.join(keys)}" for name, keys in disturbed.items())
               + ". Rerun --update on a quiet machine", file=sys.stderr)
         return 3
+    from opsd_rollout.files import write_text_atomic
+
     BASELINES.mkdir(parents=True, exist_ok=True)
     for name in suites:
-        shutil.copyfile(out / f"{name}.json", BASELINES / f"{name}.json")
-    (BASELINES / "MACHINE.txt").write_text(
+        write_text_atomic(BASELINES / f"{name}.json", (out / f"{name}.json").read_text())
+    write_text_atomic(BASELINES / "MACHINE.txt", (
         f"Baselines of `make perf`, recorded with `python scripts/perf.py --update` on: {platform.node() or 'a'} "
         f"({platform.machine()}, {os.cpu_count()} cores, {platform.python_version()}); results on another machine "
-        "are compared against these only after recording its own.\n")
+        "are compared against these only after recording its own.\n"))
     print(f"perf: baselines recorded in {BASELINES.relative_to(ROOT)}")
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
+    from opsd_rollout.files import write_json_atomic
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--suites", default=",".join(SUITES), help=f"comma list of {', '.join(SUITES)}")
     parser.add_argument("--threshold", type=float, default=5.0, help="percent, as compare's (default 5)")
@@ -266,6 +351,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--against", metavar="REV",
                         help="judge against git revision REV measured in this same run, its processes taking turns "
                              "with this checkout's (about twice the minutes), instead of the baselines")
+    parser.add_argument("--no-settle", action="store_true",
+                        help="leave a flag against the baselines as it is, instead of measuring the flagged suites "
+                             "again beside the baselines' revision in the same run")
     args = parser.parse_args(argv)
     if args.against and args.update:
         parser.error("--against and --update: a baseline is recorded from this checkout alone; give one of them")
@@ -283,12 +371,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.against:
         try:
             against, commit = checkout(args.against, out / "against" / "tree")
-        except ValueError as error:
-            parser.error(str(error))
-        import opsd_rollout
-
-        try:  # REV's side imports from REV's tree what this side imports from this checkout
-            tree_path(str(Path(opsd_rollout.__file__).resolve().parents[1]), against)
+            package_path_in(against)
         except ValueError as error:
             parser.error(str(error))
         named = f"{args.against} ({commit[:10]})" if not commit.startswith(args.against) else commit[:10]
@@ -301,8 +384,12 @@ def main(argv: list[str] | None = None) -> int:
         return update(out, suites)
     baselines = against.parent if against else None
     statuses = {name: judge(name, out, args.threshold, baselines)[0] if ran[name] else 2 for name in suites}
-    status, line = verdict(statuses, time.monotonic() - start, load, named)
-    (out / "verdict.json").write_text(json.dumps({"status": status, "verdict": line, "suites": statuses}) + "\n")
+    flagged = [name for name, s in statuses.items() if s == 1]
+    settled = settle(flagged, out, args.threshold) if flagged and not (args.against or args.no_settle) else {}
+    status, line = verdict(statuses, time.monotonic() - start, load, named, settled)
+    record = {"status": status, "verdict": line, "suites": statuses,
+              "settled": {name: {"status": s, "revision_or_why": said} for name, (s, said) in settled.items()}}
+    write_json_atomic(out / "verdict.json", record)
     print(line)
     return status
 

@@ -5,6 +5,7 @@ disturbed or a suite could not run; judged on planted baselines and results (no 
 from __future__ import annotations
 
 import json
+import subprocess
 
 import numpy as np
 import pytest
@@ -157,6 +158,96 @@ def test_against_refuses_bad_arguments_before_any_work(argv, said, tmp_path, cap
     assert exit_.value.code == 2 and said in capsys.readouterr().err
 
 
+def test_a_flag_settled_beside_the_baselines_revision_is_confirmed_cleared_or_stands():
+    """The verdict after a settling run: a flag the same-run comparison cleared is no regression (and says so), one
+    it confirmed is a regression naming the revision, one it could not settle stays a regression and says why."""
+    cleared = perf.verdict({"kernels": 0, "bench": 1}, 600.0, 0.3, settled={"bench": (0, "1234567890")})
+    assert cleared == (0, "perf: no regression (bench's flag against the baselines was not confirmed beside "
+                          "1234567890 in the same run; 10.0 min, load 0.3 at the start)")
+    code, line = perf.verdict({"bench": 1, "long-tail": 1}, 60.0, None,
+                              settled={"bench": (1, "1234567890"), "long-tail": (0, "1234567890")})
+    assert code == 1 and line.startswith("perf: REGRESSION (bench, confirmed beside 1234567890 in the same run): ")
+    assert "long-tail's flag against the baselines was not confirmed" in line
+    code, line = perf.verdict({"bench": 1}, 60.0, None, settled={"bench": (2, "bench.json is in no commit")})
+    assert code == 1 and "(bench, against the baselines; not settled: bench.json is in no commit)" in line
+
+
+@pytest.fixture
+def repository(tmp_path, monkeypatch):
+    """A git repository as perf's ROOT, its baseline ``benchmarks/perf/bench.json`` committed."""
+    root = tmp_path / "repo"
+    monkeypatch.setattr(perf, "ROOT", root)
+    monkeypatch.setattr(perf, "BASELINES", root / "benchmarks" / "perf")
+    perf.BASELINES.mkdir(parents=True)
+    (perf.BASELINES / "bench.json").write_text(json.dumps(suite(np.random.default_rng(0))))
+    git = ["git", "-C", str(root), "-c", "user.name=t", "-c", "user.email=t@t"]
+    for command in (["init", "-q"], ["add", "."], ["commit", "-qm", "baselines"]):
+        subprocess.run([*git, *command], check=True)
+    return root
+
+
+def planted_runs(monkeypatch, first: dict, beside: tuple[dict, dict]) -> list:
+    """``perf.run`` replaced: the first call (against the baselines) writes ``first``, a settling call (with a
+    revision's tree) writes ``beside``: this checkout's result and the revision's. Returns the calls (ROOT is not the
+    checkout the package is imported from, so the tree's path for it is planted too)."""
+    calls = []
+
+    def run(names, out, against=None):
+        calls.append((names, out, against))
+        if against is None:
+            (out / "bench.json").write_text(json.dumps(first))
+        else:
+            (out / "bench.json").write_text(json.dumps(beside[0]))
+            (against.parent / "bench.json").write_text(json.dumps(beside[1]))
+        return {name: True for name in names}
+
+    monkeypatch.setattr(perf, "run", run)
+    monkeypatch.setattr(perf, "tree_path", lambda path, tree: str(tree / "src"))  # the package is not ROOT's
+    return calls
+
+
+def test_a_flag_the_same_run_clears_is_no_regression(repository, monkeypatch, tmp_path, capsys):
+    """``make perf`` flags a drifted run against the baselines, measures the flagged suite again beside the commit
+    that recorded its baseline, and gives one verdict: no regression, the settling run's files kept apart."""
+    rng = np.random.default_rng(11)
+    calls = planted_runs(monkeypatch, suite(rng, scale=1.2), (suite(rng), suite(rng)))
+    out = tmp_path / "out"
+    assert perf.main(["--suites", "bench", "--output-dir", str(out)]) == 0
+    printed = capsys.readouterr().out
+    commit = perf.baseline_revision("bench")[0]
+    assert len(calls) == 2 and calls[1][0] == ["bench"] and calls[1][1] == out / "settle" / commit[:10]
+    assert (calls[1][2] / "COMMIT").read_text().strip() == commit  # the baselines' revision, checked out
+    assert "perf: bench: REGRESSED" in printed
+    assert f"perf: settling bench: measured again beside {commit[:10]}" in printed
+    assert printed.splitlines()[-1].startswith("perf: no regression (bench's flag against the baselines was not "
+                                               f"confirmed beside {commit[:10]} in the same run; ")
+    record = json.loads((out / "verdict.json").read_text())
+    assert record["status"] == 0 and record["suites"] == {"bench": 1}
+    assert record["settled"] == {"bench": {"status": 0, "revision_or_why": commit[:10]}}
+
+
+def test_a_flag_the_same_run_confirms_is_a_regression_and_no_settle_leaves_it(repository, monkeypatch,
+                                                                              tmp_path, capsys):
+    rng = np.random.default_rng(12)
+    calls = planted_runs(monkeypatch, suite(rng, scale=1.2), (suite(rng, scale=1.2), suite(rng)))
+    assert perf.main(["--suites", "bench", "--output-dir", str(tmp_path / "out")]) == 1
+    assert "(bench, confirmed beside " in capsys.readouterr().out.splitlines()[-1] and len(calls) == 2
+    calls.clear()
+    assert perf.main(["--suites", "bench", "--output-dir", str(tmp_path / "out"), "--no-settle"]) == 1
+    assert capsys.readouterr().out.splitlines()[-1].startswith("perf: REGRESSION (bench): ") and len(calls) == 1
+
+
+def test_a_baseline_no_commit_recorded_is_not_settled_and_the_flag_stands(repository, monkeypatch,
+                                                                          tmp_path, capsys):
+    (perf.BASELINES / "bench.json").write_text(json.dumps(suite(np.random.default_rng(1))))  # --update, uncommitted
+    assert perf.baseline_revision("bench") == (None, "benchmarks/perf/bench.json has changes not committed, so no "
+                                                     "revision measured it")
+    calls = planted_runs(monkeypatch, suite(np.random.default_rng(13), scale=1.2), ({}, {}))
+    assert perf.main(["--suites", "bench", "--output-dir", str(tmp_path / "out")]) == 1
+    assert "not settled: benchmarks/perf/bench.json has changes not committed" in capsys.readouterr().out
+    assert len(calls) == 1
+
+
 @pytest.mark.slow
 def test_against_head_measures_both_sides_in_one_run(tmp_path, monkeypatch, capsys):
     """The whole path on a tiny suite: HEAD's tree checked out, 2 workers a side taking turns, each side's document
@@ -175,3 +266,25 @@ def test_against_head_measures_both_sides_in_one_run(tmp_path, monkeypatch, caps
         results = json.loads(document.read_text())["results"]
         assert results and all(len(r["processes"]) == 2 for r in results), document
     assert (tmp_path / "against" / "tree" / "COMMIT").is_file()
+
+
+@pytest.mark.slow
+def test_a_real_settling_run_measures_the_baselines_revision_beside_this_checkout(tmp_path, monkeypatch, capsys):
+    """``settle`` on a tiny suite: the commit that recorded the smoke bench's committed baseline checked out, 2
+    workers a side taking turns, and a judgement of the same run naming that commit (which judgement, on 2 processes a
+    side, and whether other processes disturbed it, are the machine's to say; a failed run fails here)."""
+    monkeypatch.setattr(perf, "SUITES", {"bench": ("bench", ["--model", "llama-tiny", "--batch-sizes", "1",
+                                                             "--samples-per-prompt", "1", "--prompt-lengths", "8",
+                                                             "--response-lengths", "4", "--zero-stages", "none"])})
+    monkeypatch.setattr(perf, "PROCESSES", 2)
+    monkeypatch.setattr(perf, "ITERATIONS", 1)
+    commit, why = perf.baseline_revision("bench")
+    assert commit, why
+    settled = perf.settle(["bench"], tmp_path, 5.0)
+    short = commit[:10]
+    assert settled["bench"] in {(0, short), (1, short), (2, f"the settling run beside {short} was disturbed")}
+    where = tmp_path / "settle" / short
+    assert (where / "against" / "tree" / "COMMIT").read_text().strip() == commit
+    for document in (where / "bench.json", where / "against" / "bench.json"):
+        assert all(len(r["processes"]) == 2 for r in json.loads(document.read_text())["results"]), document
+    assert f"perf: bench beside {short}: " in capsys.readouterr().out
