@@ -30,6 +30,11 @@ processes, so about twice the minutes: ``--suites`` narrows it. REV's workers re
 opsd_rollout.bench.processes``, from issue 52 on): the matrix, settings and config keys as this checkout writes them,
 so a change that adds a bench setting or axis, or renames a config key, leaves REV's configs failed and the suite
 with no verdict (REV's error printed); time such a change against the baselines.
+
+``--processes N`` measures each config in N processes a side instead of ``PROCESSES`` (the minutes grow with it) and
+``--adjust-for-pace`` judges as ``compare --adjust-for-pace``, in the run and its settling: ``--against REV
+--processes 12 --adjust-for-pace`` is the guard that met issue 52's goal on the step bench (RESULTS, "12 processes a
+side"), at about 4 times ``make perf``'s processes.
 """
 
 from __future__ import annotations
@@ -72,8 +77,9 @@ BUSY_LOAD = 1.5
 """A 1-minute load average above this when perf starts: configs will likely be disturbed, and not judged."""
 
 
-def suite_command(name: str) -> tuple[Any, list[str]]:
-    """Suite ``name``'s ``BenchCommand`` and its arguments, with perf's processes, iterations and warm-up."""
+def suite_command(name: str, processes: int | None = None) -> tuple[Any, list[str]]:
+    """Suite ``name``'s ``BenchCommand`` and its arguments, with perf's processes (or ``processes``), iterations and
+    warm-up."""
     from opsd_rollout.cli.bench import COMMANDS
 
     command_name, argv = SUITES[name]
@@ -81,7 +87,7 @@ def suite_command(name: str) -> tuple[Any, list[str]]:
         from kernel_bench.cli import COMMAND  # scripts/: on the path when this script runs
     else:
         COMMAND = next(c for c in COMMANDS if c.name == command_name)
-    return COMMAND, [*argv, "--processes", str(PROCESSES), "--iterations", str(ITERATIONS), "--warmup", str(WARMUP)]
+    return COMMAND, [*argv, "--processes", str(processes or PROCESSES), "--iterations", str(ITERATIONS), "--warmup", str(WARMUP)]
 
 
 def checkout(rev: str, out: Path) -> tuple[Path, str]:
@@ -126,8 +132,8 @@ def package_path_in(tree: Path) -> str:
     return tree_path(str(Path(opsd_rollout.__file__).resolve().parents[1]), tree)
 
 
-def run(names: list[str], out: Path, against: Path | None = None) -> dict[str, bool]:
-    """Every suite of ``names`` measured by the same ``PROCESSES`` fresh processes, into ``out/NAME.json``; per suite
+def run(names: list[str], out: Path, against: Path | None = None, processes: int | None = None) -> dict[str, bool]:
+    """Every suite of ``names`` measured by the same ``processes`` (default ``PROCESSES``) fresh processes, into ``out/NAME.json``; per suite
     whether every config was measured (a failure's error printed). With ``against`` (another revision's tree), that
     revision too, into ``NAME.json`` beside the tree, its processes taking turns with this checkout's."""
     from opsd_rollout.bench.processes import ProcessRunner, run_alternating, shared_subprocess_launcher
@@ -135,7 +141,7 @@ def run(names: list[str], out: Path, against: Path | None = None) -> dict[str, b
 
     runners, others = {}, {}
     for name in names:
-        command, argv = suite_command(name)
+        command, argv = suite_command(name, processes)
         script = "scripts/bench_kernels.py" if command.name == "kernels" else f"-m opsd_rollout {command.name}"
         alone = f"python {script}"
         print(f"perf: {name}: {alone} {' '.join(argv)} --output {out / f'{name}.json'}", flush=True)
@@ -154,10 +160,11 @@ def run(names: list[str], out: Path, against: Path | None = None) -> dict[str, b
     sides = [(list(runners.values()), shared_subprocess_launcher())]
     if against is not None:
         sides.append((list(others.values()), against_launcher(against)))
-        print(f"perf: {len(runners)} suite(s) of this checkout and of {against}, each config in {PROCESSES} fresh "
+        print(f"perf: {len(runners)} suite(s) of this checkout and of {against}, each config in {processes or PROCESSES} fresh "
               "processes a side, the sides taking turns", flush=True)
     else:
-        print(f"perf: {len(runners)} suite(s), each config in the same {PROCESSES} fresh processes", flush=True)
+        print(f"perf: {len(runners)} suite(s), each config in the same {processes or PROCESSES} fresh "
+              "processes", flush=True)
     run_alternating(sides)
     print(f"perf: measured in {(time.monotonic() - start) / 60:.1f} min", flush=True)
     ran = {}
@@ -173,10 +180,11 @@ def run(names: list[str], out: Path, against: Path | None = None) -> dict[str, b
 
 
 def judge(name: str, out: Path, threshold: float, baselines: Path | None = None,
-          label: str | None = None) -> tuple[int, Any]:
+          label: str | None = None, adjust_for_pace: bool = False) -> tuple[int, Any]:
     """Compare suite ``name``'s result with its baseline in ``baselines`` (``None``: the committed ones; writing the
     whole comparison as Markdown beside the result); the exit status ``compare`` would give (2: could not) and the
-    comparison. ``label`` names the suite in what is printed (default ``name``)."""
+    comparison. ``label`` names the suite in what is printed (default ``name``); ``adjust_for_pace`` judges as
+    ``compare --adjust-for-pace``."""
     from opsd_rollout.bench.compare import compare_documents
     from opsd_rollout.bench.compare_report import comparison_markdown
     from opsd_rollout.bench.report import load_document
@@ -193,7 +201,7 @@ def judge(name: str, out: Path, threshold: float, baselines: Path | None = None,
         return 2, None
     try:
         comparison = compare_documents(load_document(baseline), load_document(out / f"{name}.json"),
-                                       threshold_pct=threshold)
+                                       threshold_pct=threshold, adjust_for_pace=adjust_for_pace)
     except ValueError as error:
         print(f"perf: {label}: compare refused the files: {error}", file=sys.stderr)
         return 2, None
@@ -277,7 +285,8 @@ def baseline_revision(name: str) -> tuple[str | None, str]:
     return commit.stdout.strip(), ""
 
 
-def settle(flagged: list[str], out: Path, threshold: float) -> dict[str, tuple[int, str]]:
+def settle(flagged: list[str], out: Path, threshold: float, processes: int | None = None,
+           adjust_for_pace: bool = False) -> dict[str, tuple[int, str]]:
     """Each suite flagged against its baseline measured again beside the revision that recorded the baseline, the
     two taking turns process by process in one run (``run`` with ``against``), into ``out/settle/``, and judged
     against that revision's results: a baseline recorded days before took none of the machine's drift since, the
@@ -302,9 +311,10 @@ def settle(flagged: list[str], out: Path, threshold: float) -> dict[str, tuple[i
             continue
         print(f"perf: settling {', '.join(names)}: measured again beside {commit[:10]}, the revision that recorded "
               "the baseline, in one run (--no-settle skips this)", flush=True)
-        ran = run(names, where, tree)
+        ran = run(names, where, tree, processes)
         for name in names:
-            status = judge(name, where, threshold, tree.parent, f"{name} beside {commit[:10]}")[0] if ran[name] else 2
+            status = (judge(name, where, threshold, tree.parent, f"{name} beside {commit[:10]}", adjust_for_pace)[0]
+                      if ran[name] else 2)
             settled[name] = (status, commit[:10]) if status in (0, 1) else (
                 2, f"the settling run beside {commit[:10]} " + ("was disturbed" if status == 5 else "failed"))
     return settled
@@ -351,10 +361,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--against", metavar="REV",
                         help="judge against git revision REV measured in this same run, its processes taking turns "
                              "with this checkout's (about twice the minutes), instead of the baselines")
+    parser.add_argument("--processes", type=int,
+                        help=f"fresh processes a config and side (default {PROCESSES}); more narrow the interval, and "
+                             "take minutes in proportion")
+    parser.add_argument("--adjust-for-pace", action="store_true",
+                        help="judge as compare --adjust-for-pace does: adjusted for the reference workload's pace")
     parser.add_argument("--no-settle", action="store_true",
                         help="leave a flag against the baselines as it is, instead of measuring the flagged suites "
                              "again beside the baselines' revision in the same run")
     args = parser.parse_args(argv)
+    from opsd_rollout.bench.compare import FEWEST_PROCESSES
+
+    if args.processes is not None and args.processes < FEWEST_PROCESSES:
+        parser.error(f"--processes: at least {FEWEST_PROCESSES}, the fewest compare judges by processes; got "
+                     f"{args.processes}")
     if args.against and args.update:
         parser.error("--against and --update: a baseline is recorded from this checkout alone; give one of them")
     suites = [s for s in args.suites.split(",") if s]
@@ -377,15 +397,17 @@ def main(argv: list[str] | None = None) -> int:
         named = f"{args.against} ({commit[:10]})" if not commit.startswith(args.against) else commit[:10]
         print(f"perf: against {named}: its tree in {against}", flush=True)
     start = time.monotonic()
-    ran = run(suites, out, against)
+    ran = run(suites, out, against, args.processes)
     if args.update:
         if not all(ran.values()):
             return 2
         return update(out, suites)
     baselines = against.parent if against else None
-    statuses = {name: judge(name, out, args.threshold, baselines)[0] if ran[name] else 2 for name in suites}
+    statuses = {name: judge(name, out, args.threshold, baselines, adjust_for_pace=args.adjust_for_pace)[0]
+                if ran[name] else 2 for name in suites}
     flagged = [name for name, s in statuses.items() if s == 1]
-    settled = settle(flagged, out, args.threshold) if flagged and not (args.against or args.no_settle) else {}
+    settled = (settle(flagged, out, args.threshold, args.processes, args.adjust_for_pace)
+               if flagged and not (args.against or args.no_settle) else {})
     status, line = verdict(statuses, time.monotonic() - start, load, named, settled)
     record = {"status": status, "verdict": line, "suites": statuses,
               "settled": {name: {"status": s, "revision_or_why": said} for name, (s, said) in settled.items()}}

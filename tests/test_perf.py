@@ -150,6 +150,28 @@ def test_against_checks_out_the_revision_and_maps_this_checkouts_paths_into_it(t
         perf.checkout("no-such-rev", tmp_path / "other")
 
 
+def test_more_processes_and_the_pace_adjustment_reach_every_run_and_judgement(repository, monkeypatch, tmp_path,
+                                                                              capsys):
+    """``--processes 12 --adjust-for-pace``: both runs measure 12 processes a side and both judgements adjust (the
+    guard that met issue 52's goal on the step bench, RESULTS); fewer than compare's fewest is refused."""
+    rng = np.random.default_rng(14)
+    calls = planted_runs(monkeypatch, suite(rng, scale=1.2), (suite(rng), suite(rng)))
+    judged, real_judge = [], perf.judge
+
+    def judge(name, out, threshold, baselines=None, label=None, adjust_for_pace=False):
+        judged.append(adjust_for_pace)
+        return real_judge(name, out, threshold, baselines, label, adjust_for_pace)
+
+    monkeypatch.setattr(perf, "judge", judge)
+    assert perf.main(["--suites", "bench", "--output-dir", str(tmp_path / "out"), "--processes", "12",
+                      "--adjust-for-pace"]) == 0
+    assert [c[3] for c in calls] == [12, 12] and judged == [True, True]
+    assert perf.suite_command("bench", 12)[1][-6:-4] == ["--processes", "12"]
+    with pytest.raises(SystemExit):
+        perf.main(["--processes", "2", "--output-dir", str(tmp_path)])
+    assert "--processes: at least 4" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("argv, said", [(["--against", "no-such-rev"], "is no commit"),
                                         (["--against", "HEAD", "--update"], "--against and --update")])
 def test_against_refuses_bad_arguments_before_any_work(argv, said, tmp_path, capsys):
@@ -192,8 +214,8 @@ def planted_runs(monkeypatch, first: dict, beside: tuple[dict, dict]) -> list:
     checkout the package is imported from, so the tree's path for it is planted too)."""
     calls = []
 
-    def run(names, out, against=None):
-        calls.append((names, out, against))
+    def run(names, out, against=None, processes=None):
+        calls.append((names, out, against, processes))
         if against is None:
             (out / "bench.json").write_text(json.dumps(first))
         else:
@@ -232,6 +254,7 @@ def test_a_flag_the_same_run_confirms_is_a_regression_and_no_settle_leaves_it(re
     calls = planted_runs(monkeypatch, suite(rng, scale=1.2), (suite(rng, scale=1.2), suite(rng)))
     assert perf.main(["--suites", "bench", "--output-dir", str(tmp_path / "out")]) == 1
     assert "(bench, confirmed beside " in capsys.readouterr().out.splitlines()[-1] and len(calls) == 2
+    assert calls[0][3] is None and calls[1][3] is None  # perf's PROCESSES
     calls.clear()
     assert perf.main(["--suites", "bench", "--output-dir", str(tmp_path / "out"), "--no-settle"]) == 1
     assert capsys.readouterr().out.splitlines()[-1].startswith("perf: REGRESSION (bench): ") and len(calls) == 1
@@ -248,15 +271,20 @@ def test_a_baseline_no_commit_recorded_is_not_settled_and_the_flag_stands(reposi
     assert len(calls) == 1
 
 
-@pytest.mark.slow
-def test_against_head_measures_both_sides_in_one_run(tmp_path, monkeypatch, capsys):
-    """The whole path on a tiny suite: HEAD's tree checked out, 2 workers a side taking turns, each side's document
-    whole, one verdict naming the revision (which verdict, on 2 processes a side, is the machine's to say)."""
+@pytest.fixture
+def tiny_suite(monkeypatch):
+    """perf's suites cut to one tiny bench config in 2 processes a side of 1 iteration: the whole path in a minute."""
     monkeypatch.setattr(perf, "SUITES", {"bench": ("bench", ["--model", "llama-tiny", "--batch-sizes", "1",
                                                              "--samples-per-prompt", "1", "--prompt-lengths", "8",
                                                              "--response-lengths", "4", "--zero-stages", "none"])})
     monkeypatch.setattr(perf, "PROCESSES", 2)
     monkeypatch.setattr(perf, "ITERATIONS", 1)
+
+
+@pytest.mark.slow
+def test_against_head_measures_both_sides_in_one_run(tmp_path, tiny_suite, capsys):
+    """The whole path on a tiny suite: HEAD's tree checked out, 2 workers a side taking turns, each side's document
+    whole, one verdict naming the revision (which verdict, on 2 processes a side, is the machine's to say)."""
     status = perf.main(["--against", "HEAD", "--suites", "bench", "--output-dir", str(tmp_path)])
     out = capsys.readouterr().out
     assert "suite(s) of this checkout and of" in out and "the sides taking turns" in out
@@ -269,15 +297,10 @@ def test_against_head_measures_both_sides_in_one_run(tmp_path, monkeypatch, caps
 
 
 @pytest.mark.slow
-def test_a_real_settling_run_measures_the_baselines_revision_beside_this_checkout(tmp_path, monkeypatch, capsys):
+def test_a_real_settling_run_measures_the_baselines_revision_beside_this_checkout(tmp_path, tiny_suite, capsys):
     """``settle`` on a tiny suite: the commit that recorded the smoke bench's committed baseline checked out, 2
     workers a side taking turns, and a judgement of the same run naming that commit (which judgement, on 2 processes a
     side, and whether other processes disturbed it, are the machine's to say; a failed run fails here)."""
-    monkeypatch.setattr(perf, "SUITES", {"bench": ("bench", ["--model", "llama-tiny", "--batch-sizes", "1",
-                                                             "--samples-per-prompt", "1", "--prompt-lengths", "8",
-                                                             "--response-lengths", "4", "--zero-stages", "none"])})
-    monkeypatch.setattr(perf, "PROCESSES", 2)
-    monkeypatch.setattr(perf, "ITERATIONS", 1)
     commit, why = perf.baseline_revision("bench")
     assert commit, why
     settled = perf.settle(["bench"], tmp_path, 5.0)
