@@ -33,8 +33,8 @@ with no verdict (REV's error printed); time such a change against the baselines.
 
 ``--processes N`` measures each config in N processes a side instead of ``PROCESSES`` (the minutes grow with it) and
 ``--adjust-for-pace`` judges as ``compare --adjust-for-pace``, in the run and its settling: ``--against REV
---processes 12 --adjust-for-pace`` is the guard that met issue 52's goal on the step bench (RESULTS, "12 processes a
-side"), at about 4 times ``make perf``'s processes.
+--processes 12`` flagged a planted 15% slowdown in every pair of both benches, about issue 52's goal (RESULTS, "12
+processes a side"), at about 4 times ``make perf``'s processes.
 """
 
 from __future__ import annotations

@@ -152,8 +152,8 @@ def test_against_checks_out_the_revision_and_maps_this_checkouts_paths_into_it(t
 
 def test_more_processes_and_the_pace_adjustment_reach_every_run_and_judgement(repository, monkeypatch, tmp_path,
                                                                               capsys):
-    """``--processes 12 --adjust-for-pace``: both runs measure 12 processes a side and both judgements adjust (the
-    guard that met issue 52's goal on the step bench, RESULTS); fewer than compare's fewest is refused."""
+    """``--processes 12 --adjust-for-pace``: both runs measure 12 processes a side and both judgements adjust (12 a
+    side is about what issue 52's goal takes, RESULTS); fewer than compare's fewest is refused."""
     rng = np.random.default_rng(14)
     calls = planted_runs(monkeypatch, suite(rng, scale=1.2), (suite(rng), suite(rng)))
     judged, real_judge = [], perf.judge
