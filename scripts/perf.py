@@ -87,7 +87,8 @@ def suite_command(name: str, processes: int | None = None) -> tuple[Any, list[st
         from kernel_bench.cli import COMMAND  # scripts/: on the path when this script runs
     else:
         COMMAND = next(c for c in COMMANDS if c.name == command_name)
-    return COMMAND, [*argv, "--processes", str(processes or PROCESSES), "--iterations", str(ITERATIONS), "--warmup", str(WARMUP)]
+    return COMMAND, [*argv, "--processes", str(processes or PROCESSES), "--iterations", str(ITERATIONS),
+                     "--warmup", str(WARMUP)]
 
 
 def checkout(rev: str, out: Path) -> tuple[Path, str]:
@@ -133,12 +134,14 @@ def package_path_in(tree: Path) -> str:
 
 
 def run(names: list[str], out: Path, against: Path | None = None, processes: int | None = None) -> dict[str, bool]:
-    """Every suite of ``names`` measured by the same ``processes`` (default ``PROCESSES``) fresh processes, into ``out/NAME.json``; per suite
-    whether every config was measured (a failure's error printed). With ``against`` (another revision's tree), that
-    revision too, into ``NAME.json`` beside the tree, its processes taking turns with this checkout's."""
+    """Every suite of ``names`` measured by the same ``processes`` (default ``PROCESSES``) fresh processes, into
+    ``out/NAME.json``; per suite whether every config was measured (a failure's error printed). With ``against``
+    (another revision's tree), that revision too, into ``NAME.json`` beside the tree, its processes taking turns with
+    this checkout's."""
     from opsd_rollout.bench.processes import ProcessRunner, run_alternating, shared_subprocess_launcher
     from opsd_rollout.cli.bench import matrix_of
 
+    processes = processes or PROCESSES
     runners, others = {}, {}
     for name in names:
         command, argv = suite_command(name, processes)
@@ -160,11 +163,10 @@ def run(names: list[str], out: Path, against: Path | None = None, processes: int
     sides = [(list(runners.values()), shared_subprocess_launcher())]
     if against is not None:
         sides.append((list(others.values()), against_launcher(against)))
-        print(f"perf: {len(runners)} suite(s) of this checkout and of {against}, each config in {processes or PROCESSES} fresh "
+        print(f"perf: {len(runners)} suite(s) of this checkout and of {against}, each config in {processes} fresh "
               "processes a side, the sides taking turns", flush=True)
     else:
-        print(f"perf: {len(runners)} suite(s), each config in the same {processes or PROCESSES} fresh "
-              "processes", flush=True)
+        print(f"perf: {len(runners)} suite(s), each config in the same {processes} fresh processes", flush=True)
     run_alternating(sides)
     print(f"perf: measured in {(time.monotonic() - start) / 60:.1f} min", flush=True)
     ran = {}
@@ -247,8 +249,8 @@ def verdict(statuses: dict[str, int], seconds: float, load: float | None, agains
         f", load {load:.1f} at the start" if load is not None else "")
     cleared = [name for name, (status, _) in settled.items() if status == 0]
     statuses = {name: 0 if name in cleared else status for name, status in statuses.items()}
-    cleared = [f"{name}'s flag against the baselines was not confirmed beside {settled[name][1]} in the same run"
-               for name in cleared]
+    notes = [f"{name}'s flag against the baselines was not confirmed beside {settled[name][1]} in the same run"
+             for name in cleared]
     if any(s == 1 for s in statuses.values()):
         def how(name: str) -> str:
             if name not in settled:
@@ -258,7 +260,7 @@ def verdict(statuses: dict[str, int], seconds: float, load: float | None, agains
                     else f"{name}, against the baselines; not settled: {said}")
         flagged = "; ".join(how(name) for name, s in statuses.items() if s == 1)
         return 1, (f"perf: REGRESSION ({flagged}): beyond the threshold over the spread between processes "
-                   f"({'; '.join([*cleared, took])})")
+                   f"({'; '.join([*notes, took])})")
     if any(s in (2, 3) for s in statuses.values()):
         failed = ", ".join(name for name, s in statuses.items() if s in (2, 3))
         return 2, f"perf: NO VERDICT: {failed} could not run or compare ({took})"
@@ -266,7 +268,7 @@ def verdict(statuses: dict[str, int], seconds: float, load: float | None, agains
         return 3, (f"perf: NO VERDICT: configs were disturbed while they ran (other processes or the hypervisor took "
                    f"CPU time: each config's reasons are in its result); rerun on "
                    f"a quiet machine ({took})")
-    return 0, f"perf: no regression ({'; '.join([*cleared, took])})"
+    return 0, f"perf: no regression ({'; '.join([*notes, took])})"
 
 
 def baseline_revision(name: str) -> tuple[str | None, str]:
