@@ -6,6 +6,8 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import textwrap
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -87,6 +89,70 @@ def run_named(what: str, command: list[str], *, timeout: float, **kwargs) -> sub
         err = (expired.stderr or b"")[-4000:]
         pytest.fail(f"{what} did not finish within {timeout:.0f} s; stdout tail:\n{out!s}\nstderr tail:\n{err!s}",
                     pytrace=False)
+
+
+HOLD_HOOK = textwrap.dedent('''
+    import os, signal, sys, time
+    HOLD, HOLD_CALL = os.environ.get("HOLD"), int(os.environ.get("HOLD_CALL", "0"))
+    argv = sys.orig_argv
+    ran = argv[argv.index("-m") + 1] if "-m" in argv[:-1] else ""
+    if HOLD and ran == "opsd_rollout":
+        import opsd_rollout.opsd.in_flight as in_flight
+        finish, calls = in_flight.StepInFlight.finish, []
+        def held(*args, **kwargs):
+            calls.append(1)
+            if len(calls) == HOLD_CALL:
+                open(HOLD + ".held", "a").close()
+                deadline = time.monotonic() + 900
+                while not os.path.exists(HOLD) and time.monotonic() < deadline:
+                    time.sleep(0.05)
+            return finish(*args, **kwargs)
+        in_flight.StepInFlight.finish = held
+        if os.environ.get("HOLD_UNTIL") == "signal":
+            install = signal.signal
+            def opening(signum, handler):
+                if callable(handler) and signum in (signal.SIGTERM, signal.SIGUSR1):
+                    def handle(number, frame, handler=handler):
+                        handler(number, frame)
+                        open(HOLD, "a").close()
+                    return install(signum, handle)
+                return install(signum, handler)
+            signal.signal = opening
+''')
+"""A ``sitecustomize`` that holds an ``opsd_rollout`` process at its ``HOLD_CALL``-th micro-batch (the entry of
+``StepInFlight.finish``: call k is step k's with one micro-batch a step) until the file ``HOLD`` exists, after
+creating ``HOLD.held``; with ``HOLD_UNTIL=signal``, a stop signal's handler creates ``HOLD``. A test that acts on a
+run mid-way (a signal, a server killed) holds it there, so that how fast the host is cannot let the run finish
+first (see ``held``, ``release``)."""
+
+
+def hook_path(tmp_path: Path, *texts: str) -> str:
+    """``PYTHONPATH`` for a subprocess with ``texts`` as its ``sitecustomize``, before the path it had."""
+    hook = tmp_path / "hook"
+    hook.mkdir(exist_ok=True)
+    (hook / "sitecustomize.py").write_text("\n".join(texts))
+    return os.pathsep.join([str(hook), *filter(None, [os.environ.get("PYTHONPATH")])])
+
+
+def holding(tmp_path: Path, call: int, *, until_signal: bool = False) -> dict[str, str]:
+    """The environment variables that hold a run (with ``HOLD_HOOK`` on its path) at micro-batch ``call``."""
+    return {"HOLD": str(tmp_path / "released"), "HOLD_CALL": str(call),
+            **({"HOLD_UNTIL": "signal"} if until_signal else {})}
+
+
+def held(run: subprocess.Popen, tmp_path: Path, timeout_s: float = 900) -> None:
+    """Waits until ``run`` (started with ``holding(tmp_path, ...)``) is held; fails if it ends or stalls first."""
+    deadline = time.monotonic() + timeout_s
+    while not (tmp_path / "released.held").exists():
+        if run.poll() is not None or time.monotonic() > deadline:
+            run.kill()
+            out, err = run.communicate()
+            pytest.fail(f"the run ended or stalled before it was held:\n{(out + err)[-4000:]}", pytrace=False)
+        time.sleep(0.1)
+
+
+def release(tmp_path: Path) -> None:
+    (tmp_path / "released").touch()
 
 
 @pytest.fixture(scope="session")

@@ -19,7 +19,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from conftest import clean_env, run_named
+from conftest import HOLD_HOOK, clean_env, held, holding, hook_path, release, run_named
 from opsd_rollout.distributed import free_port
 
 pytestmark = pytest.mark.slow
@@ -89,13 +89,10 @@ def latest(directory: Path) -> str:
 
 
 def environment(tmp_path: Path, **fault: str) -> dict[str, str]:
-    """The ranks' environment: CPU, one thread each, and the fault planted (``FAULT=...`` and its rank and call)."""
-    hook = tmp_path / "hook"
-    hook.mkdir(exist_ok=True)
-    (hook / "sitecustomize.py").write_text(HOOK)
+    """The ranks' environment: CPU, one thread each, and the fault planted (``FAULT=...`` and its rank and call) or
+    the hold (``conftest.holding``)."""
     env = {**clean_env(), "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([str(hook), *filter(None, [os.environ.get("PYTHONPATH")])]),
-           "FAULT_MARK": str(tmp_path / "died")}
+           "PYTHONPATH": hook_path(tmp_path, HOLD_HOOK, HOOK), "FAULT_MARK": str(tmp_path / "died")}
     return {**env, **{name.upper(): value for name, value in fault.items()}}
 
 
@@ -111,15 +108,6 @@ def launched(launcher: str, args: list[str]) -> list[str]:
 def start(command: list[str], env: dict[str, str]) -> subprocess.Popen:
     return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                             start_new_session=True)
-
-
-def wait_for_steps(run: subprocess.Popen, out: Path, steps: int, timeout_s: float = 900) -> None:
-    deadline = time.monotonic() + timeout_s
-    while len(records(out)) < steps + 1:
-        if run.poll() is not None or time.monotonic() > deadline:
-            run.kill()
-            pytest.fail(f"train stopped or stalled before step {steps}:\n{run.communicate()[1][-4000:]}")
-        time.sleep(0.2)
 
 
 def finish(run: subprocess.Popen, what: str, timeout_s: float = 900) -> tuple[int, str]:
@@ -163,8 +151,8 @@ def test_a_stop_signal_stops_every_rank_with_one_checkpoint(tmp_path, launcher, 
     out = tmp_path / "run"
     args = ["train", *TRAIN, "--teacher", "qwen2-tiny", "--steps", "8", "--zero-stage", str(zero_stage),
             "--output-dir", str(out)]
-    run = start(launched(launcher, args), environment(tmp_path))
-    wait_for_steps(run, out, 2)
+    run = start(launched(launcher, args), environment(tmp_path, **holding(tmp_path, 3, until_signal=True)))
+    held(run, tmp_path)  # in step 3 until the signal's handler runs: the run cannot finish before it comes
     process = psutil.Process(run.pid)
     (node_launcher(process) if launcher == "deepspeed" and target == "launcher" else
      process if target == "launcher" else rank_process(process, "1")).send_signal(signum)
@@ -207,11 +195,12 @@ def test_a_teacher_killed_under_two_ranks_stops_both_and_resume_finishes_the_run
     try:
         args = ["train", *TRAIN, "--teacher-url", url, "--teacher-timeout", "5", "--steps", "8", "--output-dir",
                 str(out)]
-        run = start(launched("torchrun", args), environment(tmp_path))
-        wait_for_steps(run, out, 2)
+        run = start(launched("torchrun", args), environment(tmp_path, **holding(tmp_path, 3)))
+        held(run, tmp_path)  # in step 3 until the server is gone
         server.kill()
         server.wait(60)
         killed = time.monotonic()
+        release(tmp_path)
         status, printed = finish(run, "torchrun after the teacher's kill")
         stopped_s = time.monotonic() - killed
         assert status != 0 and printed.count("stopped after step") == 1, printed[-4000:]

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import clean_env, run_named
+from conftest import HOLD_HOOK, clean_env, held, holding, hook_path, release, run_named
 
 from opsd_rollout.cli import main
 from opsd_rollout.models import load_model
@@ -226,17 +226,19 @@ def start_server(port: int, *flags: str, seen: list[str] | None = None) -> tuple
     pytest.fail("serve-teacher did not start within 300 s:\n" + "".join(seen[-20:]), pytrace=False)
 
 
-def stopped_by_a_killed_server(run: subprocess.Popen, server: subprocess.Popen, out: Path) -> tuple[str, str]:
-    """Kills ``server`` once ``run`` (a train process writing into ``out``) has recorded steps 0, 1 and 2, then waits
-    for the run to stop; returns its stdout and stderr."""
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline and run.poll() is None:
-        if (out / "metrics.jsonl").is_file() and len(records(out)) >= 3:
-            break
-        time.sleep(0.2)
-    assert run.poll() is None, "train finished before the server could be killed"
+def held_run(command: list[str], tmp_path: Path) -> subprocess.Popen:
+    """``command`` (a train run) started, to be held in its step 3 (``conftest.holding``)."""
+    env = {**clean_env(), "PYTHONPATH": hook_path(tmp_path, HOLD_HOOK), **holding(tmp_path, 3)}
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+
+
+def stopped_by_a_killed_server(run: subprocess.Popen, server: subprocess.Popen, tmp_path: Path) -> tuple[str, str]:
+    """Kills ``server`` while ``run`` (from ``held_run``) is held in step 3, steps 0, 1 and 2 recorded, then lets
+    it go and waits for it to stop; returns its stdout and stderr."""
+    held(run, tmp_path)
     server.kill()
     server.wait(60)
+    release(tmp_path)
     return run.communicate(timeout=600)
 
 
@@ -252,9 +254,9 @@ def test_a_killed_server_stops_the_run_and_the_printed_command_finishes_it(tmp_p
     command = [sys.executable, "-m", "opsd_rollout", "train", "--student", "llama-tiny", "--teacher-url", url,
                "--teacher-timeout", "3", "--steps", "8", "--prompts-per-micro-batch", "2", "--max-new-tokens", "6",
                "--eval-every", "4", "--eval-prompts", "4", "--output-dir", str(out), "--quiet"]
-    run = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=clean_env())
+    run = held_run(command, tmp_path)
     try:
-        _, err = stopped_by_a_killed_server(run, server, out)
+        _, err = stopped_by_a_killed_server(run, server, tmp_path)
         assert run.returncode == 3, err[-4000:]
         assert "did not answer POST /v1/completions" in err
         resume = shlex.split(err.strip().splitlines()[-1])
@@ -287,9 +289,9 @@ def test_the_key_is_nowhere_in_what_a_run_prints_logs_or_writes(tmp_path):
                "--teacher-api-key", key, "--teacher-timeout", "3", "--steps", "6", "--prompts-per-micro-batch", "2",
                "--max-new-tokens", "6", "--eval-every", "3", "--eval-prompts", "2", "--save-every", "1",
                "--output-dir", str(out), "--quiet"]
-    run = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=clean_env())
+    run = held_run(command, tmp_path)
     try:
-        first_out, first_err = stopped_by_a_killed_server(run, server, out)
+        first_out, first_err = stopped_by_a_killed_server(run, server, tmp_path)
         assert run.returncode == 3, first_err[-4000:]
         said = first_err.strip().splitlines()
         assert said[-2].endswith("continue with (the server key in $OPSD_ROLLOUT_API_KEY):"), said[-3:]
