@@ -97,8 +97,10 @@ HOLD_HOOK = textwrap.dedent('''
     argv = sys.orig_argv
     ran = argv[argv.index("-m") + 1] if "-m" in argv[:-1] else ""
     if HOLD and ran == "opsd_rollout":
-        import opsd_rollout.opsd.in_flight as in_flight
-        finish, calls = in_flight.StepInFlight.finish, []
+        import importlib
+        module, owner_name, name = os.environ["HOLD_AT"].replace(":", ".").rsplit(".", 2)
+        owner = getattr(importlib.import_module(module), owner_name)
+        original, calls = getattr(owner, name), []
         def held(*args, **kwargs):
             calls.append(1)
             if len(calls) == HOLD_CALL:
@@ -106,8 +108,8 @@ HOLD_HOOK = textwrap.dedent('''
                 deadline = time.monotonic() + 900
                 while not os.path.exists(HOLD) and time.monotonic() < deadline:
                     time.sleep(0.05)
-            return finish(*args, **kwargs)
-        in_flight.StepInFlight.finish = held
+            return original(*args, **kwargs)
+        setattr(owner, name, held)
         if os.environ.get("HOLD_UNTIL") == "signal":
             install = signal.signal
             def opening(signum, handler):
@@ -119,11 +121,11 @@ HOLD_HOOK = textwrap.dedent('''
                 return install(signum, handler)
             signal.signal = opening
 ''')
-"""A ``sitecustomize`` that holds an ``opsd_rollout`` process at its ``HOLD_CALL``-th micro-batch (the entry of
-``StepInFlight.finish``: call k is step k's with one micro-batch a step) until the file ``HOLD`` exists, after
-creating ``HOLD.held``; with ``HOLD_UNTIL=signal``, a stop signal's handler creates ``HOLD``. A test that acts on a
-run mid-way (a signal, a server killed) holds it there, so that how fast the host is cannot let the run finish
-first (see ``held``, ``release``)."""
+"""A ``sitecustomize`` that holds an ``opsd_rollout`` process at its ``HOLD_CALL``-th call of ``HOLD_AT`` (a
+method, ``module:Class.method``) until the file ``HOLD`` exists, after creating ``HOLD.held``; with
+``HOLD_UNTIL=signal``, a stop signal's handler creates ``HOLD``. A test that acts on a run mid-way (a signal, a
+server killed, a kill) holds it there, so that how fast the host is cannot let the run finish first (``holding``,
+``held``, ``release``)."""
 
 
 def hook_path(tmp_path: Path, *texts: str) -> str:
@@ -134,9 +136,13 @@ def hook_path(tmp_path: Path, *texts: str) -> str:
     return os.pathsep.join([str(hook), *filter(None, [os.environ.get("PYTHONPATH")])])
 
 
-def holding(tmp_path: Path, call: int, *, until_signal: bool = False) -> dict[str, str]:
-    """The environment variables that hold a run (with ``HOLD_HOOK`` on its path) at micro-batch ``call``."""
-    return {"HOLD": str(tmp_path / "released"), "HOLD_CALL": str(call),
+MICRO_BATCH = "opsd_rollout.opsd.in_flight:StepInFlight.finish"
+"""Where a training run is held: call k of it is step k's micro-batch (one micro-batch a step), before its loss."""
+
+
+def holding(tmp_path: Path, call: int, *, at: str = MICRO_BATCH, until_signal: bool = False) -> dict[str, str]:
+    """The environment variables that hold a run (with ``HOLD_HOOK`` on its path) at call ``call`` of ``at``."""
+    return {"HOLD": str(tmp_path / "released"), "HOLD_CALL": str(call), "HOLD_AT": at,
             **({"HOLD_UNTIL": "signal"} if until_signal else {})}
 
 
@@ -147,7 +153,8 @@ def held(run: subprocess.Popen, tmp_path: Path, timeout_s: float = 900) -> None:
         if run.poll() is not None or time.monotonic() > deadline:
             run.kill()
             out, err = run.communicate()
-            pytest.fail(f"the run ended or stalled before it was held:\n{(out + err)[-4000:]}", pytrace=False)
+            pytest.fail(f"the run ended or stalled before it was held:\n{((out or '') + (err or ''))[-4000:]}",
+                        pytrace=False)
         time.sleep(0.1)
 
 

@@ -7,12 +7,11 @@ import json
 import signal
 import subprocess
 import sys
-import time
 
 import jsonschema
 import pytest
 
-from conftest import clean_env
+from conftest import HOLD_HOOK, clean_env, held, holding, hook_path
 from opsd_rollout import HybridEngineRollout
 from opsd_rollout.bench.matrix import Matrix
 from opsd_rollout.bench.scenarios import RolloutScenario, RolloutSettings
@@ -167,20 +166,11 @@ def test_an_interrupted_run_leaves_valid_json_that_resume_completes(tmp_path):
     command = [sys.executable, "-m", "opsd_rollout", "bench", "--model", "llama-tiny", "--zero-stages", "none",
                "--batch-sizes", "1,2,3", "--samples-per-prompt", "1", "--prompt-lengths", "8",
                "--response-lengths", "48", "--warmup", "0", "--iterations", "25", "--output", str(output)]
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                               env={**clean_env(), "DS_ACCELERATOR": "cpu"})
-    limit = 1200  # the first config takes seconds on 2 quiet cores
-    deadline = time.monotonic() + limit
+    env = {**clean_env(), "DS_ACCELERATOR": "cpu", "PYTHONPATH": hook_path(tmp_path, HOLD_HOOK),
+           **holding(tmp_path, 2, at="opsd_rollout.bench.runner:BenchRunner._run_batch")}
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     try:
-        while time.monotonic() < deadline and process.poll() is None:
-            if output.exists():
-                statuses = [r["status"] for r in json.loads(output.read_text())["results"]]
-                if "ok" in statuses:
-                    break
-            time.sleep(0.05)
-        else:
-            pytest.fail(f"the bench's first config did not finish within {limit} s (or the run ended first: exit "
-                        f"{process.poll()})", pytrace=False)
+        held(process, tmp_path)  # the first config measured and written, the second not begun
         process.send_signal(signal.SIGKILL)
     finally:
         process.kill()
