@@ -32,9 +32,10 @@ so a change that adds a bench setting or axis, or renames a config key, leaves R
 with no verdict (REV's error printed); time such a change against the baselines.
 
 ``--processes N`` measures each config in N processes a side instead of ``PROCESSES`` (the minutes grow with it) and
-``--adjust-for-pace`` judges as ``compare --adjust-for-pace``, in the run and its settling: ``--against REV
---processes 12`` flagged a planted 15% slowdown in every pair of both benches, about issue 52's goal (RESULTS, "12
-processes a side"), at about 4 times ``make perf``'s processes.
+``--pace`` judges as ``compare --pace`` (both ways by default; as measured, or adjusted for the machine's pace), in
+the run and its settling: ``--against REV --processes 12`` judged both ways gave no false alarm in 20 same-code pairs
+of each bench and flagged a planted 15% slowdown in all of them, issue 52's goal (RESULTS, "Both ways"), at about 4
+times ``make perf``'s processes.
 """
 
 from __future__ import annotations
@@ -182,11 +183,11 @@ def run(names: list[str], out: Path, against: Path | None = None, processes: int
 
 
 def judge(name: str, out: Path, threshold: float, baselines: Path | None = None,
-          label: str | None = None, adjust_for_pace: bool = False) -> tuple[int, Any]:
+          label: str | None = None, pace: str = "both") -> tuple[int, Any]:
     """Compare suite ``name``'s result with its baseline in ``baselines`` (``None``: the committed ones; writing the
     whole comparison as Markdown beside the result); the exit status ``compare`` would give (2: could not) and the
-    comparison. ``label`` names the suite in what is printed (default ``name``); ``adjust_for_pace`` judges as
-    ``compare --adjust-for-pace``."""
+    comparison. ``label`` names the suite in what is printed (default ``name``); ``pace`` judges as ``compare
+    --pace``."""
     from opsd_rollout.bench.compare import compare_documents
     from opsd_rollout.bench.compare_report import comparison_markdown
     from opsd_rollout.bench.report import load_document
@@ -203,7 +204,7 @@ def judge(name: str, out: Path, threshold: float, baselines: Path | None = None,
         return 2, None
     try:
         comparison = compare_documents(load_document(baseline), load_document(out / f"{name}.json"),
-                                       threshold_pct=threshold, adjust_for_pace=adjust_for_pace)
+                                       threshold_pct=threshold, pace=pace)
     except ValueError as error:
         print(f"perf: {label}: compare refused the files: {error}", file=sys.stderr)
         return 2, None
@@ -288,7 +289,7 @@ def baseline_revision(name: str) -> tuple[str | None, str]:
 
 
 def settle(flagged: list[str], out: Path, threshold: float, processes: int | None = None,
-           adjust_for_pace: bool = False) -> dict[str, tuple[int, str]]:
+           pace: str = "both") -> dict[str, tuple[int, str]]:
     """Each suite flagged against its baseline measured again beside the revision that recorded the baseline, the
     two taking turns process by process in one run (``run`` with ``against``), into ``out/settle/``, and judged
     against that revision's results: a baseline recorded days before took none of the machine's drift since, the
@@ -315,7 +316,7 @@ def settle(flagged: list[str], out: Path, threshold: float, processes: int | Non
               "the baseline, in one run (--no-settle skips this)", flush=True)
         ran = run(names, where, tree, processes)
         for name in names:
-            status = (judge(name, where, threshold, tree.parent, f"{name} beside {commit[:10]}", adjust_for_pace)[0]
+            status = (judge(name, where, threshold, tree.parent, f"{name} beside {commit[:10]}", pace)[0]
                       if ran[name] else 2)
             settled[name] = (status, commit[:10]) if status in (0, 1) else (
                 2, f"the settling run beside {commit[:10]} " + ("was disturbed" if status == 5 else "failed"))
@@ -355,6 +356,8 @@ def update(out: Path, suites: list[str]) -> int:
 def main(argv: list[str] | None = None) -> int:
     from opsd_rollout.files import write_json_atomic
 
+    from opsd_rollout.bench.pace import PACE_JUDGEMENTS
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--suites", default=",".join(SUITES), help=f"comma list of {', '.join(SUITES)}")
     parser.add_argument("--threshold", type=float, default=5.0, help="percent, as compare's (default 5)")
@@ -366,8 +369,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--processes", type=int,
                         help=f"fresh processes a config and side (default {PROCESSES}); more narrow the interval, and "
                              "take minutes in proportion")
-    parser.add_argument("--adjust-for-pace", action="store_true",
-                        help="judge as compare --adjust-for-pace does: adjusted for the reference workload's pace")
+    parser.add_argument("--pace", choices=PACE_JUDGEMENTS, default="both",
+                        help="judge as compare --pace does: the times as measured, adjusted for the reference "
+                             "workload's pace, or both (default %(default)s)")
     parser.add_argument("--no-settle", action="store_true",
                         help="leave a flag against the baselines as it is, instead of measuring the flagged suites "
                              "again beside the baselines' revision in the same run")
@@ -405,10 +409,10 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         return update(out, suites)
     baselines = against.parent if against else None
-    statuses = {name: judge(name, out, args.threshold, baselines, adjust_for_pace=args.adjust_for_pace)[0]
+    statuses = {name: judge(name, out, args.threshold, baselines, pace=args.pace)[0]
                 if ran[name] else 2 for name in suites}
     flagged = [name for name, s in statuses.items() if s == 1]
-    settled = (settle(flagged, out, args.threshold, args.processes, args.adjust_for_pace)
+    settled = (settle(flagged, out, args.threshold, args.processes, args.pace)
                if flagged and not (args.against or args.no_settle) else {})
     status, line = verdict(statuses, time.monotonic() - start, load, named, settled)
     record = {"status": status, "verdict": line, "suites": statuses,

@@ -17,10 +17,11 @@ import numpy as np
 import pytest
 
 from opsd_rollout.bench.compare import (EXIT_BAD_INPUT, EXIT_DISTURBED, EXIT_NOTHING_COMPARED, EXIT_PARTIAL,
-                                        EXIT_REGRESSION, MismatchError, compare_documents)
+                                        EXIT_REGRESSION, compare_documents)
 from opsd_rollout.bench.pace import REFERENCE_METRIC
 from opsd_rollout.bench.ratio_test import EXACT_LIMIT, fewest_iterations, ratio_interval, tail_rank
 from opsd_rollout.bench.report import SCHEMA_VERSION, ConfigResult, load_schema
+from opsd_rollout.bench.same_work import MismatchError
 from opsd_rollout.bench.scenarios import RolloutConfig
 from opsd_rollout.cli import main
 

@@ -1,6 +1,6 @@
 """The machine's pace (issue 52): a fixed reference workload timed beside every iteration; ``compare`` says how far it
-moved and, with ``adjust_for_pace`` (``--adjust-for-pace``), judges a config's times adjusted for it, so a machine
-slower for a whole run is not read as the code's regression."""
+moved and, with ``pace="adjusted"`` (``--pace adjusted``), judges a config's times adjusted for it, so a machine
+slower for a whole run is not read as the code's regression; ``pace="both"`` flags only what both judgements flag."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from opsd_rollout.bench.compare import compare_documents
+from opsd_rollout.bench.compare import compare_documents, flaggable_pct
 from opsd_rollout.bench.pace import REFERENCE_METRIC, adjusted_ratio, paced, paced_medians, t_quantile
 from opsd_rollout.bench.reference import ReferenceWorkload, without_reference
 from opsd_rollout.bench.report import ConfigResult
@@ -38,15 +38,16 @@ def run(rng: np.random.Generator, *, machine: float = 1.0, code: float = 1.0, pr
 
 def test_a_machine_slower_for_a_whole_run_is_not_a_regression_when_judged_against_its_pace():
     """Pair 6 of issue 52 planted: every process of the second run 15% slower, the reference too, the code the
-    same. Judged as measured (the default) it is a regression, and a note says the reference moved; adjusted for the
-    machine's pace it is not."""
+    same. Judged as measured it is a regression, and a note says the reference moved; adjusted for the machine's pace
+    it is not, nor judged both ways (the default)."""
     rng = np.random.default_rng(6)
     before, after = run(rng), run(rng, machine=1.15)
-    raw = compare_documents(before, after)
+    assert compare_documents(before, after).regressions == []
+    raw = compare_documents(before, after, pace="measured")
     assert [c.metric for c in raw.regressions] == ["total_ms", "tokens_per_second"]
     assert not any(c.paced for c in raw.changes)
     assert any("1.1" in note and "judged as measured" in note for note in raw.notes)
-    comparison = compare_documents(before, after, adjust_for_pace=True)
+    comparison = compare_documents(before, after, pace="adjusted")
     assert comparison.regressions == []
     assert all(c.paced == (paced(c.metric) is not None) and c.by_processes for c in comparison.changes)
     total = next(c for c in comparison.changes if c.metric == "total_ms")
@@ -64,12 +65,67 @@ def test_a_slower_code_is_flagged_however_the_machine_moved(machine):
     flagged = same = 0
     for _ in range(20):
         before = run(rng)
-        comparison = compare_documents(before, run(rng, machine=machine, code=1.15), adjust_for_pace=True)
+        comparison = compare_documents(before, run(rng, machine=machine, code=1.15), pace="adjusted")
         flagged += [c.metric for c in comparison.regressions] == ["total_ms", "tokens_per_second"]
         total = next(c for c in comparison.changes if c.metric == "total_ms")
         assert total.ratio == pytest.approx(1.15, abs=0.06)
-        same += bool(compare_documents(before, run(rng, machine=machine), adjust_for_pace=True).regressions)
+        same += bool(compare_documents(before, run(rng, machine=machine), pace="adjusted").regressions)
     assert flagged >= 19 and same == 0
+
+
+def test_judged_both_ways_a_regression_is_one_only_where_both_judgements_find_it():
+    """``pace="both"``: a machine slower for a whole run (a regression as measured, none adjusted) and a slower code on
+    a machine that sped up as much (none as measured, one adjusted) are neither; the ratio and interval shown are the
+    times as measured, the adjusted ones beside them."""
+    rng = np.random.default_rng(6)
+    before = run(rng)
+    machine_only, hidden = run(rng, machine=1.15), run(rng, machine=1 / 1.15, code=1.15)
+    assert compare_documents(before, machine_only, pace="measured").regressions
+    assert not compare_documents(before, machine_only, pace="adjusted").regressions
+    assert not compare_documents(before, hidden, pace="measured").regressions
+    assert compare_documents(before, hidden, pace="adjusted").regressions
+    for after, measured, adjusted in ((machine_only, 1.15, 1.0), (hidden, 1.0, 1.15)):
+        comparison = compare_documents(before, after, pace="both")
+        assert comparison.regressions == []
+        total = next(c for c in comparison.changes if c.metric == "total_ms")
+        assert total.adjusted is not None and not total.paced and total.verdict == "not significant"
+        assert total.ratio == pytest.approx(measured, abs=0.05)
+        assert total.adjusted[0] == pytest.approx(adjusted, abs=0.05)
+        assert total.adjusted[1] < total.adjusted[0] < total.adjusted[2]
+        assert any("--pace both" in note for note in comparison.notes)
+        alone = [next(c for c in compare_documents(before, after, pace=pace).changes if c.metric == "total_ms")
+                 for pace in ("measured", "adjusted")]  # the smallest slowdown flagged both ways: the larger's
+        assert flaggable_pct(total, 5.0) == pytest.approx(max(flaggable_pct(c, 5.0) for c in alone))
+
+
+def test_judged_both_ways_a_slower_code_on_a_steady_machine_is_flagged_and_the_same_code_never():
+    """The planted 15% on a machine that stayed: both judgements find it, so ``pace="both"`` flags it in at least 19
+    of 20 pairs; the same code never. (Where the machine moved as much as the code, the times as measured hide it and
+    ``both`` does too: the test above.)"""
+    rng = np.random.default_rng(15)
+    flagged = same = 0
+    for _ in range(20):
+        before = run(rng)
+        comparison = compare_documents(before, run(rng, code=1.15), pace="both")
+        flagged += [c.metric for c in comparison.regressions] == ["total_ms", "tokens_per_second"]
+        same += bool(compare_documents(before, run(rng), pace="both").regressions)
+    assert flagged >= 19 and same == 0
+
+
+def test_judged_both_ways_without_the_reference_is_judged_as_measured():
+    """Files without ``reference_ms``: ``both`` has one judgement to go by, the times as measured; an unknown ``pace``
+    is refused by name."""
+    rng = np.random.default_rng(2)
+    before, after = run(rng), run(rng, code=1.3)
+    for document in (before, after):
+        for process in document["results"][0]["processes"]:
+            for iteration in process["iterations"]:
+                del iteration[REFERENCE_METRIC]
+    comparison = compare_documents(before, after, pace="both")
+    assert [c.metric for c in comparison.regressions] == ["total_ms", "tokens_per_second"]
+    assert all(c.adjusted is None and not c.paced for c in comparison.changes)
+    with pytest.raises(ValueError, match="pace: expected one of measured, adjusted, both; got 'paced'"):
+        compare_documents(before, after, pace="paced")
 
 
 def test_files_without_the_reference_are_judged_as_measured():
@@ -80,7 +136,7 @@ def test_files_without_the_reference_are_judged_as_measured():
     for process in before["results"][0]["processes"]:
         for iteration in process["iterations"]:
             del iteration[REFERENCE_METRIC]
-    comparison = compare_documents(before, after, adjust_for_pace=True)
+    comparison = compare_documents(before, after, pace="adjusted")
     assert comparison.changes and not any(c.paced for c in comparison.changes)
     assert comparison.machine == {} and not any("reference workload" in note for note in comparison.notes)
 
@@ -130,21 +186,28 @@ def test_the_t_quantile_is_scipy_s(dof):
     assert t_quantile(0.975, dof) == pytest.approx(stats.t.ppf(0.975, dof), abs=1e-6)
 
 
-def test_adjust_for_pace_judges_the_times_adjusted_for_the_reference(tmp_path, capsys):
-    """``compare``: the machine's slower run is a regression as measured (exit 1), and the note names the flag;
-    ``--adjust-for-pace`` takes the machine's pace out (exit 0)."""
+def test_pace_adjusted_judges_the_times_adjusted_for_the_reference(tmp_path, capsys):
+    """``compare``: the machine's slower run is a regression as measured (``--pace measured``, exit 1), and the note
+    names the flag; ``--pace adjusted`` takes the machine's pace out (exit 0), and so does ``--pace both``, the
+    default."""
     rng = np.random.default_rng(6)
     paths = []
     for name, doc in (("a.json", run(rng)), ("b.json", run(rng, machine=1.15))):
         paths.append(str(tmp_path / name))
         (tmp_path / name).write_text(json.dumps(doc))
     markdown = tmp_path / "cmp.md"
-    assert main(["compare", *paths, "--markdown", str(markdown)]) == 1
+    assert main(["compare", *paths, "--pace", "measured", "--markdown", str(markdown)]) == 1
     out = capsys.readouterr().out
-    assert "reference workload" in out and "--adjust-for-pace" in out
+    assert "reference workload" in out and "--pace adjusted" in out
     assert "| processes (6/6) |" in markdown.read_text() and "paced (6/6)" not in markdown.read_text()
-    assert main(["compare", *paths, "--adjust-for-pace", "--markdown", str(markdown)]) == 0
+    assert main(["compare", *paths, "--pace", "adjusted", "--markdown", str(markdown)]) == 0
     assert "| processes, paced (6/6) |" in markdown.read_text()
+    assert main(["compare", *paths, "--markdown", str(markdown)]) == 0
+    assert "| processes, both ways (6/6) |" in markdown.read_text() and " (adj " in markdown.read_text()
+    assert "--pace both" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["compare", *paths, "--pace", "nope"])
+    assert "--pace: invalid choice: 'nope'" in capsys.readouterr().err
 
 
 def test_the_reference_workload_is_fixed_and_leaves_the_run_s_random_state_alone():

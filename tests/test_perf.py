@@ -152,20 +152,20 @@ def test_against_checks_out_the_revision_and_maps_this_checkouts_paths_into_it(t
 
 def test_more_processes_and_the_pace_adjustment_reach_every_run_and_judgement(repository, monkeypatch, tmp_path,
                                                                               capsys):
-    """``--processes 12 --adjust-for-pace``: both runs measure 12 processes a side and both judgements adjust (12 a
+    """``--processes 12 --pace both``: both runs measure 12 processes a side and both judgements judge both ways (12 a
     side is about what issue 52's goal takes, RESULTS); fewer than compare's fewest is refused."""
     rng = np.random.default_rng(14)
     calls = planted_runs(monkeypatch, suite(rng, scale=1.2), (suite(rng), suite(rng)))
     judged, real_judge = [], perf.judge
 
-    def judge(name, out, threshold, baselines=None, label=None, adjust_for_pace=False):
-        judged.append(adjust_for_pace)
-        return real_judge(name, out, threshold, baselines, label, adjust_for_pace)
+    def judge(name, out, threshold, baselines=None, label=None, pace="measured"):
+        judged.append(pace)
+        return real_judge(name, out, threshold, baselines, label, pace)
 
     monkeypatch.setattr(perf, "judge", judge)
     assert perf.main(["--suites", "bench", "--output-dir", str(tmp_path / "out"), "--processes", "12",
-                      "--adjust-for-pace"]) == 0
-    assert [c[3] for c in calls] == [12, 12] and judged == [True, True]
+                      "--pace", "both"]) == 0
+    assert [c[3] for c in calls] == [12, 12] and judged == ["both", "both"]
     assert perf.suite_command("bench", 12)[1][-6:-4] == ["--processes", "12"]
     with pytest.raises(SystemExit):
         perf.main(["--processes", "2", "--output-dir", str(tmp_path)])

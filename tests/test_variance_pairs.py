@@ -67,12 +67,17 @@ def test_same_code_pairs_pass_and_their_planted_slowdown_is_flagged(tmp_path, mo
     assert rollout["same_code_pairs_with_a_regression"] == 0 and rollout["planted_pairs_flagged"] == 3
     assert rollout["same_code_pairs_with_a_regression_as_measured"] == 0
     assert rollout["planted_pairs_flagged_as_measured"] == 3
+    assert rollout["same_code_pairs_with_a_regression_both"] == 0 and rollout["planted_pairs_flagged_both"] == 3
     assert rollout["pairs_with_a_disturbed_config"] == 0 and 1 < rollout["largest_ratio_of_two_processes"] < 1.2
     for pair in rollout["pairs"]:
         assert all(run["reused"] for run in pair["runs"])
         assert pair["same_code"]["exit_status"] == 0 and pair["planted"]["exit_status"] == 1
         assert pair["same_code"]["by_processes"] and pair["planted"]["by_processes"]
         assert pair["planted"]["paced"] and not pair["planted_as_measured"]["paced"]
+        assert not pair["planted_both"]["paced"]  # both ways: the ratio shown is as measured
+        flagged = {name: {(r["config"], r["metric"]) for r in pair[name]["regressions"]}
+                   for name in ("planted", "planted_as_measured", "planted_both")}
+        assert flagged["planted_both"] == flagged["planted"] & flagged["planted_as_measured"]  # both, and only both
         assert all(0.95 < ratio < 1.05 for ratio in pair["planted"]["machine"].values())  # the reference unscaled
         assert {r["metric"] for r in pair["planted"]["regressions"]} >= {"total_ms"}
         assert all(5 < pct < 20 for pct in pair["same_code"]["flaggable_pct"].values())  # widened: over 26%

@@ -155,16 +155,16 @@ def processes_apart(document: dict[str, Any]) -> list[float]:
 
 
 def judged(before: dict[str, Any], after: dict[str, Any], args: argparse.Namespace,
-           reference: bool = True) -> dict[str, Any]:
-    """``compare``'s judgement of ``after`` against ``before`` (``reference``: adjusted for the machine's pace, as
-    ``compare --adjust-for-pace`` judges; ``False``: the times as measured, compare's default): its exit status,
-    regressions, disturbed configs, whether every metric was judged over processes and adjusted for the pace, the
+           pace: str = "adjusted") -> dict[str, Any]:
+    """``compare``'s judgement of ``after`` against ``before`` at ``compare --pace``'s ``pace`` (``adjusted``: for the
+    machine's pace; ``measured``: the times as measured; ``both``: a regression only where both are one): its exit
+    status, regressions, disturbed configs, whether every metric was judged over processes and adjusted for the pace, the
     reference's ratio per config, and per config the smallest slowdown its total could have been flagged at and each
     side's spread between processes."""
     from opsd_rollout.bench.compare import compare_documents, flaggable_pct
 
     comparison = compare_documents(before, after, threshold_pct=args.threshold, allow_disturbed=args.allow_disturbed,
-                                   adjust_for_pace=reference)
+                                   pace=pace)
     totals = [c for c in comparison.changes if c.metric == "total_ms"]
     return {"exit_status": comparison.exit_status(), "paced": any(c.paced for c in comparison.changes),
             "machine": comparison.machine,
@@ -177,9 +177,11 @@ def judged(before: dict[str, Any], after: dict[str, Any], args: argparse.Namespa
 
 
 def tally(pairs: list[dict[str, Any]], apart: list[float]) -> dict[str, Any]:
-    """One kind's pairs and what they add up to (judged adjusted for the machine's pace, ``--adjust-for-pace``, and as
-    measured: ``_as_measured``)."""
+    """One kind's pairs and what they add up to (judged adjusted for the machine's pace, ``--pace adjusted``; as
+    measured: ``_as_measured``; and both ways, a metric flagged only where both flag it: ``_both``)."""
     return {"pairs": pairs,
+            "same_code_pairs_with_a_regression_both": sum(bool(p["same_code_both"]["regressions"]) for p in pairs),
+            "planted_pairs_flagged_both": sum(bool(p["planted_both"]["regressions"]) for p in pairs),
             "same_code_pairs_with_a_regression": sum(bool(p["same_code"]["regressions"]) for p in pairs),
             "planted_pairs_flagged": sum(bool(p["planted"]["regressions"]) for p in pairs),
             "same_code_pairs_with_a_regression_as_measured": sum(bool(p["same_code_as_measured"]["regressions"])
@@ -206,14 +208,18 @@ def measure(kind: str, args: argparse.Namespace, save) -> dict[str, Any]:
         slowed = scaled(after, args.scale)
         pairs.append({"runs": runs, "same_code": judged(before, after, args),
                       "planted": judged(before, slowed, args),
-                      "same_code_as_measured": judged(before, after, args, reference=False),
-                      "planted_as_measured": judged(before, slowed, args, reference=False)})
+                      "same_code_as_measured": judged(before, after, args, "measured"),
+                      "planted_as_measured": judged(before, slowed, args, "measured"),
+                      "same_code_both": judged(before, after, args, "both"),
+                      "planted_both": judged(before, slowed, args, "both")})
         pair = pairs[-1]
         print(f"same_code_pairs: {kind} pair {index}: same code: {len(pair['same_code']['regressions'])} "
-              f"regression(s) ({len(pair['same_code_as_measured']['regressions'])} as measured), "
+              f"regression(s) ({len(pair['same_code_as_measured']['regressions'])} as measured, "
+              f"{len(pair['same_code_both']['regressions'])} both ways), "
               f"{len(pair['same_code']['disturbed'])} disturbed; planted {args.scale}x: "
               f"{len(pair['planted']['regressions'])} regression(s) "
-              f"({len(pair['planted_as_measured']['regressions'])} as measured)", flush=True)
+              f"({len(pair['planted_as_measured']['regressions'])} as measured, "
+              f"{len(pair['planted_both']['regressions'])} both ways)", flush=True)
         save(tally(pairs, apart))
     return tally(pairs, apart)
 
@@ -289,6 +295,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{kind}: same-code pairs with a regression: {m['same_code_pairs_with_a_regression']} of {args.pairs} "
               f"({m['same_code_pairs_with_a_regression_as_measured']} as measured); planted {args.scale}x flagged: "
               f"{m['planted_pairs_flagged']} of {args.pairs} ({m['planted_pairs_flagged_as_measured']} as measured); "
+              f"flagged only where both judgements flag: {m['same_code_pairs_with_a_regression_both']} same-code, "
+              f"{m['planted_pairs_flagged_both']} planted; "
               "pairs with a disturbed "
               f"config: {m['pairs_with_a_disturbed_config']}; two processes of one config apart by up to "
               f"{m['largest_ratio_of_two_processes']}")

@@ -84,7 +84,7 @@ METRICS: dict[str, Metric] = {m.name: m for m in [
     _ms("cache_management_ms", "cache mgmt"),
     Metric("compiled_graphs", "graphs", "count", merge="sum", lower_is_better=None),
     Metric("reference_ms", "reference", "ms", lower_is_better=None),  # the machine's pace (bench/reference.py), not
-    # the code's: never judged; compare notes how far it moved (--adjust-for-pace: adjusts for it)
+    # the code's: never judged; compare notes how far it moved (--pace adjusted: adjusts for it)
     Metric("param_gather_count", "gathers", "count", merge="sum", lower_is_better=None),
     Metric("param_gather_bytes", "gathered", "bytes", merge="sum", lower_is_better=None),
     # throughput and counts

@@ -12,15 +12,17 @@ says so.
 
 The machine's pace: the runner times a fixed reference workload (plain torch ops, none of the code under test)
 beside every iteration, and where both files have it in every process a note says how far it moved between them (a
-machine slower for a stretch, with no steal or load to show for it). ``adjust_for_pace`` (``--adjust-for-pace``)
-judges the processes' medians by an analysis of covariance on their median reference times (``bench/pace.py``); it
-is not the default: it was chosen after the same-code pairs that measured it were seen, and on fresh pairs it
-flagged more of a planted slowdown but added a false alarm (RESULTS, "Fresh pairs").
+machine slower for a stretch, with no steal or load to show for it). ``pace`` (``--pace``, ``PACE_JUDGEMENTS``) says
+what is judged: ``measured``, the times as measured; ``adjusted``, the processes' medians by an analysis of
+covariance on their median reference times (``bench/pace.py``); ``both``, the default, a metric is a regression only
+when both of those judge it one. At 12 processes a side each of the first two gave a false alarm in a set of
+same-code pairs where the other gave none, and ``both`` none in 40 pairs, fixed before the last 20, while flagging
+every planted 15% slowdown (RESULTS, "Both ways"). A config whose files lack the reference is judged as measured.
 
 What may be compared: both files must have measured the same work, or a faster AFTER only means less work. So
 the kind, every setting that changes the work (the model, the teacher, the prompts, sampling, the seed: all but
 the warm-up and iteration counts, ``PROCEDURE``) and the number of ranks must agree, or ``MismatchError`` (exit
-2) names what differs; ``ignore`` (``--ignore-axes``) lets named ones differ. Configs are then matched on every
+2) names what differs (``bench/same_work.py``); ``ignore`` (``--ignore-axes``) lets named ones differ. Configs are then matched on every
 axis: dtype, shapes, strategy and the workload's lengths are in their key.
 
 A change is *significant* when its whole interval lies on one side of 1 (the runs' own noise cannot explain
@@ -41,9 +43,10 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from opsd_rollout.bench.contenders import CONFIDENCE
-from opsd_rollout.bench.pace import REFERENCE_METRIC, adjusted_ratio, machine_note, paced_medians
+from opsd_rollout.bench.pace import REFERENCE_METRIC, adjusted_ratio, check_pace, machine_note, paced_medians
 from opsd_rollout.bench.ratio_test import fewest_iterations, ratio_interval
 from opsd_rollout.bench.report import ConfigResult, RecordedConfig, config_values, results_of
+from opsd_rollout.bench.same_work import check_same_work, matrix_notes, work_of
 from opsd_rollout.bench.scenarios import SCENARIOS
 from opsd_rollout.bench.stats import median
 from opsd_rollout.bench.tables import display_labels
@@ -69,18 +72,8 @@ hundred kB of RSS move on a shared machine without any code change."""
 EXIT_REGRESSION, EXIT_BAD_INPUT, EXIT_NOTHING_COMPARED, EXIT_PARTIAL, EXIT_DISTURBED = 1, 2, 3, 4, 5
 """Exit statuses of ``opsd-rollout compare`` (0: compared, no regression); see the module docstring."""
 
-PROCEDURE = ("warmup", "warmup_max_iterations", "warmup_max_seconds", "steady_tolerance", "iterations", "processes",
-             "interleave", "baseline")
-"""Settings that change how a config is measured (or which contender its ratio is against), not the work measured:
-the files may differ in them. Every
-other setting, one added later included, must agree."""
 SIDES = {(True, False): "before", (False, True): "after", (True, True): "both"}
 """Which file a disturbed config was disturbed in."""
-
-
-class MismatchError(ValueError):
-    """BEFORE and AFTER measured different work (another model, other settings): their times say nothing
-    about a change of code."""
 
 
 @dataclass(frozen=True)
@@ -114,6 +107,9 @@ class MetricChange:
     paced: bool = False
     """Whether the units were the processes' medians adjusted for their reference workload's (``bench/pace.py``):
     the ratio is then the code's change with the machine's taken out, and may differ from ``after / before``."""
+    adjusted: tuple[float, float, float] | None = None
+    """Judged both ways (``pace="both"``): the ratio and interval adjusted for the machine's pace, beside the ratio
+    and interval as measured above; ``significant`` and ``regression`` hold only where they hold both ways."""
 
     @property
     def change_pct(self) -> float:
@@ -138,14 +134,16 @@ class MetricChange:
 
 def flaggable_pct(change: MetricChange, threshold_pct: float) -> float | None:
     """The smallest change for the worse, in percent, that an interval as wide as ``change``'s around its ratio
-    would have flagged at ``threshold_pct`` (a slowdown for a time, a drop for a throughput); ``None`` when the
-    interval is unbounded or the metric has no worse side."""
+    would have flagged at ``threshold_pct`` (a slowdown for a time, a drop for a throughput); judged both ways, the
+    larger of the two intervals' (a flag needs both); ``None`` when an interval is unbounded or the metric has no
+    worse side."""
     lower_is_better = METRICS[change.metric].lower_is_better
-    if not change.bounded or lower_is_better is None or change.low <= 0:
+    intervals = [(change.ratio, change.low, change.high), *([change.adjusted] if change.adjusted else [])]
+    if lower_is_better is None or any(high == float("inf") or low <= 0 for _, low, high in intervals):
         return None
     if lower_is_better:
-        return 100 * ((1 + threshold_pct / 100) * change.ratio / change.low - 1)
-    return 100 * (1 - (1 - threshold_pct / 100) * change.ratio / change.high)
+        return max(100 * ((1 + threshold_pct / 100) * ratio / low - 1) for ratio, low, _ in intervals)
+    return max(100 * (1 - (1 - threshold_pct / 100) * ratio / high) for ratio, _, high in intervals)
 
 
 def units(old: ConfigResult, new: ConfigResult, metric: str) -> tuple[list[float], list[float], bool]:
@@ -158,33 +156,49 @@ def units(old: ConfigResult, new: ConfigResult, metric: str) -> tuple[list[float
     return list(a.values) if a else [], list(b.values) if b else [], False
 
 
+def _interval(a: list[float], b: list[float], by_processes: bool) -> tuple[float, float, float]:
+    """The ratio AFTER / BEFORE of units ``a`` and ``b`` and its interval, widened where they are iterations."""
+    ratio, low, high = ratio_interval(a, b, CONFIDENCE)
+    if not by_processes and high != float("inf"):  # the spread between processes is not in these iterations
+        low, high = low / (1 + UNKNOWN_PROCESS_SPREAD), high * (1 + UNKNOWN_PROCESS_SPREAD)
+    return ratio, low, high
+
+
+def _flags(metric: str, low: float, high: float, threshold_pct: float) -> tuple[bool, bool]:
+    """Whether an interval is significant (excludes 1), and whether it lies wholly beyond ``threshold_pct`` on
+    ``metric``'s worse side."""
+    beyond = low > 1 + threshold_pct / 100 if METRICS[metric].lower_is_better else high < 1 - threshold_pct / 100
+    return low > 1.0 or high < 1.0, beyond
+
+
 def judge(key: str, label: str, metric: str, old: ConfigResult, new: ConfigResult, threshold_pct: float, *,
-          disturbed: str = "", judged: bool = True, adjust_for_pace: bool = False) -> MetricChange | None:
+          disturbed: str = "", judged: bool = True, pace: str = "both") -> MetricChange | None:
     """One metric of one config, over the units ``units`` gives (positive values); ``None`` when a side lacks it.
-    With ``adjust_for_pace``, judged by processes and timed beside the reference in both files: the ratio and
-    interval of the analysis of covariance on the reference (``bench/pace.py``)."""
+    ``pace`` (one of ``PACE_JUDGEMENTS``): ``adjusted`` judges, where the config was judged by processes and timed
+    beside the reference in both files, the ratio and interval of the analysis of covariance on the reference
+    (``bench/pace.py``); ``both`` judges those and the times as measured, a regression only where both find one
+    (``compare_documents`` has checked ``pace``)."""
     a, b, by_processes = units(old, new, metric)
     if not a or not b:
         return None
-    pa, pb = (paced_medians(old, metric), paced_medians(new, metric)) if adjust_for_pace and by_processes else (
+    pa, pb = (paced_medians(old, metric), paced_medians(new, metric)) if pace != "measured" and by_processes else (
         None, None)
-    paced = pa is not None and pb is not None
-    if pa is not None and pb is not None:
-        ratio, low, high, _ = adjusted_ratio(pa, pb, CONFIDENCE)
-    else:
-        ratio, low, high = ratio_interval(a, b, CONFIDENCE)
-    if not by_processes and high != float("inf"):  # the spread between processes is not in these iterations
-        low, high = low / (1 + UNKNOWN_PROCESS_SPREAD), high * (1 + UNKNOWN_PROCESS_SPREAD)
-    significant = judged and (low > 1.0 or high < 1.0)
-    lower_is_better = METRICS[metric].lower_is_better
-    beyond = low > 1 + threshold_pct / 100 if lower_is_better else high < 1 - threshold_pct / 100
+    adjusted = adjusted_ratio(pa, pb, CONFIDENCE)[:3] if pa is not None and pb is not None else None
+    ratio, low, high = adjusted if adjusted is not None and pace == "adjusted" else _interval(a, b, by_processes)
+    significant, beyond = _flags(metric, low, high, threshold_pct)
+    if adjusted is not None and pace == "both":
+        significant_adjusted, beyond_adjusted = _flags(metric, adjusted[1], adjusted[2], threshold_pct)
+        significant, beyond = significant and significant_adjusted, beyond and beyond_adjusted
+    significant = judged and significant
     before, after = median(a), median(b)
     large = abs(after - before) >= MIN_ABSOLUTE.get(METRICS[metric].unit, 0.0)
     return MetricChange(key, label, metric, before, after, ratio, low, high, significant,
                         significant and beyond and large, disturbed, judged, by_processes,
                         (old.process_count, new.process_count),
                         (old.within_spread(metric), new.within_spread(metric)),
-                        (old.between_spread(metric), new.between_spread(metric)), paced)
+                        (old.between_spread(metric), new.between_spread(metric)),
+                        adjusted is not None and pace == "adjusted",
+                        adjusted if pace == "both" else None)
 
 
 @dataclass
@@ -226,39 +240,6 @@ class Comparison:
         return 0
 
 
-def work_of(document: dict[str, Any], settings_type: type | None) -> dict[str, Any]:
-    """What a file measured besides its configs' axes: the settings that change the work (those it lacks at
-    their defaults, as ``--resume`` reads them; ``settings_type`` ``None``: as written) and the number of ranks."""
-    settings = {**(vars(settings_type()) if settings_type else {}), **(document.get("settings") or {})}
-    work = {name: value for name, value in settings.items() if name not in PROCEDURE}
-    work["world_size"] = (document.get("environment") or {}).get("world_size", 1)
-    return work
-
-
-def check_same_work(before: dict[str, Any], after: dict[str, Any], settings_type: type | None,
-                    ignore: tuple[str, ...]) -> list[str]:
-    """Refuse files that measured different work (``MismatchError`` naming every setting, or the rank count, they
-    disagree on); the differences ``ignore`` lets through come back as notes."""
-    old, new = work_of(before, settings_type), work_of(after, settings_type)
-    differences = {name: f"{name}: {old.get(name)!r} in BEFORE, {new.get(name)!r} in AFTER"
-                   for name in dict.fromkeys([*old, *new]) if old.get(name) != new.get(name)}
-    refused = [text for name, text in differences.items() if name not in ignore]
-    if refused:
-        names = ",".join(name for name in differences if name not in ignore)
-        raise MismatchError("BEFORE and AFTER measured different work, so their times say nothing about a change:"
-                            "\n  " + "\n  ".join(refused) + f"\n(--ignore-axes {names} compares them anyway)")
-    return [f"{text}: compared anyway (--ignore-axes)" for name, text in differences.items() if name in ignore]
-
-
-def matrix_notes(before: dict[str, Any], after: dict[str, Any], axes: list[tuple[str, str]],
-                 ignore: tuple[str, ...]) -> list[str]:
-    """The axes (each its matrix name and config field) whose values the two files' matrices disagree on: why
-    configs are only in one of them."""
-    old, new = before.get("matrix") or {}, after.get("matrix") or {}
-    return [f"matrix: {name} {old.get(name)} in BEFORE, {new.get(name)} in AFTER"
-            for name, field_name in axes if field_name not in ignore and old.get(name) != new.get(name)]
-
-
 def _match_key(result: ConfigResult, ignore: tuple[str, ...]) -> str:
     if not ignore:
         return result.config.key
@@ -287,7 +268,7 @@ def _iterations_note(label: str, old: ConfigResult, new: ConfigResult) -> str:
 
 
 def _compare_config(out: Comparison, key: str, label: str, old: ConfigResult, new: ConfigResult,
-                    threshold_pct: float, allow_disturbed: bool, adjust_for_pace: bool) -> None:
+                    threshold_pct: float, allow_disturbed: bool, pace: str) -> None:
     """Judge one matched config's metrics into ``out``, with its notes."""
     out.matched += 1
     side = SIDES.get((old.disturbed, new.disturbed), "")
@@ -306,12 +287,12 @@ def _compare_config(out: Comparison, key: str, label: str, old: ConfigResult, ne
             out.notes.append(f"{label}: {metric} has a value <= 0, not judged (a ratio needs positive values)")
             continue
         change = judge(key, label, metric, old, new, threshold_pct, disturbed=side, judged=allow_disturbed or not side,
-                       adjust_for_pace=adjust_for_pace)
+                       pace=pace)
         if change is not None:
             changes.append(change)
-    pace = [side.process_medians(REFERENCE_METRIC) for side in (old, new)]
-    if all(len(medians) == side.process_count >= FEWEST_PROCESSES for medians, side in zip(pace, (old, new))):
-        out.machine[new.config.key] = median(pace[1]) / median(pace[0])
+    reference = [side.process_medians(REFERENCE_METRIC) for side in (old, new)]
+    if all(len(medians) == side.process_count >= FEWEST_PROCESSES for medians, side in zip(reference, (old, new))):
+        out.machine[new.config.key] = median(reference[1]) / median(reference[0])
     if any(not change.bounded for change in changes):
         out.notes.append(_iterations_note(label, old, new))
     out.changes += changes
@@ -319,13 +300,14 @@ def _compare_config(out: Comparison, key: str, label: str, old: ConfigResult, ne
 
 def compare_documents(before: dict[str, Any], after: dict[str, Any], *, threshold_pct: float = 5.0,
                       ignore: tuple[str, ...] = (), allow_disturbed: bool = False,
-                      adjust_for_pace: bool = False) -> Comparison:
+                      pace: str = "both") -> Comparison:
     """Every config present and ``ok`` in both files, judged metric by metric. ``ignore`` names config axes left
     out of the matching (e.g. ``strategy``, to compare two strategies) and settings allowed to differ (e.g.
-    ``model``); ``allow_disturbed`` judges configs that were disturbed too; ``adjust_for_pace`` judges times adjusted
-    for the reference workload both files timed (``bench/pace.py``; by default they are judged as measured). A kind
+    ``model``); ``allow_disturbed`` judges configs that were disturbed too; ``pace`` says what a time is judged by
+    (one of ``PACE_JUDGEMENTS``: as measured, adjusted for the reference workload both files timed, or both). A kind
     with no scenario in this package (the developers' kernels) is read from the documents alone: the keys, configs
     and settings they hold."""
+    check_pace(pace)
     kinds = {before.get("kind", "rollout"), after.get("kind", "rollout")}
     if len(kinds) > 1:
         raise ValueError(f"cannot compare a {before.get('kind')} benchmark with a {after.get('kind')} one")
@@ -363,11 +345,12 @@ def compare_documents(before: dict[str, Any], after: dict[str, Any], *, threshol
             out.notes.append(f"{result.config.key}: status {old[key].status} -> {result.status}, not compared")
         else:
             _compare_config(out, key, names[result.config.key], old[key], result, threshold_pct, allow_disturbed,
-                            adjust_for_pace)
+                            pace)
     out.only_before = [result.config.key for key, result in old.items() if key not in new]
     if out.only_before or out.only_after:
         out.notes += matrix_notes(before, after, matrix_axes, ignored_axes)
-    applied = any(change.paced for change in out.changes)
+    applied = ("both" if any(c.adjusted for c in out.changes) else "adjusted" if any(c.paced for c in out.changes)
+               else "measured")
     for note in (machine_note(list(out.machine.values()), applied), widened_note(out.changes)):
         if note:
             out.notes.insert(0, note)

@@ -35,7 +35,13 @@ def _name(metric: str) -> str:
 
 
 def _interval(change: MetricChange, digits: int) -> str:
-    return f"{change.low:.{digits}f}-{change.high:.{digits}f}" if change.bounded else "-"
+    """The interval; judged both ways (``--pace both``), the adjusted one beside it (``adj``)."""
+    if not change.bounded:
+        return "-"
+    shown = f"{change.low:.{digits}f}-{change.high:.{digits}f}"
+    if change.adjusted is not None:
+        shown += f" (adj {change.adjusted[1]:.{digits}f}-{change.adjusted[2]:.{digits}f})"
+    return shown
 
 
 def _spreads(pair: tuple[float | None, float | None]) -> str:
@@ -110,7 +116,8 @@ def footnote(threshold_pct: float) -> str:
     """The line under the table: the test, its units, and what makes a change significant and a regression."""
     return (f"test: {TEST_NAME}; the units are the processes' medians where both files measured the config in "
             f"{FEWEST_PROCESSES} or more processes (paced: adjusted for their reference workload's, the machine's "
-            "pace), "
+            "pace; both ways: as measured and adjusted, adj the adjusted interval, a regression only where both are "
+            "one), "
             "else the iterations, the interval then widened by "
             f"{UNKNOWN_PROCESS_SPREAD:.0%} each way (the spread between processes unknown). Significant: the interval "
             f"excludes 1; a regression: the whole interval is worse than {threshold_pct:g}% and the medians move at "
@@ -127,7 +134,8 @@ def comparison_markdown(comparison: Comparison, threshold_pct: float) -> str:
              "|---|---|---:|---:|---:|---:|---|---|---:|---:|" + ("---|" if disturbed else "")]
     for c in comparison.changes:
         cells = _cells(c)
-        basis = (f"processes{', paced' if c.paced else ''} ({c.processes[0]}/{c.processes[1]})" if c.by_processes else
+        how = ", paced" if c.paced else ", both ways" if c.adjusted is not None else ""
+        basis = (f"processes{how} ({c.processes[0]}/{c.processes[1]})" if c.by_processes else
                  f"iterations, widened ({c.processes[0]}/{c.processes[1]} processes)")
         row = [cells["config"], cells["metric"], _value(c.metric, c.before, 2), _value(c.metric, c.after, 2),
                cells["change"], _interval(c, 3), cells["verdict"], basis, cells["within %"],

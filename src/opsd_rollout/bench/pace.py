@@ -1,4 +1,4 @@
-"""A config's times adjusted for the machine's pace: what ``compare --adjust-for-pace`` judges when both files timed
+"""A config's times adjusted for the machine's pace: what ``compare --pace adjusted`` judges when both files timed
 the reference.
 
 The runner times a fixed workload of plain torch ops beside every iteration (``bench/reference.py``, recorded as
@@ -9,8 +9,9 @@ RESULTS "The machine's pace"), the reference follows the config's time from proc
 widens the interval. What is done instead is an analysis of covariance in logs (the regression behind CUPED, the
 covariate adjustment of online A/B tests): ``log y = a + d * after + theta * log x`` over both files' processes, the
 change ``exp(d)`` with its t-interval, ``theta`` fitted (1 would be dividing, 0 the times as measured). The
-reference's own ratio between the files says how far the machine moved. Not the default (``--adjust-for-pace``): on
-fresh pairs, made after it was chosen, it flagged more of a planted slowdown and added a false alarm.
+reference's own ratio between the files says how far the machine moved. Alone (``--pace adjusted``) it flagged more
+of a planted slowdown on fresh pairs, made after it was chosen, and added a false alarm; ``--pace both``, compare's
+default, flags a metric only where the times as measured are a regression too.
 """
 
 from __future__ import annotations
@@ -29,9 +30,18 @@ if TYPE_CHECKING:
 
 REFERENCE_METRIC = "reference_ms"
 """The iteration field the reference's time is recorded in."""
+PACE_JUDGEMENTS = ("measured", "adjusted", "both")
+"""What ``compare`` judges a time by (``--pace``): the times as measured, the times adjusted for the machine's pace
+(``adjusted_ratio``), or both, a regression only where both find one."""
 PACED_UNITS = {"ms": "time", "s": "time", "tokens/s": "rate"}
 """The units a machine's pace moves (the registry's): a slower machine makes times longer and rates lower; memory,
 counts and ratios of times it leaves alone."""
+
+
+def check_pace(pace: str) -> None:
+    """Refuse a ``pace`` that is not one of ``PACE_JUDGEMENTS``, naming it."""
+    if pace not in PACE_JUDGEMENTS:
+        raise ValueError(f"pace: expected one of {', '.join(PACE_JUDGEMENTS)}; got {pace!r}")
 
 
 def paced(metric: str) -> str | None:
@@ -104,16 +114,20 @@ def t_quantile(probability: float, dof: int) -> float:
     return (low + high) / 2
 
 
-def machine_note(ratios: list[float], applied: bool) -> str | None:
+def machine_note(ratios: list[float], judged: str) -> str | None:
     """What the reference's ratio AFTER / BEFORE (one a config whose files both timed it, ``ratios``) says of the
-    machine, and whether the figures were adjusted for it (``applied``); ``None`` without a ratio."""
+    machine, and what the times were judged by (``judged``: ``measured``, ``adjusted`` or ``both``, as ``compare
+    --pace`` was applied); ``None`` without a ratio."""
     if not ratios:
         return None
     ratios = sorted(ratios)
     middle = median(ratios)
     spread = f" ({ratios[0]:.2f}-{ratios[-1]:.2f} over the configs)" if len(ratios) > 1 else ""
-    how = ("the times are adjusted for it (--adjust-for-pace): each process's median regressed on its reference's"
-           if applied else "the times are judged as measured (--adjust-for-pace adjusts them for it); a flag where "
-           "the reference moved far is worth a rerun")
+    how = {"adjusted": "the times are adjusted for it (--pace adjusted): each process's median regressed on its "
+                       "reference's",
+           "both": "the times are judged as measured and adjusted for it (--pace both): a regression is one both "
+                   "ways",
+           "measured": "the times are judged as measured (--pace adjusted adjusts them for it, --pace both judges "
+                       "both ways); a flag where the reference moved far is worth a rerun"}[judged]
     return (f"the machine's pace: the reference workload (fixed plain-torch work timed beside every iteration) took "
             f"{middle:.2f} times as long in AFTER as in BEFORE{spread}; {how}")

@@ -7,7 +7,7 @@ with the code under test (plain torch ops, none of this package's) and does the 
 decode step (small matmuls, a norm, attention over a short cache, an LM head and a softmax, each op dispatched from
 Python), so the machine's slowdown shows in its time as it does in the config's (further, measured: ``bench/pace.py``).
 ``compare`` reads each process's reference beside its metrics: a note on how far the machine moved, and with
-``--adjust-for-pace`` the times adjusted for it.
+``--pace adjusted`` the times adjusted for it.
 """
 
 from __future__ import annotations

@@ -91,7 +91,7 @@ class BenchRunner:
     @functools.cached_property
     def reference(self) -> ReferenceWorkload:
         """Timed beside every iteration (``reference_ms``): the machine's pace, which ``compare`` notes (and
-        ``--adjust-for-pace`` adjusts the times for); made when the first iteration is measured (a run with nothing
+        ``--pace adjusted`` adjusts the times for); made when the first iteration is measured (a run with nothing
         pending makes none)."""
         return ReferenceWorkload(self.device)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from opsd_rollout.bench.pace import PACE_JUDGEMENTS
 from opsd_rollout.bench.report import load_document
 from opsd_rollout.cli.common import console
 from opsd_rollout.files import write_text_atomic
@@ -20,7 +21,7 @@ def run_compare(args: argparse.Namespace) -> int:
     ignore = tuple(a.strip() for a in args.ignore_axes.split(",") if a.strip()) if args.ignore_axes else ()
     comparison = compare_documents(load_document(args.before), load_document(args.after),
                                    threshold_pct=args.threshold, ignore=ignore, allow_disturbed=args.allow_disturbed,
-                                   adjust_for_pace=args.adjust_for_pace)
+                                   pace=args.pace)
     out = console()
     if comparison.changes:
         out.print(comparison_table(comparison, out.width))
@@ -85,10 +86,12 @@ def add_compare_parser(sub: Any, common: argparse.ArgumentParser) -> None:
                          "differ, e.g. model")
     compare.add_argument("--allow-disturbed", action="store_true", help="judge configs that were disturbed while "
                          "they ran too (exit 5 otherwise)")
-    compare.add_argument("--adjust-for-pace", action="store_true", help="judge each process's times adjusted for "
-                         "the reference workload it timed beside them (the machine's pace; a covariate adjustment, "
-                         "as A/B tests use): narrower intervals, a second opinion on a flag; not the default: on fresh "
-                         "pairs it flagged more of a planted slowdown and added a false alarm (docs/BENCHMARKS.md)")
+    compare.add_argument("--pace", choices=PACE_JUDGEMENTS, default="both",
+                         help="what a time is judged by where both files timed the reference workload beside every "
+                         "iteration (the machine's pace): measured, the times as measured; adjusted, each process's "
+                         "times adjusted for its reference (a covariate adjustment, as A/B tests use: narrower "
+                         "intervals); both, a regression only where both judge one (default %(default)s; "
+                         "docs/BENCHMARKS.md)")
     compare.add_argument("--allow-partial", action="store_true", help="exit 0 (not 4) when one file has configs "
                          "the other lacks")
     compare.set_defaults(func=run_compare)
