@@ -69,12 +69,13 @@ def add_compare_parser(sub: Any, common: argparse.ArgumentParser) -> None:
         "measured the config in 4 or more processes (--processes), else over the raw iterations, widened by 20% each "
         "way for the spread between processes they cannot show. Where both files timed the reference workload "
         "beside every iteration (a fixed piece of plain torch work: the machine's pace), a note says how far it "
-        "moved. The files must have measured the same work (model, settings other than warm-up and iterations, "
-        "ranks); configs match on every axis. A config disturbed on either side (the run's interference record) is "
-        "not judged. Exit status, the first that applies: 2 bad input (also: files of different work, naming what "
-        "differs); 3 nothing compared (no config in both files); 1 a regression (the whole interval worse than "
-        "--threshold); 5 a compared config was disturbed and not judged (unless --allow-disturbed); 4 one file "
-        "has configs the other lacks (unless --allow-partial); 0 compared, no regression.")
+        "moved, and a time is a regression only where it is one both as measured and adjusted for that pace (--pace "
+        "both, the default). The files must have measured the same work (model, settings other than warm-up and "
+        "iterations, ranks); configs match on every axis. A config disturbed on either side (the run's interference "
+        "record) is not judged. Exit status, the first that applies: 2 bad input (also: files of different work, "
+        "naming what differs); 3 nothing compared (no config in both files); 1 a regression (the whole interval "
+        "worse than --threshold); 5 a compared config was disturbed and not judged (unless --allow-disturbed); 4 one "
+        "file has configs the other lacks (unless --allow-partial); 0 compared, no regression.")
     compare.add_argument("before", metavar="BEFORE.json")
     compare.add_argument("after", metavar="AFTER.json")
     compare.add_argument("--threshold", type=float, default=5.0,
