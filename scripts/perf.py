@@ -354,9 +354,8 @@ def update(out: Path, suites: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from opsd_rollout.files import write_json_atomic
-
     from opsd_rollout.bench.pace import PACE_JUDGEMENTS
+    from opsd_rollout.files import write_json_atomic
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--suites", default=",".join(SUITES), help=f"comma list of {', '.join(SUITES)}")

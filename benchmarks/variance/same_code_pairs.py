@@ -158,8 +158,8 @@ def judged(before: dict[str, Any], after: dict[str, Any], args: argparse.Namespa
            pace: str = "adjusted") -> dict[str, Any]:
     """``compare``'s judgement of ``after`` against ``before`` at ``compare --pace``'s ``pace`` (``adjusted``: for the
     machine's pace; ``measured``: the times as measured; ``both``: a regression only where both are one): its exit
-    status, regressions, disturbed configs, whether every metric was judged over processes and adjusted for the pace, the
-    reference's ratio per config, and per config the smallest slowdown its total could have been flagged at and each
+    status, regressions, disturbed configs, whether every metric was judged over processes and adjusted for the pace,
+    the reference's ratio per config, and per config the smallest slowdown its total could have been flagged at and each
     side's spread between processes."""
     from opsd_rollout.bench.compare import compare_documents, flaggable_pct
 
@@ -176,17 +176,19 @@ def judged(before: dict[str, Any], after: dict[str, Any], args: argparse.Namespa
             "between_spread": {c.label: list(c.between) for c in totals}}
 
 
+JUDGEMENTS = {"": "adjusted", "_as_measured": "measured", "_both": "both"}
+"""Each pair is judged three ways from the same runs: the suffix of its entries and counts, and ``compare --pace``."""
+
+
 def tally(pairs: list[dict[str, Any]], apart: list[float]) -> dict[str, Any]:
     """One kind's pairs and what they add up to (judged adjusted for the machine's pace, ``--pace adjusted``; as
     measured: ``_as_measured``; and both ways, a metric flagged only where both flag it: ``_both``)."""
-    return {"pairs": pairs,
-            "same_code_pairs_with_a_regression_both": sum(bool(p["same_code_both"]["regressions"]) for p in pairs),
-            "planted_pairs_flagged_both": sum(bool(p["planted_both"]["regressions"]) for p in pairs),
-            "same_code_pairs_with_a_regression": sum(bool(p["same_code"]["regressions"]) for p in pairs),
-            "planted_pairs_flagged": sum(bool(p["planted"]["regressions"]) for p in pairs),
-            "same_code_pairs_with_a_regression_as_measured": sum(bool(p["same_code_as_measured"]["regressions"])
-                                                                 for p in pairs),
-            "planted_pairs_flagged_as_measured": sum(bool(p["planted_as_measured"]["regressions"]) for p in pairs),
+    counts: dict[str, int] = {}
+    for suffix in JUDGEMENTS:
+        counts[f"same_code_pairs_with_a_regression{suffix}"] = sum(bool(p[f"same_code{suffix}"]["regressions"])
+                                                                    for p in pairs)
+        counts[f"planted_pairs_flagged{suffix}"] = sum(bool(p[f"planted{suffix}"]["regressions"]) for p in pairs)
+    return {"pairs": pairs, **counts,
             "pairs_with_a_disturbed_config": sum(bool(p["same_code"]["disturbed"]) for p in pairs),
             "largest_ratio_of_two_processes": max(apart, default=None),
             "median_ratio_of_two_processes": sorted(apart)[len(apart) // 2] if apart else None}
@@ -206,20 +208,17 @@ def measure(kind: str, args: argparse.Namespace, save) -> dict[str, Any]:
             before, after = (json.loads(Path(r["path"]).read_text()) for r in runs)
         apart += processes_apart(before) + processes_apart(after)
         slowed = scaled(after, args.scale)
-        pairs.append({"runs": runs, "same_code": judged(before, after, args),
-                      "planted": judged(before, slowed, args),
-                      "same_code_as_measured": judged(before, after, args, "measured"),
-                      "planted_as_measured": judged(before, slowed, args, "measured"),
-                      "same_code_both": judged(before, after, args, "both"),
-                      "planted_both": judged(before, slowed, args, "both")})
-        pair = pairs[-1]
-        print(f"same_code_pairs: {kind} pair {index}: same code: {len(pair['same_code']['regressions'])} "
-              f"regression(s) ({len(pair['same_code_as_measured']['regressions'])} as measured, "
-              f"{len(pair['same_code_both']['regressions'])} both ways), "
-              f"{len(pair['same_code']['disturbed'])} disturbed; planted {args.scale}x: "
-              f"{len(pair['planted']['regressions'])} regression(s) "
-              f"({len(pair['planted_as_measured']['regressions'])} as measured, "
-              f"{len(pair['planted_both']['regressions'])} both ways)", flush=True)
+        pair: dict[str, Any] = {"runs": runs}
+        for suffix, pace in JUDGEMENTS.items():
+            pair[f"same_code{suffix}"] = judged(before, after, args, pace)
+            pair[f"planted{suffix}"] = judged(before, slowed, args, pace)
+        pairs.append(pair)
+        found = {side: [len(pair[side + suffix]["regressions"]) for suffix in JUDGEMENTS]
+                 for side in ("same_code", "planted")}
+        print(f"same_code_pairs: {kind} pair {index}: same code: {found['same_code'][0]} regression(s) "
+              f"({found['same_code'][1]} as measured, {found['same_code'][2]} both ways), "
+              f"{len(pair['same_code']['disturbed'])} disturbed; planted {args.scale}x: {found['planted'][0]} "
+              f"regression(s) ({found['planted'][1]} as measured, {found['planted'][2]} both ways)", flush=True)
         save(tally(pairs, apart))
     return tally(pairs, apart)
 

@@ -22,8 +22,8 @@ every planted 15% slowdown (RESULTS, "Both ways"). A config whose files lack the
 What may be compared: both files must have measured the same work, or a faster AFTER only means less work. So
 the kind, every setting that changes the work (the model, the teacher, the prompts, sampling, the seed: all but
 the warm-up and iteration counts, ``PROCEDURE``) and the number of ranks must agree, or ``MismatchError`` (exit
-2) names what differs (``bench/same_work.py``); ``ignore`` (``--ignore-axes``) lets named ones differ. Configs are then matched on every
-axis: dtype, shapes, strategy and the workload's lengths are in their key.
+2) names what differs (``bench/same_work.py``); ``ignore`` (``--ignore-axes``) lets named ones differ. Configs are
+then matched on every axis: dtype, shapes, strategy and the workload's lengths are in their key.
 
 A change is *significant* when its whole interval lies on one side of 1 (the runs' own noise cannot explain
 it), and a *regression* when its whole interval lies beyond the threshold on the worse side (and it moves
